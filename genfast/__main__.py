@@ -1,0 +1,3 @@
+from genfast.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""Loading Llama-family weights from a Hugging Face directory (safetensors) or a GGUF file.
+
+Both formats are read lazily (memory-mapped) and tensor by tensor into a model built on the meta
+device, so peak memory is the model plus one tensor. Pickle checkpoints are refused: they can
+run code when loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from genfast.errors import UserError
+from genfast.llm.config import ModelArgs
+from genfast.llm.gguf_file import GGUFFile, is_gguf
+from genfast.llm.model import Transformer
+
+# genfast parameter suffix -> source tensor names (several are concatenated along dim 0).
+_HF_LAYER = {
+    "attention.wqkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    "attention.wqkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+    "attention.wo.weight": ["self_attn.o_proj.weight"],
+    "attention.wo.bias": ["self_attn.o_proj.bias"],
+    "feed_forward.w13.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "feed_forward.w2.weight": ["mlp.down_proj.weight"],
+    "attention_norm.weight": ["input_layernorm.weight"],
+    "ffn_norm.weight": ["post_attention_layernorm.weight"],
+}
+_HF_GLOBAL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attention.wqkv.weight": ["attn_q.weight", "attn_k.weight", "attn_v.weight"],
+    "attention.wqkv.bias": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+    "attention.wo.weight": ["attn_output.weight"],
+    "attention.wo.bias": ["attn_output.bias"],
+    "feed_forward.w13.weight": ["ffn_gate.weight", "ffn_up.weight"],
+    "feed_forward.w2.weight": ["ffn_down.weight"],
+    "attention_norm.weight": ["attn_norm.weight"],
+    "ffn_norm.weight": ["ffn_norm.weight"],
+}
+_GGUF_GLOBAL = {
+    "tok_embeddings.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "output.weight": "output.weight",
+}
+
+
+def checkpoint_format(path: Path) -> str:
+    """'hf' (a directory with config.json) or 'gguf' (a file with the GGUF magic)."""
+    if not path.exists():
+        raise UserError(f"model not found: {path} does not exist")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return "hf"
+        ggufs = sorted(p for p in path.glob("*.gguf") if is_gguf(p))
+        if len(ggufs) == 1:
+            return "gguf"
+        raise UserError(f"{path} holds neither a config.json (Hugging Face model) nor exactly one .gguf file")
+    if is_gguf(path):
+        return "gguf"
+    raise UserError(f"{path} is neither a GGUF file nor a Hugging Face model directory")
+
+
+def gguf_path(path: Path) -> Path:
+    """The GGUF file itself, for a path that is the file or a directory holding exactly one."""
+    return path if path.is_file() else next(p for p in sorted(path.glob("*.gguf")) if is_gguf(p))
+
+
+def load_args(path: Path) -> ModelArgs:
+    if checkpoint_format(path) == "hf":
+        return ModelArgs.from_hf_config(_read_json(path / "config.json"))
+    gguf = GGUFFile(gguf_path(path))
+    return _gguf_args(gguf)
+
+
+def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+    """Build the model described by the checkpoint at `path` and fill it with its weights."""
+    if checkpoint_format(path) == "hf":
+        args = ModelArgs.from_hf_config(_read_json(path / "config.json"))
+        get, available = _hf_source(path)
+        layer_prefix, layer_names, global_names = "model.layers.{i}.", _HF_LAYER, _HF_GLOBAL
+    else:
+        gguf = GGUFFile(gguf_path(path))
+        args = _gguf_args(gguf)
+        get, available = _gguf_getter(gguf, args), gguf.tensor_names
+        layer_prefix, layer_names, global_names = "blk.{i}.", _GGUF_LAYER, _GGUF_GLOBAL
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(dtype)
+    model.reset_rope()  # computed buffers were left uninitialized by to_empty
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in params.items():
+        if name == "output.weight" and args.tie_embeddings:
+            continue
+        if name.startswith("layers."):
+            _, idx, suffix = name.split(".", 2)
+            sources = [layer_prefix.format(i=idx) + s for s in layer_names[suffix]]
+        else:
+            sources = [global_names[name]]
+        missing = [s for s in sources if s not in available]
+        if missing:
+            raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
+        tensor = torch.cat([get(s) for s in sources]) if len(sources) > 1 else get(sources[0])
+        if tensor.shape != param.shape:
+            raise UserError(
+                f"{path}: tensor {sources[0]} has shape {tuple(tensor.shape)} but the config implies "
+                f"{tuple(param.shape)} for {name}; the checkpoint and its config disagree"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval().requires_grad_(False)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from e
+
+
+def _hf_source(path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
+    from safetensors import SafetensorError, safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = _read_json(index)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
+            hint = (f" (found {pickles[0]}: pickle checkpoints are not loaded, as they can run code; "
+                    "convert them to safetensors)") if pickles else ""
+            raise UserError(f"{path}: no .safetensors weights found{hint}")
+        weight_map = {}
+    handles = {}
+    for name in files:
+        try:
+            handles[name] = safe_open(str(path / name), framework="pt")
+        except (OSError, SafetensorError) as e:
+            raise UserError(f"cannot read {path / name} (missing, truncated or corrupt): {e}") from e
+        if not index.is_file():
+            weight_map.update({k: name for k in handles[name].keys()})
+
+    def get(name: str) -> torch.Tensor:
+        return handles[weight_map[name]].get_tensor(name)
+
+    return get, set(weight_map)
+
+
+def _gguf_args(gguf: GGUFFile) -> ModelArgs:
+    args = ModelArgs.from_gguf_metadata(gguf.metadata, gguf.tensor_names)
+    if "rope_freqs.weight" in gguf.tensor_names:
+        divisors = tuple(gguf.tensor("rope_freqs.weight").tolist())
+        args = ModelArgs(**{**args.__dict__, "rope_freq_divisors": divisors})
+    return args
+
+
+def _gguf_getter(gguf: GGUFFile, args: ModelArgs) -> Callable[[str], torch.Tensor]:
+    # llama.cpp's converter interleaves the rotary halves of q/k rows for the "llama"
+    # architecture; undo it so the rows are in Hugging Face's rotate-half order.
+    permuted = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads} if args.family == "llama" else {}
+
+    def get(name: str) -> torch.Tensor:
+        tensor = gguf.tensor(name)
+        kind = name.split(".")[-2]
+        if kind in permuted:
+            tensor = unpermute_rope_rows(tensor, permuted[kind])
+        return tensor
+
+    return get
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k row permutation (per head: [pairs interleaved] -> [half | half])."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

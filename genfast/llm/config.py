@@ -1,0 +1,195 @@
+"""Model configuration for Llama-family decoders, read from the checkpoint (never from its name)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from genfast.errors import UserError
+
+# HF `model_type` values whose checkpoints this model reproduces exactly.
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# GGUF `general.architecture` values.
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency-dependent scaling ("llama3") or plain position interpolation ("linear")."""
+
+    kind: str  # "llama3" | "linear"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0: dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    # GGUF files of Llama 3.1+ carry their rope scaling as a `rope_freqs` tensor of divisors.
+    rope_freq_divisors: tuple[float, ...] | None = None
+    max_seq_len: int = 2048  # the context the model was trained for
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False  # Llama's `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not
+    family: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(
+                f"invalid model config: {self.n_heads} attention heads are not a multiple of "
+                f"{self.n_kv_heads} key/value heads"
+            )
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count (embedding and output head counted once when tied)."""
+        qkv = self.dim * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        out = self.n_heads * self.head_dim * self.dim
+        mlp = 3 * self.dim * self.intermediate_size
+        per_layer = qkv + out + mlp + 2 * self.dim
+        if self.qkv_bias:
+            per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        if self.out_bias:
+            per_layer += self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + head
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        """From a Hugging Face config.json (transformers 4.x and 5.x spellings)."""
+        model_type = cfg.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise UserError(
+                f"unsupported architecture {model_type!r} (architectures {cfg.get('architectures')}); "
+                f"genfast loads model_type {', '.join(HF_MODEL_TYPES)}"
+            )
+        rope = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or rope
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        n_heads = cfg["num_attention_heads"]
+        max_seq_len = cfg.get("max_position_embeddings", 2048)
+        sliding = cfg.get("sliding_window")
+        if sliding and cfg.get("use_sliding_window", model_type == "mistral") and sliding < max_seq_len:
+            # Full attention equals sliding-window attention only up to the window.
+            max_seq_len = sliding
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            intermediate_size=cfg["intermediate_size"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=_rope_scaling_from_hf(rope_scaling),
+            max_seq_len=max_seq_len,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            out_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+            family=model_type,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ModelArgs":
+        """From GGUF key/values; tied embeddings and biases are read off which tensors exist."""
+        arch = meta.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise UserError(
+                f"unsupported GGUF architecture {arch!r}; genfast loads {', '.join(GGUF_ARCHITECTURES)}"
+            )
+
+        def key(name: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{name}", default)
+            if value is None:
+                raise UserError(f"corrupt GGUF: metadata key {arch}.{name} is missing")
+            return value
+
+        n_heads = int(key("attention.head_count"))
+        dim = int(key("embedding_length"))
+        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+        if not vocab:
+            raise UserError("corrupt GGUF: neither a vocab size nor a token list is present")
+        scaling = None
+        if meta.get(f"{arch}.rope.scaling.type") == "linear":
+            scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
+        return cls(
+            vocab_size=int(vocab),
+            dim=dim,
+            n_layers=int(key("block_count")),
+            n_heads=n_heads,
+            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+            intermediate_size=int(key("feed_forward_length")),
+            head_dim=int(meta.get(f"{arch}.attention.key_length", 0) or key("rope.dimension_count", dim // n_heads)),
+            norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_seq_len=int(key("context_length", 2048)),
+            tie_embeddings="output.weight" not in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            out_bias="blk.0.attn_output.bias" in tensor_names,
+            family=arch,
+        )
+
+
+def _rope_scaling_from_hf(rs: dict[str, Any] | None) -> RopeScaling | None:
+    if not rs:
+        return None
+    kind = rs.get("rope_type") or rs.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            float(rs["factor"]),
+            float(rs.get("low_freq_factor", 1.0)),
+            float(rs.get("high_freq_factor", 4.0)),
+            int(rs.get("original_max_position_embeddings", 8192)),
+        )
+    if kind == "linear":
+        return RopeScaling("linear", float(rs["factor"]))
+    raise UserError(f"unsupported rope scaling {kind!r}; genfast supports 'llama3' and 'linear'")
+
+
+def rope_inverse_frequencies(args: ModelArgs) -> list[float]:
+    """Per-pair inverse frequencies, with the configured scaling applied."""
+    half = args.head_dim // 2
+    inv = [1.0 / (args.rope_theta ** (2 * i / args.head_dim)) for i in range(half)]
+    if args.rope_freq_divisors is not None:
+        return [f / d for f, d in zip(inv, args.rope_freq_divisors, strict=True)]
+    rs = args.rope_scaling
+    if rs is None:
+        return inv
+    if rs.kind == "linear":
+        return [f / rs.factor for f in inv]
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    out = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / rs.factor)
+        else:
+            smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+                rs.high_freq_factor - rs.low_freq_factor
+            )
+            out.append((1 - smooth) * f / rs.factor + smooth * f)
+    return out

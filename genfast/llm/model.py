@@ -1,0 +1,204 @@
+"""A Llama-family decoder (Llama 2/3/3.x, Mistral, SmolLM, TinyLlama, Qwen2) with a static KV cache.
+
+Layout choices, all for decode speed:
+- q/k/v are one fused projection and gate/up another, so a layer runs four matmuls, not seven.
+- The KV cache is a fixed buffer per layer; attention reads only its valid prefix (`kv_len`),
+  which the compiler treats as a dynamic size, so one compiled graph serves every length.
+- Rotary embeddings use the Hugging Face (rotate-half) layout, so HF weights load unpermuted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from genfast.llm.config import ModelArgs, rope_inverse_frequencies
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalize in fp32 and scale in the input dtype, the order HF uses (bf16 agreement).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Static per-layer key/value buffers of shape [batch, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, H, S, D]; cos/sin: [S, D/2] (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, kv_len: int,
+                mask: Tensor | None) -> Tensor:
+        bsz, seqlen, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if self.kv_cache is None:  # no cache: attend within this call only
+            keys, values = k, v
+        else:
+            self.kv_cache.update(input_pos, k, v)
+            keys, values = self.kv_cache.k[:, :, :kv_len], self.kv_cache.v[:, :, :kv_len]
+
+        if seqlen == 1:
+            out = self._decode_attention(q, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, q_size))
+
+    def _decode_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """One query per sequence: plain matmul/softmax grouped by KV head, no KV repeat.
+
+        On CPU this beats SDPA's flash kernel for a single query (its tiling is built for long
+        queries); the softmax runs in fp32.
+        """
+        bsz, _, _, hd = q.shape
+        group = self.n_heads // self.n_kv_heads
+        qg = q.view(bsz, self.n_kv_heads, group, hd)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (hd ** -0.5)  # [B, KV, G, L]
+        if mask is not None:  # mask: [B, 1, 1, L]
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).view(bsz, self.n_heads, 1, hd)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate ‖ up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, kv_len: int,
+                mask: Tensor | None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, kv_len, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", torch.empty(args.head_dim // 2), persistent=False)
+        self.reset_rope()
+        self.max_batch_size = 0
+        self.max_seq_len = 0
+
+    def reset_rope(self) -> None:
+        """(Re)compute the rotary inverse frequencies in fp32 on the model's device."""
+        if self.inv_freq.is_meta:
+            return
+        freqs = rope_inverse_frequencies(self.args)
+        self.inv_freq = torch.tensor(freqs, dtype=torch.float32, device=self.inv_freq.device)
+
+    def setup_caches(self, batch_size: int, max_seq_len: int) -> None:
+        """Allocate static KV caches (in the model's dtype and device) for `max_seq_len` slots."""
+        if max_seq_len > self.args.max_seq_len:
+            raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
+        if (batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len):
+            return
+        weight = self.output.weight
+        dtype = weight.dtype if weight.is_floating_point() else self.norm.weight.dtype
+        device = self.norm.weight.device
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(batch_size, max_seq_len, self.args.n_kv_heads,
+                                               self.args.head_dim, dtype, device)
+        self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
+
+    def clear_caches(self) -> None:
+        for layer in self.layers:
+            layer.attention.kv_cache = None
+        self.max_batch_size = self.max_seq_len = 0
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, kv_len: int | None = None,
+                pad_start: Tensor | None = None, all_logits: bool = False) -> Tensor:
+        """Run `tokens` [B, S] at cache slots `input_pos` [S]; return fp32 logits.
+
+        kv_len: how many cache slots are valid after this call (default: last position + 1).
+        pad_start: [B] first real slot of each left-padded sequence (None: no padding).
+        all_logits: logits for every position [B, S, V]; otherwise for the last one [B, V].
+        Without caches (`setup_caches` not called), positions must start at 0.
+        """
+        seqlen = tokens.shape[1]
+        if kv_len is None:
+            kv_len = seqlen if self.max_seq_len == 0 else int(input_pos[-1]) + 1
+        angles = input_pos.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos(), angles.sin()
+        mask = self._mask(input_pos, kv_len, pad_start)
+
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, kv_len, mask)
+        if not all_logits:
+            x = x[:, -1]
+        return self.output(self.norm(x)).float()
+
+    def _mask(self, input_pos: Tensor, kv_len: int, pad_start: Tensor | None) -> Tensor | None:
+        """Boolean [B|1, 1, S, kv_len] mask: causal, minus each sequence's left padding."""
+        seqlen = input_pos.shape[0]
+        if seqlen == 1 and pad_start is None:
+            return None  # one query over the valid prefix: nothing to hide
+        key_pos = torch.arange(kv_len, device=input_pos.device)[None, None, None, :]
+        query_pos = input_pos[None, None, :, None]
+        mask = key_pos <= query_pos  # [1, 1, S, L]
+        if pad_start is not None:
+            # Padding queries still see themselves, so their rows stay finite (never NaN).
+            real = key_pos >= pad_start[:, None, None, None]
+            mask = mask & (real | (key_pos == query_pos))
+        return mask

@@ -1,0 +1,61 @@
+"""Tiny random Hugging Face checkpoints written to disk, shared by the LLM tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_CONFIGS = {
+    # GQA, untied head, Llama-3.1 rope scaling.
+    "llama3": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
+        intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64),
+    ),
+    # Tied embeddings, SmolLM2-like.
+    "smollm": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=48,
+        intermediate_size=128, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1,
+        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+    ),
+    # q/k/v bias, tied.
+    "qwen2": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=256, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        use_sliding_window=False,
+    ),
+    # Linear rope scaling, MHA (no GQA), attention_bias.
+    "llama2_linear": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64,
+        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        attention_bias=True, rope_scaling=dict(rope_type="linear", factor=2.0),
+    ),
+}
+
+
+def make_hf_model(name: str, seed: int = 0):
+    """A transformers model with random weights for one of TINY_CONFIGS."""
+    import transformers
+
+    cfg = dict(TINY_CONFIGS[name])
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures")
+    config = transformers.AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF initializes norms to ones; randomize them so they are tested too
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def save_hf_model(model, directory: Path, max_shard_size: str | None = None) -> Path:
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return directory
