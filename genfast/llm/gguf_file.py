@@ -65,7 +65,8 @@ class GGUFFile:
                 array = np.asarray(t.data).astype(np.float32)
             else:
                 array = dequantize(t.data, t.tensor_type)
-            return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
+            # np.array copies: the memory map is read-only and torch wants writable memory.
+            return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
         except (ValueError, OSError) as e:
             raise UserError(f"{self.path}: tensor {name} cannot be read (truncated file?): {e}") from e
 

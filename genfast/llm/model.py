@@ -2,8 +2,9 @@
 
 Layout choices, all for decode speed:
 - q/k/v are one fused projection and gate/up another, so a layer runs four matmuls, not seven.
-- The KV cache is a fixed buffer per layer; attention reads only its valid prefix (`kv_len`),
-  which the compiler treats as a dynamic size, so one compiled graph serves every length.
+- The KV cache is a fixed buffer per layer; attention reads only its valid prefix, whose length
+  is the attention mask's last dimension. Compiled with that dimension dynamic, one graph
+  serves every length.
 - Rotary embeddings use the Hugging Face (rotate-half) layout, so HF weights load unpermuted.
 """
 
@@ -61,8 +62,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, kv_len: int,
-                mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -75,6 +75,7 @@ class Attention(nn.Module):
             keys, values = k, v
         else:
             self.kv_cache.update(input_pos, k, v)
+            kv_len = mask.shape[-1]
             keys, values = self.kv_cache.k[:, :, :kv_len], self.kv_cache.v[:, :, :kv_len]
 
         if seqlen == 1:
@@ -83,7 +84,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, q_size))
 
-    def _decode_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    def _decode_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """One query per sequence: plain matmul/softmax grouped by KV head, no KV repeat.
 
         On CPU this beats SDPA's flash kernel for a single query (its tiling is built for long
@@ -93,8 +94,7 @@ class Attention(nn.Module):
         group = self.n_heads // self.n_kv_heads
         qg = q.view(bsz, self.n_kv_heads, group, hd)
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (hd ** -0.5)  # [B, KV, G, L]
-        if mask is not None:  # mask: [B, 1, 1, L]
-            scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf"))  # mask: [B|1, 1, 1, L]
         probs = scores.softmax(dim=-1).to(v.dtype)
         return torch.matmul(probs, v).view(bsz, self.n_heads, 1, hd)
 
@@ -119,9 +119,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, kv_len: int,
-                mask: Tensor | None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, kv_len, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -166,39 +165,36 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = None
         self.max_batch_size = self.max_seq_len = 0
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, kv_len: int | None = None,
-                pad_start: Tensor | None = None, all_logits: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
+                all_logits: bool = False) -> Tensor:
         """Run `tokens` [B, S] at cache slots `input_pos` [S]; return fp32 logits.
 
-        kv_len: how many cache slots are valid after this call (default: last position + 1).
-        pad_start: [B] first real slot of each left-padded sequence (None: no padding).
+        mask: boolean [B|1, 1, S, L] over the first L cache slots (see `attention_mask`); L is
+        how many slots are valid after this call. Without a mask (and without caches) attention
+        is causal within `tokens`, whose positions must then start at 0.
         all_logits: logits for every position [B, S, V]; otherwise for the last one [B, V].
-        Without caches (`setup_caches` not called), positions must start at 0.
         """
-        seqlen = tokens.shape[1]
-        if kv_len is None:
-            kv_len = seqlen if self.max_seq_len == 0 else int(input_pos[-1]) + 1
-        angles = input_pos.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+        if mask is None:
+            mask = attention_mask(input_pos, tokens.shape[1])
+        angles = input_pos.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
         cos, sin = angles.cos(), angles.sin()
-        mask = self._mask(input_pos, kv_len, pad_start)
 
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, kv_len, mask)
+            x = layer(x, cos, sin, input_pos, mask)
         if not all_logits:
             x = x[:, -1]
         return self.output(self.norm(x)).float()
 
-    def _mask(self, input_pos: Tensor, kv_len: int, pad_start: Tensor | None) -> Tensor | None:
-        """Boolean [B|1, 1, S, kv_len] mask: causal, minus each sequence's left padding."""
-        seqlen = input_pos.shape[0]
-        if seqlen == 1 and pad_start is None:
-            return None  # one query over the valid prefix: nothing to hide
-        key_pos = torch.arange(kv_len, device=input_pos.device)[None, None, None, :]
-        query_pos = input_pos[None, None, :, None]
-        mask = key_pos <= query_pos  # [1, 1, S, L]
-        if pad_start is not None:
-            # Padding queries still see themselves, so their rows stay finite (never NaN).
-            real = key_pos >= pad_start[:, None, None, None]
-            mask = mask & (real | (key_pos == query_pos))
-        return mask
+
+def attention_mask(input_pos: Tensor, kv_len: int, pad_start: Tensor | None = None) -> Tensor:
+    """Boolean [B|1, 1, S, kv_len] mask for queries at `input_pos` over the first kv_len slots:
+    causal, minus each sequence's left padding (pad_start: [B] first real slot)."""
+    key_pos = torch.arange(kv_len, device=input_pos.device)[None, None, None, :]
+    query_pos = input_pos[None, None, :, None]
+    mask = key_pos <= query_pos
+    if pad_start is not None:
+        # Padding queries still see themselves, so their rows stay finite (never NaN).
+        real = key_pos >= pad_start[:, None, None, None]
+        mask = mask & (real | (key_pos == query_pos))
+    return mask

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from genfast.llm.checkpoint import load_model
+from genfast.llm.model import attention_mask
 from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model
 
 ATOL = 1e-4
@@ -29,9 +30,11 @@ def test_cached_decode_matches_transformers(name, tmp_path):
     with torch.no_grad():
         expected = hf(tokens).logits[0]
         model.setup_caches(1, 64)
-        got = [model(tokens[:, :10], torch.arange(10), kv_len=10, all_logits=True)[0]]
+        pos = torch.arange(10)
+        got = [model(tokens[:, :10], pos, attention_mask(pos, 10), all_logits=True)[0]]
         for pos in range(10, 24):
-            got.append(model(tokens[:, pos:pos + 1], torch.tensor([pos]), kv_len=pos + 1))
+            p = torch.tensor([pos])
+            got.append(model(tokens[:, pos:pos + 1], p, attention_mask(p, pos + 1)))
     torch.testing.assert_close(torch.cat(got), expected, atol=ATOL, rtol=0)
 
 
@@ -43,7 +46,8 @@ def test_left_padded_batch_matches_single_sequences(tmp_path):
         want_short, want_long = hf(short).logits[0, -1], hf(long).logits[0, -1]
         model.setup_caches(2, 32)
         batch = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1), long])
-        got = model(batch, torch.arange(9), kv_len=9, pad_start=torch.tensor([4, 0]))
+        pos = torch.arange(9)
+        got = model(batch, pos, attention_mask(pos, 9, torch.tensor([4, 0])))
     torch.testing.assert_close(got[0], want_short, atol=ATOL, rtol=0)
     torch.testing.assert_close(got[1], want_long, atol=ATOL, rtol=0)
 

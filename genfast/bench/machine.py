@@ -1,0 +1,83 @@
+"""What machine a number was measured on, and its measured peak memory read bandwidth."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from genfast.hub import genfast_home
+
+_BANDWIDTH_BYTES = 1 << 29  # 512 MiB: far larger than any cache
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model()} ({torch.get_num_threads()} threads)"
+
+
+def machine_info(device: torch.device | str) -> dict[str, Any]:
+    return {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def peak_read_bandwidth(device: torch.device | str, remeasure: bool = False) -> float:
+    """Bytes/s this device reads from memory at best (a large reduction, best of several runs).
+
+    Measured once per device and thread count and kept in GENFAST_HOME/machine.json;
+    GENFAST_PEAK_BW_GBS overrides it (e.g. with a STREAM result).
+    """
+    if os.environ.get("GENFAST_PEAK_BW_GBS"):
+        return float(os.environ["GENFAST_PEAK_BW_GBS"]) * 1e9
+    key = device_name(device)
+    store = genfast_home() / "machine.json"
+    known: dict[str, float] = {}
+    if store.is_file():
+        try:
+            known = json.loads(store.read_text())
+        except (OSError, json.JSONDecodeError):
+            known = {}
+    if key in known and not remeasure:
+        return known[key]
+    known[key] = measure_read_bandwidth(device)
+    store.parent.mkdir(parents=True, exist_ok=True)
+    tmp = store.with_suffix(".tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    tmp.replace(store)
+    return known[key]
+
+
+def measure_read_bandwidth(device: torch.device | str, repeats: int = 7) -> float:
+    device = torch.device(device)
+    x = torch.ones(_BANDWIDTH_BYTES // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        x.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best

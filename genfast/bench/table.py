@@ -1,0 +1,54 @@
+"""Benchmark rows as a markdown table and as JSON (written atomically, never over a file unasked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from genfast.errors import UserError
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec); a missing value prints as '-'."""
+    def cell(row: dict[str, Any], key: str, spec: str) -> str:
+        value = row.get(key)
+        if value is None:
+            return "-"
+        return format(value, spec) if spec else str(value)
+
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
+             "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cell(r, k, s) for k, _, s in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def check_writable(path: str | Path, force: bool) -> Path:
+    """Fail early (before a long run) if `path` exists and --force was not given."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise UserError(f"{path} already exists; pass --force to overwrite it")
+    if not path.parent.exists():
+        raise UserError(f"directory {path.parent} does not exist")
+    return path
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

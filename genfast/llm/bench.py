@@ -1,0 +1,170 @@
+"""`genfast bench llm`: the LLM optimization ladder, one fresh process per step.
+
+Each step loads the model, warms up (compiles), then runs `repeats` generations of
+`new_tokens` greedy tokens after a `prompt_tokens`-token prompt (text from Python's own
+`pydoc_data` topics, so anyone can reproduce it). Rates are medians over the repeats; compile
+time is reported separately. Accuracy: how many of the baseline's greedy tokens the step
+reproduces before the first difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from genfast.bench.machine import machine_info, peak_read_bandwidth
+from genfast.bench.memory import peak_memory_bytes
+from genfast.bench.table import check_writable, markdown_table, median, write_json_atomic
+from genfast.errors import UserError
+from genfast.llm.sampling import SamplingParams
+from genfast.llm.session import load, make_generator
+from genfast.llm.stats import decode_traffic
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    dtype: str
+    compile: bool
+    what: str
+
+
+LADDER = [
+    Step("eager-fp32", "float32", False, "baseline: eager PyTorch, fp32, static KV cache"),
+    Step("eager-bf16", "bfloat16", False, "bf16 weights and cache"),
+    Step("compiled-fp32", "float32", True, "torch.compile (freezing) of prefill and decode, fp32"),
+    Step("compiled-bf16", "bfloat16", True, "torch.compile (freezing) of prefill and decode, bf16"),
+]
+BASELINE = LADDER[0].name
+
+COLUMNS = [
+    ("step", "step", ""),
+    ("decode_tok_s", "decode tok/s", ".1f"),
+    ("speedup", "vs baseline", ".2f"),
+    ("prefill_tok_s", "prefill tok/s", ".0f"),
+    ("ttft_ms", "TTFT ms", ".0f"),
+    ("bytes_per_token_mb", "MB/token", ".1f"),
+    ("gb_s", "GB/s", ".1f"),
+    ("mbu", "MBU", ".0%"),
+    ("peak_mem_gb", "peak mem GB", ".2f"),
+    ("compile_s", "compile s", ".0f"),
+    ("greedy_match", "same greedy tokens", ".0%"),
+]
+
+
+def benchmark_prompt(tokenizer: Any, n_tokens: int) -> list[int]:
+    """The first `n_tokens` tokens of Python's bundled documentation topics (deterministic)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = tokenizer.encode(text[: n_tokens * 8])
+    if len(ids) < n_tokens:
+        raise UserError(f"--prompt-tokens {n_tokens} is more than the benchmark text provides")
+    return ids[:n_tokens]
+
+
+def run_step(step: Step, args: argparse.Namespace) -> dict[str, Any]:
+    """Measure one step in this process."""
+    loaded = load(args.model, args.device, step.dtype, args.threads)
+    max_seq = args.prompt_tokens + args.new_tokens
+    generator = make_generator(loaded, max_seq, 1, step.compile)
+    prompt = benchmark_prompt(loaded.tokenizer, args.prompt_tokens)
+    greedy = SamplingParams()
+    compile_s = generator.warmup(greedy) if step.compile else None
+    results = [generator.generate([prompt], args.new_tokens, greedy, stop_at_eos=False)
+               for _ in range(args.repeats)]
+    decode = median([r.decode_tok_s for r in results])
+    mid = min(results, key=lambda r: abs(r.decode_tok_s - decode))
+    traffic = decode_traffic(loaded.model, mid)
+    peak_bw = peak_read_bandwidth(loaded.device)
+    return {
+        "step": step.name,
+        "what": step.what,
+        "dtype": step.dtype,
+        "compiled": step.compile,
+        "decode_tok_s": decode,
+        "prefill_tok_s": median([r.prefill_tok_s for r in results]),
+        "ttft_ms": 1000 * median([r.ttft_s for r in results]),
+        "bytes_per_token_mb": traffic.bytes_per_step / 1e6,
+        "gb_s": traffic.bytes_per_step * decode / 1e9,
+        "mbu": traffic.bytes_per_step * decode / peak_bw,
+        "peak_bw_gb_s": peak_bw / 1e9,
+        "peak_mem_gb": peak_memory_bytes(loaded.device) / 1e9,
+        "compile_s": compile_s,
+        "tokens": results[0].token_ids[0],
+    }
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    if args.one_step:
+        step = _step_named(args.one_step)
+        row = run_step(step, args)
+        write_json_atomic(args.json_path, row)
+        return 0
+    if args.json_path:
+        check_writable(args.json_path, args.force)
+    steps = [_step_named(n) for n in args.steps.split(",")] if args.steps else LADDER
+    from genfast.hub import resolve_model
+    from genfast.llm.session import resolve_device
+
+    model_path = resolve_model(args.model)  # fail early on a missing model
+    device = resolve_device(args.device)
+    info = machine_info(device)
+    print(f"genfast bench llm: {model_path} on {info['device']}, torch {info['torch']}", file=sys.stderr)
+    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (greedy), median of {args.repeats}",
+          file=sys.stderr)
+    rows = []
+    for step in steps:
+        print(f"  {step.name}: {step.what} ...", file=sys.stderr, flush=True)
+        rows.append(_run_isolated(step, args, str(model_path)))
+    base = next((r for r in rows if r["step"] == BASELINE), None)
+    for row in rows:
+        if base is not None:
+            row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
+            row["greedy_match"] = _common_prefix(row["tokens"], base["tokens"]) / max(len(base["tokens"]), 1)
+        row.pop("tokens")
+        row.update({"device": info["device"], "torch": info["torch"], "model": str(model_path)})
+    print(markdown_table(rows, COLUMNS))
+    print(f"\nMBU: bytes read per decode step (weights + valid KV cache) x steps/s / "
+          f"{rows[0]['peak_bw_gb_s']:.1f} GB/s measured read bandwidth. Machine: {info['device']}, torch {info['torch']}.")
+    if args.json_path:
+        write_json_atomic(args.json_path, rows)
+    return 0
+
+
+def _run_isolated(step: Step, args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """A fresh interpreter per step: honest peak memory, no compile state shared between steps."""
+    with tempfile.TemporaryDirectory(prefix="genfast-bench-") as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, "-m", "genfast", "bench", "llm", "--one-step", step.name, "--model", model,
+               "--device", args.device, "--prompt-tokens", str(args.prompt_tokens),
+               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--json", str(out)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+        if done.returncode != 0 or not out.exists():
+            raise UserError(f"benchmark step {step.name} failed (exit code {done.returncode}); see the error above")
+        return json.loads(out.read_text())
+
+
+def _step_named(name: str) -> Step:
+    for step in LADDER:
+        if step.name == name:
+            return step
+    raise UserError(f"unknown step {name!r}; steps: {', '.join(s.name for s in LADDER)}")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+

@@ -1,0 +1,205 @@
+"""Text generation: static KV cache, separately compiled prefill and decode, streaming, stats."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from genfast.compile import compile_fn
+from genfast.errors import UserError
+from genfast.llm.model import Transformer, attention_mask
+from genfast.llm.sampling import SamplingParams, sample
+from genfast.llm.streaming import TextStream
+from genfast.llm.tokenizer import Tokenizer
+
+# on_text(sequence_index, text) receives each sequence's final text as it is produced.
+TextCallback = Callable[[int, str], None]
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    token_ids: list[list[int]]
+    prompt_tokens: int  # total over the batch
+    new_tokens: int  # total over the batch
+    prefill_s: float
+    decode_s: float  # all decode steps after the first token
+    decode_steps: int
+    mean_kv_len: float = 0.0  # average valid cache length read per decode step
+    batch_size: int = 1
+    stop_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.prefill_s
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second per sequence during decode (batch rows are counted once per step)."""
+        return self.decode_steps / self.decode_s if self.decode_s else 0.0
+
+
+class Generator:
+    """Owns a model with static caches and its compiled prefill/decode steps.
+
+    Prefill runs a whole (left-padded) prompt batch; its sequence length is a dynamic dimension,
+    so one compiled graph serves all prompt lengths. Decode runs one token per sequence and reads
+    only the valid cache prefix, whose length is again a dynamic dimension (on CUDA the whole
+    cache is read instead, so shapes are static and CUDA graphs can replay).
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, max_seq_len: int | None = None,
+                 max_batch_size: int = 1, compile: bool = True) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.device = model.norm.weight.device
+        limit = model.args.max_seq_len
+        self.max_seq_len = min(max_seq_len or limit, limit)
+        if self.max_seq_len < 2:
+            raise UserError(f"--max-seq-len must be at least 2, got {max_seq_len}")
+        self.max_batch_size = max_batch_size
+        model.setup_caches(max_batch_size, self.max_seq_len)
+        self.static_kv = self.device.type == "cuda"
+        self.compiled = compile
+        self._prefill = compile_fn(self._forward, self.device, decode=False) if compile else self._forward
+        self._decode = compile_fn(self._forward, self.device, decode=True) if compile else self._forward
+
+    def _forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams) -> Tensor:
+        return sample(self.model(tokens, input_pos, mask), params)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise UserError("the prompt is empty")
+        return ids
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,  # noqa: PLR0913
+                 params: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = (),
+                 seed: int | None = None, on_text: TextCallback | None = None,
+                 stop_at_eos: bool = True) -> GenerationResult:
+        """Generate up to `max_new_tokens` for each prompt (token ids); stream text via `on_text`."""
+        batch = len(prompts)
+        if not 1 <= batch <= self.max_batch_size:
+            raise UserError(f"got {batch} prompts; this generator was set up for 1 to {self.max_batch_size}")
+        if max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        lengths = [len(p) for p in prompts]
+        if min(lengths) == 0:
+            raise UserError("a prompt is empty")
+        prompt_len = max(lengths)
+        if prompt_len + max_new_tokens > self.max_seq_len:
+            raise UserError(
+                f"the prompt has {prompt_len} tokens and {max_new_tokens} new tokens were asked for, but the "
+                f"context holds {self.max_seq_len} (model limit {self.model.args.max_seq_len}); "
+                "shorten the prompt or lower --max-new-tokens"
+            )
+        if seed is not None:
+            torch.manual_seed(seed)
+
+        pad_start = torch.tensor([prompt_len - n for n in lengths], device=self.device)
+        padded = [[0] * (prompt_len - n) + list(p) for p, n in zip(prompts, lengths)]
+        tokens = torch.tensor(padded, device=self.device)
+        if batch < self.max_batch_size:  # keep the compiled batch dimension static
+            filler = tokens[:1].expand(self.max_batch_size - batch, -1)
+            tokens = torch.cat([tokens, filler])
+            pad_start = torch.cat([pad_start, pad_start[:1].expand(self.max_batch_size - batch)])
+
+        streams = [TextStream(self.tokenizer, tuple(stop_strings)) for _ in range(batch)]
+        generated: list[list[int]] = [[] for _ in range(batch)]
+        reasons = ["length"] * batch
+        done = [False] * batch
+        stop_ids = self.tokenizer.stop_ids if stop_at_eos else set()
+
+        def accept(next_tokens: Tensor) -> None:
+            for i, tok in enumerate(next_tokens.tolist()[:batch]):
+                if done[i]:
+                    continue
+                if tok in stop_ids:
+                    done[i], reasons[i] = True, "eos"
+                    continue
+                generated[i].append(tok)
+                text = streams[i].push(tok)
+                if text and on_text:
+                    on_text(i, text)
+                if streams[i].stopped:
+                    done[i], reasons[i] = True, "stop"
+
+        # Prefill: the whole prompt batch at once.
+        rows = tokens.shape[0]
+        input_pos = torch.arange(prompt_len, device=self.device)
+        mask = attention_mask(input_pos, prompt_len, pad_start).expand(rows, -1, -1, -1)
+        t0 = time.perf_counter()
+        if prompt_len == 1:
+            next_tokens = self._step(self._decode, tokens, input_pos, mask, params)
+        else:
+            next_tokens = self._step(self._prefill, tokens, input_pos, mask, params, prefill=True)
+        self._sync()
+        prefill_s = time.perf_counter() - t0
+        accept(next_tokens)
+
+        # Decode: one token per step; the mask row grows by one slot each step.
+        last = prompt_len + max_new_tokens - 1
+        row_len = self.max_seq_len if self.static_kv else last
+        decode_row = attention_mask(torch.tensor([last], device=self.device), row_len, pad_start)
+        decode_row = decode_row.expand(rows, -1, -1, -1)
+        slots = torch.arange(row_len, device=self.device)
+        decode_s, steps, kv_total = 0.0, 0, 0
+        for pos in range(prompt_len, last):
+            if all(done):
+                break
+            kv_len = pos + 1
+            # CUDA: static shapes over the whole cache (CUDA graphs); CPU: only the valid prefix.
+            step_mask = decode_row & (slots < kv_len) if self.static_kv else decode_row[..., :kv_len]
+            t0 = time.perf_counter()
+            next_tokens = self._step(self._decode, next_tokens.view(-1, 1),
+                                     torch.tensor([pos], device=self.device), step_mask, params)
+            self._sync()
+            decode_s += time.perf_counter() - t0
+            steps += 1
+            kv_total += kv_len
+            accept(next_tokens)
+
+        for i in range(batch):
+            tail = streams[i].finish()
+            if tail and on_text:
+                on_text(i, tail)
+        return GenerationResult(
+            texts=[s.text for s in streams], token_ids=generated, prompt_tokens=sum(lengths),
+            new_tokens=sum(len(g) for g in generated), prefill_s=prefill_s, decode_s=decode_s,
+            decode_steps=steps,
+            mean_kv_len=kv_total / steps if steps else 0.0, batch_size=batch, stop_reasons=reasons,
+        )
+
+    def _step(self, fn: Callable, tokens: Tensor, input_pos: Tensor, mask: Tensor,
+              params: SamplingParams, prefill: bool = False) -> Tensor:
+        if self.compiled and not self.static_kv:
+            # Lengths that vary between calls are marked dynamic so they never recompile.
+            if prefill:
+                torch._dynamo.mark_dynamic(tokens, 1)
+                torch._dynamo.mark_dynamic(input_pos, 0)
+                torch._dynamo.mark_dynamic(mask, 2)
+            if mask.shape[3] > 1:  # size 1 is always specialized by the compiler
+                torch._dynamo.mark_dynamic(mask, 3)
+        return fn(tokens, input_pos, mask, params)
+
+    def warmup(self, params: SamplingParams = SamplingParams()) -> float:
+        """Compile (or load from the compile cache) prefill and decode; return the seconds spent.
+
+        Lengths are dynamic, so a 2-token prompt compiles the graphs every later call uses.
+        """
+        t0 = time.perf_counter()
+        prompts = [[self.tokenizer.bos_id or 0] * 2] + [[0]] * (self.max_batch_size - 1)
+        self.generate(prompts[: self.max_batch_size], max_new_tokens=3, params=params, stop_at_eos=False)
+        return time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,77 @@
+"""Bytes moved per generated token and model bandwidth utilization (MBU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from genfast.bench.memory import peak_memory_bytes
+from genfast.llm.generate import GenerationResult
+from genfast.llm.model import Transformer
+
+
+def weight_bytes_per_step(model: Transformer) -> int:
+    """Weight bytes one decode step reads: every parameter once (a tied embedding is read by the
+    output head), except an untied input embedding, of which only the looked-up rows are read."""
+    seen, total = set(), 0
+    for p in list(model.parameters()) + list(model.buffers()):
+        if id(p) in seen or p is model.inv_freq:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    for layer in model.layers:  # the KV caches are counted by kv_bytes_per_slot
+        cache = layer.attention.kv_cache
+        if cache is not None:
+            total -= cache.k.nbytes + cache.v.nbytes
+    emb = model.tok_embeddings.weight
+    if emb is not model.output.weight:
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def kv_bytes_per_slot(model: Transformer) -> int:
+    """Bytes of keys and values one cache slot holds across all layers."""
+    a = model.args
+    cache = model.layers[0].attention.kv_cache
+    elem = cache.k.element_size() if cache is not None else model.norm.weight.element_size()
+    return 2 * a.n_layers * a.n_kv_heads * a.head_dim * elem
+
+
+@dataclass(frozen=True)
+class DecodeTraffic:
+    weight_bytes: int
+    kv_bytes: float  # per step, all sequences of the batch
+    steps_per_s: float
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes_per_step * self.steps_per_s
+
+    def mbu(self, peak_bytes_per_s: float) -> float:
+        return self.bytes_per_s / peak_bytes_per_s
+
+
+def decode_traffic(model: Transformer, result: GenerationResult) -> DecodeTraffic:
+    kv = kv_bytes_per_slot(model) * result.mean_kv_len * result.batch_size
+    return DecodeTraffic(weight_bytes_per_step(model), kv, result.decode_tok_s)
+
+
+def format_stats(model: Transformer, result: GenerationResult, peak_bw: float, compile_s: float | None,
+                 device: torch.device) -> str:
+    t = decode_traffic(model, result)
+    lines = [
+        f"prompt {result.prompt_tokens} tokens | prefill {result.prefill_tok_s:.1f} tok/s | "
+        f"time to first token {result.ttft_s * 1000:.0f} ms",
+        f"decode {result.decode_tok_s:.1f} tok/s per sequence ({result.new_tokens} new tokens, batch {result.batch_size})",
+        f"bytes/step {t.bytes_per_step / 1e6:.1f} MB (weights {t.weight_bytes / 1e6:.1f} MB + KV {t.kv_bytes / 1e6:.1f} MB) | "
+        f"{t.bytes_per_s / 1e9:.1f} GB/s | MBU {100 * t.mbu(peak_bw):.0f}% of {peak_bw / 1e9:.1f} GB/s measured",
+        f"peak memory {peak_memory_bytes(device) / 1e9:.2f} GB",
+    ]
+    if compile_s is not None:
+        lines.append(f"compile + warm-up {compile_s:.1f} s (not in the rates above; compiled code is cached)")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Writing small GGUF files from a transformers model, the way llama.cpp's converter lays them out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def permute_for_gguf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter permutation of q/k rows (rotate-half -> interleaved pairs)."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def write_gguf_from_hf(hf_model, path: Path, arch: str = "llama", qtype: str = "F32",
+                       vocab: list[str] | None = None, truncate_to: int | None = None) -> Path:
+    """A GGUF of `hf_model`'s weights; 2-D weights other than the embedding stored as `qtype`."""
+    import gguf
+
+    cfg = hf_model.config
+    sd = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]) if hasattr(cfg, "rope_parameters")
+                         and cfg.rope_parameters else float(cfg.rope_theta))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_vocab_size(cfg.vocab_size)
+    tokens = vocab or [f"<t{i}>" for i in range(cfg.vocab_size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges([])
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                 "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in sd.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            target = f"blk.{i}.{per_layer[module]}.{kind}"
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
+                tensor = permute_for_gguf(tensor, heads)
+        else:
+            target = names[name]
+        data = tensor.numpy().astype(np.float32)
+        kind = gguf.GGMLQuantizationType[qtype]
+        block = gguf.GGML_QUANT_SIZES[kind][0]
+        if data.ndim == 2 and target != "token_embd.weight" and qtype != "F32" and data.shape[1] % block == 0:
+            w.add_tensor(target, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(target, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if truncate_to is not None:
+        with open(path, "r+b") as f:
+            f.truncate(truncate_to)
+    return path
