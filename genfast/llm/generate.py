@@ -68,8 +68,9 @@ class Generator:
         model.setup_caches(max_batch_size, self.max_seq_len)
         self.static_kv = self.device.type == "cuda"
         self.compiled = compile
-        self._prefill = compile_fn(self._forward, self.device, decode=False) if compile else self._forward
-        self._decode = compile_fn(self._forward, self.device, decode=True) if compile else self._forward
+        # One compiled wrapper per (phase, sampling params): each wrapper then only ever sees one
+        # value of its Python constants, which makes skipping guard evaluation safe (see _step).
+        self._compiled: dict[tuple[bool, SamplingParams], Callable] = {}
 
     def _forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams) -> Tensor:
         return sample(self.model(tokens, input_pos, mask), params)
@@ -138,9 +139,9 @@ class Generator:
         mask = attention_mask(input_pos, prompt_len, pad_start).expand(rows, -1, -1, -1)
         t0 = time.perf_counter()
         if prompt_len == 1:
-            next_tokens = self._step(self._decode, tokens, input_pos, mask, params)
+            next_tokens = self._step(tokens, input_pos, mask, params)
         else:
-            next_tokens = self._step(self._prefill, tokens, input_pos, mask, params, prefill=True)
+            next_tokens = self._step(tokens, input_pos, mask, params, prefill=True)
         self._sync()
         prefill_s = time.perf_counter() - t0
         accept(next_tokens)
@@ -159,8 +160,8 @@ class Generator:
             # CUDA: static shapes over the whole cache (CUDA graphs); CPU: only the valid prefix.
             step_mask = decode_row & (slots < kv_len) if self.static_kv else decode_row[..., :kv_len]
             t0 = time.perf_counter()
-            next_tokens = self._step(self._decode, next_tokens.view(-1, 1),
-                                     torch.tensor([pos], device=self.device), step_mask, params)
+            next_tokens = self._step(next_tokens.view(-1, 1), torch.tensor([pos], device=self.device),
+                                     step_mask, params, steady=steps > 0)
             self._sync()
             decode_s += time.perf_counter() - t0
             steps += 1
@@ -178,9 +179,21 @@ class Generator:
             mean_kv_len=kv_total / steps if steps else 0.0, batch_size=batch, stop_reasons=reasons,
         )
 
-    def _step(self, fn: Callable, tokens: Tensor, input_pos: Tensor, mask: Tensor,
-              params: SamplingParams, prefill: bool = False) -> Tensor:
-        if self.compiled and not self.static_kv:
+    def _step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams,
+              prefill: bool = False, steady: bool = False) -> Tensor:
+        """Run one compiled (or eager) forward + sample.
+
+        steady: a decode step after the first of this call, whose graph therefore exists. Such
+        steps skip dynamo's guard evaluation (~0.8 ms a step for a 30-layer model on CPU, from
+        guards on every weight): the wrapper's only varying input is the dynamic cache length.
+        """
+        if not self.compiled:
+            return self._forward(tokens, input_pos, mask, params)
+        key = (prefill, params)
+        if key not in self._compiled:
+            self._compiled[key] = compile_fn(self._forward, self.device, decode=not prefill)
+        fn = self._compiled[key]
+        if not self.static_kv:
             # Lengths that vary between calls are marked dynamic so they never recompile.
             if prefill:
                 torch._dynamo.mark_dynamic(tokens, 1)
@@ -188,6 +201,9 @@ class Generator:
                 torch._dynamo.mark_dynamic(mask, 2)
             if mask.shape[3] > 1:  # size 1 is always specialized by the compiler
                 torch._dynamo.mark_dynamic(mask, 3)
+        if steady:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return fn(tokens, input_pos, mask, params)
         return fn(tokens, input_pos, mask, params)
 
     def warmup(self, params: SamplingParams = SamplingParams()) -> float:
