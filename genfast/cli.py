@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"genfast {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("generate", help="complete a prompt (streams to stdout, stats to stderr)")
+    p = sub.add_parser("generate", help="complete a prompt (streams to stdout, stats to stderr)",
+                       description="Complete a prompt: the completion streams to stdout, stats go to stderr. "
+                                   "Several prompts run as one batch and print one JSON object per line.")
     p.add_argument("prompt", nargs="*", help="prompt text; several prompts run as one batch; '-' reads stdin")
     p.add_argument("--prompt-file", action="append", default=[], help="read a prompt from a file (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")

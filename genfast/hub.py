@@ -75,6 +75,8 @@ def resolve_model(spec: str | None, download: bool = True) -> Path:
         if _is_populated(cached):
             return cached
         raise UserError(f"model {key!r} is not downloaded yet; run `genfast pull {key}` first")
+    if name.endswith(".gguf") or name.startswith(("/", ".", "~")):
+        raise UserError(f"model not found: {path} does not exist")
     if is_hub_id(name):
         cached = cache_path(name)
         if _is_populated(cached):

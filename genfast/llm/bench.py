@@ -124,11 +124,12 @@ def bench_command(args: argparse.Namespace) -> int:
         print(f"  {step.name}: {step.what} ...", file=sys.stderr, flush=True)
         rows.append(_run_isolated(step, args, str(model_path)))
     base = next((r for r in rows if r["step"] == BASELINE), None)
+    base_tokens = base["tokens"] if base else None
     for row in rows:
+        tokens = row.pop("tokens")
         if base is not None:
             row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
-            row["greedy_match"] = _common_prefix(row["tokens"], base["tokens"]) / max(len(base["tokens"]), 1)
-        row.pop("tokens")
+            row["greedy_match"] = _common_prefix(tokens, base_tokens) / max(len(base_tokens), 1)
         row.update({"device": info["device"], "torch": info["torch"], "model": str(model_path)})
     print(markdown_table(rows, COLUMNS))
     print(f"\nMBU: bytes read per decode step (weights + valid KV cache) x steps/s / "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -69,8 +70,9 @@ def generate_command(args: argparse.Namespace) -> int:
     result = generator.generate(ids, args.max_new_tokens, params, args.stop, args.seed, on_text=stream)
     if single:
         sys.stdout.write("\n")
-    else:
-        sys.stdout.write("\n\n".join(result.texts) + "\n")
+    else:  # one JSON object per prompt and line: completions may contain any text
+        for prompt, text, reason in zip(prompts, result.texts, result.stop_reasons):
+            sys.stdout.write(json.dumps({"prompt": prompt, "completion": text, "stop_reason": reason}) + "\n")
     sys.stdout.flush()
     if not args.quiet:
         _log(format_stats(loaded.model, result, peak_read_bandwidth(loaded.device), compile_s, loaded.device))

@@ -68,9 +68,9 @@ class Generator:
         model.setup_caches(max_batch_size, self.max_seq_len)
         self.static_kv = self.device.type == "cuda"
         self.compiled = compile
-        # One compiled wrapper per (phase, sampling params): each wrapper then only ever sees one
-        # value of its Python constants, which makes skipping guard evaluation safe (see _step).
-        self._compiled: dict[tuple[bool, SamplingParams], Callable] = {}
+        if compile:
+            self._prefill = compile_fn(self._forward, self.device, decode=False)
+            self._decode = compile_fn(self._forward, self.device, decode=True)
 
     def _forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams) -> Tensor:
         return sample(self.model(tokens, input_pos, mask), params)
@@ -161,7 +161,7 @@ class Generator:
             step_mask = decode_row & (slots < kv_len) if self.static_kv else decode_row[..., :kv_len]
             t0 = time.perf_counter()
             next_tokens = self._step(next_tokens.view(-1, 1), torch.tensor([pos], device=self.device),
-                                     step_mask, params, steady=steps > 0)
+                                     step_mask, params)
             self._sync()
             decode_s += time.perf_counter() - t0
             steps += 1
@@ -180,19 +180,10 @@ class Generator:
         )
 
     def _step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams,
-              prefill: bool = False, steady: bool = False) -> Tensor:
-        """Run one compiled (or eager) forward + sample.
-
-        steady: a decode step after the first of this call, whose graph therefore exists. Such
-        steps skip dynamo's guard evaluation (~0.8 ms a step for a 30-layer model on CPU, from
-        guards on every weight): the wrapper's only varying input is the dynamic cache length.
-        """
+              prefill: bool = False) -> Tensor:
+        """Run one compiled (or eager) forward + sample."""
         if not self.compiled:
             return self._forward(tokens, input_pos, mask, params)
-        key = (prefill, params)
-        if key not in self._compiled:
-            self._compiled[key] = compile_fn(self._forward, self.device, decode=not prefill)
-        fn = self._compiled[key]
         if not self.static_kv:
             # Lengths that vary between calls are marked dynamic so they never recompile.
             if prefill:
@@ -201,10 +192,7 @@ class Generator:
                 torch._dynamo.mark_dynamic(mask, 2)
             if mask.shape[3] > 1:  # size 1 is always specialized by the compiler
                 torch._dynamo.mark_dynamic(mask, 3)
-        if steady:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return fn(tokens, input_pos, mask, params)
-        return fn(tokens, input_pos, mask, params)
+        return (self._prefill if prefill else self._decode)(tokens, input_pos, mask, params)
 
     def warmup(self, params: SamplingParams = SamplingParams()) -> float:
         """Compile (or load from the compile cache) prefill and decode; return the seconds spent.

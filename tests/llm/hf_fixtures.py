@@ -59,3 +59,24 @@ def save_hf_model(model, directory: Path, max_shard_size: str | None = None) -> 
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     return directory
+
+
+def word_tokenizer(vocab_size: int):
+    """A genfast Tokenizer over words 'w0'..'wN' (ids = numbers), for tiny random models."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from genfast.llm.tokenizer import Tokenizer
+
+    backend = Backend(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    return Tokenizer(backend, bos_id=None, add_bos=False, stop_ids=set())
+
+
+def tiny_genfast_model(name: str, tmp_path: Path, seed: int = 0):
+    """(transformers model, genfast model) with identical random weights."""
+    from genfast.llm.checkpoint import load_model
+
+    hf = make_hf_model(name, seed)
+    return hf, load_model(save_hf_model(hf, tmp_path / f"{name}-{seed}"))

@@ -1,0 +1,111 @@
+"""Generation: greedy equals transformers, batching, stopping, streaming, sampling, compile."""
+
+import pytest
+import torch
+
+from genfast.errors import UserError
+from genfast.llm.generate import Generator
+from genfast.llm.sampling import SamplingParams
+from tests.llm.hf_fixtures import tiny_genfast_model, word_tokenizer
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    hf, model = tiny_genfast_model("llama3", tmp_path)
+    return hf, model, word_tokenizer(hf.config.vocab_size)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_transformers_generate(tiny):
+    hf, model, tok = tiny
+    prompt = torch.randint(0, 320, (11,)).tolist()
+    result = Generator(model, tok, max_seq_len=64, compile=False).generate([prompt], 24, stop_at_eos=False)
+    assert result.token_ids[0] == hf_greedy(hf, prompt, 24)
+
+
+def test_batch_of_different_lengths_equals_one_by_one(tiny):
+    _, model, tok = tiny
+    prompts = [torch.randint(0, 320, (n,)).tolist() for n in (3, 12, 7)]
+    batched = Generator(model, tok, max_seq_len=64, max_batch_size=3, compile=False).generate(prompts, 10)
+    single = Generator(model, tok, max_seq_len=64, compile=False)
+    for i, prompt in enumerate(prompts):
+        assert batched.token_ids[i] == single.generate([prompt], 10).token_ids[0]
+
+
+def test_eos_stops_and_is_not_emitted(tiny):
+    _, model, tok = tiny
+    gen = Generator(model, tok, max_seq_len=64, compile=False)
+    prompt = [5, 6, 7]
+    free = gen.generate([prompt], 12).token_ids[0]
+    tok.stop_ids = {free[4]}
+    stopped = gen.generate([prompt], 12)
+    first = free.index(free[4])
+    assert stopped.token_ids[0] == free[:first]
+    assert stopped.stop_reasons == ["eos"]
+    assert gen.generate([prompt], 12, stop_at_eos=False).token_ids[0] == free
+
+
+def test_stop_string_truncates_text_and_streaming_matches(tiny):
+    _, model, tok = tiny
+    gen = Generator(model, tok, max_seq_len=64, compile=False)
+    free = gen.generate([[1, 2, 3]], 12)
+    words = free.texts[0].split(" ")
+    stop = " ".join(words[5:7])
+    chunks: list[str] = []
+    result = gen.generate([[1, 2, 3]], 12, stop_strings=[stop], on_text=lambda i, t: chunks.append(t))
+    assert result.stop_reasons == ["stop"]
+    assert result.texts[0] == free.texts[0][: free.texts[0].find(stop)]
+    assert "".join(chunks) == result.texts[0]
+    assert stop not in "".join(chunks)
+
+
+def test_prompt_longer_than_context_is_a_clear_error(tiny):
+    _, model, tok = tiny
+    gen = Generator(model, tok, max_seq_len=16, compile=False)
+    with pytest.raises(UserError, match="context holds 16"):
+        gen.generate([list(range(12))], 8)
+    with pytest.raises(UserError, match="empty"):
+        gen.generate([[]], 8)
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny):
+    _, model, tok = tiny
+    gen = Generator(model, tok, max_seq_len=64, compile=False)
+    prompt = [9, 8, 7]
+    greedy = gen.generate([prompt], 16).token_ids[0]
+    hot = SamplingParams(temperature=1.5)
+    a = gen.generate([prompt], 16, hot, seed=1).token_ids[0]
+    assert a == gen.generate([prompt], 16, hot, seed=1).token_ids[0]
+    assert a != gen.generate([prompt], 16, hot, seed=2).token_ids[0]
+    assert gen.generate([prompt], 16, SamplingParams(1.0, top_k=1), seed=3).token_ids[0] == greedy
+    assert gen.generate([prompt], 16, SamplingParams(1.0, top_p=1e-6), seed=3).token_ids[0] == greedy
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=0), dict(top_p=0), dict(top_p=1.5)])
+def test_bad_sampling_values_are_clear_errors(bad):
+    with pytest.raises(UserError):
+        SamplingParams(**bad)
+
+
+def test_compiled_matches_eager_without_recompiling(tmp_path):
+    """Compiled prefill/decode (left-padded batch) give eager's tokens; new lengths reuse the graphs."""
+    hf, model = tiny_genfast_model("qwen2", tmp_path)
+    tok = word_tokenizer(hf.config.vocab_size)
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12]]
+    eager = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=False).generate(prompts, 12)
+    compiled = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=True)
+    compiled.warmup()
+    assert compiled.generate(prompts, 12).token_ids == eager.token_ids
+
+    from torch._dynamo.utils import counters
+
+    frames = dict(counters["frames"])
+    other = [[7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4]]
+    want = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=False).generate(other, 20)
+    assert compiled.generate(other, 20).token_ids == want.token_ids
+    assert dict(counters["frames"]) == frames, "a new prompt or cache length recompiled"
