@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install genfast into it: torch 2.13.0 first (a CPU build where no
+# CUDA wheel is wanted; any unpinned torch would pull a multi-GB CUDA build), then the package.
+# Usage: bash scripts/setup.sh [EXTRAS]   e.g. EXTRAS=test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+python="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
+if [ -n "$extras" ]; then
+    .venv/bin/python -m pip install --quiet -e ".[$extras]"
+else
+    .venv/bin/python -m pip install --quiet -e .
+fi
