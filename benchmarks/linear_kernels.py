@@ -1,0 +1,71 @@
+"""One-row (batch-1 decode) linear layers on this machine: which formulation streams weights fastest.
+
+Runs the 121 weight matrices of one SmolLM2-135M decode step (30 layers x fused qkv, o, gate+up,
+down; plus the 49152 x 576 output head) with random bf16 weights, and prints GB/s of weight read:
+
+    python benchmarks/linear_kernels.py
+
+The result decided genfast.nn.Linear's compiled path (docs/performance.md).
+"""
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from genfast.bench.machine import device_name, measure_read_bandwidth
+from genfast.nn import row_linear
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def best_of(fn, repeats: int = 15) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k).bfloat16() for n, k in SHAPES]
+    total = sum(w.nbytes for w in weights)
+    x = {k: torch.randn(1, k).bfloat16() for k in (576, 1536)}
+
+    def eager_linear():
+        return [F.linear(x[w.shape[1]], w) for w in weights]
+
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+
+    def onednn_packed():
+        return [torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
+                for w, p in zip(weights, packed)]
+
+    def step_linear(x576, x1536):
+        return [F.linear(x576 if w.shape[1] == 576 else x1536, w) for w in weights]
+
+    def step_reduction(x576, x1536):
+        return [row_linear(x576 if w.shape[1] == 576 else x1536, w) for w in weights]
+
+    compiled_linear = torch.compile(step_linear, dynamic=False)
+    compiled_reduction = torch.compile(step_reduction, dynamic=False)
+    rows = [
+        ("eager F.linear (aten::mm)", eager_linear),
+        ("eager oneDNN, pre-packed weights", onednn_packed),
+        ("compiled F.linear (one graph)", lambda: compiled_linear(x[576], x[1536])),
+        ("compiled multiply-sum reduction (one graph)", lambda: compiled_reduction(x[576], x[1536])),
+    ]
+    peak = measure_read_bandwidth("cpu")
+    print(f"{device_name('cpu')}, torch {torch.__version__}; {total / 1e6:.0f} MB of bf16 weights per step; "
+          f"measured read bandwidth {peak / 1e9:.1f} GB/s\n")
+    print("| formulation | ms / step | GB/s |\n|---|---|---|")
+    for name, fn in rows:
+        t = best_of(fn)
+        print(f"| {name} | {t * 1e3:.2f} | {total / t / 1e9:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
