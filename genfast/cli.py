@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from genfast.compile import use_persistent_cache
+
+    use_persistent_cache()
     try:
         if args.command == "generate":
             from genfast.llm.commands import generate_command

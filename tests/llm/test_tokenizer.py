@@ -54,3 +54,44 @@ def test_hf_directory_tokenizer_matches(tokenizers_pair, tmp_path):
         assert ours.encode(text) == ref(text).input_ids
     assert ours.chat_template
     assert ref.convert_tokens_to_ids("<|im_end|>") in ours.stop_ids
+
+
+def _write_spm_gguf(path):
+    """A small SentencePiece-style (tokenizer.ggml.model = 'llama') vocabulary, as Llama 2 GGUFs carry."""
+    import gguf
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    words = ["▁", "a", "b", "c", "d", "e", "h", "l", "o", "r", "w", "t", "s", "▁t", "he", "▁the", "▁a",
+             "ll", "llo", "▁he", "▁hello", "or", "▁w", "▁wor", "ld", "▁world", "at", "▁c", "▁cat", "s▁"]
+    pieces += words
+    types += [1] * len(words)
+    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(words))]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
+    import transformers
+
+    from genfast.llm.gguf_file import GGUFFile
+    from genfast.llm.tokenizer import gguf_tokenizer
+
+    path = _write_spm_gguf(tmp_path / "spm.gguf")
+    ours = gguf_tokenizer(GGUFFile(path).metadata)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["hello world", "the cat", " the  cat sat", "héllo wörld", "a\nb", "hello"]:
+        assert ours.encode(text) == ref(text).input_ids, text
+        assert ours.decode(ours.encode(text)) == ref.decode(ref(text).input_ids, skip_special_tokens=True)
+    assert ours.add_bos and ours.bos_id == 1 and 2 in ours.stop_ids
