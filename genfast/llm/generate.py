@@ -184,14 +184,14 @@ class Generator:
         """Run one compiled (or eager) forward + sample."""
         if not self.compiled:
             return self._forward(tokens, input_pos, mask, params)
-        if not self.static_kv:
-            # Lengths that vary between calls are marked dynamic so they never recompile.
-            if prefill:
-                torch._dynamo.mark_dynamic(tokens, 1)
-                torch._dynamo.mark_dynamic(input_pos, 0)
-                torch._dynamo.mark_dynamic(mask, 2)
-            if mask.shape[3] > 1:  # size 1 is always specialized by the compiler
-                torch._dynamo.mark_dynamic(mask, 3)
+        # Lengths that vary between calls are marked dynamic so they never recompile; decode
+        # with a static cache (CUDA graphs) keeps every shape static instead.
+        if prefill:
+            torch._dynamo.mark_dynamic(tokens, 1)
+            torch._dynamo.mark_dynamic(input_pos, 0)
+            torch._dynamo.mark_dynamic(mask, 2)
+        if (prefill or not self.static_kv) and mask.shape[3] > 1:  # size 1 is always specialized
+            torch._dynamo.mark_dynamic(mask, 3)
         return (self._prefill if prefill else self._decode)(tokens, input_pos, mask, params)
 
     def warmup(self, params: SamplingParams = SamplingParams()) -> float:
