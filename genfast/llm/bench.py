@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ BASELINE = LADDER[0].name
 COLUMNS = [
     ("step", "step", ""),
     ("decode_tok_s", "decode tok/s", ".1f"),
+    ("decode_range", "min-max", ""),
     ("speedup", "vs baseline", ".2f"),
     ("prefill_tok_s", "prefill tok/s", ".0f"),
     ("ttft_ms", "TTFT ms", ".0f"),
@@ -89,6 +91,8 @@ def run_step(step: Step, args: argparse.Namespace) -> dict[str, Any]:
         "dtype": step.dtype,
         "compiled": step.compile,
         "decode_tok_s": decode,
+        "decode_tok_s_min": min(r.decode_tok_s for r in results),
+        "decode_tok_s_max": max(r.decode_tok_s for r in results),
         "prefill_tok_s": median([r.prefill_tok_s for r in results]),
         "ttft_ms": 1000 * median([r.ttft_s for r in results]),
         "bytes_per_token_mb": traffic.bytes_per_step / 1e6,
@@ -116,17 +120,20 @@ def bench_command(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)  # fail early on a missing model
     device = resolve_device(args.device)
     info = machine_info(device)
+    # Bandwidth varies with the machine's state (shared hosts): measure it now, for every step.
+    peak_bw = peak_read_bandwidth(device, remeasure=not os.environ.get("GENFAST_PEAK_BW_GBS"))
     print(f"genfast bench llm: {model_path} on {info['device']}, torch {info['torch']}", file=sys.stderr)
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (greedy), median of {args.repeats}",
           file=sys.stderr)
     rows = []
     for step in steps:
         print(f"  {step.name}: {step.what} ...", file=sys.stderr, flush=True)
-        rows.append(_run_isolated(step, args, str(model_path)))
+        rows.append(_run_isolated(step, args, str(model_path), peak_bw))
     base = next((r for r in rows if r["step"] == BASELINE), None)
     base_tokens = base["tokens"] if base else None
     for row in rows:
         tokens = row.pop("tokens")
+        row["decode_range"] = f"{row['decode_tok_s_min']:.0f}-{row['decode_tok_s_max']:.0f}"
         if base is not None:
             row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
             row["greedy_match"] = _common_prefix(tokens, base_tokens) / max(len(base_tokens), 1)
@@ -139,7 +146,7 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_isolated(step: Step, args: argparse.Namespace, model: str) -> dict[str, Any]:
+def _run_isolated(step: Step, args: argparse.Namespace, model: str, peak_bw: float) -> dict[str, Any]:
     """A fresh interpreter per step: honest peak memory, no compile state shared between steps."""
     with tempfile.TemporaryDirectory(prefix="genfast-bench-") as tmp:
         out = Path(tmp) / "row.json"
@@ -148,7 +155,8 @@ def _run_isolated(step: Step, args: argparse.Namespace, model: str) -> dict[str,
                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--json", str(out)]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
-        done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+        env = {**os.environ, "GENFAST_PEAK_BW_GBS": f"{peak_bw / 1e9:.3f}"}  # one figure for all steps
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, env=env)
         if done.returncode != 0 or not out.exists():
             raise UserError(f"benchmark step {step.name} failed (exit code {done.returncode}); see the error above")
         return json.loads(out.read_text())

@@ -15,7 +15,7 @@ import torch
 
 from genfast.errors import UserError
 from genfast.llm.config import ModelArgs
-from genfast.llm.gguf_file import GGUFFile, is_gguf
+from genfast.llm.gguf_file import GGUFFile, is_gguf, open_gguf
 from genfast.llm.model import Transformer
 
 # genfast parameter suffix -> source tensor names (several are concatenated along dim 0).
@@ -75,7 +75,7 @@ def gguf_path(path: Path) -> Path:
 def load_args(path: Path) -> ModelArgs:
     if checkpoint_format(path) == "hf":
         return ModelArgs.from_hf_config(_read_json(path / "config.json"))
-    gguf = GGUFFile(gguf_path(path))
+    gguf = open_gguf(gguf_path(path))
     return _gguf_args(gguf)
 
 
@@ -86,7 +86,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
         get, available = _hf_source(path)
         layer_prefix, layer_names, global_names = "model.layers.{i}.", _HF_LAYER, _HF_GLOBAL
     else:
-        gguf = GGUFFile(gguf_path(path))
+        gguf = open_gguf(gguf_path(path))
         args = _gguf_args(gguf)
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
         layer_prefix, layer_names, global_names = "blk.{i}.", _GGUF_LAYER, _GGUF_GLOBAL

@@ -6,6 +6,7 @@ so peak memory while loading is the model plus one tensor.
 
 from __future__ import annotations
 
+import functools
 import struct
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,18 @@ def is_gguf(path: Path) -> bool:
         return False
     with open(path, "rb") as f:
         return f.read(4) == GGUF_MAGIC
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """A GGUFFile, shared by the model and tokenizer loaders (parsing 100k vocabulary strings
+    takes seconds); a file changed on disk is read again."""
+    stat = path.stat()
+    return _open_cached(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 class GGUFFile:

@@ -109,9 +109,9 @@ def load_tokenizer(path: Path) -> Tokenizer:
 
     if checkpoint_format(path) == "hf":
         return _hf_tokenizer(path)
-    from genfast.llm.gguf_file import GGUFFile
+    from genfast.llm.gguf_file import open_gguf
 
-    return gguf_tokenizer(GGUFFile(gguf_path(path)).metadata)
+    return gguf_tokenizer(open_gguf(gguf_path(path)).metadata)
 
 
 def _hf_tokenizer(path: Path) -> Tokenizer:
