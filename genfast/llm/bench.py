@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from genfast.bench.machine import machine_info, peak_read_bandwidth
 from genfast.bench.memory import peak_memory_bytes
 from genfast.bench.table import check_writable, markdown_table, median, write_json_atomic
@@ -119,6 +121,8 @@ def bench_command(args: argparse.Namespace) -> int:
 
     model_path = resolve_model(args.model)  # fail early on a missing model
     device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # so the machine line and bandwidth match the steps
     info = machine_info(device)
     # Bandwidth varies with the machine's state (shared hosts): measure it now, for every step.
     peak_bw = peak_read_bandwidth(device, remeasure=not os.environ.get("GENFAST_PEAK_BW_GBS"))

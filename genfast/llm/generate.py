@@ -82,7 +82,7 @@ class Generator:
         return ids
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,  # noqa: PLR0913
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  params: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = (),
                  seed: int | None = None, on_text: TextCallback | None = None,
                  stop_at_eos: bool = True) -> GenerationResult:

@@ -91,7 +91,9 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
     path = _write_spm_gguf(tmp_path / "spm.gguf")
     ours = gguf_tokenizer(GGUFFile(path).metadata)
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
-    for text in ["hello world", "the cat", " the  cat sat", "héllo wörld", "a\nb", "hello"]:
+    # Text that starts with a space is left out: llama.cpp (which genfast follows) always adds the
+    # leading "▁", transformers' GGUF conversion does not when the text already starts with one.
+    for text in ["hello world", "the cat", "the  cat sat ", "héllo wörld", "a\nb", "hello"]:
         assert ours.encode(text) == ref(text).input_ids, text
         assert ours.decode(ours.encode(text)) == ref.decode(ref(text).input_ids, skip_special_tokens=True)
     assert ours.add_bos and ours.bos_id == 1 and 2 in ours.stop_ids
