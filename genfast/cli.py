@@ -27,6 +27,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: smollm2-135m-instruct; fetch it with `genfast pull`)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float32 or float16 (CUDA only)")
+    g.add_argument("--quant", default="none", choices=["none", "int8"],
+                   help="weight-only quantization applied on load (default: none)")
     g.add_argument("--no-compile", dest="compile", action="store_false",
                    help="run eagerly (no torch.compile warm-up; slower decode)")
     g.add_argument("--max-seq-len", type=_positive_int, default=4096,

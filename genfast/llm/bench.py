@@ -36,6 +36,7 @@ class Step:
     dtype: str
     compile: bool
     what: str
+    quant: str = "none"
 
 
 LADDER = [
@@ -43,6 +44,7 @@ LADDER = [
     Step("eager-bf16", "bfloat16", False, "bf16 weights and cache"),
     Step("compiled-fp32", "float32", True, "torch.compile (freezing) of prefill and decode, fp32"),
     Step("compiled-bf16", "bfloat16", True, "torch.compile (freezing) of prefill and decode, bf16"),
+    Step("compiled-bf16-int8", "bfloat16", True, "+ int8 weight-only linears (per-channel scales)", "int8"),
 ]
 BASELINE = LADDER[0].name
 
@@ -75,7 +77,7 @@ def benchmark_prompt(tokenizer: Any, n_tokens: int) -> list[int]:
 
 def run_step(step: Step, args: argparse.Namespace) -> dict[str, Any]:
     """Measure one step in this process."""
-    loaded = load(args.model, args.device, step.dtype, args.threads)
+    loaded = load(args.model, args.device, step.dtype, args.threads, step.quant)
     max_seq = args.prompt_tokens + args.new_tokens
     generator = make_generator(loaded, max_seq, 1, step.compile)
     prompt = benchmark_prompt(loaded.tokenizer, args.prompt_tokens)

@@ -42,9 +42,11 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, Generator, SamplingParams]:
     params = _sampling(args)  # validate flags before the slow load
-    loaded = load(args.model, args.device, args.dtype, args.threads)
+    loaded = load(args.model, args.device, args.dtype, args.threads, args.quant)
     dtype = str(loaded.dtype).removeprefix("torch.")
-    _log(f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | {dtype} on {loaded.device}")
+    quant = "" if loaded.quant == "none" else f", {loaded.quant} weights"
+    _log(f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
+         f"{dtype}{quant} on {loaded.device}")
     generator = make_generator(loaded, args.max_seq_len, batch_size, args.compile)
     return loaded, generator, params
 

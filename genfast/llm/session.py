@@ -52,9 +52,17 @@ class LoadedModel:
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
+    quant: str = "none"
 
 
-def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: int | None = None) -> LoadedModel:
+QUANT_MODES = ("none", "int8")
+
+
+def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: int | None = None,
+         quant: str = "none") -> LoadedModel:
+    """Resolve, load and (optionally) quantize a model; `quant`: none | int8 (weight-only)."""
+    if quant not in QUANT_MODES:
+        raise UserError(f"unknown --quant {quant!r}; use one of {', '.join(QUANT_MODES)}")
     if threads is not None:
         if threads < 1:
             raise UserError(f"--threads must be >= 1, got {threads}")
@@ -63,7 +71,12 @@ def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: 
     dt = resolve_dtype(dtype, dev)
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
-    return LoadedModel(path, load_model(path, dt, dev), tokenizer, dev, dt)
+    transformer = load_model(path, dt, dev)
+    if quant == "int8":
+        from genfast.quant.weight_only import quantize_linears_int8
+
+        quantize_linears_int8(transformer)
+    return LoadedModel(path, transformer, tokenizer, dev, dt, quant)
 
 
 def make_generator(loaded: LoadedModel, max_seq_len: int | None, batch_size: int, compile: bool) -> Generator:

@@ -50,3 +50,21 @@ def test_bf16_logits_stay_close_to_fp32(smollm2_gguf, smollm2_hf):
     assert cosine.mean() >= 0.999 and cosine.min() >= 0.99, cosine
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
     assert torch.nn.functional.cosine_similarity(b, ref, dim=-1).min() >= 0.999
+
+
+def test_int8_weights_keep_the_real_model_close(smollm2_gguf):
+    """int8 weight-only budget on SmolLM2 (bf16 activations): logits cosine vs bf16 >= 0.99
+    everywhere and top-1 agreement >= 90% (the perplexity bar belongs to `genfast eval`)."""
+    from genfast.quant.weight_only import quantize_linears_int8
+
+    tokenizer = load_tokenizer(smollm2_gguf)
+    ids = torch.tensor([benchmark_prompt(tokenizer, 256)])
+    pos = torch.arange(ids.shape[1])
+    model = load_model(smollm2_gguf, torch.bfloat16)
+    with torch.no_grad():
+        want = model(ids, pos, all_logits=True)[0]
+        quantize_linears_int8(model)
+        got = model(ids, pos, all_logits=True)[0]
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cosine.min() >= 0.99, cosine.min()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9

@@ -1,0 +1,1 @@
+"""Quantization shared by all workloads."""
