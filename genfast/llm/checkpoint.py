@@ -72,13 +72,6 @@ def gguf_path(path: Path) -> Path:
     return path if path.is_file() else next(p for p in sorted(path.glob("*.gguf")) if is_gguf(p))
 
 
-def load_args(path: Path) -> ModelArgs:
-    if checkpoint_format(path) == "hf":
-        return ModelArgs.from_hf_config(_read_json(path / "config.json"))
-    gguf = open_gguf(gguf_path(path))
-    return _gguf_args(gguf)
-
-
 def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
     """Build the model described by the checkpoint at `path` and fill it with its weights."""
     if checkpoint_format(path) == "hf":
@@ -92,8 +85,8 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
         layer_prefix, layer_names, global_names = "blk.{i}.", _GGUF_LAYER, _GGUF_GLOBAL
 
     with torch.device("meta"):
-        model = Transformer(args)
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(args).to(dtype)  # cast while empty: memory is allocated once, in dtype
+    model = model.to_empty(device=device)
     model.reset_rope()  # computed buffers were left uninitialized by to_empty
 
     params = dict(model.named_parameters(remove_duplicate=False))
