@@ -47,6 +47,9 @@ def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, Ge
     quant = "" if loaded.quant == "none" else f", {loaded.quant} weights"
     _log(f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
          f"{dtype}{quant} on {loaded.device}")
+    if loaded.quant == "int8" and loaded.device.type == "cpu":
+        _log("genfast: note: int8 weights halve memory, but on CPU they decode slower than bf16 for "
+             "now (inductor's int8 conversion is compute-bound; see docs/performance.md)")
     generator = make_generator(loaded, args.max_seq_len, batch_size, args.compile)
     return loaded, generator, params
 
