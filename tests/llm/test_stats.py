@@ -1,0 +1,36 @@
+"""Bytes per decode step, the numerator of MBU."""
+
+import torch
+
+from genfast.llm.stats import kv_bytes_per_slot, weight_bytes_per_step
+from tests.llm.hf_fixtures import tiny_genfast_model
+
+
+def test_tied_model_reads_every_parameter_once(tmp_path):
+    _, model = tiny_genfast_model("smollm", tmp_path)
+    model.setup_caches(1, 16)  # caches are not weights
+    assert weight_bytes_per_step(model) == model.args.n_params * 4
+
+
+def test_untied_input_embedding_is_not_read_per_step(tmp_path):
+    _, model = tiny_genfast_model("llama3", tmp_path)
+    a = model.args
+    assert weight_bytes_per_step(model) == (a.n_params - a.vocab_size * a.dim) * 4
+    model.setup_caches(1, 16)
+    assert kv_bytes_per_slot(model) == 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4
+
+
+def test_int8_weights_count_one_byte_plus_scales(tmp_path):
+    from genfast.quant.weight_only import quantize_linears_int8
+
+    _, model = tiny_genfast_model("smollm", tmp_path)
+    model = model.to(torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linear_params = sum(m.weight.numel() for m in linears)
+    scale_count = sum(m.out_features for m in linears)
+    before = weight_bytes_per_step(model)
+    quantize_linears_int8(model)
+    # Every linear (the tied head included) goes from 2 bytes a weight to 1, plus fp32 scales; the
+    # bf16 embedding the head shared is now only looked up, so it drops out.
+    expected = before - linear_params * 2 + linear_params + scale_count * 4
+    assert weight_bytes_per_step(model) == expected
