@@ -1,8 +1,10 @@
 """torch.compile settings per device, passed per call (no global inductor config is changed).
 
-CPU: `freezing` lets inductor treat weights as constants (measured: compiled graph 8.7 vs 9.5 ms
-per SmolLM2 decode step); `cpp_wrapper` and `max_autotune` were measured too and did not help
-(docs/performance.md). CUDA: CUDA graphs remove the per-kernel launch cost of decode.
+CPU: `freezing` (measured 8.7 vs 9.5 ms per SmolLM2 decode step, single runs, within this
+host's noise). Weights stay graph inputs: with dynamo's `prepare_freezing` they become constants
+and inductor folds their fp32 upcast, doubling the bytes each decode step reads (57 vs ~100 tok/s).
+`cpp_wrapper` and `max_autotune` were measured and did not help (docs/performance.md).
+CUDA: CUDA graphs remove the per-kernel launch cost of decode.
 """
 
 from __future__ import annotations
