@@ -68,11 +68,18 @@ class Generator:
         model.setup_caches(max_batch_size, self.max_seq_len)
         self.static_kv = self.device.type == "cuda"
         self.compiled = compile
+        self.skip_guards = True  # in steady decode steps (see _step)
+        self.guard_fallbacks = 0  # steady decode steps that had to be retried with all guards
         if compile:
-            self._prefill = compile_fn(self._forward, self.device, decode=False)
-            self._decode = compile_fn(self._forward, self.device, decode=True)
+            self._prefill = compile_fn(self._prefill_step, self.device, decode=False)
+            self._decode = compile_fn(self._decode_step, self.device, decode=True)
 
-    def _forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams) -> Tensor:
+    # Two functions, not one: dynamo keeps compiled graphs per code object, and decode's cache
+    # must hold only decode graphs for its guard-skipping steady state (see _step).
+    def _prefill_step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams) -> Tensor:
+        return sample(self.model(tokens, input_pos, mask), params)
+
+    def _decode_step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams) -> Tensor:
         return sample(self.model(tokens, input_pos, mask), params)
 
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -158,10 +165,10 @@ class Generator:
                 break
             kv_len = pos + 1
             # CUDA: static shapes over the whole cache (CUDA graphs); CPU: only the valid prefix.
-            step_mask = decode_row & (slots < kv_len) if self.static_kv else decode_row[..., :kv_len]
+            step_mask = decode_row & (slots < kv_len) if self.static_kv else decode_row[..., :kv_len].contiguous()
             t0 = time.perf_counter()
             next_tokens = self._step(next_tokens.view(-1, 1), torch.tensor([pos], device=self.device),
-                                     step_mask, params)
+                                     step_mask, params, steady=steps > 0)
             self._sync()
             decode_s += time.perf_counter() - t0
             steps += 1
@@ -180,10 +187,17 @@ class Generator:
         )
 
     def _step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams,
-              prefill: bool = False) -> Tensor:
-        """Run one compiled (or eager) forward + sample."""
+              prefill: bool = False, steady: bool = False) -> Tensor:
+        """Run one compiled (or eager) forward + sample.
+
+        steady: a decode step after the first one of this generate() call. That first step ran
+        with all of dynamo's guards (compiling if needed); later steps differ from it only in the
+        cache length, a dynamic dimension, so they skip guard evaluation (~0.5 ms a step here:
+        the guards check every weight and cache tensor). If dynamo still finds it would have to
+        recompile, it raises before running anything and the step is retried with all guards.
+        """
         if not self.compiled:
-            return self._forward(tokens, input_pos, mask, params)
+            return self._prefill_step(tokens, input_pos, mask, params)
         # Lengths that vary between calls are marked dynamic so they never recompile; decode
         # with a static cache (CUDA graphs) keeps every shape static instead.
         if prefill:
@@ -192,7 +206,17 @@ class Generator:
             torch._dynamo.mark_dynamic(mask, 2)
         if (prefill or not self.static_kv) and mask.shape[3] > 1:  # size 1 is always specialized
             torch._dynamo.mark_dynamic(mask, 3)
-        return (self._prefill if prefill else self._decode)(tokens, input_pos, mask, params)
+        if prefill:
+            return self._prefill(tokens, input_pos, mask, params)
+        if steady and self.skip_guards:
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self._decode(tokens, input_pos, mask, params)
+            except RuntimeError as e:
+                if "skip_guard_eval_unsafe" not in str(e):
+                    raise
+                self.guard_fallbacks += 1
+        return self._decode(tokens, input_pos, mask, params)
 
     def warmup(self, params: SamplingParams = SamplingParams()) -> float:
         """Compile (or load from the compile cache) prefill and decode; return the seconds spent.

@@ -109,3 +109,32 @@ def test_compiled_matches_eager_without_recompiling(tmp_path):
     want = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=False).generate(other, 20)
     assert compiled.generate(other, 20).token_ids == want.token_ids
     assert dict(counters["frames"]) == frames, "a new prompt or cache length recompiled"
+    assert compiled.guard_fallbacks == 0  # steady decode steps really skipped guard evaluation
+    # A different sampling mode needs a new decode graph: its first step compiles it with all
+    # guards, and the steady steps after it must use that graph, not the greedy one.
+    hot = SamplingParams(temperature=0.7, top_k=5)
+    sampled = compiled.generate(prompts, 12, hot, seed=4).token_ids
+    guarded = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=True)
+    guarded.skip_guards = False
+    assert guarded.generate(prompts, 12, hot, seed=4).token_ids == sampled
+    assert sampled != eager.token_ids
+    assert compiled.guard_fallbacks == 0
+
+
+def test_steady_decode_falls_back_to_full_guards(tiny):
+    """If dynamo would need to recompile under the guard-skipping stance, the step is retried."""
+    _, model, tok = tiny
+    gen = Generator(model, tok, max_seq_len=64, compile=False)
+    gen.compiled = True  # drive _step's compiled branch with stand-in callables
+    calls = []
+
+    def fake_decode(*args):
+        calls.append(torch.compiler.is_compiling())
+        if len(calls) == 1:
+            raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance.")
+        return torch.tensor([1])
+
+    gen._decode = fake_decode
+    mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
+    out = gen._step(torch.tensor([[1]]), torch.tensor([4]), mask, SamplingParams(), steady=True)
+    assert out.tolist() == [1] and len(calls) == 2 and gen.guard_fallbacks == 1
