@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.nn import row_linear
+
 # Accuracy budget (enforced in tests on tiny models): per-weight error <= scale / 2, i.e. at most
 # 1/254 of the row's largest magnitude.
 INT8_MAX = 127
@@ -59,10 +61,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
-            out = (x.float().reshape(1, -1) * self.weight.float()).sum(dim=-1) * self.scales
-            out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        elif (not torch.compiler.is_compiling() and x.device.type == "cpu"
-              and x.dtype in (torch.bfloat16, torch.float32) and self.in_features % 16 == 0):
+            return row_linear(x, self.weight, self.bias, self.scales)
+        if (not torch.compiler.is_compiling() and x.device.type == "cpu"
+                and x.dtype in (torch.bfloat16, torch.float32) and self.in_features % 16 == 0):
             # Eager only: inductor (torch 2.13) fails to lower this op on a fused input. And its
             # CPU kernel crashes (segfault) for bf16 inputs of several rows when in_features is
             # not a multiple of 16; such layers take the fallback below.
