@@ -141,9 +141,8 @@ class Generator:
                     done[i], reasons[i] = True, "stop"
 
         # Prefill: the whole prompt batch at once.
-        rows = tokens.shape[0]
         input_pos = torch.arange(prompt_len, device=self.device)
-        mask = attention_mask(input_pos, prompt_len, pad_start).expand(rows, -1, -1, -1)
+        mask = attention_mask(input_pos, prompt_len, pad_start)  # [max_batch_size, 1, S, S]
         t0 = time.perf_counter()
         if prompt_len == 1:
             next_tokens = self._step(tokens, input_pos, mask, params)
@@ -157,7 +156,6 @@ class Generator:
         last = prompt_len + max_new_tokens - 1
         row_len = self.max_seq_len if self.static_kv else last
         decode_row = attention_mask(torch.tensor([last], device=self.device), row_len, pad_start)
-        decode_row = decode_row.expand(rows, -1, -1, -1)
         slots = torch.arange(row_len, device=self.device)
         decode_s, steps, kv_total = 0.0, 0, 0
         for pos in range(prompt_len, last):
