@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from genfast import __version__
 from genfast.errors import UserError
+from genfast.quant import QUANT_MODES
 
 
 def _positive_int(text: str) -> int:
@@ -27,7 +28,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: smollm2-135m-instruct; fetch it with `genfast pull`)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float32 or float16 (CUDA only)")
-    g.add_argument("--quant", default="none", choices=["none", "int8"],
+    g.add_argument("--quant", default="none", choices=QUANT_MODES,
                    help="weight-only quantization applied on load (default: none)")
     g.add_argument("--no-compile", dest="compile", action="store_false",
                    help="run eagerly (no torch.compile warm-up; slower decode)")

@@ -13,6 +13,7 @@ from genfast.llm.checkpoint import load_model
 from genfast.llm.generate import Generator
 from genfast.llm.model import Transformer
 from genfast.llm.tokenizer import Tokenizer, load_tokenizer
+from genfast.quant import QUANT_MODES
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -53,9 +54,6 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     quant: str = "none"
-
-
-QUANT_MODES = ("none", "int8")
 
 
 def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: int | None = None,
