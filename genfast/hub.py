@@ -59,11 +59,11 @@ def is_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
 
 
-def resolve_model(spec: str | None, download: bool = True) -> Path:
+def resolve_model(spec: str | None) -> Path:
     """The local checkpoint path for `spec` (None = the built-in default).
 
-    A hub id that is not cached is downloaded when `download` is set; a known alias that is not
-    cached asks for `genfast pull`, which has an offline fallback.
+    A hub id that is not cached is downloaded; a known alias that is not cached asks for
+    `genfast pull`, which has an offline fallback.
     """
     name = spec or DEFAULT_MODEL
     path = Path(name).expanduser()
@@ -81,8 +81,7 @@ def resolve_model(spec: str | None, download: bool = True) -> Path:
         cached = cache_path(name)
         if _is_populated(cached):
             return cached
-        if download:
-            return download_from_hub(name, cached)
+        return download_from_hub(name, cached)
     hint = f"; built-in names: {', '.join(KNOWN_MODELS)}"
     raise UserError(f"model not found: {name!r} is not a file or directory, a built-in model, or a hub id (org/name){hint}")
 

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,7 @@ def run_step(step: Step, args: argparse.Namespace) -> dict[str, Any]:
                for _ in range(args.repeats)]
     decode = median([r.decode_tok_s for r in results])
     mid = min(results, key=lambda r: abs(r.decode_tok_s - decode))
-    traffic = decode_traffic(loaded.model, mid)
+    traffic = replace(decode_traffic(loaded.model, mid), steps_per_s=decode)  # at the median rate
     peak_bw = peak_read_bandwidth(loaded.device)
     return {
         "step": step.name,
@@ -100,8 +100,8 @@ def run_step(step: Step, args: argparse.Namespace) -> dict[str, Any]:
         "prefill_tok_s": median([r.prefill_tok_s for r in results]),
         "ttft_ms": 1000 * median([r.ttft_s for r in results]),
         "bytes_per_token_mb": traffic.bytes_per_step / 1e6,
-        "gb_s": traffic.bytes_per_step * decode / 1e9,
-        "mbu": traffic.bytes_per_step * decode / peak_bw,
+        "gb_s": traffic.bytes_per_s / 1e9,
+        "mbu": traffic.mbu(peak_bw),
         "peak_bw_gb_s": peak_bw / 1e9,
         "peak_mem_gb": peak_memory_bytes(loaded.device) / 1e9,
         "compile_s": compile_s,
