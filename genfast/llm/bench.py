@@ -25,6 +25,7 @@ from genfast.bench.machine import machine_info, peak_read_bandwidth
 from genfast.bench.memory import peak_memory_bytes
 from genfast.bench.table import check_writable, markdown_table, median, write_json_atomic
 from genfast.errors import UserError
+from genfast.llm.corpus import pydoc_text
 from genfast.llm.sampling import SamplingParams
 from genfast.llm.session import load, make_generator
 from genfast.llm.stats import decode_traffic
@@ -66,10 +67,7 @@ COLUMNS = [
 
 def benchmark_prompt(tokenizer: Any, n_tokens: int) -> list[int]:
     """The first `n_tokens` tokens of Python's bundled documentation topics (deterministic)."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    ids = tokenizer.encode(text[: n_tokens * 8])
+    ids = tokenizer.encode(pydoc_text()[: n_tokens * 8])
     if len(ids) < n_tokens:
         raise UserError(f"--prompt-tokens {n_tokens} is more than the benchmark text provides")
     return ids[:n_tokens]

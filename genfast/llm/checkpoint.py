@@ -1,6 +1,7 @@
-"""Loading Llama-family weights from a Hugging Face directory (safetensors) or a GGUF file.
+"""Loading Llama-family weights from a Hugging Face directory (safetensors), a GGUF file, or a
+directory written by `genfast quantize` (see genfast/quant/checkpoint.py).
 
-Both formats are read lazily (memory-mapped) and tensor by tensor into a model built on the meta
+All formats are read lazily (memory-mapped) and tensor by tensor into a model built on the meta
 device, so peak memory is the model plus one tensor. Pickle checkpoints are refused: they can
 run code when loaded.
 """
@@ -17,6 +18,10 @@ from genfast.errors import UserError
 from genfast.llm.config import ModelArgs
 from genfast.llm.gguf_file import GGUFFile, is_gguf, open_gguf
 from genfast.llm.model import Transformer
+from genfast.quant.grids import QuantizedWeight
+
+# The weights file of a `genfast quantize` output directory.
+QUANTIZED_FILE = "model.safetensors"
 
 # genfast parameter suffix -> source tensor names (several are concatenated along dim 0).
 _HF_LAYER = {
@@ -52,12 +57,15 @@ _GGUF_GLOBAL = {
 
 
 def checkpoint_format(path: Path) -> str:
-    """'hf' (a directory with config.json) or 'gguf' (a file with the GGUF magic)."""
+    """'hf' (a directory with config.json), 'genfast' (a directory written by `genfast quantize`)
+    or 'gguf' (a file with the GGUF magic)."""
     if not path.exists():
         raise UserError(f"model not found: {path} does not exist")
     if path.is_dir():
         if (path / "config.json").is_file():
             return "hf"
+        if (path / QUANTIZED_FILE).is_file():
+            return "genfast"
         ggufs = sorted(p for p in path.glob("*.gguf") if is_gguf(p))
         if len(ggufs) == 1:
             return "gguf"
@@ -74,7 +82,10 @@ def gguf_path(path: Path) -> Path:
 
 def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
     """Build the model described by the checkpoint at `path` and fill it with its weights."""
-    if checkpoint_format(path) == "hf":
+    fmt = checkpoint_format(path)
+    if fmt == "genfast":
+        return _load_quantized(path, dtype, device)
+    if fmt == "hf":
         args = ModelArgs.from_hf_config(_read_json(path / "config.json"))
         get, available = _hf_source(path)
         layer_prefix, layer_names, global_names = "model.layers.{i}.", _HF_LAYER, _HF_GLOBAL
@@ -84,11 +95,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
         layer_prefix, layer_names, global_names = "blk.{i}.", _GGUF_LAYER, _GGUF_GLOBAL
 
-    with torch.device("meta"):
-        model = Transformer(args).to(dtype)  # cast while empty: memory is allocated once, in dtype
-    model = model.to_empty(device=device)
-    model.reset_rope()  # computed buffers were left uninitialized by to_empty
-
+    model = _empty_model(args, dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, param in params.items():
         if name == "output.weight" and args.tie_embeddings:
@@ -112,6 +119,64 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model.eval().requires_grad_(False)
+
+
+def _empty_model(args: ModelArgs, dtype: torch.dtype, device: str | torch.device) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)  # cast while empty: memory is allocated once, in dtype
+    model = model.to_empty(device=device)
+    model.reset_rope()  # computed buffers were left uninitialized by to_empty
+    return model
+
+
+def _load_quantized(path: Path, dtype: torch.dtype, device: str | torch.device) -> Transformer:
+    from genfast.quant.checkpoint import QuantizedCheckpoint, load_quantized_into
+
+    checkpoint = QuantizedCheckpoint(path / QUANTIZED_FILE)
+    try:
+        args = ModelArgs.from_dict(json.loads(checkpoint.metadata["model_args"]))
+    except (KeyError, json.JSONDecodeError) as e:
+        raise UserError(f"{path / QUANTIZED_FILE}: header has no valid model_args: {e}") from e
+    model = _empty_model(args, dtype, device)
+    load_quantized_into(model, checkpoint, convert=lambda _, t: t.to(dtype))
+    if args.tie_embeddings and isinstance(model.output, torch.nn.Linear):
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval().requires_grad_(False)
+
+
+def gguf_quantized_linears(path: Path, bits: int) -> dict[str, QuantizedWeight]:
+    """The linears of a GGUF model whose blocks are already `bits`-bit codes on a genfast grid
+    (Q8_0 for int8; Q4_0/Q4_1 for int4), in genfast module names, ready to use without
+    dequantizing and requantizing. Layers stored in other types are absent."""
+    gguf = open_gguf(gguf_path(path))
+    args = _gguf_args(gguf)
+    permuted = {"attn_q.weight": args.n_heads, "attn_k.weight": args.n_kv_heads} if args.family == "llama" else {}
+    found: dict[str, QuantizedWeight] = {}
+
+    def fused(sources: list[str]) -> QuantizedWeight | None:
+        parts = []
+        for source in sources:
+            qw = gguf.quantized(source) if source in gguf.tensor_names else None
+            if qw is None or qw.bits != bits:
+                return None
+            suffix = source.split(".", 2)[-1]
+            if suffix in permuted:
+                qw = QuantizedWeight(*(unpermute_rope_rows(t, permuted[suffix]) for t in (qw.codes, qw.scales, qw.mins)),
+                                     qw.bits, qw.group_size, qw.in_features)
+            parts.append(qw)
+        return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                               torch.cat([p.mins for p in parts]), bits, parts[0].group_size, parts[0].in_features)
+
+    for i in range(args.n_layers):
+        for module in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"):
+            qw = fused([f"blk.{i}.{s}" for s in _GGUF_LAYER[f"{module}.weight"]])
+            if qw is not None:
+                found[f"layers.{i}.{module}"] = qw
+    head = "output.weight" if "output.weight" in gguf.tensor_names else "token_embd.weight"
+    qw = fused([head])
+    if qw is not None:
+        found["output"] = qw
+    return found
 
 
 def _read_json(path: Path) -> dict:

@@ -42,14 +42,18 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, Generator, SamplingParams]:
     params = _sampling(args)  # validate flags before the slow load
-    loaded = load(args.model, args.device, args.dtype, args.threads, args.quant)
+    loaded = load(args.model, args.device, args.dtype, args.threads, args.quant, args.group_size)
     dtype = str(loaded.dtype).removeprefix("torch.")
     quant = "" if loaded.quant == "none" else f", {loaded.quant} weights"
     _log(f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
          f"{dtype}{quant} on {loaded.device}")
-    if loaded.quant == "int8" and loaded.device.type == "cpu":
-        _log("genfast: note: int8 weights halve memory, but on CPU they decode slower than bf16 for "
-             "now (inductor's int8 conversion is compute-bound; see docs/performance.md)")
+    if loaded.quant != "none":
+        from genfast.quant import kernels
+
+        reason = kernels.unavailable_reason() if loaded.device.type == "cpu" else "not on CPU"
+        if reason:
+            _log(f"genfast: note: quantized weights use the slow dequantize path ({reason}); "
+                 "they save memory but not time here")
     generator = make_generator(loaded, args.max_seq_len, batch_size, args.compile)
     return loaded, generator, params
 

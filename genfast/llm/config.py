@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from genfast.errors import UserError
@@ -54,6 +54,26 @@ class ModelArgs:
                 f"invalid model config: {self.n_heads} attention heads are not a multiple of "
                 f"{self.n_kv_heads} key/value heads"
             )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (genfast's own checkpoints store the config this way)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields_: dict[str, Any]) -> "ModelArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(fields_) - known)
+        if unknown:
+            raise UserError(f"model config has unknown fields {unknown} (written by a newer genfast?)")
+        values = dict(fields_)
+        if values.get("rope_scaling") is not None:
+            values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        if values.get("rope_freq_divisors") is not None:
+            values["rope_freq_divisors"] = tuple(values["rope_freq_divisors"])
+        try:
+            return cls(**values)
+        except TypeError as e:
+            raise UserError(f"model config is incomplete: {e}") from e
 
     @property
     def n_params(self) -> int:

@@ -15,8 +15,11 @@ import numpy as np
 import torch
 
 from genfast.errors import UserError
+from genfast.quant.grids import QuantizedWeight
 
 GGUF_MAGIC = b"GGUF"
+# Bytes per block of 32 weights for the types that load without requantization.
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 # Types genfast dequantizes (the `gguf` package implements the arithmetic).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -59,6 +62,29 @@ class GGUFFile:
 
     def tensor_type(self, name: str) -> str:
         return self._tensors[name].tensor_type.name
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """The tensor's own blocks as genfast codes when its type maps exactly onto a genfast grid
+        (Q8_0 -> int8, Q4_0 / Q4_1 -> int4, 32 columns per group), else None."""
+        t = self._tensors[name]
+        kind = t.tensor_type.name
+        if kind not in _BLOCK_BYTES:
+            return None
+        rows, cols = (int(d) for d in reversed(t.shape))
+        blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, cols // 32, _BLOCK_BYTES[kind])
+        blocks = torch.from_numpy(np.array(blocks))
+        scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+        if kind == "Q8_0":  # d, 32 x int8: w = q * d
+            codes = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+            mins = (-128 * scales.float()).to(torch.float16)
+            return QuantizedWeight(codes.reshape(rows, cols), scales, mins, 8, 32, cols)
+        if kind == "Q4_0":  # d, 16 bytes: w = (q - 8) * d
+            nibbles, mins = blocks[..., 2:], (-8 * scales.float()).to(torch.float16)
+        else:  # Q4_1: d, m, 16 bytes: w = q * d + m
+            nibbles, mins = blocks[..., 4:], blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+        # Byte j of a block holds element j (low nibble) and element j + 16 (high nibble).
+        codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
+        return QuantizedWeight(codes.reshape(rows, cols), scales, mins, 4, 32, cols)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor in its logical shape (rows = output features), as float32."""

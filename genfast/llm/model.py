@@ -158,8 +158,7 @@ class Transformer(nn.Module):
             raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
         if (batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len):
             return
-        weight = self.output.weight
-        dtype = weight.dtype if weight.is_floating_point() else self.norm.weight.dtype
+        dtype = self.tok_embeddings.weight.dtype  # the output head may hold quantized codes
         device = self.norm.weight.device
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(batch_size, max_seq_len, self.args.n_kv_heads,

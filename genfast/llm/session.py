@@ -9,11 +9,11 @@ import torch
 
 from genfast.errors import UserError
 from genfast.hub import resolve_model
-from genfast.llm.checkpoint import load_model
+from genfast.llm.checkpoint import checkpoint_format, load_model
 from genfast.llm.generate import Generator
 from genfast.llm.model import Transformer
 from genfast.llm.tokenizer import Tokenizer, load_tokenizer
-from genfast.quant import QUANT_MODES
+from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, QUANT_MODES
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -53,14 +53,21 @@ class LoadedModel:
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
-    quant: str = "none"
+    quant: str = "none"  # how the weights are stored, e.g. "int4-g32" (also for quantized checkpoints)
 
 
 def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: int | None = None,
-         quant: str = "none") -> LoadedModel:
-    """Resolve, load and (optionally) quantize a model; `quant`: none | int8 (weight-only)."""
+         quant: str = "none", group_size: int | None = None) -> LoadedModel:
+    """Resolve, load and (optionally) quantize a model; `quant`: none | int8 | int4 (weight-only,
+    round-to-nearest, `group_size` columns per scale; default: per channel for int8, 32 for int4)."""
     if quant not in QUANT_MODES:
         raise UserError(f"unknown --quant {quant!r}; use one of {', '.join(QUANT_MODES)}")
+    if group_size is not None and quant == "none":
+        raise UserError("--group-size needs --quant int8 or int4")
+    if quant == "int4" and group_size is not None and group_size not in INT4_GROUP_SIZES:
+        raise UserError(f"--group-size for int4 must be one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+    if quant == "int8" and group_size is not None and group_size % 32:
+        raise UserError("--group-size for int8 must be a multiple of 32")
     if threads is not None:
         if threads < 1:
             raise UserError(f"--threads must be >= 1, got {threads}")
@@ -70,11 +77,53 @@ def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: 
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
     transformer = load_model(path, dt, dev)
-    if quant == "int8":
-        from genfast.quant.weight_only import quantize_linears_int8
+    if checkpoint_format(path) == "genfast":
+        if quant != "none":
+            raise UserError(f"{path} is already quantized; load it without --quant")
+    elif quant != "none":
+        quantize_loaded(path, transformer, 8 if quant == "int8" else 4, group_size)
+    return LoadedModel(path, transformer, tokenizer, dev, dt, describe_quantization(transformer))
 
-        quantize_linears_int8(transformer)
-    return LoadedModel(path, transformer, tokenizer, dev, dt, quant)
+
+def quantize_loaded(path: Path, model: Transformer, bits: int, group_size: int | None) -> list[str]:
+    """Round-to-nearest quantization of every linear of a loaded model. A GGUF source whose blocks
+    already are `bits`-bit codes on a genfast grid (Q8_0, Q4_0, Q4_1: group 32) is used as is when
+    the group size allows, instead of dequantizing and requantizing."""
+    from genfast.llm.checkpoint import gguf_quantized_linears
+    from genfast.quant.grids import QuantizedWeight
+    from genfast.quant.linear import QuantLinear, replace_linears
+
+    direct = {}
+    if checkpoint_format(path) == "gguf" and group_size in (None, 32):
+        direct = gguf_quantized_linears(path, bits)
+    default_group = group_size or (None if bits == 8 else DEFAULT_INT4_GROUP_SIZE)
+
+    def make(name: str, linear: torch.nn.Linear) -> QuantLinear:
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        if name in direct:
+            qw = direct[name]
+            device = linear.weight.device
+            qw = QuantizedWeight(qw.codes.to(device), qw.scales.to(device), qw.mins.to(device),
+                                 qw.bits, qw.group_size, qw.in_features)
+            return QuantLinear(qw, bias)
+        return QuantLinear.from_linear(linear, bits, default_group)
+
+    return replace_linears(model, make)
+
+
+def describe_quantization(model: torch.nn.Module) -> str:
+    """'none', or the schemes of the model's quantized linears, e.g. 'int4-g32' or 'int8-g576+int8-g32'."""
+    from genfast.quant.linear import QuantLinear
+
+    schemes = []
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            scheme = f"int{module.bits}-g{module.group_size}"
+            if module.group_size == module.padded_in_features and module.bits == 8:
+                scheme = "int8"  # one scale per output channel
+            if scheme not in schemes:
+                schemes.append(scheme)
+    return "+".join(schemes) or "none"
 
 
 def make_generator(loaded: LoadedModel, max_seq_len: int | None, batch_size: int, compile: bool) -> Generator:

@@ -25,7 +25,7 @@ def weight_bytes_per_step(model: Transformer) -> int:
         if cache is not None:
             total -= cache.k.nbytes + cache.v.nbytes
     emb = model.tok_embeddings.weight
-    if emb is not model.output.weight:
+    if emb is not getattr(model.output, "weight", None):  # untied, or the head is quantized
         total -= emb.numel() * emb.element_size()
     return total
 

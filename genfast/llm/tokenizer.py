@@ -74,6 +74,15 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
+    def save(self, directory: Path) -> None:
+        """Write tokenizer.json and the configs `load_tokenizer` reads back into an equal Tokenizer."""
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {"bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos,
+                  "chat_template": self.chat_template}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False))
+        generation = {"bos_token_id": self.bos_id, "eos_token_id": sorted(self.stop_ids)}
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=1))
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render a conversation with the model's own (jinja) template."""
         if not self.chat_template:
@@ -107,7 +116,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
     """From a HF model directory (tokenizer.json) or a GGUF file / directory holding one."""
     from genfast.llm.checkpoint import checkpoint_format, gguf_path
 
-    if checkpoint_format(path) == "hf":
+    if checkpoint_format(path) in ("hf", "genfast"):
         return _hf_tokenizer(path)
     from genfast.llm.gguf_file import open_gguf
 

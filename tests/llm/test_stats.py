@@ -21,16 +21,19 @@ def test_untied_input_embedding_is_not_read_per_step(tmp_path):
 
 
 def test_int8_weights_count_one_byte_plus_scales(tmp_path):
-    from genfast.quant.weight_only import quantize_linears_int8
+    from genfast.quant import kernels
+    from genfast.quant.linear import quantize_linears
 
     _, model = tiny_genfast_model("smollm", tmp_path)
     model = model.to(torch.bfloat16)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     linear_params = sum(m.weight.numel() for m in linears)
-    scale_count = sum(m.out_features for m in linears)
     before = weight_bytes_per_step(model)
-    quantize_linears_int8(model)
-    # Every linear (the tied head included) goes from 2 bytes a weight to 1, plus fp32 scales; the
-    # bf16 embedding the head shared is now only looked up, so it drops out.
-    expected = before - linear_params * 2 + linear_params + scale_count * 4
+    quantize_linears(model, 8)
+    # Every linear (the tied head included) goes from 2 bytes a weight to 1, plus an fp16 scale and
+    # minimum per row (kernel layout: rows padded to 16, columns to 32); the bf16 embedding the head
+    # shared is now only looked up, so it drops out.
+    pad = (lambda n, m: -(-n // m) * m) if kernels.available() else (lambda n, m: n)
+    quantized = sum(pad(m.out_features, 16) * (-(-m.in_features // 32) * 32 + 4) for m in linears)
+    expected = before - linear_params * 2 + quantized
     assert weight_bytes_per_step(model) == expected

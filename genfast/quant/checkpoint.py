@@ -1,0 +1,151 @@
+"""Quantized checkpoints: one safetensors file whose header says how every layer is quantized.
+
+Layout (format "genfast-quantized", version 1):
+- for each quantized linear NAME: `NAME.codes` (uint8; int4 codes two per byte, even column in the
+  low nibble), `NAME.scales` and `NAME.mins` (fp16, [out_features, groups]), `NAME.bias` if any;
+- every other tensor of the model under its state-dict name, in the dtype it was saved in;
+- header metadata: "format", "version", "layers" (JSON: NAME -> bits, group_size, in_features,
+  out_features, bias) and whatever the caller adds (the LLM adds its config and the method).
+Nothing is inferred from file names; a file that does not say what it is is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from genfast.errors import UserError
+from genfast.quant.grids import QuantizedWeight, check_group_size, pack_nibbles, unpack_nibbles
+from genfast.quant.linear import QuantLinear, replace_linears
+
+FORMAT = "genfast-quantized"
+VERSION = "1"
+
+
+def _storage_tensors(name: str, layer: QuantLinear) -> dict[str, Tensor]:
+    qw = layer.quantized_weight()
+    tensors = {f"{name}.codes": pack_nibbles(qw.codes) if qw.bits == 4 else qw.codes,
+               f"{name}.scales": qw.scales, f"{name}.mins": qw.mins}
+    if layer.bias is not None:
+        tensors[f"{name}.bias"] = layer.bias
+    return tensors
+
+
+def save_quantized(model: nn.Module, path: Path, metadata: dict[str, str] | None = None,
+                   float_dtype: torch.dtype | None = None) -> None:
+    """Write `model` (with QuantLinear layers) to `path`, atomically (a reader never sees half a file).
+    Unquantized floating-point tensors are stored in `float_dtype` (default: as they are)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, Tensor] = {}
+    layers: dict[str, dict[str, Any]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            tensors.update(_storage_tensors(name, module))
+            layers[name] = {"bits": module.bits, "group_size": module.group_size,
+                            "in_features": module.in_features, "out_features": module.out_features,
+                            "bias": module.bias is not None}
+    quantized_prefixes = tuple(f"{name}." for name in layers)
+    for name, tensor in model.state_dict().items():
+        if not name.startswith(quantized_prefixes) and ".kv_cache." not in name:
+            tensors[name] = tensor.to(float_dtype) if float_dtype and tensor.is_floating_point() else tensor
+    header = {"format": FORMAT, "version": VERSION, "layers": json.dumps(layers), **(metadata or {})}
+    # safetensors refuses shared or non-contiguous storage: give each tensor its own.
+    tensors = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+    staging = path.with_name(f".{path.name}.partial")
+    save_file(tensors, str(staging), metadata=header)
+    os.replace(staging, path)
+
+
+class QuantizedCheckpoint:
+    """A quantized safetensors file opened for reading (memory-mapped), with its header checked."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        self.path = path
+        try:
+            self._file = safe_open(str(path), framework="pt")
+        except (OSError, SafetensorError) as e:
+            raise UserError(f"cannot read {path} (missing, truncated or corrupt): {e}") from e
+        self.metadata: dict[str, str] = self._file.metadata() or {}
+        if self.metadata.get("format") != FORMAT:
+            raise UserError(f"{path} is not a genfast quantized checkpoint (no format={FORMAT!r} in its header)")
+        if self.metadata.get("version") != VERSION:
+            raise UserError(f"{path}: quantized checkpoint version {self.metadata.get('version')!r} is not "
+                            f"supported (this genfast reads version {VERSION})")
+        try:
+            self.layers: dict[str, dict[str, Any]] = json.loads(self.metadata["layers"])
+        except (KeyError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: header has no valid 'layers' entry: {e}") from e
+        self.names = set(self._file.keys())
+
+    def get(self, name: str) -> Tensor:
+        if name not in self.names:
+            raise UserError(f"{self.path}: tensor {name} is missing (the header and the tensors disagree)")
+        return self._file.get_tensor(name)
+
+    def quantized_weight(self, name: str) -> QuantizedWeight:
+        spec = self.layers[name]
+        try:
+            bits, group_size = int(spec["bits"]), int(spec["group_size"])
+            n, k = int(spec["out_features"]), int(spec["in_features"])
+            check_group_size(bits, group_size, k)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{self.path}: layer {name} has an invalid quantization entry {spec}: {e}") from e
+        codes, scales, mins = (self.get(f"{name}.{part}") for part in ("codes", "scales", "mins"))
+        k_padded = -(-k // group_size) * group_size
+        want = {"codes": (n, k_padded // 2 if bits == 4 else k_padded), "scales": (n, k_padded // group_size),
+                "mins": (n, k_padded // group_size)}
+        for part, tensor in (("codes", codes), ("scales", scales), ("mins", mins)):
+            if tuple(tensor.shape) != want[part]:
+                raise UserError(f"{self.path}: {name}.{part} has shape {tuple(tensor.shape)}, but the header "
+                                f"({bits}-bit, group {group_size}, {n}x{k}) implies {want[part]}")
+        if codes.dtype != torch.uint8 or scales.dtype != torch.float16 or mins.dtype != torch.float16:
+            raise UserError(f"{self.path}: layer {name} has tensors of unexpected dtypes "
+                            f"({codes.dtype}, {scales.dtype}, {mins.dtype})")
+        if bits == 4:
+            codes = unpack_nibbles(codes)
+        return QuantizedWeight(codes, scales, mins, bits, group_size, k)
+
+
+def load_quantized_into(model: nn.Module, checkpoint: QuantizedCheckpoint,
+                        convert: Callable[[str, Tensor], Tensor] | None = None) -> None:
+    """Replace the linears named in the header by QuantLinear layers and fill every other tensor.
+
+    `model` is built from the same config (on the target device, any floating dtype); `convert`
+    maps each floating tensor to the model's dtype/device (default: cast to the parameter's)."""
+    modules = dict(model.named_modules())
+    for name in checkpoint.layers:
+        if not isinstance(modules.get(name), nn.Linear):
+            raise UserError(f"{checkpoint.path}: header lists layer {name}, which this model has no linear for")
+
+    def make(name: str, linear: nn.Linear) -> QuantLinear:
+        qw = checkpoint.quantized_weight(name)
+        if (qw.out_features, qw.in_features) != tuple(linear.weight.shape):
+            raise UserError(f"{checkpoint.path}: layer {name} is {qw.out_features}x{qw.in_features} in the "
+                            f"checkpoint but {tuple(linear.weight.shape)} in the model config")
+        device = linear.weight.device
+        qw = QuantizedWeight(qw.codes.to(device), qw.scales.to(device), qw.mins.to(device), qw.bits,
+                             qw.group_size, qw.in_features)
+        bias = checkpoint.get(f"{name}.bias").to(device) if checkpoint.layers[name].get("bias") else None
+        return QuantLinear(qw, bias)
+
+    replace_linears(model, make, keep=lambda name, _: name not in checkpoint.layers)
+    state = model.state_dict()
+    quantized_prefixes = tuple(f"{name}." for name in checkpoint.layers)
+    with torch.no_grad():
+        for name, target in state.items():
+            if name.startswith(quantized_prefixes) or ".kv_cache." in name:
+                continue
+            tensor = checkpoint.get(name)
+            if tensor.shape != target.shape:
+                raise UserError(f"{checkpoint.path}: tensor {name} has shape {tuple(tensor.shape)}, the model "
+                                f"config implies {tuple(target.shape)}")
+            target.copy_(convert(name, tensor) if convert else tensor)

@@ -1,0 +1,126 @@
+"""QuantLinear: a linear layer over 8- or 4-bit weight codes (see `grids` for the number format).
+
+Kernels, chosen once per layer from its device:
+- CPU with AVX512-VNNI: `torch.ops.genfast.qlinear` (kernels/qlinear_avx512.cpp), for any number
+  of rows, eager or compiled; activations are quantized to int8 per block of 32 inside the kernel.
+- elsewhere: dequantize to the activation dtype and matmul. Under torch.compile a one-row input
+  becomes a single fused loop that reads the codes (`row_linear`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from genfast.nn import row_linear
+from genfast.quant import kernels
+from genfast.quant.grids import QuantizedWeight, pack_nibbles, unpack_nibbles
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    return F.pad(t, (0, 0, 0, rows - t.shape[0])) if rows != t.shape[0] else t
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequantize(weight)^T + bias. Build with `from_quantized` or `from_linear`."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = qweight.in_features, qweight.out_features
+        self.bits, self.group_size = qweight.bits, qweight.group_size
+        self.padded_in_features = qweight.codes.shape[1]
+        device = qweight.codes.device
+        self.native = device.type == "cpu" and kernels.available()
+        # Buffers hold the kernel's layout; `quantized_weight()` gives back the canonical form.
+        if self.native:
+            rows = -(-self.out_features // kernels.TILE_ROWS) * kernels.TILE_ROWS
+            self.register_buffer("codes", kernels.pack_tiles(_pad_rows(qweight.codes, rows), self.bits))
+            self.register_buffer("scales", _pad_rows(qweight.scales, rows).t().contiguous())
+            self.register_buffer("mins", _pad_rows(qweight.mins, rows).t().contiguous())
+        else:
+            codes = pack_nibbles(qweight.codes) if self.bits == 4 else qweight.codes
+            self.register_buffer("codes", codes.contiguous())
+            self.register_buffer("scales", qweight.scales.contiguous())
+            self.register_buffer("mins", qweight.mins.contiguous())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_quantized(cls, qweight: QuantizedWeight, bias: Tensor | None = None) -> "QuantLinear":
+        return cls(qweight, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None = None) -> "QuantLinear":
+        from genfast.quant.grids import quantize
+
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(quantize(linear.weight, bits, group_size), bias)
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The canonical (storage) form of this layer's weight."""
+        n, k = self.out_features, self.padded_in_features
+        if self.native:
+            rows = self.scales.shape[1]
+            codes = kernels.unpack_tiles(self.codes, self.bits, rows, k)[:n]
+            scales, mins = self.scales.t()[:n], self.mins.t()[:n]
+        else:
+            codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
+            scales, mins = self.scales, self.mins
+        return QuantizedWeight(codes.contiguous(), scales.contiguous(), mins.contiguous(),
+                               self.bits, self.group_size, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return self.quantized_weight().dequantize(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.native and x.dtype in (torch.float32, torch.bfloat16):
+            rows = x.reshape(-1, self.in_features)
+            if self.padded_in_features != self.in_features:
+                rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+            out = torch.ops.genfast.qlinear(rows, self.codes, self.scales, self.mins, self.bits,
+                                            self.group_size, self.out_features)
+            out = out.reshape(*x.shape[:-1], self.out_features)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+        weight = self._dequantize_fallback(x.dtype)
+        if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
+            return row_linear(x, weight, self.bias)
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    def _dequantize_fallback(self, dtype: torch.dtype) -> Tensor:
+        codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
+        n, k = codes.shape
+        groups = codes.reshape(n, -1, self.group_size).to(dtype)
+        w = groups * self.scales[..., None].to(dtype) + self.mins[..., None].to(dtype)
+        return w.reshape(n, k)[:, : self.in_features]
+
+    def extra_repr(self) -> str:
+        kernel = "avx512-vnni" if self.native else "dequantize"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}, kernel={kernel}")
+
+
+LinearFilter = Callable[[str, nn.Linear], bool]
+
+
+def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module],
+                    keep: LinearFilter | None = None) -> list[str]:
+    """Swap every nn.Linear for which `keep(name, linear)` is not True by `make(name, linear)`.
+
+    Returns the names replaced. A weight tied to another module (e.g. an output head sharing the
+    embedding table) is untied: the other module keeps its floating-point tensor.
+    """
+    targets = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not (keep and keep(name, m))]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, make(name, linear))
+    return [name for name, _ in targets]
+
+
+def quantize_linears(model: nn.Module, bits: int, group_size: int | None = None,
+                     keep: LinearFilter | None = None) -> list[str]:
+    """Round-to-nearest weight-only quantization of a model's linears, in place."""
+    return replace_linears(model, lambda _, linear: QuantLinear.from_linear(linear, bits, group_size), keep)

@@ -1,0 +1,151 @@
+"""Quantization grids, the kernel layout and QuantLinear against the dequantized reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genfast.quant import kernels
+from genfast.quant.grids import QuantizedWeight, check_group_size, pack_nibbles, quantize, unpack_nibbles
+from genfast.quant.linear import QuantLinear, quantize_linears
+
+NATIVE = kernels.available()
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: {kernels.unavailable_reason()}")
+
+# Native kernel budget: activations are quantized to int8 per block of 32 (~0.4% error per value),
+# so outputs stay within 2% relative (Frobenius) of the exact product with the same weights.
+NATIVE_REL_TOL = 2e-2
+SCHEMES = [(8, None), (8, 32), (4, 32), (4, 64), (4, 128), (4, 256)]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("bits,group_size", SCHEMES)
+@pytest.mark.parametrize("shape", [(48, 64), (33, 72), (5, 300)])
+def test_rounding_error_is_at_most_half_a_step(bits, group_size, shape):
+    w = torch.randn(shape) * torch.rand(shape[0], 1) * 3
+    qw = quantize(w, bits, group_size)
+    assert qw.codes.dtype == torch.uint8
+    assert qw.codes.min() >= 1 if bits == 8 else qw.codes.max() <= 15  # int8: q = u - 128 in [-127, 127]
+    assert qw.codes.shape[1] % qw.group_size == 0 and qw.codes.shape[1] >= shape[1]
+    step = qw.scales.float().repeat_interleave(qw.group_size, dim=1)[:, : shape[1]]
+    assert ((qw.dequantize() - w).abs() <= step / 2 + 1e-6 * w.abs().max()).all()
+
+
+def test_int8_is_symmetric_and_zero_is_exact():
+    w = torch.randn(16, 64)
+    w[:, :5] = 0
+    assert (quantize(w, 8, 32).dequantize()[:, :5] == 0).all()
+    qw = quantize(w, 8)
+    assert torch.equal(qw.mins.float(), -128 * qw.scales.float())
+
+
+def test_bad_group_sizes_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        check_group_size(4, 48, 96)
+    with pytest.raises(ValueError, match="one of"):
+        check_group_size(4, 96, 512)
+    with pytest.raises(ValueError, match="bits"):
+        check_group_size(3, 32, 64)
+
+
+def test_nibble_and_tile_layouts_round_trip():
+    codes = torch.randint(0, 16, (48, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+    for bits, top in ((8, 256), (4, 16)):
+        codes = torch.randint(0, top, (48, 64), dtype=torch.uint8)
+        packed = kernels.pack_tiles(codes, bits)
+        assert packed.numel() == codes.numel() * bits // 8
+        assert torch.equal(kernels.unpack_tiles(packed, bits, 48, 64), codes)
+
+
+def make_layer(in_features, out_features, bits, group_size, bias, dtype, native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    layer = QuantLinear.from_linear(linear, bits, group_size)
+    if layer.bias is not None:
+        layer.bias = layer.bias.to(dtype)
+    assert layer.native == native
+    return layer
+
+
+def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    bias = None if layer.bias is None else layer.bias.float()
+    return F.linear(x.float(), layer.dequantize(), bias)
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
+@pytest.mark.parametrize("bits,group_size", SCHEMES)
+@pytest.mark.parametrize("in_features,out_features", [(64, 48), (72, 40)])  # 72/40: padded columns and rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_matches_dequantized_reference(native, bits, group_size, in_features, out_features, dtype,
+                                             monkeypatch):
+    torch.manual_seed(0)
+    layer = make_layer(in_features, out_features, bits, group_size, True, dtype, native, monkeypatch)
+    for rows in (1, 7):
+        x = torch.randn(2, rows, in_features, dtype=dtype)
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (2, rows, out_features)
+        # fallback: exact up to the activation dtype (bf16 products are rounded to bf16)
+        tol = NATIVE_REL_TOL if native else (1e-5 if dtype == torch.float32 else 1e-2)
+        assert rel_err(got, reference(layer, x)) < tol
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, None), (4, 64)])
+def test_quantized_weight_round_trips_through_the_layer(bits, group_size):
+    qw = quantize(torch.randn(40, 72), bits, group_size)
+    back = QuantLinear(qw).quantized_weight()
+    for name in ("codes", "scales", "mins"):
+        assert torch.equal(getattr(back, name), getattr(qw, name)), name
+    assert (back.bits, back.group_size, back.in_features) == (qw.bits, qw.group_size, qw.in_features)
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
+def test_compiled_layer_matches_eager(native, monkeypatch):
+    """One-row decode shape and a dynamic number of rows behind a fused op (prefill shape)."""
+    from genfast.compile import compile_fn
+
+    torch.manual_seed(0)
+    layer = make_layer(96, 50, 4, 32, True, torch.bfloat16, native, monkeypatch)
+
+    def step(x):
+        return layer(F.silu(x) * 2)
+
+    compiled = compile_fn(step, "cpu", decode=False)
+    with torch.inference_mode():
+        for rows in (1, 3, 9):
+            x = torch.randn(1, rows, 96, dtype=torch.bfloat16)
+            if rows > 1:
+                torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(compiled(x).float(), step(x).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("bits,group_size,min_cosine", [(8, None, 0.999), (4, 32, 0.98)])  # int4: 16 levels per group of random weights
+def test_quantized_tiny_model_stays_close(bits, group_size, min_cosine, tmp_path):
+    from tests.llm.hf_fixtures import tiny_genfast_model
+
+    _, model = tiny_genfast_model("llama3", tmp_path)
+    tokens = torch.randint(0, 320, (1, 24))
+    pos = torch.arange(24)
+    with torch.no_grad():
+        want = model(tokens, pos, all_logits=True)[0]
+        assert len(quantize_linears(model, bits, group_size)) == 2 * 4 + 1  # 4 per layer + the head
+        got = model(tokens, pos, all_logits=True)[0]
+    assert isinstance(model.output, QuantLinear)
+    assert F.cosine_similarity(got, want, dim=-1).min() >= min_cosine
+
+
+def test_filter_keeps_layers_unquantized(tmp_path):
+    from tests.llm.hf_fixtures import tiny_genfast_model
+
+    _, model = tiny_genfast_model("smollm", tmp_path)
+    names = quantize_linears(model, 8, keep=lambda name, m: name == "output")
+    assert len(names) == 3 * 4 and isinstance(model.output, torch.nn.Linear)
+
+
+def test_quantized_weight_dequantize_drops_padding():
+    qw = QuantizedWeight(torch.full((2, 64), 3, dtype=torch.uint8), torch.ones(2, 2, dtype=torch.float16),
+                         torch.full((2, 2), -1.0, dtype=torch.float16), 4, 32, 40)
+    assert torch.equal(qw.dequantize(), torch.full((2, 40), 2.0))
