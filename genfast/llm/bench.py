@@ -45,15 +45,18 @@ LADDER = [
     Step("eager-bf16", "bfloat16", False, "bf16 weights and cache"),
     Step("compiled-fp32", "float32", True, "torch.compile (freezing) of prefill and decode, fp32"),
     Step("compiled-bf16", "bfloat16", True, "torch.compile (freezing) of prefill and decode, bf16"),
-    Step("compiled-bf16-int8", "bfloat16", True, "+ int8 weight-only linears (per-channel scales)", "int8"),
+    Step("compiled-bf16-int8", "bfloat16", True, "+ int8 weights (per-channel scales; VNNI kernel on CPU)", "int8"),
+    Step("compiled-bf16-int4", "bfloat16", True, "+ int4 weights (groups of 32; VNNI kernel on CPU)", "int4"),
 ]
 BASELINE = LADDER[0].name
+BF16 = "compiled-bf16"  # the quantized rows' reference (the issue's speed bars are relative to it)
 
 COLUMNS = [
     ("step", "step", ""),
     ("decode_tok_s", "decode tok/s", ".1f"),
     ("decode_range", "min-max", ""),
     ("speedup", "vs baseline", ".2f"),
+    ("vs_bf16", "vs bf16", ".2f"),
     ("prefill_tok_s", "prefill tok/s", ".0f"),
     ("ttft_ms", "TTFT ms", ".0f"),
     ("bytes_per_token_mb", "MB/token", ".1f"),
@@ -101,6 +104,7 @@ def run_step(step: Step, args: argparse.Namespace) -> dict[str, Any]:
         "gb_s": traffic.bytes_per_s / 1e9,
         "mbu": traffic.mbu(peak_bw),
         "peak_bw_gb_s": peak_bw / 1e9,
+        "quant": loaded.quant,
         "peak_mem_gb": peak_memory_bytes(loaded.device) / 1e9,
         "compile_s": compile_s,
         "tokens": results[0].token_ids[0],
@@ -135,7 +139,10 @@ def bench_command(args: argparse.Namespace) -> int:
         rows.append(_run_isolated(step, args, str(model_path), peak_bw))
     base = next((r for r in rows if r["step"] == BASELINE), None)
     base_tokens = base["tokens"] if base else None
+    bf16 = next((r for r in rows if r["step"] == BF16), None)
     for row in rows:
+        if bf16 is not None:
+            row["vs_bf16"] = row["decode_tok_s"] / bf16["decode_tok_s"]
         tokens = row.pop("tokens")
         row["decode_range"] = f"{row['decode_tok_s_min']:.0f}-{row['decode_tok_s_max']:.0f}"
         if base is not None:

@@ -165,6 +165,11 @@ class Transformer(nn.Module):
                                                self.args.head_dim, dtype, device)
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
 
+    def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """fp32 cos and sin of the rotary angles at `input_pos` [S]: [S, head_dim // 2] each."""
+        angles = input_pos.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
+        return angles.cos(), angles.sin()
+
     def clear_caches(self) -> None:
         for layer in self.layers:
             layer.attention.kv_cache = None
@@ -181,8 +186,7 @@ class Transformer(nn.Module):
         """
         if mask is None:
             mask = attention_mask(input_pos, tokens.shape[1])
-        angles = input_pos.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = self.rope(input_pos)
 
         x = self.tok_embeddings(tokens)
         for layer in self.layers:

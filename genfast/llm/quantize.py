@@ -56,7 +56,7 @@ def gptq_quantize_model(loaded: LoadedModel, group_size: int, calibration: Path 
                         window: int) -> str:
     """Replace the model's linears by GPTQ int4 layers; returns a description of the calibration."""
     from genfast.llm.corpus import calibration_text
-    from genfast.quant.gptq import calibrate_gptq, calibration_windows
+    from genfast.llm.calibration import calibrate_gptq, calibration_windows
     from genfast.quant.linear import QuantLinear, replace_linears
 
     if calibration is not None:

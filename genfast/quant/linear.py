@@ -1,10 +1,15 @@
 """QuantLinear: a linear layer over 8- or 4-bit weight codes (see `grids` for the number format).
 
+Two uses: weight-only quantization (memory-bound decode: fewer bytes per weight) and dynamic int8
+(compute-bound layers: int8 x int8 products; `dynamic=True`, per-channel int8 weights only).
+
 Kernels, chosen once per layer from its device:
 - CPU with AVX512-VNNI: `torch.ops.genfast.qlinear` (kernels/qlinear_avx512.cpp), for any number
-  of rows, eager or compiled; activations are quantized to int8 per block of 32 inside the kernel.
-- elsewhere: dequantize to the activation dtype and matmul. Under torch.compile a one-row input
-  becomes a single fused loop that reads the codes (`row_linear`).
+  of rows, eager or compiled. It always quantizes activations to int8 per block of 32 (finer than
+  per token), so on such CPUs weight-only int8 and dynamic int8 are the same computation.
+- elsewhere, weight-only: dequantize to the activation dtype and matmul. Under torch.compile a
+  one-row input becomes a single fused loop that reads the codes (`row_linear`).
+- elsewhere, dynamic: activations quantized per token, `torch._int_mm`, rescaled.
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 class QuantLinear(nn.Module):
     """y = x @ dequantize(weight)^T + bias. Build with `from_quantized` or `from_linear`."""
 
-    def __init__(self, qweight: QuantizedWeight, bias: Tensor | None = None) -> None:
+    def __init__(self, qweight: QuantizedWeight, bias: Tensor | None = None, dynamic: bool = False) -> None:
         super().__init__()
+        if dynamic and (qweight.bits != 8 or qweight.group_size != qweight.codes.shape[1]):
+            raise ValueError("dynamic int8 needs 8-bit weights with one scale per output channel")
+        self.dynamic = dynamic
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.padded_in_features = qweight.codes.shape[1]
@@ -52,11 +60,12 @@ class QuantLinear(nn.Module):
         return cls(qweight, bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None = None) -> "QuantLinear":
+    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None = None,
+                    dynamic: bool = False) -> "QuantLinear":
         from genfast.quant.grids import quantize
 
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(quantize(linear.weight, bits, group_size), bias)
+        return cls(quantize(linear.weight, bits, group_size), bias, dynamic)
 
     def quantized_weight(self) -> QuantizedWeight:
         """The canonical (storage) form of this layer's weight."""
@@ -83,6 +92,8 @@ class QuantLinear(nn.Module):
                                             self.group_size, self.out_features)
             out = out.reshape(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias.to(out.dtype)
+        if self.dynamic:
+            return self._dynamic_int8_fallback(x)
         weight = self._dequantize_fallback(x.dtype)
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
             return row_linear(x, weight, self.bias)
@@ -95,8 +106,25 @@ class QuantLinear(nn.Module):
         w = groups * self.scales[..., None].to(dtype) + self.mins[..., None].to(dtype)
         return w.reshape(n, k)[:, : self.in_features]
 
+    def _dynamic_int8_fallback(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        if self.padded_in_features != self.in_features:
+            rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+        row_scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        xq = torch.round(rows / row_scales).to(torch.int8)
+        wq = (self.codes.to(torch.int16) - 128).to(torch.int8)
+        # torch._int_mm wants more than 16 rows on CUDA; pad with zero rows.
+        m = xq.shape[0]
+        if m <= 16:
+            xq = F.pad(xq, (0, 0, 0, 17 - m))
+        acc = torch._int_mm(xq, wq.t())[:m]
+        out = acc.float() * row_scales * self.scales[:, 0].float()
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
-        kernel = "avx512-vnni" if self.native else "dequantize"
+        kernel = "avx512-vnni" if self.native else ("int_mm" if self.dynamic else "dequantize")
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}, kernel={kernel}")
 
@@ -124,3 +152,9 @@ def quantize_linears(model: nn.Module, bits: int, group_size: int | None = None,
                      keep: LinearFilter | None = None) -> list[str]:
     """Round-to-nearest weight-only quantization of a model's linears, in place."""
     return replace_linears(model, lambda _, linear: QuantLinear.from_linear(linear, bits, group_size), keep)
+
+
+def quantize_dynamic_int8(model: nn.Module, keep: LinearFilter | None = None) -> list[str]:
+    """Dynamic int8 (int8 activations x per-channel int8 weights) for the linears `keep` does not
+    claim; `keep(name, linear)` is the hook that excludes layers (e.g. small or sensitive ones)."""
+    return replace_linears(model, lambda _, linear: QuantLinear.from_linear(linear, 8, dynamic=True), keep)

@@ -149,3 +149,40 @@ def test_quantized_weight_dequantize_drops_padding():
     qw = QuantizedWeight(torch.full((2, 64), 3, dtype=torch.uint8), torch.ones(2, 2, dtype=torch.float16),
                          torch.full((2, 2), -1.0, dtype=torch.float16), 4, 32, 40)
     assert torch.equal(qw.dequantize(), torch.full((2, 40), 2.0))
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_dynamic_int8_matches_reference(native, rows, monkeypatch):
+    """Per-token int8 activations (torch._int_mm) or per-block ones (native): within 2%."""
+    if not native:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    torch.manual_seed(0)
+    layer = QuantLinear.from_linear(torch.nn.Linear(72, 40), 8, dynamic=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, 72, dtype=dtype)
+        got = layer(x)
+        assert got.dtype == dtype
+        assert rel_err(got, reference(layer, x)) < NATIVE_REL_TOL
+
+
+def test_dynamic_int8_filter_hook_and_validation(tmp_path):
+    from genfast.quant.grids import quantize
+    from genfast.quant.linear import quantize_dynamic_int8
+    from tests.llm.hf_fixtures import tiny_genfast_model
+
+    _, model = tiny_genfast_model("llama3", tmp_path)
+    names = quantize_dynamic_int8(model, keep=lambda name, linear: linear.in_features < 100)
+    assert names == [f"layers.{i}.feed_forward.w2" for i in range(2)]  # the only layers with K >= 100
+    assert all(model.get_submodule(n).dynamic for n in names)
+    with pytest.raises(ValueError, match="per output channel"):
+        QuantLinear(quantize(torch.randn(8, 64), 4, 32), dynamic=True)
+
+
+def test_native_kernel_is_built_where_the_cpu_supports_it():
+    """Where the CPU has the instructions, a failed build is a bug, not a silent slow path."""
+    if any(flag not in kernels.cpu_flags() for flag in kernels.REQUIRED_CPU_FLAGS):
+        pytest.skip("this CPU lacks AVX512-VNNI")
+    if kernels.unavailable_reason() == "disabled by GENFAST_NATIVE_KERNELS=0":
+        pytest.skip("disabled by the environment")
+    assert kernels.unavailable_reason() is None
