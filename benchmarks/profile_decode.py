@@ -1,6 +1,6 @@
 """Where a compiled decode step's time goes: torch profiler table over 32 greedy tokens.
 
-    python benchmarks/profile_decode.py [--model PATH] [--dtype bfloat16]
+    python benchmarks/profile_decode.py [--model PATH] [--dtype bfloat16] [--quant int4 [--group-size 32]]
 """
 
 import argparse
@@ -15,8 +15,10 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--quant", default="none")
+    parser.add_argument("--group-size", type=int, default=None)
     args = parser.parse_args()
-    loaded = load(args.model, "cpu", args.dtype)
+    loaded = load(args.model, "cpu", args.dtype, quant=args.quant, group_size=args.group_size)
     generator = make_generator(loaded, 512, 1, compile=True)
     generator.warmup()
     prompt = loaded.tokenizer.encode("The capital of France is")

@@ -13,13 +13,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 from genfast import __version__
 from genfast.errors import UserError
 from genfast.hub import publish_directory
 from genfast.llm.checkpoint import QUANTIZED_FILE, checkpoint_format
-from genfast.llm.session import DTYPES, LoadedModel, describe_quantization, load, quantize_loaded
+from genfast.llm.session import DTYPES, HEAD, LoadedModel, describe_quantization, load, quantize_loaded
 from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 
 
@@ -55,9 +54,8 @@ def _is_quantize_output(directory: Path) -> bool:
 def gptq_quantize_model(loaded: LoadedModel, group_size: int, calibration: Path | None, n_windows: int,
                         window: int) -> str:
     """Replace the model's linears by GPTQ int4 layers; returns a description of the calibration."""
-    from genfast.llm.corpus import calibration_text
     from genfast.llm.calibration import calibrate_gptq, calibration_windows
-    from genfast.quant.linear import QuantLinear, replace_linears
+    from genfast.llm.corpus import calibration_text
 
     if calibration is not None:
         if not calibration.is_file():
@@ -74,14 +72,11 @@ def gptq_quantize_model(loaded: LoadedModel, group_size: int, calibration: Path 
     except ValueError as e:
         raise UserError(f"calibration text too short: {e}") from e
     start = time.perf_counter()
-    weights = calibrate_gptq(loaded.model, windows, bits=4, group_size=group_size, progress=_log)
+    # The head is not GPTQ'd: int4 models keep it in int8 (session.INT4_HEAD_BITS).
+    weights = calibrate_gptq(loaded.model, windows, bits=4, group_size=group_size, progress=_log,
+                             skip=lambda name, _: name == HEAD)
     _log(f"genfast: GPTQ done in {time.perf_counter() - start:.0f} s")
-
-    def make(name: str, linear: torch.nn.Linear) -> QuantLinear:
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        return QuantLinear(weights[name], bias)
-
-    replace_linears(loaded.model, make, keep=lambda name, _: name not in weights)
+    quantize_loaded(loaded.path, loaded.model, 4, group_size, precomputed=weights)
     return f"{source}: {windows.shape[0]} windows x {windows.shape[1]} tokens"
 
 

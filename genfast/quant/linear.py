@@ -44,10 +44,9 @@ class QuantLinear(nn.Module):
         self.native = device.type == "cpu" and kernels.available()
         # Buffers hold the kernel's layout; `quantized_weight()` gives back the canonical form.
         if self.native:
-            rows = -(-self.out_features // kernels.TILE_ROWS) * kernels.TILE_ROWS
-            self.register_buffer("codes", kernels.pack_tiles(_pad_rows(qweight.codes, rows), self.bits))
-            self.register_buffer("scales", _pad_rows(qweight.scales, rows).t().contiguous())
-            self.register_buffer("mins", _pad_rows(qweight.mins, rows).t().contiguous())
+            self.padded_out_features = -(-self.out_features // kernels.ROW_GROUP) * kernels.ROW_GROUP
+            parts = (_pad_rows(t, self.padded_out_features) for t in (qweight.codes, qweight.scales, qweight.mins))
+            self.register_buffer("packed", kernels.pack(*parts, self.bits))
         else:
             codes = pack_nibbles(qweight.codes) if self.bits == 4 else qweight.codes
             self.register_buffer("codes", codes.contiguous())
@@ -71,9 +70,8 @@ class QuantLinear(nn.Module):
         """The canonical (storage) form of this layer's weight."""
         n, k = self.out_features, self.padded_in_features
         if self.native:
-            rows = self.scales.shape[1]
-            codes = kernels.unpack_tiles(self.codes, self.bits, rows, k)[:n]
-            scales, mins = self.scales.t()[:n], self.mins.t()[:n]
+            codes, scales, mins = (t[:n] for t in kernels.unpack(self.packed, self.bits, self.padded_out_features,
+                                                                  k, self.group_size))
         else:
             codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
             scales, mins = self.scales, self.mins
@@ -88,8 +86,7 @@ class QuantLinear(nn.Module):
             rows = x.reshape(-1, self.in_features)
             if self.padded_in_features != self.in_features:
                 rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
-            out = torch.ops.genfast.qlinear(rows, self.codes, self.scales, self.mins, self.bits,
-                                            self.group_size, self.out_features)
+            out = torch.ops.genfast.qlinear(rows, self.packed, self.bits, self.group_size, self.out_features)
             out = out.reshape(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias.to(out.dtype)
         if self.dynamic:

@@ -37,7 +37,7 @@ def test_quant_on_load_uses_gguf_blocks_unless_the_group_size_differs(tmp_path):
     loaded = load(str(path), "cpu", "float32", quant="int4")
     w2 = loaded.model.layers[0].feed_forward.w2
     assert isinstance(w2, QuantLinear) and torch.equal(w2.quantized_weight().codes, direct.codes)
-    assert loaded.quant == "int4-g32"
+    assert loaded.quant == "int4-g32+int8"  # int4 linears, int8 head
     regrouped = load(str(path), "cpu", "float32", quant="int4", group_size=64).model.layers[0].feed_forward.w2
     assert regrouped.group_size == 64
 
@@ -66,7 +66,7 @@ def greedy(model_spec: str, **load_args) -> list[int]:
     return generator.generate([ids], 16, SamplingParams(), stop_at_eos=False).token_ids[0]
 
 
-@pytest.mark.parametrize("mode,flags,scheme", [("int8", [], "int8"), ("int4", ["--group-size", "64"], "int4-g64")])
+@pytest.mark.parametrize("mode,flags,scheme", [("int8", [], "int8"), ("int4", ["--group-size", "64"], "int4-g64+int8")])
 def test_quantize_writes_a_directory_that_loads_to_the_same_model(mode, flags, scheme, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "q"
     assert main(["quantize", "-m", str(tiny_model_dir), "--mode", mode, "-o", str(out), "--dtype", "float32", *flags]) == 0
@@ -95,7 +95,7 @@ def test_quantize_protects_existing_directories(tiny_model_dir, tmp_path, capsys
     assert main([*base, "-o", str(out)]) == 0
     assert main([*base, "-o", str(out)]) == 2
     assert main([*base[:-1], "int4", "-o", str(out), "--force"]) == 0  # replaces an earlier output
-    assert load(str(out), "cpu", "float32").quant == "int4-g32"
+    assert load(str(out), "cpu", "float32").quant == "int4-g32+int8"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
 
 
@@ -118,3 +118,30 @@ def test_quantized_checkpoint_refuses_quant_again(tiny_model_dir, tmp_path):
         load(str(out), "cpu", "float32", quant="int4")
     with pytest.raises(UserError, match="--group-size needs --quant"):
         load(str(tiny_model_dir), "cpu", "float32", group_size=32)
+
+
+def test_quantize_gptq_writes_a_calibrated_int4_directory(tiny_model_dir, tmp_path, capsys):
+    from genfast.quant.checkpoint import QuantizedCheckpoint
+
+    rng = torch.Generator().manual_seed(0)
+    text = " ".join(f"w{i}" for i in torch.randint(4, 256, (400,), generator=rng).tolist())
+    (tmp_path / "calib.txt").write_text(text)
+    out = tmp_path / "q"
+    argv = ["quantize", "-m", str(tiny_model_dir), "--mode", "int4-gptq", "--group-size", "32", "-o", str(out),
+            "--calibration", str(tmp_path / "calib.txt"), "--calibration-windows", "4", "--calibration-window", "64"]
+    assert main(argv) == 0
+    assert "int4-g32" in capsys.readouterr().out
+    header = QuantizedCheckpoint(out / "model.safetensors").metadata
+    assert header["mode"] == "int4-gptq" and header["calibration"].endswith("4 windows x 64 tokens")
+    loaded = load(str(out), "cpu", "float32")
+    assert all(isinstance(m, QuantLinear) for m in (loaded.model.output, loaded.model.layers[1].feed_forward.w2))
+    assert len(greedy(str(out))) == 16
+
+
+def test_int4_keeps_the_output_head_in_int8(tmp_path):
+    """The head is the most quantization-sensitive layer: int4 models keep it at 8 bits."""
+
+    directory = save_hf_model(make_hf_model("llama3"), tmp_path / "m")
+    word_tokenizer(320).save(directory)
+    model = load(str(directory), "cpu", "float32", quant="int4", group_size=64).model
+    assert model.output.bits == 8 and model.layers[0].attention.wqkv.bits == 4

@@ -31,9 +31,9 @@ def test_int8_weights_count_one_byte_plus_scales(tmp_path):
     before = weight_bytes_per_step(model)
     quantize_linears(model, 8)
     # Every linear (the tied head included) goes from 2 bytes a weight to 1, plus an fp16 scale and
-    # minimum per row (kernel layout: rows padded to 16, columns to 32); the bf16 embedding the head
+    # minimum per row (kernel layout: rows padded to 64, columns to 32); the bf16 embedding the head
     # shared is now only looked up, so it drops out.
     pad = (lambda n, m: -(-n // m) * m) if kernels.available() else (lambda n, m: n)
-    quantized = sum(pad(m.out_features, 16) * (-(-m.in_features // 32) * 32 + 4) for m in linears)
+    quantized = sum(pad(m.out_features, 64) * (-(-m.in_features // 32) * 32 + 4) for m in linears)
     expected = before - linear_params * 2 + quantized
     assert weight_bytes_per_step(model) == expected

@@ -22,9 +22,11 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qlinear_avx512.cpp")
-TILE_ROWS = 16  # output rows per tile; padded with zero rows to a multiple of this
+TILE_ROWS = 16  # output rows per tile
+ROW_GROUP = 64  # rows per unit of work (4 tiles); weights are padded with zero rows to a multiple
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"]
+# -fopenmp: at::parallel_for is OpenMP pragmas in headers; without the flag it runs on one thread.
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"]
 
 
 def kernel_dir() -> Path:
@@ -63,7 +65,7 @@ def _load() -> str | None:
     build = kernel_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False, verbose=False)
     except (OSError, RuntimeError) as exc:  # no compiler, no ninja, build error
         log.warning("genfast: native int8/int4 CPU kernel unavailable (%s); using the PyTorch path", exc)
@@ -77,31 +79,49 @@ def available() -> bool:
 
 # The schema lives here, not in C++, so the op (and its shape function for torch.compile) exists
 # whether or not the native library could be built.
-torch.library.define(
-    "genfast::qlinear",
-    "(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int group_size, int out_features) -> Tensor")
+torch.library.define("genfast::qlinear", "(Tensor x, Tensor packed, int bits, int group_size, int out_features) -> Tensor")
 
 
 @torch.library.register_fake("genfast::qlinear")
-def _qlinear_fake(x: Tensor, packed: Tensor, scales: Tensor, mins: Tensor, bits: int, group_size: int,
-                  out_features: int) -> Tensor:
+def _qlinear_fake(x: Tensor, packed: Tensor, bits: int, group_size: int, out_features: int) -> Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
+# Codes [N, K] viewed as (row group s, tile t, row r, block b, chunk c, [nibble half h,] byte j);
+# the kernel wants (s, b, t, c, r, j): see the layout notes in qlinear_avx512.cpp.
+_TILES = ROW_GROUP // TILE_ROWS
+
+
+def pack(codes: Tensor, scales: Tensor, mins: Tensor, bits: int) -> Tensor:
+    """The kernel's single weight buffer: tiled codes, then scales^T and mins^T (fp16 bytes).
+    codes [N_padded, K], scales and mins [N_padded, groups]."""
+    parts = [pack_tiles(codes, bits)] + [t.t().contiguous().reshape(-1).view(torch.uint8) for t in (scales, mins)]
+    return torch.cat(parts)
+
+
+def unpack(packed: Tensor, bits: int, n: int, k: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of pack: codes [n, k], scales and mins [n, k // group_size]."""
+    code_bytes, groups = n * k * bits // 8, k // group_size
+    codes = unpack_tiles(packed[:code_bytes], bits, n, k)
+    grids = packed[code_bytes:].view(torch.float16).reshape(2, groups, n)
+    return codes, grids[0].t(), grids[1].t()
+
+
 def pack_tiles(codes: Tensor, bits: int) -> Tensor:
-    """Codes [N_padded, K] (uint8, N_padded a multiple of 16, K of 8) -> the kernel's tile layout."""
+    """Codes [N_padded, K] (uint8, N_padded a multiple of 64, K of 32) -> the kernel's layout."""
     n, k = codes.shape
     if bits == 8:
-        tiles = codes.reshape(n // TILE_ROWS, TILE_ROWS, k // 4, 4).transpose(1, 2)
+        view = codes.reshape(n // ROW_GROUP, _TILES, TILE_ROWS, k // 32, 8, 4)
     else:
-        chunks = codes.reshape(n // TILE_ROWS, TILE_ROWS, k // 8, 2, 4)
-        tiles = (chunks[:, :, :, 0] | (chunks[:, :, :, 1] << 4)).transpose(1, 2)
-    return tiles.contiguous().reshape(-1)
+        halves = codes.reshape(n // ROW_GROUP, _TILES, TILE_ROWS, k // 32, 4, 2, 4)
+        view = halves[..., 0, :] | (halves[..., 1, :] << 4)
+    return view.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(-1)
 
 
 def unpack_tiles(packed: Tensor, bits: int, n: int, k: int) -> Tensor:
     """Inverse of pack_tiles: [N_padded, K] codes."""
-    if bits == 8:
-        return packed.reshape(n // TILE_ROWS, k // 4, TILE_ROWS, 4).transpose(1, 2).reshape(n, k)
-    tiles = packed.reshape(n // TILE_ROWS, k // 8, TILE_ROWS, 4).transpose(1, 2)
-    return torch.stack([tiles & 0x0F, tiles >> 4], dim=3).reshape(n, k)
+    chunks = 8 if bits == 8 else 4
+    view = packed.reshape(n // ROW_GROUP, k // 32, _TILES, chunks, TILE_ROWS, 4).permute(0, 2, 4, 1, 3, 5)
+    if bits == 4:
+        view = torch.stack([view & 0x0F, view >> 4], dim=-2)
+    return view.reshape(n, k)

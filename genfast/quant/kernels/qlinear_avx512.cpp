@@ -6,10 +6,12 @@
 // instruction): per block, sum_k u*x = xs[b] * dot(u, xq), and the minimum contributes
 // min * sum_k x, with sum_k x taken from the same quantized x so the two terms stay consistent.
 //
-// Weight layout ("tiles", made by genfast/quant/kernels/__init__.py): rows in tiles of 16; a tile
-// holds, for each chunk of 4 (int8) or 8 (int4) columns, 64 bytes = 16 rows x 4 bytes, so one
-// vpdpbusd with 4 broadcast activation bytes serves 16 output rows and no horizontal sums are
-// needed. For int4 the low nibbles hold columns 8c..8c+3 and the high nibbles 8c+4..8c+7.
+// Weight layout (made by genfast/quant/kernels/__init__.py): rows in tiles of 16, tiles in groups
+// of 4 (64 rows, the unit of work of one thread). A tile's chunk of 4 (int8) or 8 (int4) columns
+// is 64 bytes = 16 rows x 4 bytes, so one vpdpbusd with 4 broadcast activation bytes serves 16
+// output rows and no horizontal sums are needed; for int4 the low nibbles hold columns 8c..8c+3
+// and the high nibbles 8c+4..8c+7. Storage order: [row group][activation block][tile][chunk], so
+// each thread reads one contiguous stream (short interleaved streams defeat the prefetchers).
 // Scales and minima are [groups, N_padded] so the 16 rows of a tile load as one vector.
 //
 // Compiled with -mavx512f/bw/vl/vnni/f16c; the Python side calls it only when the CPU has them.
@@ -24,36 +26,43 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 32;  // activation quantization block
 constexpr int64_t kTileRows = 16;
+constexpr int64_t kTilesPerTask = 4;
+constexpr int64_t kPrefetchBlocks = 2;
+
+// 16 activations as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
 
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, float* xsum) {
+  static_assert(kBlock == 32, "one block is two vectors of 16");
   const int64_t blocks = k / kBlock;
+  const __m512 sign_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
         const T* src = x + m * k + b * kBlock;
-        float v[kBlock];
-        float amax = 0.f;
-        for (int i = 0; i < kBlock; ++i) {
-          v[i] = static_cast<float>(src[i]);
-          amax = std::max(amax, std::fabs(v[i]));
-        }
+        const __m512 v0 = load16(src), v1 = load16(src + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign_mask), _mm512_and_ps(v1, sign_mask)));
         const float scale = amax / 127.f;
-        const float inv = scale > 0.f ? 1.f / scale : 0.f;
-        int32_t sum = 0;
+        const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+        // Round to nearest even (the default MXCSR mode), as std::nearbyint.
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
         int8_t* dst = xq + m * k + b * kBlock;
-        for (int i = 0; i < kBlock; ++i) {
-          const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inv));
-          dst[i] = static_cast<int8_t>(q);
-          sum += q;
-        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(q1));
         xs[m * blocks + b] = scale;
-        xsum[m * blocks + b] = scale * static_cast<float>(sum);
+        xsum[m * blocks + b] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
       }
     }
   });
@@ -116,7 +125,7 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
   const int64_t blocks = a.k / kBlock;
   const int64_t blocks_per_group = w.group_size / kBlock;
   const int64_t block_bytes = kBlock * kTileRows * Bits / 8;
-  const int64_t tile_bytes = blocks * block_bytes;
+  const uint8_t* base = w.packed + t0 * blocks * block_bytes;
   for (int64_t m = 0; m < a.rows; ++m) {
     const int8_t* xrow = a.xq + m * a.k;
     const float* xs_row = a.xs + m * blocks;
@@ -128,8 +137,16 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
       for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_ps();
       float group_sum = 0.f;
       for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+        // Software prefetch a few blocks ahead: each call streams a fresh matrix, and the hardware
+        // prefetchers need a while to ramp up on every new stream.
+        if (m == 0) {
+          const uint8_t* ahead = base + (b + kPrefetchBlocks) * NT * block_bytes;
+          for (int64_t line = 0; line < NT * block_bytes; line += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+          }
+        }
         const uint8_t* ptrs[NT];
-        for (int i = 0; i < NT; ++i) ptrs[i] = w.packed + (t0 + i) * tile_bytes + b * block_bytes;
+        for (int i = 0; i < NT; ++i) ptrs[i] = base + (b * NT + i) * block_bytes;
         __m512i dot[NT];
         block_dots<Bits, NT>(ptrs, xrow + b * kBlock, dot);
         const __m512 xscale = _mm512_set1_ps(xs_row[b]);
@@ -155,57 +172,49 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
   }
 }
 
-constexpr int64_t kTilesPerTask = 4;
-
 template <int Bits, typename T>
 void qlinear_tiles(const Activations& a, const Weights& w, T* y) {
-  const int64_t tiles = w.n_padded / kTileRows;
-  const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask;
+  const int64_t tasks = w.n_padded / (kTileRows * kTilesPerTask);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t0 = task * kTilesPerTask;
-      switch (std::min(kTilesPerTask, tiles - t0)) {
-        case 4: tile_run<Bits, 4>(a, w, t0, y); break;
-        case 3: tile_run<Bits, 3>(a, w, t0, y); break;
-        case 2: tile_run<Bits, 2>(a, w, t0, y); break;
-        default: tile_run<Bits, 1>(a, w, t0, y); break;
-      }
-    }
+    for (int64_t task = begin; task < end; ++task) tile_run<Bits, kTilesPerTask>(a, w, task * kTilesPerTask, y);
   });
 }
 
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                   const at::Tensor& mins, int64_t bits, int64_t group_size, int64_t out_features) {
+// `packed` holds, back to back: the codes in tile layout ([N_padded, K] x bits/8 bytes), then
+// the fp16 scales [groups, N_padded], then the fp16 minima [groups, N_padded]. One tensor per layer
+// keeps the per-call cost low (every tensor is an input torch.compile's wrapper must handle).
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t group_size,
+                   int64_t out_features) {
   TORCH_CHECK(x.dim() == 2, "qlinear: x must be [rows, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear: x must be fp32 or bf16");
   TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf, "qlinear: scales/mins must be fp16");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % group_size == 0 && group_size % kBlock == 0, "qlinear: K must be whole groups of whole blocks");
-  const int64_t n_padded = scales.size(1);
-  TORCH_CHECK(n_padded % kTileRows == 0 && out_features <= n_padded, "qlinear: bad padded row count");
-  TORCH_CHECK(scales.size(0) == k / group_size && mins.sizes() == scales.sizes(), "qlinear: scales shape mismatch");
-  TORCH_CHECK(packed.numel() == n_padded * k * bits / 8, "qlinear: packed size mismatch");
-  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous(), "qlinear: scales/mins must be contiguous");
+  const int64_t groups = k / group_size;
+  const int64_t bytes_per_row = k * bits / 8 + 4 * groups;
+  const int64_t n_padded = packed.numel() / bytes_per_row;
+  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
+              out_features <= n_padded, "qlinear: packed size does not match K, bits and group size");
 
+  // Quantized activations live in per-thread scratch space: no allocations per call but the output.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs, xsum;
+  xq.resize(rows * k);
+  xs.resize(rows * k / kBlock);
+  xsum.resize(rows * k / kBlock);
   const at::Tensor xc = x.contiguous();
-  at::Tensor xq = at::empty({rows, k}, x.options().dtype(at::kChar));
-  at::Tensor xs = at::empty({rows, k / kBlock}, x.options().dtype(at::kFloat));
-  at::Tensor xsum = at::empty({rows, k / kBlock}, x.options().dtype(at::kFloat));
   at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(xc.data_ptr<float>(), rows, k, xq.data(), xs.data(), xsum.data());
+  } else {
+    quantize_rows(xc.data_ptr<at::BFloat16>(), rows, k, xq.data(), xs.data(), xsum.data());
+  }
 
-  AT_DISPATCH_SWITCH(x.scalar_type(), "qlinear",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      quantize_rows(xc.data_ptr<scalar_t>(), rows, k, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>());
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      quantize_rows(xc.data_ptr<scalar_t>(), rows, k, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>());
-    }));
-
-  const Activations a{xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(), rows, k};
-  const Weights w{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-                  group_size, n_padded, out_features};
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k * bits / 8);
+  const Activations a{xq.data(), xs.data(), xsum.data(), rows, k};
+  const Weights w{codes, scales, scales + groups * n_padded, group_size, n_padded, out_features};
   if (x.scalar_type() == at::kFloat) {
     bits == 8 ? qlinear_tiles<8>(a, w, y.data_ptr<float>()) : qlinear_tiles<4>(a, w, y.data_ptr<float>());
   } else {
