@@ -1,0 +1,57 @@
+"""Compute-bound matmuls (SAM / diffusion shapes) on this machine: fp32, bf16, torch._int_mm and
+genfast's native int8 kernel, in GFLOP/s (median of 5):
+
+    python benchmarks/dynamic_int8.py
+
+`torch._int_mm` is timed on ready int8 operands; the native kernel includes quantizing its inputs.
+"""
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from genfast.bench.machine import device_name
+from genfast.quant import kernels
+from genfast.quant.grids import quantize
+
+SHAPES = [(4096, 768, 2304), (4096, 768, 3072), (1024, 320, 1280), (128, 576, 1536)]
+
+
+def gflops(fn: Callable[[], object], flops: float, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return flops / statistics.median(times) / 1e9
+
+
+def main() -> None:
+    native = kernels.unavailable_reason() is None
+    print(f"{device_name(torch.device('cpu'))}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| M x K x N | fp32 mm | bf16 mm | torch._int_mm | native |\n|---|---|---|---|---|")
+    with torch.inference_mode():
+        for m, k, n in SHAPES:
+            x, w = torch.randn(m, k), torch.randn(n, k)
+            xb, wb = x.bfloat16(), w.bfloat16()
+            xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+            wq = torch.randint(-127, 128, (k, n), dtype=torch.int8)
+            flops = 2 * m * k * n
+            row = [gflops(lambda: x @ w.t(), flops), gflops(lambda: xb @ wb.t(), flops),
+                   gflops(lambda: torch._int_mm(xq, wq), flops)]
+            if native:
+                qw = quantize(w, 8)
+                rows = -(-n // kernels.ROW_GROUP) * kernels.ROW_GROUP
+                pad = lambda t: F.pad(t, (0, 0, 0, rows - t.shape[0]))  # noqa: E731
+                packed = kernels.pack(pad(qw.codes), pad(qw.scales), pad(qw.mins), 8)
+                row.append(gflops(lambda: torch.ops.genfast.qlinear(xb, packed, 8, qw.group_size, n), flops))
+            cells = " | ".join(f"{v:.0f}" for v in row) + ("" if native else " | -")
+            print(f"| {m} x {k} x {n} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Quantized one-row linears (batch-1 decode) on this machine: genfast's native kernel against
+torch's own int8/int4 CPU ops and bf16, on the 121 weight matrices of one SmolLM2-135M decode step
+(distinct copies, so nothing stays in cache). Variants take turns; medians of the later rounds:
+
+    python benchmarks/quant_kernels.py [--threads 2] [--rounds 12]
+
+The result decided genfast's CPU int8/int4 kernels (docs/performance.md, "Quantization").
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from genfast.bench.machine import device_name
+from genfast.quant import kernels
+from genfast.quant.grids import quantize
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+Variant = tuple[Callable[[], object], int]  # (one pass over all matrices, bytes it reads)
+
+
+def bf16_linear(weights: list[torch.Tensor]) -> Variant:
+    w16 = [w.bfloat16() for w in weights]
+    x = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in (576, 1536)}
+    return (lambda: [F.linear(x[w.shape[1]], w) for w in w16]), sum(w.nbytes for w in w16)
+
+
+def native(weights: list[torch.Tensor], bits: int, group_size: int | None) -> Variant:
+    layers = []
+    for w in weights:
+        qw = quantize(w, bits, group_size)
+        rows = -(-qw.out_features // kernels.ROW_GROUP) * kernels.ROW_GROUP
+        pad = lambda t: F.pad(t, (0, 0, 0, rows - t.shape[0]))  # noqa: E731
+        packed = kernels.pack(pad(qw.codes), pad(qw.scales), pad(qw.mins), bits)
+        layers.append((packed, qw.group_size, qw.out_features, qw.codes.shape[1]))
+    x = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in {layer[3] for layer in layers}}
+
+    def run():
+        return [torch.ops.genfast.qlinear(x[k], p, bits, g, n) for p, g, n, k in layers]
+
+    return run, sum(layer[0].nbytes for layer in layers)
+
+
+def aten_int4(weights: list[torch.Tensor], group_size: int) -> Variant:
+    layers = []
+    for w in weights:
+        n, k = w.shape
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scales_zeros = torch.randn(k // group_size, n, 2, dtype=torch.bfloat16)
+        layers.append((packed, scales_zeros, k))
+    x = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in (576, 1536)}
+
+    def run():
+        return [torch.ops.aten._weight_int4pack_mm_for_cpu(x[k], p, group_size, sz) for p, sz, k in layers]
+
+    return run, sum(p.nbytes + sz.nbytes for p, sz, _ in layers)
+
+
+def aten_int8(weights: list[torch.Tensor]) -> Variant:
+    layers = [(torch.randint(-127, 128, w.shape, dtype=torch.int8), torch.rand(w.shape[0], dtype=torch.bfloat16))
+              for w in weights]
+    x = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in (576, 1536)}
+
+    def run():
+        return [torch._weight_int8pack_mm(x[q.shape[1]], q, s) for q, s in layers]
+
+    return run, sum(q.nbytes + s.nbytes for q, s in layers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
+    variants = {"bf16 F.linear": bf16_linear(weights),
+                "torch._weight_int8pack_mm (bf16 in)": aten_int8(weights),
+                "aten int4pack_mm_for_cpu g32": aten_int4(weights, 32),
+                "aten int4pack_mm_for_cpu g64": aten_int4(weights, 64)}
+    reason = kernels.unavailable_reason()
+    if reason is None:
+        variants.update({"genfast native int8": native(weights, 8, None),
+                         "genfast native int4 g32": native(weights, 4, 32),
+                         "genfast native int4 g64": native(weights, 4, 64)})
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for name, (run, _) in variants.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+    print(f"{device_name(torch.device('cpu'))}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if reason:
+        print(f"native kernel not measured: {reason}")
+    print("| kernel | ms per pass | MB read | GB/s |\n|---|---|---|---|")
+    for name, (_, nbytes) in variants.items():
+        median = statistics.median(times[name][2:])  # the first rounds warm up
+        print(f"| {name} | {median * 1e3:.2f} | {nbytes / 1e6:.1f} | {nbytes / median / 1e9:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
