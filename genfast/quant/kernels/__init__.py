@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -64,6 +65,9 @@ def _load() -> str | None:
     name = f"genfast_qlinear_{digest.hexdigest()[:12]}"
     build = kernel_dir() / name
     build.mkdir(parents=True, exist_ok=True)
+    if not (build / f"{name}.so").exists():
+        print(f"genfast: building the native int8/int4 CPU kernel into {build} (once; ~10-60 s)",
+              file=sys.stderr, flush=True)
     try:
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False, verbose=False)
