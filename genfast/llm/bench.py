@@ -46,7 +46,7 @@ LADDER = [
     Step("compiled-fp32", "float32", True, "torch.compile (freezing) of prefill and decode, fp32"),
     Step("compiled-bf16", "bfloat16", True, "torch.compile (freezing) of prefill and decode, bf16"),
     Step("compiled-bf16-int8", "bfloat16", True, "+ int8 weights (per-channel scales; VNNI kernel on CPU)", "int8"),
-    Step("compiled-bf16-int4", "bfloat16", True, "+ int4 weights (groups of 32; VNNI kernel on CPU)", "int4"),
+    Step("compiled-bf16-int4", "bfloat16", True, "+ int4 weights (groups of 32, int8 head; VNNI kernel on CPU)", "int4"),
 ]
 BASELINE = LADDER[0].name
 BF16 = "compiled-bf16"  # the quantized rows' reference (the issue's speed bars are relative to it)
