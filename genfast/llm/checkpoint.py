@@ -20,6 +20,8 @@ from genfast.llm.gguf_file import GGUFFile, is_gguf, open_gguf
 from genfast.llm.model import Transformer
 from genfast.quant.grids import QuantizedWeight
 
+# GGUF block types whose codes are a genfast grid as they are (gguf_file.GGUFFile.quantized).
+GGUF_TYPES_FOR_BITS = {8: ("Q8_0",), 4: ("Q4_0", "Q4_1")}
 # The weights file of a `genfast quantize` output directory.
 QUANTIZED_FILE = "model.safetensors"
 
@@ -144,21 +146,24 @@ def _load_quantized(path: Path, dtype: torch.dtype, device: str | torch.device) 
     return model.eval().requires_grad_(False)
 
 
-def gguf_quantized_linears(path: Path, bits: int) -> dict[str, QuantizedWeight]:
+def gguf_quantized_linears(path: Path, bits: int, only: set[str] | None = None) -> dict[str, QuantizedWeight]:
     """The linears of a GGUF model whose blocks are already `bits`-bit codes on a genfast grid
     (Q8_0 for int8; Q4_0/Q4_1 for int4), in genfast module names, ready to use without
-    dequantizing and requantizing. Layers stored in other types are absent."""
+    dequantizing and requantizing. Layers stored in other types are absent; `only` limits the
+    search to some module names."""
     gguf = open_gguf(gguf_path(path))
     args = _gguf_args(gguf)
     permuted = {"attn_q.weight": args.n_heads, "attn_k.weight": args.n_kv_heads} if args.family == "llama" else {}
+    types = GGUF_TYPES_FOR_BITS[bits]
     found: dict[str, QuantizedWeight] = {}
 
     def fused(sources: list[str]) -> QuantizedWeight | None:
+        # Check every part's type before decoding any: a fused layer needs all of them.
+        if not all(s in gguf.tensor_names and gguf.tensor_type(s) in types for s in sources):
+            return None
         parts = []
         for source in sources:
-            qw = gguf.quantized(source) if source in gguf.tensor_names else None
-            if qw is None or qw.bits != bits:
-                return None
+            qw = gguf.quantized(source)
             suffix = source.split(".", 2)[-1]
             if suffix in permuted:
                 qw = QuantizedWeight(*(unpermute_rope_rows(t, permuted[suffix]) for t in (qw.codes, qw.scales, qw.mins)),
@@ -167,15 +172,15 @@ def gguf_quantized_linears(path: Path, bits: int) -> dict[str, QuantizedWeight]:
         return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                                torch.cat([p.mins for p in parts]), bits, parts[0].group_size, parts[0].in_features)
 
-    for i in range(args.n_layers):
-        for module in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"):
-            qw = fused([f"blk.{i}.{s}" for s in _GGUF_LAYER[f"{module}.weight"]])
+    sources = {f"layers.{i}.{module}": [f"blk.{i}.{s}" for s in _GGUF_LAYER[f"{module}.weight"]]
+               for i in range(args.n_layers)
+               for module in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")}
+    sources["output"] = ["output.weight" if "output.weight" in gguf.tensor_names else "token_embd.weight"]
+    for name, parts in sources.items():
+        if only is None or name in only:
+            qw = fused(parts)
             if qw is not None:
-                found[f"layers.{i}.{module}"] = qw
-    head = "output.weight" if "output.weight" in gguf.tensor_names else "token_embd.weight"
-    qw = fused([head])
-    if qw is not None:
-        found["output"] = qw
+                found[name] = qw
     return found
 
 

@@ -112,7 +112,7 @@ def quantize_loaded(path: Path, model: Transformer, bits: int, group_size: int |
             direct = gguf_quantized_linears(path, bits)
         if head_bits != bits:
             direct.pop(HEAD, None)
-            direct.update({k: v for k, v in gguf_quantized_linears(path, head_bits).items() if k == HEAD})
+            direct.update(gguf_quantized_linears(path, head_bits, only={HEAD}))
     default_group = group_size or (None if bits == 8 else DEFAULT_INT4_GROUP_SIZE)
 
     def make(name: str, linear: torch.nn.Linear) -> QuantLinear:

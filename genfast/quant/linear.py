@@ -30,7 +30,7 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 
 
 class QuantLinear(nn.Module):
-    """y = x @ dequantize(weight)^T + bias. Build with `from_quantized` or `from_linear`."""
+    """y = x @ dequantize(weight)^T + bias, from a QuantizedWeight (or `from_linear`)."""
 
     def __init__(self, qweight: QuantizedWeight, bias: Tensor | None = None, dynamic: bool = False) -> None:
         super().__init__()
@@ -53,10 +53,6 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", qweight.scales.contiguous())
             self.register_buffer("mins", qweight.mins.contiguous())
         self.register_buffer("bias", bias)
-
-    @classmethod
-    def from_quantized(cls, qweight: QuantizedWeight, bias: Tensor | None = None) -> "QuantLinear":
-        return cls(qweight, bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None = None,
