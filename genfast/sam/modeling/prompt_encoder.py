@@ -29,9 +29,12 @@ class PositionEmbeddingRandom(nn.Module):
         self.register_buffer("positional_encoding_gaussian_matrix", torch.randn(2, num_pos_feats))
 
     def encode(self, coords: Tensor) -> Tensor:
-        """Positions in [0, 1]^2, [..., 2] as (x, y) -> [..., 2 * num_pos_feats] (sin ‖ cos)."""
-        angles = (2 * coords - 1) @ self.positional_encoding_gaussian_matrix * (2 * math.pi)
-        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+        """Positions in [0, 1]^2, [..., 2] as (x, y) -> [..., 2 * num_pos_feats] (sin ‖ cos), in the
+        model's dtype. Computed in fp32 whatever that dtype: the angles reach tens of radians, where
+        bf16 would leave sin/cos with no correct digits."""
+        matrix = self.positional_encoding_gaussian_matrix
+        angles = (2 * coords.float() - 1) @ matrix.float() * (2 * math.pi)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1).to(matrix.dtype)
 
     def forward(self, size: tuple[int, int]) -> Tensor:
         """Encoding of every cell centre of an h x w grid: [C, h, w]."""
