@@ -119,10 +119,7 @@ def quantize_loaded(path: Path, model: Transformer, bits: int, group_size: int |
         bias = None if linear.bias is None else linear.bias.detach().clone()
         qw = precomputed.get(name) or direct.get(name)
         if qw is not None:
-            device = linear.weight.device
-            qw = QuantizedWeight(qw.codes.to(device), qw.scales.to(device), qw.mins.to(device),
-                                 qw.bits, qw.group_size, qw.in_features)
-            return QuantLinear(qw, bias)
+            return QuantLinear(qw.to(linear.weight.device), bias)
         if name == HEAD and head_bits != bits:
             return QuantLinear.from_linear(linear, head_bits)
         return QuantLinear.from_linear(linear, bits, default_group)

@@ -132,8 +132,7 @@ def load_quantized_into(model: nn.Module, checkpoint: QuantizedCheckpoint,
             raise UserError(f"{checkpoint.path}: layer {name} is {qw.out_features}x{qw.in_features} in the "
                             f"checkpoint but {tuple(linear.weight.shape)} in the model config")
         device = linear.weight.device
-        qw = QuantizedWeight(qw.codes.to(device), qw.scales.to(device), qw.mins.to(device), qw.bits,
-                             qw.group_size, qw.in_features)
+        qw = qw.to(device)
         bias = checkpoint.get(f"{name}.bias").to(device) if checkpoint.layers[name].get("bias") else None
         return QuantLinear(qw, bias)
 

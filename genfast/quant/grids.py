@@ -43,6 +43,10 @@ class QuantizedWeight:
     def out_features(self) -> int:
         return self.codes.shape[0]
 
+    def to(self, device: torch.device | str) -> "QuantizedWeight":
+        return QuantizedWeight(self.codes.to(device), self.scales.to(device), self.mins.to(device),
+                               self.bits, self.group_size, self.in_features)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """[N, in_features] weight in `dtype` (computed in fp32)."""
         n, k = self.codes.shape

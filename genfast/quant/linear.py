@@ -87,17 +87,10 @@ class QuantLinear(nn.Module):
             return out if self.bias is None else out + self.bias.to(out.dtype)
         if self.dynamic:
             return self._dynamic_int8_fallback(x)
-        weight = self._dequantize_fallback(x.dtype)
+        weight = self.dequantize(x.dtype)
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
             return row_linear(x, weight, self.bias)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
-
-    def _dequantize_fallback(self, dtype: torch.dtype) -> Tensor:
-        codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
-        n, k = codes.shape
-        groups = codes.reshape(n, -1, self.group_size).to(dtype)
-        w = groups * self.scales[..., None].to(dtype) + self.mins[..., None].to(dtype)
-        return w.reshape(n, k)[:, : self.in_features]
 
     def _dynamic_int8_fallback(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).float()
