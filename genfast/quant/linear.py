@@ -82,7 +82,10 @@ class QuantLinear(nn.Module):
             rows = x.reshape(-1, self.in_features)
             if self.padded_in_features != self.in_features:
                 rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
-            out = torch.ops.genfast.qlinear(rows, self.packed, self.bits, self.group_size, self.out_features)
+            if self.dynamic:  # per-token activations, int32 sums over all of K (compute-bound layers)
+                out = torch.ops.genfast.qlinear_dynamic(rows, self.packed, self.out_features)
+            else:  # activations per block of 32 (weight-only quantization: decode, LLM prefill)
+                out = torch.ops.genfast.qlinear(rows, self.packed, self.bits, self.group_size, self.out_features)
             out = out.reshape(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias.to(out.dtype)
         if self.dynamic:

@@ -28,6 +28,19 @@ def build_sam(config: SamConfig | str) -> Sam:
     return Sam(config).eval()
 
 
+def build_random_sam(config: SamConfig | str, seed: int = 0, scale: float = 0.02) -> Sam:
+    """A SAM model with seeded random weights, for benchmarks (speed does not depend on weight
+    values) and tests: the default initialization plus N(0, scale) noise on every tensor, so the
+    zero-initialized ones (positions, relative positions, biases) take part as in a trained model."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_sam(config)
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                tensor.add_(torch.randn_like(tensor) * scale)
+    return model
+
+
 def _count(state_dict: dict[str, Tensor], prefix: str) -> int:
     """How many consecutive numbered children `prefix.{i}.` the state dict holds."""
     pattern = re.compile(re.escape(prefix) + r"\.(\d+)\.")

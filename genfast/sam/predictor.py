@@ -8,6 +8,13 @@ queues work without waiting for the device.
 
 Several images: `set_images([a, b])` runs the encoder once on a [2, 3, S, S] batch; then
 `predict_batch([prompts_a, prompts_b])`, or `predict(..., image_index=i)` for one of them.
+predict_batch decodes the prompts of all images that have the same shape (point count, box, mask
+input) in one mask-decoder call, each prompt reading its own image's embedding: prompts of
+different shapes cannot share a call exactly (padding points changes the decoder's answer), so
+they form separate calls, as a NestedTensor would split them.
+
+`encoder_batch_size` (for a compiled encoder): images are encoded in chunks of exactly that many,
+the last one padded with blank images, so a static-shape compiled encoder never recompiles.
 """
 
 from __future__ import annotations
@@ -25,11 +32,15 @@ from genfast.sam.transforms import ResizeLongestSide
 
 _PROMPT_KEYS = ("point_coords", "point_labels", "box", "mask_input")
 NumpyResult = tuple[np.ndarray, np.ndarray, np.ndarray]
+TorchPrompt = tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]
 
 
 class SamPredictor:
-    def __init__(self, model: Sam) -> None:
+    def __init__(self, model: Sam, encoder_batch_size: int | None = None) -> None:
+        if encoder_batch_size is not None and encoder_batch_size < 1:
+            raise ValueError(f"encoder_batch_size must be >= 1, got {encoder_batch_size}")
         self.model = model
+        self.encoder_batch_size = encoder_batch_size
         self.transform = ResizeLongestSide(model.image_encoder.img_size)
         self.reset_image()
 
@@ -112,8 +123,14 @@ class SamPredictor:
         self.reset_image()
         dtype = self.model.image_encoder.pos_embed.dtype
         # preprocess pads each image to S x S, so images of different sizes stack into one batch.
-        batch = torch.cat([self.model.preprocess(x.to(self.device, torch.float32)) for x in resized])
-        self.features = self.model.image_encoder(batch.to(dtype))
+        batch = torch.cat([self.model.preprocess(x.to(self.device, torch.float32)) for x in resized]).to(dtype)
+        chunk = self.encoder_batch_size
+        if chunk is None:
+            self.features = self.model.image_encoder(batch)
+        else:
+            n = batch.shape[0]
+            batch = torch.cat([batch, batch.new_zeros(-n % chunk, *batch.shape[1:])])
+            self.features = torch.cat([self.model.image_encoder(part) for part in batch.split(chunk)])[:n]
         self.input_sizes = [tuple(x.shape[-2:]) for x in resized]
         self.original_sizes = original_sizes
         self.is_image_set = True
@@ -147,6 +164,13 @@ class SamPredictor:
         multimask_output, else 1.
         """
         index = self._image_index(image_index)
+        prompt = self._torch_prompt(index, point_coords, point_labels, box, mask_input)
+        out = self.predict_torch(*prompt, multimask_output, return_logits, image_index=index)
+        return tuple(_to_numpy(t[0]) for t in out)
+
+    def _torch_prompt(self, index: int, point_coords: np.ndarray | None = None, point_labels: np.ndarray | None = None,
+                      box: np.ndarray | None = None, mask_input: np.ndarray | None = None) -> TorchPrompt:
+        """predict's numpy prompt for image `index` as predict_torch's batch-of-one tensors."""
         original_size = self.original_sizes[index]
         coords = labels = boxes = masks = None
         if (point_coords is None) != (point_labels is None):
@@ -174,10 +198,9 @@ class SamPredictor:
                 raise UserError(f"mask_input must be {list(expected)} low-res logits (one of a previous "
                                 f"call's low_res_masks, e.g. low_res[i:i+1]), got shape {list(mask_np.shape)}")
             masks = torch.as_tensor(mask_np, dtype=torch.float32, device=self.device)[None]
-        out = self.predict_torch(coords, labels, boxes, masks, multimask_output, return_logits,
-                                 image_index=index)
-        return tuple(_to_numpy(t[0]) for t in out)
+        return coords, labels, boxes, masks
 
+    @torch.no_grad()
     def predict_batch(self, prompts: Sequence[Mapping[str, Any]], multimask_output: bool = True,
                       return_logits: bool = False) -> list[NumpyResult]:
         """`predict` for every set image: prompts[i] holds predict's prompt arguments
@@ -186,14 +209,23 @@ class SamPredictor:
         if len(prompts) != self.num_images:
             raise UserError(f"predict_batch needs one prompt dict per set image: got {len(prompts)} "
                             f"for {self.num_images} images")
-        results = []
+        groups: dict[tuple, list[tuple[int, TorchPrompt]]] = {}
         for i, prompt in enumerate(prompts):
             unknown = set(prompt) - set(_PROMPT_KEYS)
             if unknown:
                 raise UserError(f"unknown prompt keys {sorted(unknown)} for image {i}; "
                                 f"use {', '.join(_PROMPT_KEYS)}")
-            results.append(self.predict(**prompt, multimask_output=multimask_output,
-                                        return_logits=return_logits, image_index=i))
+            torch_prompt = self._torch_prompt(i, **prompt)
+            shape = tuple(None if t is None else tuple(t.shape) for t in torch_prompt)
+            groups.setdefault(shape, []).append((i, torch_prompt))
+        results: list[NumpyResult | None] = [None] * self.num_images
+        for members in groups.values():
+            indices = [i for i, _ in members]
+            parts = [None if t[0] is None else torch.cat(t) for t in zip(*(p for _, p in members))]
+            low_res, iou = self._decode(indices, *parts, multimask_output)
+            for row, i in enumerate(indices):
+                masks = self._postprocess(low_res[row:row + 1], i, return_logits)
+                results[i] = (_to_numpy(masks[0]), _to_numpy(iou[row]), _to_numpy(low_res[row]))
         return results
 
     @torch.no_grad()
@@ -209,18 +241,30 @@ class SamPredictor:
         """
         index = self._image_index(image_index)
         self._check_torch_prompts(point_coords, point_labels, boxes, mask_input)
+        low_res, iou = self._decode([index], point_coords, point_labels, boxes, mask_input, multimask_output)
+        return self._postprocess(low_res, index, return_logits), iou, low_res
+
+    def _decode(self, image_indices: list[int], point_coords: Tensor | None, point_labels: Tensor | None,
+                boxes: Tensor | None, mask_input: Tensor | None, multimask_output: bool) -> tuple[Tensor, Tensor]:
+        """Low-res masks and IoUs for a batch of prompts; prompt p reads image image_indices[p]'s
+        embedding (one index: all prompts share it)."""
         encoder = self.model.prompt_encoder
-        dtype = self.features.dtype
         points = (point_coords, point_labels) if point_coords is not None else None
         if mask_input is not None:
-            mask_input = mask_input.to(dtype)  # the mask downscaler runs in the model's dtype
+            mask_input = mask_input.to(self.features.dtype)  # the mask downscaler runs in the model's dtype
         sparse, dense = encoder(points, boxes, mask_input)
-        low_res, iou = self.model.mask_decoder(self.features[index:index + 1], encoder.get_dense_pe(),
-                                               sparse, dense, multimask_output)
+        if len(image_indices) == 1:
+            features = self.features[image_indices[0]:image_indices[0] + 1]
+        else:  # one device index tensor, copied without waiting for the GPU: no per-prompt slicing
+            index = torch.tensor(image_indices)
+            if self.device.type == "cuda":
+                index = index.pin_memory()
+            features = self.features[index.to(self.device, non_blocking=True)]
+        return self.model.mask_decoder(features, encoder.get_dense_pe(), sparse, dense, multimask_output)
+
+    def _postprocess(self, low_res: Tensor, index: int, return_logits: bool) -> Tensor:
         masks = self.model.postprocess_masks(low_res, self.input_sizes[index], self.original_sizes[index])
-        if not return_logits:
-            masks = masks > self.model.mask_threshold
-        return masks, iou, low_res
+        return masks if return_logits else masks > self.model.mask_threshold
 
     def _check_torch_prompts(self, coords: Tensor | None, labels: Tensor | None, boxes: Tensor | None,
                              mask_input: Tensor | None) -> None:

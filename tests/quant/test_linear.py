@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from genfast import native
 from genfast.quant import kernels
 from genfast.quant.grids import QuantizedWeight, check_group_size, pack_nibbles, quantize, unpack_nibbles
 from genfast.quant.linear import QuantLinear, quantize_linears
@@ -152,9 +153,9 @@ def test_quantized_weight_dequantize_drops_padding():
 
 
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
-@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("rows", [1, 40, 130])
 def test_dynamic_int8_matches_reference(native, rows, monkeypatch):
-    """Per-token int8 activations (torch._int_mm) or per-block ones (native): within 2%."""
+    """Per-token int8 activations (native kernel, or torch._int_mm): within 2% of the float layer."""
     if not native:
         monkeypatch.setattr(kernels, "available", lambda: False)
     torch.manual_seed(0)
@@ -164,6 +165,22 @@ def test_dynamic_int8_matches_reference(native, rows, monkeypatch):
         got = layer(x)
         assert got.dtype == dtype
         assert rel_err(got, reference(layer, x)) < NATIVE_REL_TOL
+
+
+@needs_native
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 64), (7, 96, 40), (130, 288, 200)])
+def test_native_dynamic_int8_equals_its_integer_math(rows, k, n):
+    """The kernel against the same per-token quantization done in float64: only rounding of the
+    final fp32 products differs (row tails, output tails and row chunks of 64 included)."""
+    torch.manual_seed(0)
+    layer = QuantLinear.from_linear(torch.nn.Linear(k, n, bias=False), 8, dynamic=True)
+    x = torch.randn(rows, k)
+    scale = x.abs().amax(dim=1, keepdim=True) / 127
+    xq = torch.round(x / scale)
+    codes, scales, mins = (t.double() for t in (layer.quantized_weight().codes[:, :k], layer.quantized_weight().scales,
+                                                 layer.quantized_weight().mins))
+    expected = scale.double() * (xq.double() @ (codes * scales + mins).t())
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_dynamic_int8_filter_hook_and_validation(tmp_path):
@@ -181,7 +198,7 @@ def test_dynamic_int8_filter_hook_and_validation(tmp_path):
 
 def test_native_kernel_is_built_where_the_cpu_supports_it():
     """Where the CPU has the instructions, a failed build is a bug, not a silent slow path."""
-    if any(flag not in kernels.cpu_flags() for flag in kernels.REQUIRED_CPU_FLAGS):
+    if any(flag not in native.cpu_flags() for flag in kernels.REQUIRED_CPU_FLAGS):
         pytest.skip("this CPU lacks AVX512-VNNI")
     if kernels.unavailable_reason() == "disabled by GENFAST_NATIVE_KERNELS=0":
         pytest.skip("disabled by the environment")

@@ -1,91 +1,65 @@
-"""The original `segment-anything` package as a test oracle.
+"""The original `segment-anything` package as a test oracle (imported through
+genfast.sam.original, which stubs its torchvision imports).
 
-It imports torchvision at package import (for PIL resizing and NMS, which its model code does not
-use), and PyPI's torchvision does not import with this torch. So the import runs with small stub
-modules in sys.modules; they are removed again right after, so nothing else in the session (e.g.
-transformers probing for torchvision) ever sees them.
+The stubbed resize raises (give an original predictor genfast's resize with `use_genfast_resize`);
+NMS and box areas, which the original automatic mask generator needs, are plain reference
+implementations of torchvision's semantics written here, independent of genfast's.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
-from functools import partial
 
+import numpy as np
 import torch
 
+from genfast.sam import original
 from genfast.sam.config import SamConfig
-
-_STUBBED = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
-            "torchvision.ops", "torchvision.ops.boxes")
+from genfast.sam.transforms import ResizeLongestSide
 
 
-def _unavailable(name: str):
-    def stub(*args, **kwargs):
-        raise NotImplementedError(f"torchvision.{name} is stubbed out in genfast's SAM tests")
-    return stub
+def reference_box_area(boxes: torch.Tensor) -> torch.Tensor:
+    return (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+
+
+def _reference_iou(a: list[float], b: list[float]) -> float:
+    """torchvision's NMS overlap: float32 arithmetic, NaN (never above a threshold) for 0 / 0."""
+    a, b = [np.float32(v) for v in a], [np.float32(v) for v in b]
+    w = max(np.float32(0), min(a[2], b[2]) - max(a[0], b[0]))
+    h = max(np.float32(0), min(a[3], b[3]) - max(a[1], b[1]))
+    inter = w * h
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return float(inter / union) if union != 0 else float("nan")
+
+
+def reference_batched_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor,
+                          iou_threshold: float) -> torch.Tensor:
+    """Greedy NMS, plainly: visit boxes by decreasing score (ties in input order) and keep each one
+    whose IoU with every kept box of its category is at most iou_threshold (compared as a double)."""
+    box_list, score_list, cats = boxes.tolist(), scores.tolist(), idxs.tolist()
+    keep: list[int] = []
+    for i in sorted(range(len(box_list)), key=lambda i: -score_list[i]):
+        if all(cats[k] != cats[i] or not _reference_iou(box_list[k], box_list[i]) > iou_threshold
+               for k in keep):
+            keep.append(i)
+    return torch.tensor(keep, dtype=torch.int64)
+
+
+def use_genfast_resize(predictor) -> None:
+    """Resize numpy images in an original SamPredictor with genfast's resize (the original's goes
+    through PIL, stubbed out here), so both sides encode identical pixels."""
+    predictor.transform.apply_image = ResizeLongestSide(predictor.transform.target_length).apply_image
 
 
 def import_segment_anything() -> types.ModuleType:
-    if "segment_anything" in sys.modules:
-        return sys.modules["segment_anything"]
-    saved = {name: sys.modules.get(name) for name in _STUBBED}
-    try:
-        for name in _STUBBED:
-            module = types.ModuleType(name)
-            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-            sys.modules[name] = module
-        functional = sys.modules["torchvision.transforms.functional"]
-        functional.resize, functional.to_pil_image = _unavailable("resize"), _unavailable("to_pil_image")
-        boxes = sys.modules["torchvision.ops.boxes"]
-        boxes.batched_nms, boxes.box_area = _unavailable("batched_nms"), _unavailable("box_area")
-        return importlib.import_module("segment_anything")
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    """The original package, its torchvision NMS and box area given by the references above."""
+    return original.import_segment_anything(
+        {"ops.boxes.batched_nms": reference_batched_nms, "ops.boxes.box_area": reference_box_area})
 
 
 def build_original_sam(config: SamConfig) -> torch.nn.Module:
-    """The original package's Sam with the architecture `config` describes (its `_build_sam`
-    hard-codes the official sizes, so the parts are built directly)."""
     import_segment_anything()
-    from segment_anything.modeling import (
-        ImageEncoderViT,
-        MaskDecoder,
-        PromptEncoder,
-        Sam,
-        TwoWayTransformer,
-    )
-
-    grid = config.image_embedding_size
-    sam = Sam(
-        image_encoder=ImageEncoderViT(
-            img_size=config.image_size, patch_size=config.patch_size, embed_dim=config.encoder_embed_dim,
-            depth=config.encoder_depth, num_heads=config.encoder_num_heads, mlp_ratio=config.mlp_ratio,
-            out_chans=config.prompt_embed_dim, qkv_bias=True, norm_layer=partial(torch.nn.LayerNorm, eps=1e-6),
-            use_rel_pos=True, window_size=config.window_size,
-            global_attn_indexes=config.encoder_global_attn_indexes,
-        ),
-        prompt_encoder=PromptEncoder(
-            embed_dim=config.prompt_embed_dim, image_embedding_size=(grid, grid),
-            input_image_size=(config.image_size, config.image_size), mask_in_chans=config.mask_in_chans,
-        ),
-        mask_decoder=MaskDecoder(
-            transformer_dim=config.prompt_embed_dim,
-            transformer=TwoWayTransformer(
-                depth=config.decoder_depth, embedding_dim=config.prompt_embed_dim,
-                num_heads=config.decoder_num_heads, mlp_dim=config.decoder_mlp_dim,
-                attention_downsample_rate=config.decoder_attn_downsample,
-            ),
-            num_multimask_outputs=config.num_multimask_outputs, iou_head_depth=config.iou_head_depth,
-            iou_head_hidden_dim=config.iou_head_hidden_dim,
-        ),
-    )
-    return sam.eval()
+    return original.build_original_sam(config)
 
 
 def randomize_(model: torch.nn.Module, scale: float = 0.1, seed: int = 0) -> None:

@@ -262,3 +262,46 @@ def test_bf16_model_predicts_close_to_fp32():
     a, b = want > 0, got > 0
     iou = (a & b).sum() / max((a | b).sum(), 1)
     assert iou >= 0.9, iou
+
+
+def test_prompts_of_the_same_shape_share_one_decoder_call(predictors):
+    """Images 0, 1 and 3 have one-point prompts (one decoder call over three image embeddings),
+    image 2 a box (its own call); every answer equals the one-image answer."""
+    config, _, pred, image = predictors
+    images = [image, _image((23, 61), 1), _image((40, 40), 2), _image((30, 20), 3)]
+    point = {"point_coords": np.array([[5.0, 7.0]]), "point_labels": np.array([1])}
+    prompts = [point, {"point_coords": np.array([[10.0, 3.0]]), "point_labels": np.array([0])},
+               {"box": np.array([1.0, 2.0, 20.0, 30.0])}, point]
+    singles = []
+    for img, prompt in zip(images, prompts):
+        pred.set_image(img)
+        singles.append(pred.predict(**prompt, return_logits=True))
+    calls = []
+    hook = pred.model.mask_decoder.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    try:
+        pred.set_images(images)
+        batched = pred.predict_batch(prompts, return_logits=True)
+    finally:
+        hook.remove()
+    assert sorted(calls) == [1, 3]
+    for single, together in zip(singles, batched):
+        for a, b in zip(together, single):
+            _close(torch.from_numpy(a), torch.from_numpy(b))
+    pred.set_image(image)
+
+
+def test_static_encoder_batches_pad_and_match(predictors):
+    config, _, pred, image = predictors
+    images = [image, _image((23, 61), 1), _image((40, 40), 2)]
+    pred.set_images(images)
+    expected = pred.get_image_embedding()
+    chunked = SamPredictor(pred.model, encoder_batch_size=2)
+    seen = []
+    hook = pred.model.image_encoder.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    try:
+        chunked.set_images(images)
+    finally:
+        hook.remove()
+    assert seen == [2, 2]  # three images: a full chunk and a padded one
+    _close(chunked.get_image_embedding(), expected)
+    pred.set_image(image)

@@ -226,9 +226,145 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, 
   return y;
 }
 
+
+// ---- dynamic int8: per-token activations, per-channel int8 weights ---------------------------
+//
+// For the compute-bound layers of SAM and diffusion (thousands of rows). Each activation row is
+// quantized with one scale (x ≈ xs[m] * xq[m, k]), so the int32 dot products accumulate over the
+// whole of K and are scaled once: y[m, n] = xs[m] * (scale[n] * sum_k u[n,k] xq[m,k] + min[n] * sum_k xq[m,k]).
+// A register tile is kRowsPerTile activation rows x 4 weight tiles (64 outputs): every weight
+// vector loaded serves 4 rows and every activation broadcast 4 tiles. Same packed weights as
+// qlinear (8-bit, one group).
+
+constexpr int kRowsPerTile = 4;
+constexpr int64_t kRowsPerTask = 64;
+
+template <typename T>
+void quantize_rows_per_token(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
+  const __m512 sign_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* src = x + m * k;
+      __m512 vmax = _mm512_setzero_ps();
+      for (int64_t j = 0; j < k; j += 16) vmax = _mm512_max_ps(vmax, _mm512_and_ps(load16(src + j), sign_mask));
+      const float scale = _mm512_reduce_max_ps(vmax) / 127.f;
+      const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t j = 0; j < k; j += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(src + j), inv));
+        sum = _mm512_add_epi32(sum, q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * k + j), _mm512_cvtsepi32_epi8(q));
+      }
+      xs[m] = scale;
+      xsum[m] = _mm512_reduce_add_epi32(sum);
+    }
+  });
+}
+
+inline void store16(float* dst, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(dst, mask, v); }
+inline void store16(at::BFloat16* dst, __m512 v, __mmask16 mask) {
+  // fp32 -> bf16, round to nearest even (the instruction for it needs AVX512-BF16).
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// y rows [m0, m0 + R) x outputs [16 * t0, 16 * (t0 + kTilesPerTask)).
+template <int R, typename T>
+void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k, const Weights& w,
+                  int64_t m0, int64_t t0, T* y) {
+  constexpr int NT = kTilesPerTask;
+  constexpr int64_t block_bytes = kBlock * kTileRows;
+  const uint8_t* base = w.packed + t0 * (k / kBlock) * block_bytes;
+  __m512i acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* block = base + b * NT * block_bytes;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      __m512i wv[NT];
+      for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_si512(block + t * block_bytes + c * 64);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = broadcast4(xq + (m0 + r) * k + b * kBlock + 4 * c);
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wv[t], xv);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t first = (t0 + t) * kTileRows;
+    if (first >= w.n) break;
+    const __mmask16 mask = static_cast<__mmask16>(w.n - first >= 16 ? 0xFFFF : (1u << (w.n - first)) - 1);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + first)));
+    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + first)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m512 dot = _mm512_fmadd_ps(minimum, _mm512_set1_ps(static_cast<float>(xsum[m])),
+                                         _mm512_mul_ps(scale, _mm512_cvtepi32_ps(acc[r][t])));
+      store16(y + m * w.n + first, _mm512_mul_ps(dot, _mm512_set1_ps(xs[m])), mask);
+    }
+  }
+}
+
+at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "qlinear_dynamic: x must be [rows, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear_dynamic: x must be fp32 or bf16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear_dynamic: packed must be contiguous uint8");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "qlinear_dynamic: K must be a multiple of 32");
+  const int64_t bytes_per_row = k + 4;  // codes + fp16 scale + fp16 minimum
+  const int64_t n_padded = packed.numel() / bytes_per_row;
+  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
+              out_features <= n_padded, "qlinear_dynamic: packed size does not match K (8-bit, one group)");
+  TORCH_CHECK(static_cast<double>(k) * 255 * 128 < 2147483647.0, "qlinear_dynamic: K too large for int32 sums");
+
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> xsum;
+  xq.resize(rows * k);
+  xs.resize(rows);
+  xsum.resize(rows);
+  const at::Tensor xc = x.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows_per_token(xc.data_ptr<float>(), rows, k, xq.data(), xs.data(), xsum.data());
+  } else {
+    quantize_rows_per_token(xc.data_ptr<at::BFloat16>(), rows, k, xq.data(), xs.data(), xsum.data());
+  }
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k);
+  const Weights w{codes, scales, scales + n_padded, k, n_padded, out_features};
+  const int64_t row_groups = n_padded / (kTileRows * kTilesPerTask);
+  const int64_t row_chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  const int8_t* xq_ptr = xq.data();
+  const float* xs_ptr = xs.data();
+  const int32_t* xsum_ptr = xsum.data();
+  auto run = [&](auto* out) {
+    // Tasks walk the activation chunks of one weight row group in turn: that group stays cached.
+    at::parallel_for(0, row_groups * row_chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t0 = (task / row_chunks) * kTilesPerTask;
+        const int64_t m_begin = (task % row_chunks) * kRowsPerTask, m_end = std::min(rows, m_begin + kRowsPerTask);
+        int64_t m = m_begin;
+        for (; m + kRowsPerTile <= m_end; m += kRowsPerTile)
+          dynamic_tile<kRowsPerTile>(xq_ptr, xs_ptr, xsum_ptr, k, w, m, t0, out);
+        for (; m < m_end; ++m) dynamic_tile<1>(xq_ptr, xs_ptr, xsum_ptr, k, w, m, t0, out);
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(y.data_ptr<float>());
+  } else {
+    run(y.data_ptr<at::BFloat16>());
+  }
+  return y;
+}
+
 }  // namespace
 
 // The schema is defined on the Python side (genfast/quant/kernels/__init__.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) {
   m.impl("qlinear", &qlinear);
+  m.impl("qlinear_dynamic", &qlinear_dynamic);
 }

@@ -3,9 +3,9 @@
 - Most blocks attend within 14x14 windows (the 64x64 token grid is zero-padded to 70x70 for
   that); a few blocks, `global_attn_indexes`, attend over the whole grid.
 - Every attention adds a decomposed relative-position bias (MViTv2): for a query at (h, w) and a
-  key at (h', w'), q . Rh[h - h'] + q . Rw[w - w'], with the unscaled query. It is built once per
-  call as a float mask and handed to scaled_dot_product_attention, which adds it after scaling
-  q . k — the same sum the original computes with an explicit softmax.
+  key at (h', w'), q . Rh[h - h'] + q . Rw[w - w'], with the unscaled query, after scaling q . k.
+  The two small per-query tables are computed here; modeling/attention.py adds them (as a
+  materialized mask for SDPA, or inside the fused kernel).
 - The input must be exactly image_size square: the absolute position embedding is added
   unresized.
 """
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from genfast.sam.config import SamConfig
+from genfast.sam.modeling.attention import rel_pos_attention
 from genfast.sam.modeling.common import LayerNorm2d, MLPBlock
 
 
@@ -32,13 +33,14 @@ def relative_positions(size: int, table: Tensor) -> Tensor:
     return table[idx[:, None] - idx[None, :] + (size - 1)]
 
 
-def rel_pos_bias(q: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, h: int, w: int) -> Tensor:
-    """The decomposed relative-position bias [B, heads, h*w, h*w] for queries q [B, heads, h*w, C]."""
+def rel_pos_tables(q: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, h: int, w: int) -> tuple[Tensor, Tensor]:
+    """The decomposed relative-position bias of queries q [B, heads, h*w, C] as two tables:
+    [B, heads, h*w, h] (one term per key row) and [B, heads, h*w, w] (one per key column)."""
     b, n_heads, _, c = q.shape
     r_q = q.reshape(b, n_heads, h, w, c)
-    rel_h = torch.einsum("bnhwc,hkc->bnhwk", r_q, relative_positions(h, rel_pos_h))  # key row k
-    rel_w = torch.einsum("bnhwc,wkc->bnhwk", r_q, relative_positions(w, rel_pos_w))  # key column k
-    return (rel_h[..., :, None] + rel_w[..., None, :]).reshape(b, n_heads, h * w, h * w)
+    rel_h = torch.einsum("bnhwc,hkc->bnhwk", r_q, relative_positions(h, rel_pos_h))
+    rel_w = torch.einsum("bnhwc,wkc->bnhwk", r_q, relative_positions(w, rel_pos_w))
+    return rel_h.reshape(b, n_heads, h * w, h), rel_w.reshape(b, n_heads, h * w, w)
 
 
 class Attention(nn.Module):
@@ -51,13 +53,14 @@ class Attention(nn.Module):
         # One row per offset -(grid-1)..(grid-1) along each axis.
         self.rel_pos_h = nn.Parameter(torch.zeros(2 * grid - 1, head_dim))
         self.rel_pos_w = nn.Parameter(torch.zeros(2 * grid - 1, head_dim))
+        self.attention_impl = "auto"  # see modeling/attention.py
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [B, H, W, C] (B counts windows for windowed blocks)."""
         b, h, w, dim = x.shape
         q, k, v = self.qkv(x).reshape(b, h * w, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        bias = rel_pos_bias(q, self.rel_pos_h, self.rel_pos_w, h, w)
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # [B, heads, h*w, C]
+        rel_h, rel_w = rel_pos_tables(q, self.rel_pos_h, self.rel_pos_w, h, w)
+        x = rel_pos_attention(q, k, v, rel_h, rel_w, self.attention_impl)  # [B, heads, h*w, C]
         return self.proj(x.transpose(1, 2).reshape(b, h, w, dim))
 
 

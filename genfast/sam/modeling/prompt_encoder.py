@@ -47,8 +47,10 @@ class PositionEmbeddingRandom(nn.Module):
 
     def forward_with_coords(self, coords: Tensor, image_size: tuple[int, int]) -> Tensor:
         """Pixel coordinates [..., 2] (x, y) in an image of image_size (H, W)."""
-        scale = torch.tensor([1 / image_size[1], 1 / image_size[0]], device=coords.device)
-        return self.encode(coords.float() * scale)
+        # Scaled with Python numbers: a scale tensor built from a list would be a host-to-device
+        # copy, which waits for the GPU.
+        coords = coords.float()
+        return self.encode(torch.stack([coords[..., 0] / image_size[1], coords[..., 1] / image_size[0]], dim=-1))
 
 
 class PromptEncoder(nn.Module):

@@ -9,10 +9,10 @@ narrower in the checkpoints.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from genfast.sam.config import SamConfig
+from genfast.sam.modeling.attention import attention
 from genfast.sam.modeling.common import MLPBlock
 
 
@@ -25,15 +25,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, inner)
         self.v_proj = nn.Linear(dim, inner)
         self.out_proj = nn.Linear(inner, dim)
+        self.attention_impl = "auto"  # see modeling/attention.py
 
     def _heads(self, x: Tensor) -> Tensor:
         b, n, c = x.shape
         return x.view(b, n, self.num_heads, c // self.num_heads).transpose(1, 2)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out = F.scaled_dot_product_attention(
-            self._heads(self.q_proj(q)), self._heads(self.k_proj(k)), self._heads(self.v_proj(v))
-        )
+        out = attention(self._heads(self.q_proj(q)), self._heads(self.k_proj(k)), self._heads(self.v_proj(v)),
+                        self.attention_impl)
         b, _, n, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
 

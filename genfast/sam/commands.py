@@ -1,0 +1,373 @@
+"""`genfast segment`: Segment Anything on one image from the command line.
+
+    genfast pull sam-vit-b                                    # the official checkpoint (375 MB)
+    genfast segment photo.jpg --point 320,240 -o mask.png     # best of SAM's 3 masks for one click
+    genfast segment photo.jpg --point 320,240 --point 400,260 --label 1 --label 0 -o mask.png
+    genfast segment photo.jpg --box 100,80,500,400 --multimask -o mask.png --json masks.json
+    genfast segment photo.jpg --auto -o labels.png --json masks.json     # every object
+    genfast segment photo.jpg --point 320,240 --checkpoint ~/sam_vit_h_4b8939.pth -o mask.png
+
+Outputs (none is overwritten without --force; all are written atomically, all or nothing):
+  -o OUT.png       prompts: the best-scoring mask, 8-bit grayscale 0/255; with --multimask the
+                   k-th best mask goes to OUT-k.png (k = 2, 3). --auto: a label map, 0 background
+                   and i for the i-th mask by decreasing area (smaller masks drawn on top); 8-bit,
+                   or 16-bit beyond 255 masks.
+  OUT-overlay.png  the image with the masks tinted and outlined and the prompt drawn
+                   (--overlay PATH elsewhere, --no-overlay none).
+  --json PATH      masks as uncompressed RLE (COCO's {"size": [H, W], "counts": [...]}, column
+                   major, starting with a run of zeros) with scores, areas and XYWH boxes
+                   ('-' = stdout).
+Coordinates are pixels of the image as displayed (EXIF orientation applied), x to the right
+and y down. --random-weights is for benchmarking only: every output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from genfast import __version__
+from genfast.errors import UserError
+from genfast.sam import images
+from genfast.sam.masks import box_xyxy_to_xywh, mask_to_rle, masks_to_boxes
+from genfast.sam.modeling import Sam
+
+RANDOM_WEIGHTS_WARNING = ("random weights (--random-weights): for benchmarking only; "
+                          "these masks are meaningless")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+
+@dataclass
+class Prompt:
+    points: np.ndarray | None = None  # [N, 2] (x, y)
+    labels: np.ndarray | None = None  # [N] 1 foreground / 0 background
+    box: np.ndarray | None = None  # [4] x0, y0, x1, y1
+    texts: dict[str, list[str]] = field(default_factory=dict)  # as typed, for error messages
+
+    def as_json(self) -> dict[str, Any]:
+        return {"points": None if self.points is None else self.points.tolist(),
+                "labels": None if self.labels is None else self.labels.tolist(),
+                "box": None if self.box is None else self.box.tolist()}
+
+
+def _numbers(text: str, count: int, flag: str, form: str) -> list[float]:
+    parts = text.split(",")
+    try:
+        values = [float(p) for p in parts] if len(parts) == count else None
+    except ValueError:
+        values = None
+    if values is None or not all(math.isfinite(v) for v in values):
+        raise UserError(f"{flag} expects {form} ({count} numbers separated by commas, no spaces), got {text!r}")
+    return values
+
+
+def parse_prompt(args: argparse.Namespace) -> Prompt:
+    """Check the prompt flags' text and combination (before anything slow runs)."""
+    points, labels, boxes = args.point or [], args.label or [], args.box or []
+    if args.auto:
+        if points or labels or boxes:
+            raise UserError("--auto segments everything by itself: drop --point/--label/--box, or drop --auto")
+        if args.multimask:
+            raise UserError("--multimask applies to --point/--box prompts, not to --auto")
+        return Prompt()
+    if not points and not boxes:
+        raise UserError("no prompt given: pass --point X,Y (repeatable) and/or --box X0,Y0,X1,Y1, "
+                        "or --auto to segment everything")
+    if labels and len(labels) != len(points):
+        raise UserError(f"got {len(labels)} --label for {len(points)} --point; give one label per point "
+                        "(1 foreground, 0 background) or none (all foreground)")
+    if len(boxes) > 1:
+        raise UserError(f"got {len(boxes)} --box; SAM takes one box per prompt")
+    for text in labels:
+        if text not in ("0", "1"):
+            raise UserError(f"--label must be 1 (foreground) or 0 (background), got {text!r}")
+    prompt = Prompt(texts={"--point": points, "--box": boxes})
+    if points:
+        prompt.points = np.array([_numbers(p, 2, "--point", "X,Y") for p in points], dtype=np.float64)
+        prompt.labels = np.array([int(v) for v in labels] if labels else [1] * len(points), dtype=np.int64)
+    if boxes:
+        box = _numbers(boxes[0], 4, "--box", "X0,Y0,X1,Y1")
+        if not (box[0] < box[2] and box[1] < box[3]):
+            raise UserError(f"--box {boxes[0]} must be X0,Y0,X1,Y1 with X0 < X1 and Y0 < Y1 (top-left, then bottom-right)")
+        prompt.box = np.array(box, dtype=np.float64)
+    return prompt
+
+
+def check_prompt_inside(prompt: Prompt, height: int, width: int) -> None:
+    where = f"the image is {width}x{height} pixels: x must be in 0..{width}, y in 0..{height}"
+    if prompt.points is not None:
+        for text, (x, y) in zip(prompt.texts["--point"], prompt.points):
+            if not (0 <= x <= width and 0 <= y <= height):
+                raise UserError(f"--point {text} is outside the image ({where})")
+    if prompt.box is not None:
+        x0, y0, x1, y1 = prompt.box
+        if not (0 <= x0 and x1 <= width and 0 <= y0 and y1 <= height):
+            raise UserError(f"--box {prompt.texts['--box'][0]} is outside the image ({where})")
+
+
+# ---- model ---------------------------------------------------------------------------------------
+
+def resolve_device_dtype(device_name: str, dtype_name: str) -> tuple[torch.device, torch.dtype]:
+    """'auto' device: CUDA when present; 'auto' dtype: bfloat16 on CUDA, float32 on CPU."""
+    from genfast.llm.session import resolve_device
+
+    device = resolve_device(device_name)
+    if dtype_name == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype_name not in _DTYPES:
+        raise UserError(f"unknown dtype {dtype_name!r}; use auto, float32, bfloat16 or float16 (CUDA only)")
+    dtype = _DTYPES[dtype_name]
+    if dtype == torch.float16 and device.type == "cpu":
+        raise UserError("float16 is slow and poorly supported on CPU; use float32 or bfloat16")
+    return device, dtype
+
+
+@dataclass
+class LoadedSam:
+    model: Sam
+    description: str  # e.g. "vit_b from /path/sam_vit_b_01ec64.pth"
+    checkpoint: Path | None  # None with random weights
+    random_weights: bool
+
+
+def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> LoadedSam:
+    from genfast.hub import DEFAULT_SAM_MODEL, SAM_CHECKPOINTS, resolve_sam_checkpoint, sam_model_name
+    from genfast.sam.build import build_sam, config_from_state_dict, load_sam_checkpoint, load_sam_state_dict
+    from genfast.sam.config import sam_preset
+
+    if args.checkpoint and args.model:
+        raise UserError("give --checkpoint PATH or --model NAME, not both")
+    if args.random_weights:
+        checkpoint = None  # no weights are loaded
+        if args.checkpoint:  # only the architecture is taken from the file
+            config = config_from_state_dict(load_sam_state_dict(Path(args.checkpoint).expanduser()))
+            source = f"the architecture of {args.checkpoint}"
+        else:
+            name = sam_model_name(args.model or DEFAULT_SAM_MODEL)
+            if name is None:
+                raise UserError(f"unknown SAM model {args.model!r} for --random-weights; use one of "
+                                f"{', '.join(SAM_CHECKPOINTS)}")
+            config = sam_preset(name.removeprefix("sam-").replace("-", "_"))
+            source = name
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(0)
+            model = build_sam(config)
+        description = f"{config.name} with RANDOM weights ({source})"
+    else:
+        checkpoint = Path(args.checkpoint).expanduser() if args.checkpoint else resolve_sam_checkpoint(args.model)
+        model = load_sam_checkpoint(checkpoint)
+        description = f"{model.config.name} from {checkpoint}"
+    model = model.to(device=device, dtype=dtype)
+    model.reset_pixel_stats()  # keep the (non-persistent) pixel statistics in float32
+    return LoadedSam(model, description, checkpoint, bool(args.random_weights))
+
+
+# ---- masks ---------------------------------------------------------------------------------------
+
+@dataclass
+class Segmentation:
+    masks: list[np.ndarray]  # bool HxW, in output order
+    records: list[dict[str, Any]]  # one JSON record per mask (without the RLE)
+    encode_s: float
+    decode_s: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def segment_prompt(model: Sam, image: np.ndarray, prompt: Prompt, multimask: bool) -> Segmentation:
+    """SAM's three masks for the prompt, best predicted IoU first; only the best without `multimask`."""
+    from genfast.sam.predictor import SamPredictor
+
+    predictor = SamPredictor(model)
+    start = time.perf_counter()
+    predictor.set_image(image)
+    _sync(model.device)
+    encoded = time.perf_counter()
+    masks, scores, _ = predictor.predict(prompt.points, prompt.labels, prompt.box, multimask_output=True)
+    decoded = time.perf_counter()
+    order = np.argsort(-scores, kind="stable")[: len(scores) if multimask else 1]
+    kept = [masks[i] for i in order]
+    boxes = box_xyxy_to_xywh(masks_to_boxes(torch.from_numpy(masks[order]))).tolist()  # the original's XYWH
+    records = [{"rank": rank + 1, "predicted_iou": float(scores[i]), "area": int(masks[i].sum()), "bbox": box}
+               for rank, (i, box) in enumerate(zip(order, boxes))]
+    return Segmentation(kept, records, encoded - start, decoded - encoded)
+
+
+def segment_auto(model: Sam, image: np.ndarray, args: argparse.Namespace) -> Segmentation:
+    """Every object: segment-anything's automatic mask generator, masks by decreasing area."""
+    from genfast.sam.automatic import SamAutomaticMaskGenerator
+
+    generator = SamAutomaticMaskGenerator(
+        model, points_per_side=args.points_per_side, points_per_batch=args.points_per_batch,
+        pred_iou_thresh=args.pred_iou_thresh, stability_score_thresh=args.stability_score_thresh,
+        output_mode="binary_mask")
+    start = time.perf_counter()
+    found = generator.generate(image)
+    _sync(model.device)
+    elapsed = time.perf_counter() - start
+    found = sorted(found, key=lambda r: r["area"], reverse=True)
+    masks = [np.asarray(r["segmentation"], dtype=bool) for r in found]
+    records = [{"label": i + 1, **{k: _plain(v) for k, v in r.items() if k != "segmentation"}}
+               for i, r in enumerate(found)]
+    return Segmentation(masks, records, 0.0, elapsed)
+
+
+def _plain(value: Any) -> Any:
+    """numpy/torch scalars and arrays as JSON-ready Python values."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+@dataclass
+class OutputPaths:
+    masks: list[Path]  # -o and, with --multimask, OUT-2.png, OUT-3.png
+    overlay: Path | None
+    json: Path | None  # None: no JSON, or stdout
+    json_stdout: bool = False
+
+    def files(self) -> list[Path]:
+        return [*self.masks, *([self.overlay] if self.overlay else []), *([self.json] if self.json else [])]
+
+
+def _output_paths(args: argparse.Namespace, multimask_outputs: int) -> OutputPaths:
+    if not (args.output or args.json_path or args.overlay):
+        raise UserError("nothing to write: give -o OUT.png (mask and overlay) and/or --json PATH")
+    if args.no_overlay and args.overlay:
+        raise UserError("give --overlay PATH or --no-overlay, not both")
+    masks, overlay = [], None
+    if args.output:
+        out = Path(args.output).expanduser()
+        suffix = out.suffix or ".png"
+        masks = [out] + [out.with_name(f"{out.stem}-{k}{suffix}") for k in range(2, multimask_outputs + 1)]
+        if not args.no_overlay:
+            overlay = Path(args.overlay).expanduser() if args.overlay else out.with_name(f"{out.stem}-overlay{suffix}")
+    elif args.overlay:
+        overlay = Path(args.overlay).expanduser()
+    json_stdout = args.json_path == "-"
+    json_path = Path(args.json_path).expanduser() if args.json_path and not json_stdout else None
+    return OutputPaths(masks, overlay, json_path, json_stdout)
+
+
+def segment_command(args: argparse.Namespace) -> int:
+    prompt = parse_prompt(args)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    multimask_outputs = 3 if args.multimask else 1  # every SAM checkpoint makes 3 (checked below)
+    paths = _output_paths(args, multimask_outputs)
+    images.check_outputs(paths.files(), args.force)  # fail before the slow part
+    image = images.load_image(args.image)
+    height, width = image.shape[:2]
+    check_prompt_inside(prompt, height, width)
+
+    loaded = load_model(args, device, dtype)
+    if loaded.random_weights:
+        _log(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}")
+    _log(f"genfast: SAM {loaded.description} | {str(dtype).removeprefix('torch.')} on {device}")
+    if args.multimask and loaded.model.config.num_multimask_outputs != multimask_outputs:
+        paths = _output_paths(args, loaded.model.config.num_multimask_outputs)
+
+    if args.auto:
+        result = segment_auto(loaded.model, image, args)
+        mask_images = [images.label_image(result.masks, (height, width))] if paths.masks else []
+        overlay_masks, colours = result.masks, [images.colour(i) for i in range(len(result.masks))]
+    else:
+        result = segment_prompt(loaded.model, image, prompt, args.multimask)
+        mask_images = [images.mask_image(m) for m in result.masks][: len(paths.masks)]
+        # Best mask drawn last, on top.
+        overlay_masks = result.masks[::-1]
+        colours = [images.colour(i) for i in range(len(result.masks))][::-1]
+        for record, path in zip(result.records, paths.masks):
+            record["file"] = str(path)
+
+    text = _png_text(args, loaded)
+    files: dict[Path, bytes] = {path: images.png_bytes(img, text) for path, img in zip(paths.masks, mask_images)}
+    if paths.overlay:
+        overlay = images.overlay_image(image, overlay_masks, colours, prompt.points, prompt.labels, prompt.box)
+        files[paths.overlay] = images.png_bytes(overlay, text)
+    document = _json_document(args, loaded, prompt, result, (height, width), paths) if args.json_path else None
+    if paths.json:
+        files[paths.json] = (json.dumps(document, separators=(",", ":")) + "\n").encode()
+    images.write_files(files, args.force)
+    if paths.json_stdout:
+        sys.stdout.write(json.dumps(document, separators=(",", ":")) + "\n")
+        sys.stdout.flush()
+
+    _log(_summary(args, result, (height, width), list(files)))
+    if loaded.random_weights:
+        _log(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}")
+    return 0
+
+
+def _png_text(args: argparse.Namespace, loaded: LoadedSam) -> dict[str, str]:
+    text = {"Software": f"genfast {__version__}", "genfast:model": loaded.description,
+            "genfast:image": str(args.image), "genfast:random-weights": str(loaded.random_weights).lower()}
+    if loaded.random_weights:
+        text["Warning"] = RANDOM_WEIGHTS_WARNING
+    return text
+
+
+def _json_document(args: argparse.Namespace, loaded: LoadedSam, prompt: Prompt, result: Segmentation,
+                   size: tuple[int, int], paths: OutputPaths) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "genfast_version": __version__,
+        "random_weights": loaded.random_weights,
+    }
+    if loaded.random_weights:
+        document["warning"] = RANDOM_WEIGHTS_WARNING
+    document.update({
+        "image": str(args.image),
+        "image_size": list(size),  # [height, width]
+        "model": loaded.description,
+        "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None,
+        "mode": "auto" if args.auto else "prompt",
+        "prompt": None if args.auto else prompt.as_json(),
+        "mask_files": [str(p) for p in paths.masks],  # --auto: the label map
+        "overlay_file": str(paths.overlay) if paths.overlay else None,
+        "masks": [{**record, "segmentation": rle} for record, rle in zip(result.records, _rles(result.masks))],
+    })
+    return document
+
+
+def _rles(masks: list[np.ndarray]) -> list[dict[str, Any]]:
+    return mask_to_rle(torch.from_numpy(np.stack(masks))) if masks else []
+
+
+def _summary(args: argparse.Namespace, result: Segmentation, size: tuple[int, int], written: list[Path]) -> str:
+    height, width = size
+    n = len(result.masks)
+    if args.auto:
+        timing = f"{n} mask{'s' * (n != 1)} in {result.decode_s:.2f} s (automatic, {args.points_per_side}^2 points)"
+        if n == 0:
+            timing += (f"; none passed --pred-iou-thresh {args.pred_iou_thresh} and "
+                       f"--stability-score-thresh {args.stability_score_thresh}")
+    else:
+        best = result.records[0]
+        timing = (f"encoder {result.encode_s:.2f} s, decoder {result.decode_s * 1e3:.0f} ms | best mask: "
+                  f"predicted IoU {best['predicted_iou']:.3f}, {best['area']} px")
+    outputs = ", ".join(str(p) for p in written) + (", JSON on stdout" if args.json_path == "-" else "")
+    return f"genfast: {width}x{height} image | {timing}\ngenfast: wrote {outputs}"

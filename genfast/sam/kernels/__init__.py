@@ -1,0 +1,52 @@
+"""The native fused relative-position attention for SAM's image encoder (built on first use: see
+genfast/native.py). `rel_pos_attention_avx512.cpp` explains the kernel; it registers
+`torch.ops.genfast.rel_pos_attention`, which torch.compile calls without a graph break."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from genfast import native
+
+SOURCE = Path(__file__).with_name("rel_pos_attention_avx512.cpp")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+MAX_HEAD_DIM = 128
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernel cannot be used here, or None when it is loaded and ready."""
+    return native.build("rel_pos_attention", SOURCE, CFLAGS, REQUIRED_CPU_FLAGS, "fused SAM attention kernel")
+
+
+@torch.compiler.assume_constant_result  # torch.compile calls it once instead of tracing the build
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def supports(q: Tensor) -> bool:
+    """Whether the kernel takes these queries ([..., N, C]): bf16 on a CPU, C a multiple of 16."""
+    c = q.shape[-1]
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and c % 16 == 0 and c <= MAX_HEAD_DIM and available()
+
+
+torch.library.define("genfast::rel_pos_attention",
+                     "(Tensor q, Tensor k, Tensor v, Tensor rel_h, Tensor rel_w, float scale) -> Tensor")
+
+
+@torch.library.register_fake("genfast::rel_pos_attention")
+def _rel_pos_attention_fake(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float) -> Tensor:
+    b, heads, n, c = q.shape
+    return q.new_empty(b, n, heads, c)
+
+
+def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float) -> Tensor:
+    """q, k, v: bf16 [B, heads, N, C] (any strides with unit channel stride); rel_h [B, heads, N, H]
+    and rel_w [B, heads, N, W] with H * W = N. Returns [B, heads, N, C], a view of a
+    [B, N, heads, C] tensor (see the C++ file)."""
+    if any(t.stride(-1) != 1 or any(s % 2 for s in t.stride()) for t in (q, k, v)):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    return torch.ops.genfast.rel_pos_attention(q, k, v, rel_h, rel_w, scale).transpose(1, 2)

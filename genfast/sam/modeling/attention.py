@@ -1,0 +1,85 @@
+"""The attention implementations SAM's modules choose from (`set_attention`):
+
+- "math": an explicit softmax over materialized scores, as the original segment-anything computes
+  it (the baseline of the recipe);
+- "sdpa": `F.scaled_dot_product_attention`, with the encoder's relative-position bias passed as
+  a materialized float mask;
+- "fused": for the encoder, the bias added inside the attention kernel, never materialized: on
+  CPU the native kernel (genfast/sam/kernels) where it applies (bf16 on an AVX512-BF16 CPU, head
+  dim a multiple of 16), on CUDA FlexAttention with a score_mod (Triton; the library's masking
+  makes every sequence length correct); SDPA everywhere else, and always in the mask decoder,
+  whose attention has no bias;
+- "auto" (the default): "fused".
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import flex_attention
+
+from genfast.sam import kernels
+
+ATTENTION_IMPLS = ("auto", "math", "sdpa", "fused")
+
+
+def check_attention_impl(impl: str) -> str:
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention implementation {impl!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
+    return impl
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, impl: str) -> Tensor:
+    """softmax(q k^T / sqrt(C)) v for [B, heads, N, C] inputs."""
+    if impl == "math":
+        return ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, impl: str) -> Tensor:
+    """Attention over an H x W key grid with the decomposed relative-position bias: query i and
+    key (r, c) get rel_h[..., i, r] + rel_w[..., i, c] added to their scaled score.
+
+    q, k, v: [B, heads, N, C] with N = H * W; rel_h: [B, heads, N, H]; rel_w: [B, heads, N, W].
+    """
+    b, n_heads, n, c = q.shape
+    scale = c ** -0.5
+    if impl in ("auto", "fused") and kernels.supports(q):
+        return kernels.rel_pos_attention(q, k, v, rel_h, rel_w, scale)
+    if impl in ("auto", "fused") and q.is_cuda:
+        return flex_rel_pos_attention(q, k, v, rel_h, rel_w)
+    grid_h, grid_w = rel_h.shape[-1], rel_w.shape[-1]
+    bias = (rel_h[..., :, None] + rel_w[..., None, :]).reshape(b, n_heads, n, grid_h * grid_w)
+    if impl == "math":
+        return ((q * scale) @ k.transpose(-2, -1) + bias).softmax(dim=-1) @ v
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def flex_rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:
+    """rel_pos_attention through FlexAttention: the bias is a score_mod reading the two tables."""
+    grid_w = rel_w.shape[-1]
+
+    def add_rel_pos(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + rel_h[b, h, q_idx, kv_idx // grid_w] + rel_w[b, h, q_idx, kv_idx % grid_w]
+
+    # Outside torch.compile, flex_attention runs an unfused reference; compile it on its own.
+    fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+    return fn(q, k, v, score_mod=add_rel_pos)
+
+
+@cache
+def _compiled_flex_attention():
+    # Static shapes: SAM has two (windows, global grid). With automatic dynamic shapes, the second
+    # shape's compiled CPU kernel returned NaN on torch 2.13 (tests/sam/test_attention.py).
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
+
+
+def set_attention(model: nn.Module, impl: str) -> None:
+    """Make every SAM attention module in `model` use `impl`."""
+    check_attention_impl(impl)
+    for module in model.modules():
+        if hasattr(module, "attention_impl"):
+            module.attention_impl = impl

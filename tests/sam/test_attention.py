@@ -1,0 +1,122 @@
+"""SAM's attention implementations: the fused native kernel against an fp32 reference, and the
+math / sdpa / fused choices against each other on a whole encoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genfast import native
+from genfast.sam import kernels
+from genfast.sam.build import build_sam
+from genfast.sam.config import SamConfig
+from genfast.sam.modeling.attention import rel_pos_attention, set_attention
+from tests.sam.oracle import randomize_
+
+# Head dim 32 (the kernel needs multiples of 16); 8x8 grid, 3x3 windows padded to 9x9.
+FUSABLE = SamConfig(64, 2, 2, (1,), image_size=128, patch_size=16, window_size=3, prompt_embed_dim=32,
+                    mask_in_chans=8, decoder_mlp_dim=64, decoder_num_heads=2, iou_head_hidden_dim=32)
+
+needs_kernel = pytest.mark.skipif(kernels.unavailable_reason() is not None,
+                                  reason=f"fused kernel unavailable: {kernels.unavailable_reason()}")
+
+
+def _inputs(b: int, h: int, w: int, c: int, bias_scale: float = 1.0, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    n = h * w
+    q, k, v = (torch.randn(b, 2, n, c, generator=gen) for _ in range(3))
+    rel_h = torch.randn(b, 2, n, h, generator=gen) * bias_scale
+    rel_w = torch.randn(b, 2, n, w, generator=gen) * bias_scale
+    return q, k, v, rel_h, rel_w
+
+
+def test_kernel_is_built_where_the_cpu_supports_it():
+    if any(flag not in native.cpu_flags() for flag in kernels.REQUIRED_CPU_FLAGS):
+        pytest.skip("this CPU lacks AVX512-BF16")
+    if kernels.unavailable_reason() == "disabled by GENFAST_NATIVE_KERNELS=0":
+        pytest.skip("disabled by the environment")
+    assert kernels.unavailable_reason() is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("b, h, w, c, bias_scale", [
+    (3, 8, 8, 32, 1.0),     # N = 64: two query blocks
+    (5, 3, 3, 16, 1.0),     # N = 9: keys padded to 16
+    (2, 14, 14, 64, 1.0),   # SAM's windows: N = 196
+    (1, 5, 7, 80, 1.0),     # vit_h's head dim, rectangular grid, N = 35
+    (1, 6, 6, 48, 30.0),    # a bias that dominates the scores: the row max must be subtracted
+    (1, 64, 64, 64, 1.0),   # SAM's global blocks: N = 4096
+])
+def test_fused_kernel_matches_fp32_reference(b, h, w, c, bias_scale):
+    """Tolerance: 1e-2 absolute on unit-variance values. The inputs are rounded to bf16 for both;
+    the remaining error is P rounded to bf16 before P @ V (~2^-9 relative per term)."""
+    q, k, v, rel_h, rel_w = (t.bfloat16() for t in _inputs(b, h, w, c, bias_scale))
+    expected = rel_pos_attention(*(t.float() for t in (q, k, v, rel_h, rel_w)), impl="math")
+    actual = rel_pos_attention(q, k, v, rel_h, rel_w, impl="fused")
+    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+    assert (actual.float() - expected).abs().max().item() < 1e-2
+
+
+def test_sdpa_matches_math_in_fp32():
+    q, k, v, rel_h, rel_w = _inputs(2, 5, 7, 8)
+    torch.testing.assert_close(rel_pos_attention(q, k, v, rel_h, rel_w, "sdpa"),
+                               rel_pos_attention(q, k, v, rel_h, rel_w, "math"), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_falls_back_to_sdpa_where_the_kernel_does_not_apply():
+    q, k, v, rel_h, rel_w = _inputs(2, 5, 7, 8)  # fp32, head dim 8
+    torch.testing.assert_close(rel_pos_attention(q, k, v, rel_h, rel_w, "fused"),
+                               rel_pos_attention(q, k, v, rel_h, rel_w, "sdpa"), rtol=0, atol=0)
+
+
+def _embeddings(model, image: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
+    set_attention(model, impl)
+    with torch.inference_mode():
+        return model.to(dtype).image_encoder(image.to(dtype)).float()
+
+
+@needs_kernel
+def test_encoder_attention_choices_agree():
+    """fp32: sdpa == math to 1e-5. bf16 with the fused kernel: as close to fp32 as bf16 SDPA is
+    (its error is at most 1.5x SDPA's, and cosine >= 0.999)."""
+    torch.manual_seed(0)
+    model = build_sam(FUSABLE)
+    randomize_(model)
+    image = torch.randn(2, 3, 128, 128)
+    reference = _embeddings(model, image, "math", torch.float32)
+    torch.testing.assert_close(_embeddings(model, image, "sdpa", torch.float32), reference, rtol=1e-5, atol=1e-5)
+    fused = _embeddings(model, image, "fused", torch.bfloat16)
+    sdpa = _embeddings(model, image, "sdpa", torch.bfloat16)
+    fused_err, sdpa_err = ((x - reference).abs().max().item() for x in (fused, sdpa))
+    assert fused_err <= 1.5 * sdpa_err
+    assert torch.nn.functional.cosine_similarity(fused.flatten(), reference.flatten(), dim=0) >= 0.999
+
+
+def test_unknown_attention_impl_is_rejected():
+    with pytest.raises(ValueError, match="unknown attention implementation"):
+        set_attention(build_sam(FUSABLE), "flash")
+
+
+@pytest.mark.parametrize("h, w", [(5, 7), (14, 14)])  # sequence lengths 35 and 196: not multiples of any tile
+def test_flex_attention_path_matches_math(h, w):
+    """The CUDA path's math, run on the CPU (eagerly and compiled)."""
+    from genfast.sam.modeling.attention import flex_rel_pos_attention
+
+    q, k, v, rel_h, rel_w = _inputs(2, h, w, 16)
+    expected = rel_pos_attention(q, k, v, rel_h, rel_w, "math")
+    torch.testing.assert_close(flex_rel_pos_attention(q, k, v, rel_h, rel_w), expected, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_fused_kernel_reads_strided_qkv_views():
+    """q, k, v as the encoder makes them: views into one [B, N, 3, heads, C] projection output."""
+    gen = torch.Generator().manual_seed(1)
+    b, heads, h, w, c = 2, 3, 6, 5, 32
+    qkv = torch.randn(b, h * w, 3, heads, c, generator=gen).bfloat16()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    rel_h = torch.randn(b, heads, h * w, h, generator=gen).bfloat16()
+    rel_w = torch.randn(b, heads, h * w, w, generator=gen).bfloat16()
+    expected = rel_pos_attention(*(t.float() for t in (q, k, v, rel_h, rel_w)), impl="math")
+    actual = rel_pos_attention(q, k, v, rel_h, rel_w, impl="fused")
+    assert not q.is_contiguous() and actual.shape == expected.shape
+    assert (actual.float() - expected).abs().max().item() < 1e-2

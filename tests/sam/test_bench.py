@@ -1,0 +1,68 @@
+"""`genfast bench sam` end to end on a tiny architecture (each step in its own process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from genfast import cli
+from genfast.sam.bench import agreement, bench_images, config_json
+from tests.sam.test_attention import FUSABLE
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.json"
+    path.write_text(config_json(FUSABLE))
+    return path
+
+
+def test_bench_sam_writes_the_ladder(tiny_config, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    code = cli.main(["bench", "sam", "--config", str(tiny_config), "--batch-size", "2", "--repeats", "1",
+                     "--steps", "original-fp32,fp32,fused-attention,sparse-2:4", "--json", str(out)])
+    assert code == 0
+    rows = {row["step"]: row for row in json.loads(out.read_text())}
+    assert list(rows) == ["original-fp32", "fp32", "fused-attention", "sparse-2:4"]
+    for step in ("original-fp32", "fp32", "fused-attention"):
+        row = rows[step]
+        assert row["batch_size"] == 2 and row["img_s"] > 0 and row["peak_mem_gb"] > 0
+        assert row["model"] == "custom (random weights)"
+    # genfast's fp32 computes what the original computes; bf16 stays within the step's budget.
+    assert rows["fp32"]["mask_iou"] >= 0.999 and rows["fp32"]["logit_rel_err"] < 1e-4
+    assert rows["fused-attention"]["mask_iou"] >= 0.9 and rows["fused-attention"]["logit_rel_err"] < 0.05
+    assert rows["sparse-2:4"]["note"].startswith("skipped") and rows["sparse-2:4"].get("img_s") is None
+    table = capsys.readouterr().out
+    assert "| original-fp32 | 2 |" in table and "skipped" in table
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "fp32,warp"], "unknown step"),
+    (["--batch-size", "1,x"], "comma-separated whole numbers"),
+    (["--batch-size", "0"], "must be >= 1"),
+    (["--model", "vit_z"], "unknown SAM model"),
+])
+def test_bench_sam_user_errors(argv, message, capsys):
+    assert cli.main(["bench", "sam", *argv]) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_bench_sam_refuses_to_overwrite_json(tiny_config, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    out.write_text("keep")
+    assert cli.main(["bench", "sam", "--config", str(tiny_config), "--json", str(out)]) != 0
+    assert out.read_text() == "keep" and "--force" in capsys.readouterr().err
+
+
+def test_agreement_and_images():
+    images, source = bench_images(3)
+    assert len(images) == 3 and all(i.dtype.name == "uint8" and i.ndim == 3 and i.shape[2] == 3 for i in images)
+    assert source
+    import numpy as np
+
+    a = (np.array([[True, False], [True, True]]), np.array([[1.0, -1.0], [2.0, 3.0]]))
+    b = (np.array([[True, True], [False, True]]), np.array([[1.0, 1.0], [2.0, 3.0]]))
+    result = agreement([a], [b])
+    assert result["mask_iou"] == pytest.approx(2 / 4)
+    assert result["logit_rel_err"] == pytest.approx(2 / np.linalg.norm([1, 1, 2, 3]))

@@ -1,0 +1,130 @@
+"""Each step of the SAM recipe against the fp32 model (math attention, which equals the original
+package: tests/sam/test_modeling.py), within the budget recipe.py states."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from genfast.quant.linear import QuantLinear
+from genfast.sam.build import build_random_sam
+from genfast.sam.config import SamConfig
+from genfast.sam.predictor import SamPredictor
+from genfast.sam.recipe import (
+    SAM_STEPS,
+    SamRecipe,
+    apply_recipe,
+    encoder_int8_filter,
+    prune_2_4_,
+    recipe_for_step,
+    sparse_2_4_unavailable,
+)
+
+# Encoder width 256 (head dim 64): every encoder linear passes the int8 filter, as in vit_b.
+SMALL = SamConfig(256, 2, 4, (1,), image_size=128, patch_size=16, window_size=3, prompt_embed_dim=32,
+                  mask_in_chans=8, decoder_mlp_dim=64, decoder_num_heads=2, iou_head_hidden_dim=32)
+BUDGETS = {  # step: (max relative error of the low-res logits, min mask IoU)
+    "bf16": (0.05, 0.95), "sdpa": (0.05, 0.95), "fused-attention": (0.05, 0.95),
+    "batched-prompts": (0.05, 0.95), "dynamic-int8": (0.10, 0.90),
+}
+
+
+def _images() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:96, 0:80]
+    smooth = np.stack([x * 3, y * 2, (x + y) * 1.5], axis=2)
+    return [(smooth + rng.integers(0, 40, smooth.shape) * k).clip(0, 255).astype(np.uint8) for k in (1, 2, 3)]
+
+
+def _prompts(images):
+    return [{"point_coords": np.array([[20.0 + 10 * i, 30.0]]), "point_labels": np.array([1])}
+            for i, _ in enumerate(images)]
+
+
+def _run(step: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Masks and low-res logits of every image, through the predictor as the bench calls it; the
+    steps after compile run eagerly here (compile is tested on its own below)."""
+    recipe = SamRecipe(**{**recipe_for_step(step).__dict__, "compile": False})
+    model = apply_recipe(build_random_sam(SMALL), recipe)
+    if recipe.dynamic_int8:
+        linears = [m for m in model.image_encoder.modules() if isinstance(m, QuantLinear)]
+        assert len(linears) == 4 * SMALL.encoder_depth  # qkv, proj, two MLP layers per block
+    predictor = SamPredictor(model)
+    images = _images()
+    predictor.set_images(images)
+    if recipe.batched_prompts:
+        results = predictor.predict_batch(_prompts(images), multimask_output=False)
+    else:
+        results = [predictor.predict(**p, multimask_output=False, image_index=i) for i, p in enumerate(_prompts(images))]
+    return [(masks[0], low_res[0]) for masks, _, low_res in results]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return _run("fp32")
+
+
+def test_steps_are_cumulative():
+    assert recipe_for_step("fp32") == SamRecipe()
+    full = recipe_for_step("dynamic-int8")
+    assert (full.dtype, full.attention, full.compile, full.batched_prompts, full.dynamic_int8) == (
+        torch.bfloat16, "fused", True, True, True)
+    sparse = recipe_for_step("sparse-2:4")
+    assert sparse.sparse_2_4 and not sparse.dynamic_int8  # no kernel does both
+    with pytest.raises(ValueError, match="unknown SAM step"):
+        recipe_for_step("fast")
+    assert SAM_STEPS[0] == "fp32"
+
+
+@pytest.mark.parametrize("step", list(BUDGETS))
+def test_step_stays_within_its_budget(step, baseline):
+    max_err, min_iou = BUDGETS[step]
+    outputs = _run(step)
+    for (_, logits), (_, base_logits) in zip(outputs, baseline):
+        err = np.linalg.norm(logits - base_logits) / np.linalg.norm(base_logits)
+        # Random weights put most logits on one side of 0; thresholding both at the baseline's
+        # median gives half-full masks, so the IoU tests the whole logit field.
+        threshold = np.median(base_logits)
+        mask, base_mask = logits > threshold, base_logits > threshold
+        iou = np.logical_and(mask, base_mask).sum() / np.logical_or(mask, base_mask).sum()
+        assert err <= max_err and iou >= min_iou, (err, iou)
+
+
+def test_compiled_encoder_matches_eager_without_recompiling():
+    """fullgraph (a graph break fails), static batches of 2: one compile serves 1, 2 and 3 images."""
+    recipe = SamRecipe(dtype=torch.bfloat16, attention="fused", compile=True)
+    eager_model = apply_recipe(build_random_sam(SMALL), SamRecipe(dtype=torch.bfloat16, attention="fused"))
+    compiled_model = apply_recipe(build_random_sam(SMALL), recipe)
+    images = _images()
+    eager, compiled = SamPredictor(eager_model), SamPredictor(compiled_model, encoder_batch_size=2)
+    torch._dynamo.utils.counters.clear()
+    for count in (1, 2, 3):
+        eager.set_images(images[:count])
+        compiled.set_images(images[:count])
+        expected, actual = eager.get_image_embedding().float(), compiled.get_image_embedding().float()
+        assert (actual - expected).abs().max() <= 0.05 * expected.abs().max()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_prune_2_4_keeps_the_two_largest_of_every_four():
+    linear = torch.nn.Linear(8, 3)
+    original = linear.weight.detach().clone()
+    prune_2_4_(linear)
+    groups, before = linear.weight.view(3, 2, 4), original.view(3, 2, 4)
+    assert ((groups != 0).sum(-1) == 2).all()
+    kept = before.abs().topk(2, dim=-1).indices
+    torch.testing.assert_close(groups.gather(-1, kept), before.gather(-1, kept))
+    with pytest.raises(ValueError, match="divisible by 4"):
+        prune_2_4_(torch.nn.Linear(6, 2))
+
+
+def test_sparse_step_says_why_it_cannot_run_on_cpu():
+    assert "CUDA only" in sparse_2_4_unavailable(torch.device("cpu"))
+    with pytest.raises(ValueError, match="cannot apply 2:4 sparsity"):
+        apply_recipe(build_random_sam(SMALL), recipe_for_step("sparse-2:4"))
+
+
+def test_int8_filter_is_a_function_of_shapes():
+    assert encoder_int8_filter("x", torch.nn.Linear(64, 1024))
+    assert not encoder_int8_filter("x", torch.nn.Linear(768, 2304))
