@@ -1,9 +1,11 @@
 """Compute-bound matmuls (SAM / diffusion shapes) on this machine: fp32, bf16, torch._int_mm and
-genfast's native int8 kernel, in GFLOP/s (median of 5):
+genfast's two native int8 kernels, in GFLOP/s (median of 5):
 
     python benchmarks/dynamic_int8.py
 
-`torch._int_mm` is timed on ready int8 operands; the native kernel includes quantizing its inputs.
+`torch._int_mm` is timed on ready int8 operands; the native kernels include quantizing their
+inputs: `qlinear` (activations per block of 32, the weight-only path) and `qlinear_dynamic`
+(per-token activations, the dynamic int8 path).
 """
 
 import statistics
@@ -17,7 +19,7 @@ from genfast.bench.machine import device_name
 from genfast.quant import kernels
 from genfast.quant.grids import quantize
 
-SHAPES = [(4096, 768, 2304), (4096, 768, 3072), (1024, 320, 1280), (128, 576, 1536)]
+SHAPES = [(4096, 768, 2304), (4096, 768, 3072), (4096, 3072, 768), (1024, 320, 1280), (128, 576, 1536)]
 
 
 def gflops(fn: Callable[[], object], flops: float, repeats: int = 5) -> float:
@@ -33,7 +35,8 @@ def gflops(fn: Callable[[], object], flops: float, repeats: int = 5) -> float:
 def main() -> None:
     native = kernels.unavailable_reason() is None
     print(f"{device_name(torch.device('cpu'))}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| M x K x N | fp32 mm | bf16 mm | torch._int_mm | native |\n|---|---|---|---|---|")
+    print("| M x K x N | fp32 mm | bf16 mm | torch._int_mm | native qlinear | native qlinear_dynamic |\n"
+          "|---|---|---|---|---|---|")
     with torch.inference_mode():
         for m, k, n in SHAPES:
             x, w = torch.randn(m, k), torch.randn(n, k)
@@ -49,7 +52,8 @@ def main() -> None:
                 pad = lambda t: F.pad(t, (0, 0, 0, rows - t.shape[0]))  # noqa: E731
                 packed = kernels.pack(pad(qw.codes), pad(qw.scales), pad(qw.mins), 8)
                 row.append(gflops(lambda: torch.ops.genfast.qlinear(xb, packed, 8, qw.group_size, n), flops))
-            cells = " | ".join(f"{v:.0f}" for v in row) + ("" if native else " | -")
+                row.append(gflops(lambda: torch.ops.genfast.qlinear_dynamic(xb, packed, n), flops))
+            cells = " | ".join(f"{v:.0f}" for v in row) + ("" if native else " | - | -")
             print(f"| {m} x {k} x {n} | {cells} |")
 
 

@@ -283,20 +283,21 @@ class SamAutomaticMaskGenerator:
         the device).
 
         Three host syncs, each the size of a data-dependent selection: the masks passing the IoU
-        filter are compacted first (the full-resolution passes that follow then skip the masks it
-        drops), then those passing the stability and crop-edge filters, whose column runs are the
+        filter are compacted first (upscaling and the full-resolution passes that follow then skip
+        the masks it drops), then those passing the stability and crop-edge filters, whose column runs are the
         third. Compacting keeps work and memory to the masks that survive; nothing else waits for
         the device.
         """
         labels = torch.ones(prompts.shape[0], 1, dtype=torch.int32, device=prompts.device)
-        logits, iou_preds, _ = self.predictor.predict_torch(prompts[:, None, :], labels, multimask_output=True,
-                                                            return_logits=True)
+        low_res, iou_preds = self.predictor.predict_low_res_torch(prompts[:, None, :], labels, multimask_output=True)
         per_point = iou_preds.shape[1]
-        logits, iou_preds = logits.flatten(0, 1), iou_preds.flatten(0, 1)
+        low_res, iou_preds = low_res.flatten(0, 1), iou_preds.flatten(0, 1)
         rows = torch.arange(len(iou_preds), device=iou_preds.device)
         if self.pred_iou_thresh > 0:
             rows = (iou_preds > self.pred_iou_thresh).nonzero().squeeze(1)
-            logits, iou_preds = logits[rows], iou_preds[rows]
+            low_res, iou_preds = low_res[rows], iou_preds[rows]
+        # Upscaled after the IoU filter: each mask is upscaled on its own, so dropped masks need none.
+        logits = self.predictor.upscale_masks(low_res[:, None], return_logits=True)[:, 0]
         threshold = self.predictor.model.mask_threshold
         stability = stability_score(logits, threshold, self.stability_score_offset)
         masks = logits > threshold

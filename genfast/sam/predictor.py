@@ -239,10 +239,24 @@ class SamPredictor:
         Returns masks [B, C, H, W] (bool, or logits), IoU predictions [B, C] and low-res logits
         [B, C, 256, 256].
         """
+        low_res, iou = self.predict_low_res_torch(point_coords, point_labels, boxes, mask_input, multimask_output,
+                                                  image_index)
+        return self.upscale_masks(low_res, image_index, return_logits), iou, low_res
+
+    @torch.no_grad()
+    def predict_low_res_torch(self, point_coords: Tensor | None, point_labels: Tensor | None,
+                              boxes: Tensor | None = None, mask_input: Tensor | None = None,
+                              multimask_output: bool = True, image_index: int | None = None) -> tuple[Tensor, Tensor]:
+        """predict_torch without the upscaling: low-res logits [B, C, 256, 256] and IoU predictions
+        [B, C] (e.g. to filter by IoU before paying for full-resolution masks: upscale_masks)."""
         index = self._image_index(image_index)
         self._check_torch_prompts(point_coords, point_labels, boxes, mask_input)
-        low_res, iou = self._decode([index], point_coords, point_labels, boxes, mask_input, multimask_output)
-        return self._postprocess(low_res, index, return_logits), iou, low_res
+        return self._decode([index], point_coords, point_labels, boxes, mask_input, multimask_output)
+
+    def upscale_masks(self, low_res: Tensor, image_index: int | None = None, return_logits: bool = False) -> Tensor:
+        """Low-res logits [B, C, 256, 256] -> masks [B, C, H, W] at the original image size (bool,
+        or logits with return_logits). Each mask is upscaled on its own."""
+        return self._postprocess(low_res, self._image_index(image_index), return_logits)
 
     def _decode(self, image_indices: list[int], point_coords: Tensor | None, point_labels: Tensor | None,
                 boxes: Tensor | None, mask_input: Tensor | None, multimask_output: bool) -> tuple[Tensor, Tensor]:

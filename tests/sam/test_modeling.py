@@ -204,3 +204,26 @@ def test_transforms_match_original():
     assert resized.shape == (2, 3, 768, 1024) and torch.equal(resized, expected)
     as_uint8 = ours.apply_image(image[0].permute(1, 2, 0).round().to(torch.uint8).numpy())
     assert as_uint8.shape == (768, 1024, 3) and as_uint8.dtype.name == "uint8"
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_vit_b_at_real_size_matches_original():
+    """The official vit_b architecture at 1024 x 1024 (random weights, ~20 s): image embedding,
+    low-res masks and IoU predictions of the original's Sam.forward, in fp32."""
+    from genfast.sam.build import build_random_sam
+
+    ours = build_random_sam("vit_b")
+    original = build_original_sam(SAM_PRESETS["vit_b"])
+    original.load_state_dict(ours.state_dict(), strict=True)
+    image = torch.rand(3, 1024, 768, generator=torch.Generator().manual_seed(5)) * 255
+    point = torch.tensor([[[400.0, 300.0]]])
+    ref = original([{"image": image, "original_size": (1024, 768), "point_coords": point,
+                     "point_labels": torch.tensor([[1]])}], multimask_output=True)[0]
+    expected_embedding = original.image_encoder(original.preprocess(image[None]))
+    embedding = ours.image_encoder(ours.preprocess(image)[None])
+    _close(embedding, expected_embedding, rel=1e-4)
+    sparse, dense = ours.prompt_encoder((point, torch.tensor([[1]])), None, None)
+    low_res, iou = ours.mask_decoder(embedding, ours.prompt_encoder.get_dense_pe(), sparse, dense, True)
+    _close(low_res, ref["low_res_logits"], rel=1e-4)
+    _close(iou, ref["iou_predictions"], rel=1e-4)

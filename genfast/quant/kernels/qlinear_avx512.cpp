@@ -341,11 +341,12 @@ at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_
   const float* xs_ptr = xs.data();
   const int32_t* xsum_ptr = xsum.data();
   auto run = [&](auto* out) {
-    // Tasks walk the activation chunks of one weight row group in turn: that group stays cached.
+    // Consecutive tasks take one chunk of activation rows (in L2) through every weight row group:
+    // the weights (a few MB) stay in L3, while a large activation matrix is read from memory once.
     at::parallel_for(0, row_groups * row_chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t t0 = (task / row_chunks) * kTilesPerTask;
-        const int64_t m_begin = (task % row_chunks) * kRowsPerTask, m_end = std::min(rows, m_begin + kRowsPerTask);
+        const int64_t t0 = (task % row_groups) * kTilesPerTask;
+        const int64_t m_begin = (task / row_groups) * kRowsPerTask, m_end = std::min(rows, m_begin + kRowsPerTask);
         int64_t m = m_begin;
         for (; m + kRowsPerTile <= m_end; m += kRowsPerTile)
           dynamic_tile<kRowsPerTile>(xq_ptr, xs_ptr, xsum_ptr, k, w, m, t0, out);
