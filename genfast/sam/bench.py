@@ -147,6 +147,28 @@ def _step_note(step: str, device: torch.device) -> str | None:
     return None
 
 
+def attention_scores_bytes(step: str, config: SamConfig, batch_size: int) -> int:
+    """Peak bytes of the N x N tensors a global-attention block materializes in `step`: scores,
+    biased scores and probabilities with explicit softmax (fp32, bf16); the float mask and its
+    copy with SDPA; nothing with the fused kernel (genfast's steps encode the whole batch at
+    once; the original package one image at a time)."""
+    n = config.image_embedding_size ** 2
+    per_matrix = batch_size * config.encoder_num_heads * n * n
+    return {"fp32": 3 * 4 * per_matrix, "bf16": 3 * 2 * per_matrix, "sdpa": 2 * 2 * per_matrix,
+            BASELINE: 3 * 4 * per_matrix // batch_size}.get(step, 0)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def agreement(outputs: list[tuple[np.ndarray, np.ndarray]], baseline: list[tuple[np.ndarray, np.ndarray]]) -> dict:
     """Mean mask IoU and worst relative error of the low-res logits against the baseline's."""
     ious, errors = [], []
@@ -165,6 +187,10 @@ def run_step(step: str, config: SamConfig, batch_size: int, repeats: int, device
     from genfast.sam.build import build_random_sam
 
     row: dict[str, Any] = {"step": step, "batch_size": batch_size, "note": _step_note(step, device)}
+    need, available = attention_scores_bytes(step, config, batch_size), available_memory_bytes()
+    if device.type == "cpu" and available is not None and need > 0.95 * available:
+        row["note"] = (f"skipped: its attention scores need ~{need / 1e9:.0f} GB, "
+                       f"{available / 1e9:.0f} GB available (use a smaller --batch-size)")
     if row["note"] and row["note"].startswith("skipped"):
         return row
     images, source = bench_images(batch_size)

@@ -148,7 +148,7 @@ class LoadedSam:
 
 def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> LoadedSam:
     from genfast.hub import DEFAULT_SAM_MODEL, SAM_CHECKPOINTS, resolve_sam_checkpoint, sam_model_name
-    from genfast.sam.build import build_sam, config_from_state_dict, load_sam_checkpoint, load_sam_state_dict
+    from genfast.sam.build import build_random_sam, config_from_state_dict, load_sam_checkpoint, load_sam_state_dict
     from genfast.sam.config import sam_preset
 
     if args.checkpoint and args.model:
@@ -165,9 +165,7 @@ def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
                                 f"{', '.join(SAM_CHECKPOINTS)}")
             config = sam_preset(name.removeprefix("sam-").replace("-", "_"))
             source = name
-        with torch.random.fork_rng(devices=[]), torch.device(device):
-            torch.manual_seed(0)
-            model = build_sam(config)
+        model = build_random_sam(config)
         description = f"{config.name} with RANDOM weights ({source})"
     else:
         checkpoint = Path(args.checkpoint).expanduser() if args.checkpoint else resolve_sam_checkpoint(args.model)

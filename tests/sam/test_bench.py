@@ -66,3 +66,14 @@ def test_agreement_and_images():
     result = agreement([a], [b])
     assert result["mask_iou"] == pytest.approx(2 / 4)
     assert result["logit_rel_err"] == pytest.approx(2 / np.linalg.norm([1, 1, 2, 3]))
+
+
+def test_attention_memory_estimate_matches_the_measured_peak():
+    """vit_b, batch 8: the fp32 step peaked at 21.2 GB (docs/performance.md), its scores ~19 GB."""
+    from genfast.sam.bench import attention_scores_bytes
+    from genfast.sam.config import sam_preset
+
+    vit_b = sam_preset("vit_b")
+    assert 18e9 < attention_scores_bytes("fp32", vit_b, 8) < 21.2e9
+    assert attention_scores_bytes("fused-attention", vit_b, 8) == 0
+    assert attention_scores_bytes("original-fp32", vit_b, 8) == attention_scores_bytes("fp32", vit_b, 1)
