@@ -1,0 +1,67 @@
+"""torch.compile of a pipeline's denoiser and VAE decoder, options passed per call.
+
+No global inductor or dynamo config is changed: each `torch.compile` call gets its options dict.
+- CUDA: diffusion-fast's flags (conv_1x1_as_mm, coordinate_descent_tuning, epilogue_fusion off,
+  coordinate_descent_check_all_directions) with max-autotune; CUDA graphs only for whole-model
+  static-shape compiles (regional/dynamic graphs would each need their own pools).
+- CPU: `freezing` (weights become constants: conv weights are pre-packed for oneDNN), as for the
+  LLM and SAM compiles in genfast/compile.py.
+Modules are compiled in place with `nn.Module.compile`, so the pipeline keeps its own objects
+(state dicts, `config`, attribute access are unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def diffusion_inductor_options(device: torch.device | str, *, whole_model: bool = True,
+                               dynamic: bool = False) -> dict[str, Any]:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return {"conv_1x1_as_mm": True, "coordinate_descent_tuning": True, "epilogue_fusion": False,
+                "coordinate_descent_check_all_directions": True, "max_autotune": True,
+                "triton.cudagraphs": whole_model and not dynamic}
+    return {"freezing": True}
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def compile_module(module: nn.Module, *, dynamic: bool = False, whole_model: bool = True) -> nn.Module:
+    """Compile `module`'s forward in place (fullgraph: a graph break is an error, not a slowdown)."""
+    module.compile(fullgraph=True, dynamic=dynamic,
+                   options=diffusion_inductor_options(_device_of(module), whole_model=whole_model, dynamic=dynamic))
+    return module
+
+
+def compile_vae_decoder(vae: nn.Module, *, dynamic: bool = False) -> None:
+    """Compile the VAE's `decoder` (the work of `vae.decode`; the 1x1 post-quant conv stays eager)."""
+    decoder = getattr(vae, "decoder", None)
+    if not isinstance(decoder, nn.Module):
+        raise ValueError(f"{type(vae).__name__} has no `decoder` module to compile")
+    compile_module(decoder, dynamic=dynamic)
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks diffusers marks as repeated (`_repeated_blocks`: transformer blocks for UNets and
+    DiTs): compiled once per distinct shape, reused by every instance."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} declares no repeated blocks: regional compilation does not apply")
+    return blocks
+
+
+def compile_regions(model: nn.Module, *, dynamic: bool = False) -> int:
+    """Regional compilation: compile each repeated block in place, the rest stays eager. Compile
+    time is that of one block per distinct shape instead of the whole model; speed is close to
+    whole-model compile when the blocks dominate. Returns the number of blocks compiled."""
+    blocks = repeated_blocks(model)
+    for block in blocks:
+        compile_module(block, dynamic=dynamic, whole_model=False)
+    return len(blocks)

@@ -1,0 +1,138 @@
+"""Loading diffusers pipelines, and tiny random ones for tests.
+
+genfast does not re-implement UNets or VAEs: diffusers is the standard, and the recipe
+(genfast.diffusion.recipe) is applied to its pipelines. `tiny_pipeline` builds SD 1.5- and
+SDXL-shaped pipelines from configs with random weights (no hub is reachable here), with a
+tokenizer whose vocabulary is the 256 byte symbols of CLIP's BPE and no merges, so prompts work.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from genfast.errors import UserError
+
+TINY_ARCHS = ("sd15", "sdxl")
+
+
+def _import_diffusers() -> Any:
+    try:
+        import diffusers
+    except ImportError as e:  # an optional extra: say how to get it
+        raise UserError("diffusion needs the diffusers package: pip install 'genfast[diffusion]'") from e
+    return diffusers
+
+
+def denoiser_of(pipe: Any) -> torch.nn.Module:
+    """The pipeline's denoiser: its `unet` or, for DiT pipelines (PixArt, SD3, Flux), `transformer`."""
+    for name in ("unet", "transformer"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            return module
+    raise ValueError(f"{type(pipe).__name__} has neither a `unet` nor a `transformer`: genfast's steps do not apply")
+
+
+def denoiser_name(pipe: Any) -> str:
+    return "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+
+
+def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Any:
+    """A diffusers pipeline from a local directory (diffusers layout, with model_index.json) or a
+    hub id (downloaded by diffusers when the hub is reachable)."""
+    diffusers = _import_diffusers()
+    path = Path(model).expanduser()
+    looks_local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
+    if looks_local:
+        if not path.is_dir():
+            raise UserError(f"{model} is not a directory: pass a diffusers pipeline directory (with model_index.json) or a hub id")
+        if not (path / "model_index.json").is_file():
+            raise UserError(f"{path} has no model_index.json: it is not a diffusers pipeline directory")
+        source = str(path)
+    else:
+        source = model
+    try:
+        pipe = diffusers.DiffusionPipeline.from_pretrained(source, torch_dtype=dtype)
+    except (OSError, ValueError) as e:
+        where = "the directory's components" if looks_local else f"hub id {model!r} (is the hub reachable?)"
+        raise UserError(f"could not load a diffusers pipeline from {where}: {str(e).splitlines()[0]}") from e
+    return pipe.to(device)
+
+
+def _byte_symbols() -> list[str]:
+    """The 256 printable stand-ins GPT-2/CLIP byte-level BPE uses for the bytes 0..255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _tiny_tokenizer(directory: Path) -> Any:
+    """A CLIPTokenizer over the 256 byte symbols of CLIP's byte-level BPE (plain and word-final)
+    and no merges: every prompt tokenizes, one token per byte."""
+    from transformers import CLIPTokenizer
+
+    symbols = _byte_symbols()
+    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols])}
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"), model_max_length=77)
+
+
+def _tiny_text_encoder(projection: bool, hidden_size: int, seed: int) -> torch.nn.Module:
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(bos_token_id=512, eos_token_id=513, pad_token_id=513, hidden_size=hidden_size,
+                            intermediate_size=2 * hidden_size, num_attention_heads=4, num_hidden_layers=2,
+                            projection_dim=hidden_size, vocab_size=514, max_position_embeddings=77,
+                            hidden_act="gelu")
+    torch.manual_seed(seed)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
+
+
+def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:
+    """A tiny random StableDiffusionPipeline ("sd15") or StableDiffusionXLPipeline ("sdxl") in
+    fp32 on the CPU, with the architectures' features: cross-attention down/up blocks, resnets
+    with 1x1 shortcuts, conv (sd15) or linear (sdxl) transformer projections, SDXL's second text
+    encoder and time-id embedding. Images are 32x32 by default (latents 16x16: VAE factor 2)."""
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
+    diffusers = _import_diffusers()
+    sdxl = arch == "sdxl"
+    torch.manual_seed(seed)
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(16, 32), norm_num_groups=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=64 if sdxl else 32, attention_head_dim=4 if sdxl else 8,
+        use_linear_projection=sdxl,
+        addition_embed_type="text_time" if sdxl else None,
+        addition_time_embed_dim=8 if sdxl else None,
+        projection_class_embeddings_input_dim=32 + 6 * 8 if sdxl else None,
+    ).eval()
+    torch.manual_seed(seed + 1)
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32), layers_per_block=1,
+        norm_num_groups=8, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=32,
+    ).eval()
+    scheduler = diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                                 timestep_spacing="leading", steps_offset=1)
+    directory = Path(tempfile.mkdtemp(prefix="genfast-tiny-tokenizer-"))
+    tokenizer = _tiny_tokenizer(directory)
+    components: dict[str, Any] = dict(unet=unet, vae=vae, scheduler=scheduler, tokenizer=tokenizer,
+                                      text_encoder=_tiny_text_encoder(False, 32, seed + 2))
+    if sdxl:
+        components.update(tokenizer_2=tokenizer, text_encoder_2=_tiny_text_encoder(True, 32, seed + 3))
+        pipe = diffusers.StableDiffusionXLPipeline(**components)
+    else:
+        pipe = diffusers.StableDiffusionPipeline(**components, safety_checker=None, feature_extractor=None,
+                                                 requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

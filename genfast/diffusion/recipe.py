@@ -1,0 +1,144 @@
+"""diffusion-fast's recipe (and diffusers' later guide) as named steps, each on top of the previous.
+
+| step | what changes | budget vs the fp32 baseline image (tiny random pipelines, tests/diffusion) |
+|---|---|---|
+| baseline | fp32, attention by explicit softmax (`AttnProcessor`), eager | the reference |
+| bf16 | weights and activations in bfloat16 (text encoders included) | PSNR >= 35 dB (tiny models: ~48) |
+| sdpa | `AttnProcessor2_0`: `F.scaled_dot_product_attention` | in fp32 ~exact: max abs diff <= 1e-4; cumulative: as bf16 |
+| channels_last | denoiser and VAE weights/activations in NHWC | fp32 max abs diff <= 1e-4; cumulative: as bf16 |
+| fused-qkv | one QKV (self-) / KV (cross-attention) linear, diffusers' fuse_qkv_projections | fp32 max abs diff <= 1e-4; cumulative: as bf16 |
+| conv1x1-linear | every 1x1 Conv2d of denoiser and VAE runs as a Linear over channels | fp32 max abs diff <= 1e-4; cumulative: as bf16 |
+| compile | torch.compile (fullgraph) of the denoiser and the VAE decoder | as bf16 (fp32: max abs diff <= 1e-3) |
+| dynamic-int8 | int8 activations x int8 weights in the linears `int8_keep` leaves (shape rule) | PSNR >= 35 dB (tiny models, every linear quantized: 45-53) |
+| regional-compile | instead of whole-model compile: each repeated (transformer) block compiled | as dynamic-int8 |
+| feature-cache | DeepCache: UNet deep features reused every other step (`feature_cache_interval=2`) | not accuracy-preserving: PSNR >= 30 dB vs the same recipe uncached on tiny models (measured ~50) |
+
+"Scheduler state on the host, no device syncs in the loop" is not a step: diffusers' pipelines
+and schedulers already keep step indices as Python ints, and nothing genfast adds reads a device
+value (the feature cache detects a new run by tensor identity). It is only observable on CUDA
+(`torch.cuda.set_sync_debug_mode`) and is not tested yet (no GPU was available).
+
+Not a step yet: dynamic-shape compilation (a new resolution without recompiling). With
+dynamic=True the tiny UNet still recompiled at a new latent size on CPU, and the VAE decoder's CPU
+convolutions add a size guard; until that is solved and tested, the ladder compiles static shapes.
+
+`apply_recipe` works on any diffusers pipeline with a `unet` or `transformer` and a `vae`;
+a step that does not apply to it raises ValueError saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from genfast.diffusion.attention import fuse_qkv, set_attention
+from genfast.diffusion.compiling import compile_module, compile_regions, compile_vae_decoder
+from genfast.diffusion.conv1x1 import conv1x1_to_linear
+from genfast.diffusion.feature_cache import DeepCacheUNet
+from genfast.diffusion.pipelines import denoiser_name, denoiser_of
+from genfast.quant.linear import LinearFilter, quantize_dynamic_int8
+
+DIFFUSION_STEPS = ("baseline", "bf16", "sdpa", "channels_last", "fused-qkv", "conv1x1-linear", "compile",
+                   "dynamic-int8", "regional-compile", "feature-cache")
+COMPILE_MODES = ("none", "full", "regional")
+# Linears with fewer input or output features gain little from int8 (the rescaling dominates) and
+# are where its error matters most. 320 is the narrowest width of SD 1.5/SDXL's UNets, so at the real
+# sizes this quantizes the attention and feed-forward linears and leaves the time/text embeddings.
+INT8_MIN_FEATURES = 320
+
+
+@dataclass(frozen=True)
+class DiffusionRecipe:
+    dtype: torch.dtype = torch.float32
+    attention: str = "math"
+    channels_last: bool = False
+    fuse_qkv: bool = False
+    conv1x1_linear: bool = False
+    compile: str = "none"  # "none" | "full" (denoiser + VAE decoder) | "regional" (repeated blocks + VAE decoder)
+    dynamic_int8: bool = False
+    int8_min_features: int = INT8_MIN_FEATURES
+    feature_cache_interval: int = 0  # 0: off; N: full UNet every N steps
+
+
+def recipe_for_step(step: str) -> DiffusionRecipe:
+    """The recipe with every step up to and including `step`."""
+    if step not in DIFFUSION_STEPS:
+        raise ValueError(f"unknown diffusion step {step!r}; choose one of {', '.join(DIFFUSION_STEPS)}")
+    changes: dict[str, dict[str, Any]] = {
+        "bf16": {"dtype": torch.bfloat16},
+        "sdpa": {"attention": "sdpa"},
+        "channels_last": {"channels_last": True},
+        "fused-qkv": {"fuse_qkv": True},
+        "conv1x1-linear": {"conv1x1_linear": True},
+        "compile": {"compile": "full"},
+        "dynamic-int8": {"dynamic_int8": True},
+        "regional-compile": {"compile": "regional"},
+        "feature-cache": {"feature_cache_interval": 2},
+    }
+    recipe = DiffusionRecipe()
+    for name in DIFFUSION_STEPS[: DIFFUSION_STEPS.index(step) + 1]:
+        recipe = replace(recipe, **changes.get(name, {}))
+    return recipe
+
+
+def int8_keep(min_features: int = INT8_MIN_FEATURES) -> LinearFilter:
+    """The dynamic-int8 filter, a function of the layer's shape only: a linear stays in floating
+    point when min(in_features, out_features) < `min_features` (see INT8_MIN_FEATURES)."""
+    def keep(name: str, linear: nn.Linear) -> bool:
+        return min(linear.in_features, linear.out_features) < min_features
+
+    return keep
+
+
+def validate(recipe: DiffusionRecipe) -> None:
+    """Reject combinations that cannot run, before anything is changed."""
+    if recipe.compile not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {recipe.compile!r}; choose one of {', '.join(COMPILE_MODES)}")
+    if recipe.feature_cache_interval and recipe.compile == "full":
+        raise ValueError("the feature cache runs the UNet's blocks one by one: use regional compilation, "
+                         "not whole-denoiser compile")
+    if recipe.feature_cache_interval < 0:
+        raise ValueError(f"feature_cache_interval must be >= 0, got {recipe.feature_cache_interval}")
+
+
+def apply_recipe(pipe: Any, recipe: DiffusionRecipe) -> Any:
+    """Apply `recipe` to a freshly loaded diffusers pipeline in place (and return it). The order
+    matters: processors before fusing, shape changes (fusing, conv->linear, int8) before compiling,
+    the feature cache around the (regionally compiled) UNet last."""
+    validate(recipe)
+    denoiser = denoiser_of(pipe)
+    vae = getattr(pipe, "vae", None)
+    if vae is None:
+        raise ValueError(f"{type(pipe).__name__} has no `vae`: genfast's steps do not apply")
+    models = [denoiser, vae]
+    if recipe.feature_cache_interval and type(denoiser).__name__ != "UNet2DConditionModel":
+        raise ValueError(f"feature caching is implemented for UNet2DConditionModel, not {type(denoiser).__name__}")
+    device = next(denoiser.parameters()).device
+    pipe.to(device=device, dtype=recipe.dtype)
+    for model in models:
+        set_attention(model, recipe.attention)
+    if recipe.channels_last:
+        for model in models:
+            model.to(memory_format=torch.channels_last)
+    if recipe.fuse_qkv:
+        if recipe.attention != "sdpa":
+            raise ValueError("fused QKV uses diffusers' FusedAttnProcessor2_0 (SDPA): it needs attention 'sdpa'")
+        for model in models:
+            fuse_qkv(model)
+    if recipe.conv1x1_linear:
+        for model in models:
+            conv1x1_to_linear(model)
+    if recipe.dynamic_int8:
+        quantize_dynamic_int8(denoiser, keep=int8_keep(recipe.int8_min_features))
+    if recipe.compile == "full":
+        compile_module(denoiser)
+    elif recipe.compile == "regional":
+        compile_regions(denoiser)
+    if recipe.compile != "none":
+        compile_vae_decoder(vae)
+    if recipe.feature_cache_interval:
+        setattr(pipe, denoiser_name(pipe), DeepCacheUNet(denoiser, pipe.scheduler, recipe.feature_cache_interval))
+    return pipe

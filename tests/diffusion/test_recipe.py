@@ -1,0 +1,140 @@
+"""The diffusion recipe on tiny random diffusers pipelines: each step against the fp32 baseline
+(explicit-softmax attention, eager), with the budgets of genfast/diffusion/recipe.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from genfast.diffusion.attention import fuse_qkv, unfuse_qkv  # noqa: E402
+from genfast.diffusion.conv1x1 import Conv1x1AsLinear, conv1x1_to_linear, linears_to_conv1x1  # noqa: E402
+from genfast.diffusion.feature_cache import DeepCacheUNet  # noqa: E402
+from genfast.diffusion.pipelines import tiny_pipeline  # noqa: E402
+from genfast.diffusion.quality import psnr  # noqa: E402
+from genfast.diffusion.recipe import (  # noqa: E402
+    DIFFUSION_STEPS, DiffusionRecipe, apply_recipe, int8_keep, recipe_for_step)
+from genfast.quant.linear import QuantLinear  # noqa: E402
+
+FP32_EXACT = 1e-4  # max abs pixel difference (images in [0, 1]) for the fp32 rewrites
+BF16_PSNR = 35.0  # dB; tiny models measure ~48-50
+INT8_PSNR = 35.0  # dB; measured ~45-53
+CACHE_PSNR = 30.0  # dB vs the same recipe uncached; measured ~50
+
+
+def generate(pipe, size: int = 32, steps: int = 4) -> torch.Tensor:
+    return pipe("a red cat", num_inference_steps=steps, height=size, width=size,
+                generator=torch.Generator().manual_seed(0), output_type="pt").images.float()
+
+
+def eager(step: str, **changes) -> DiffusionRecipe:
+    """The cumulative recipe of `step` without compiling (compiles are tested apart: they are slow)."""
+    return replace(recipe_for_step(step), compile="none", **changes)
+
+
+@pytest.fixture(scope="module", params=["sd15", "sdxl"])
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def baseline(arch):
+    return generate(apply_recipe(tiny_pipeline(arch), recipe_for_step("baseline")))
+
+
+def test_ladder_is_cumulative():
+    assert recipe_for_step("baseline") == DiffusionRecipe()
+    full = recipe_for_step("feature-cache")
+    assert (full.dtype, full.attention, full.compile) == (torch.bfloat16, "sdpa", "regional")
+    assert full.channels_last and full.fuse_qkv and full.conv1x1_linear and full.dynamic_int8
+    assert recipe_for_step("compile").compile == "full" and not recipe_for_step("compile").dynamic_int8
+    with pytest.raises(ValueError, match="unknown diffusion step"):
+        recipe_for_step("turbo")
+
+
+@pytest.mark.parametrize("step", ["sdpa", "channels_last", "fused-qkv", "conv1x1-linear"])
+def test_fp32_rewrites_are_exact(arch, baseline, step):
+    image = generate(apply_recipe(tiny_pipeline(arch), eager(step, dtype=torch.float32)))
+    assert (image - baseline).abs().max().item() <= FP32_EXACT
+
+
+@pytest.mark.parametrize("step", ["bf16", "conv1x1-linear"])
+def test_bf16_steps_within_budget(arch, baseline, step):
+    image = generate(apply_recipe(tiny_pipeline(arch), eager(step)))
+    assert psnr(image, baseline) >= BF16_PSNR
+
+
+def test_dynamic_int8_within_budget(arch, baseline):
+    # The tiny models' linears are narrower than INT8_MIN_FEATURES: quantize them all here.
+    pipe = apply_recipe(tiny_pipeline(arch), eager("dynamic-int8", int8_min_features=1))
+    assert any(isinstance(m, QuantLinear) for m in pipe.unet.modules())
+    assert psnr(generate(pipe), baseline) >= INT8_PSNR
+
+
+def test_int8_filter_is_a_shape_rule():
+    keep = int8_keep(320)
+    assert keep("any", torch.nn.Linear(320, 64)) and not keep("any", torch.nn.Linear(320, 1280))
+    pipe = apply_recipe(tiny_pipeline("sd15"), eager("dynamic-int8"))  # default threshold: all tiny layers kept
+    assert not any(isinstance(m, QuantLinear) for m in pipe.unet.modules())
+
+
+def test_feature_cache(arch, baseline):
+    uncached = generate(apply_recipe(tiny_pipeline(arch), eager("conv1x1-linear", dtype=torch.float32)))
+    pipe = apply_recipe(tiny_pipeline(arch), eager("feature-cache", dtype=torch.float32, dynamic_int8=False))
+    assert isinstance(pipe.unet, DeepCacheUNet)
+    cached = generate(pipe)
+    assert CACHE_PSNR <= psnr(cached, uncached) < 100  # close, but the cache did skip work
+    assert torch.equal(generate(pipe), cached)  # each pipeline call starts a new run (full first step)
+
+
+def test_feature_cache_interval_1_is_the_unet(arch):
+    """Every step full: the cache's re-implementation of the UNet forward is the UNet's, bit for bit."""
+    reference = generate(apply_recipe(tiny_pipeline(arch), eager("conv1x1-linear", dtype=torch.float32)))
+    pipe = apply_recipe(tiny_pipeline(arch), eager("feature-cache", dtype=torch.float32, dynamic_int8=False,
+                                                   feature_cache_interval=1))
+    assert torch.equal(generate(pipe), reference)
+
+
+def test_fuse_unfuse_round_trip():
+    pipe = tiny_pipeline("sd15")
+    for model in (pipe.unet, pipe.vae):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        processors = {k: type(v) for k, v in model.attn_processors.items()}
+        fuse_qkv(model)
+        assert any(k.endswith("to_qkv.weight") for k in model.state_dict())
+        unfuse_qkv(model)
+        after = model.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+        assert {k: type(v) for k, v in model.attn_processors.items()} == processors
+
+
+def test_conv1x1_swap_exact_and_reversible():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(16, 24, 1)
+    x = torch.randn(2, 16, 8, 8)
+    swapped = Conv1x1AsLinear.from_conv(conv)
+    torch.testing.assert_close(swapped(x), conv(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(swapped(x.to(memory_format=torch.channels_last)), conv(x), rtol=1e-5, atol=1e-6)
+    pipe = tiny_pipeline("sd15")
+    before = {k: v.clone() for k, v in pipe.vae.state_dict().items()}
+    names = conv1x1_to_linear(pipe.vae)
+    assert "post_quant_conv" in names and all(isinstance(pipe.vae.get_submodule(n), Conv1x1AsLinear) for n in names)
+    assert sorted(linears_to_conv1x1(pipe.vae)) == sorted(names)
+    after = pipe.vae.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_invalid_recipes_raise():
+    pipe = tiny_pipeline("sd15")
+    with pytest.raises(ValueError, match="regional"):
+        apply_recipe(pipe, DiffusionRecipe(compile="full", feature_cache_interval=2))
+    with pytest.raises(ValueError, match="fused QKV"):
+        apply_recipe(pipe, DiffusionRecipe(fuse_qkv=True))
+
+
+def test_every_step_has_a_recipe():
+    for step in DIFFUSION_STEPS:
+        recipe_for_step(step)
