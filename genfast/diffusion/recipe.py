@@ -18,9 +18,13 @@ and schedulers already keep step indices as Python ints, and nothing genfast add
 value (the feature cache detects a new run by tensor identity). It is only observable on CUDA
 (`torch.cuda.set_sync_debug_mode`) and is not tested yet (no GPU was available).
 
-Not a step yet: dynamic-shape compilation (a new resolution without recompiling). With
-dynamic=True the tiny UNet still recompiled at a new latent size on CPU, and the VAE decoder's CPU
-convolutions add a size guard; until that is solved and tested, the ladder compiles static shapes.
+Not a step yet: dynamic-shape compilation (a new resolution without recompiling). Measured on
+the tiny SD 1.5 pipeline with `compile_module(unet, dynamic=True)` (CPU, torch 2.13): latents
+16 -> 20 -> 24 reused one graph, but a first compile at latent 32 specialized the sizes and 40
+recompiled once (then 48 and 32 reused that graph), with or without freezing: probably a
+sequence-length threshold in the CPU attention lowering (256 tokens vs 1024). The VAE decoder's
+CPU convolutions add a size guard as well. Until "never recompiles" holds and is tested, the
+ladder compiles static shapes.
 
 `apply_recipe` works on any diffusers pipeline with a `unet` or `transformer` and a `vae`;
 a step that does not apply to it raises ValueError saying why.
