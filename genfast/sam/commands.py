@@ -37,6 +37,7 @@ import torch
 
 from genfast import __version__
 from genfast.errors import UserError
+from genfast import images as image_files
 from genfast.sam import images
 from genfast.sam.masks import box_xyxy_to_xywh, mask_to_rle, masks_to_boxes
 from genfast.sam.modeling import Sam
@@ -277,8 +278,8 @@ def segment_command(args: argparse.Namespace) -> int:
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     multimask_outputs = 3 if args.multimask else 1  # every SAM checkpoint makes 3 (checked below)
     paths = _output_paths(args, multimask_outputs)
-    images.check_outputs(paths.files(), args.force)  # fail before the slow part
-    image = images.load_image(args.image)
+    image_files.check_outputs(paths.files(), args.force)  # fail before the slow part
+    image = image_files.load_image(args.image)
     height, width = image.shape[:2]
     check_prompt_inside(prompt, height, width)
 
@@ -303,14 +304,14 @@ def segment_command(args: argparse.Namespace) -> int:
             record["file"] = str(path)
 
     text = _png_text(args, loaded)
-    files: dict[Path, bytes] = {path: images.png_bytes(img, text) for path, img in zip(paths.masks, mask_images)}
+    files: dict[Path, bytes] = {path: image_files.png_bytes(img, text) for path, img in zip(paths.masks, mask_images)}
     if paths.overlay:
         overlay = images.overlay_image(image, overlay_masks, colours, prompt.points, prompt.labels, prompt.box)
-        files[paths.overlay] = images.png_bytes(overlay, text)
+        files[paths.overlay] = image_files.png_bytes(overlay, text)
     document = _json_document(args, loaded, prompt, result, (height, width), paths) if args.json_path else None
     if paths.json:
         files[paths.json] = (json.dumps(document, separators=(",", ":")) + "\n").encode()
-    images.write_files(files, args.force)
+    image_files.write_files(files, args.force)
     if paths.json_stdout:
         sys.stdout.write(json.dumps(document, separators=(",", ":")) + "\n")
         sys.stdout.flush()

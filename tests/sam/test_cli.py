@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from genfast.cli import main
-from genfast.sam import images
+from genfast import images
 from genfast.sam.build import build_sam, load_sam_checkpoint
 from genfast.sam.commands import RANDOM_WEIGHTS_WARNING
 from genfast.sam.predictor import SamPredictor
