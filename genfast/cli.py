@@ -63,6 +63,31 @@ def _unit_float(text: str) -> float:
     return value
 
 
+def _add_imagine_parser(sub: argparse._SubParsersAction) -> None:
+    from genfast.diffusion import DIFFUSION_STEPS  # names only: no torch or diffusers import
+
+    p = sub.add_parser("imagine", help="text to image with a diffusers pipeline (PNG out)",
+                       description="Generate an image from a prompt with a diffusers pipeline, made fast by "
+                                   "genfast's recipe (genfast/diffusion/recipe.py). Needs diffusers: "
+                                   "pip install 'genfast[diffusion]'.")
+    p.add_argument("prompt", help="what to draw")
+    p.add_argument("--model", "-m", required=True,
+                   help="a diffusers pipeline directory (with model_index.json) or a hub id (downloaded when "
+                        "online); with --random-weights: tiny-sd15 or tiny-sdxl")
+    p.add_argument("--output", "-o", required=True, metavar="OUT.png", help="the image file (PNG)")
+    p.add_argument("--steps", type=_positive_int, default=30, help="denoising steps (default 30)")
+    p.add_argument("--size", default="512x512", metavar="WxH", help="pixels, multiples of 8 (default 512x512)")
+    p.add_argument("--seed", type=int, default=None, help="default: random (printed, and stored in the PNG)")
+    p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default 7.5)")
+    p.add_argument("--negative", default=None, metavar="TEXT", help="negative prompt")
+    p.add_argument("--recipe", default="sdpa", choices=DIFFUSION_STEPS,
+                   help="the last recipe step to apply, all earlier ones included (default: sdpa)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="a tiny random pipeline (smoke tests and timing only; labelled in every output)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+
+
 def _add_segment_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "segment", help="Segment Anything: masks for points/a box, or every object (--auto)",
@@ -143,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="download again even if cached")
 
     _add_segment_parser(sub)
+    _add_imagine_parser(sub)
 
     p = sub.add_parser("quantize", help="write a quantized copy of a model to a directory",
                        description="Quantize a model's linear layers and write weights (safetensors with the "
@@ -227,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "segment":
             from genfast.sam.commands import segment_command
             return segment_command(args)
+        if args.command == "imagine":
+            from genfast.diffusion.commands import imagine_command
+            return imagine_command(args)
         if args.command == "quantize":
             from genfast.llm.quantize import quantize_command
             return quantize_command(args)

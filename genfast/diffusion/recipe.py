@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from genfast.diffusion import DIFFUSION_STEPS
 from genfast.diffusion.attention import fuse_qkv, set_attention
 from genfast.diffusion.compiling import compile_module, compile_regions, compile_vae_decoder
 from genfast.diffusion.conv1x1 import conv1x1_to_linear
@@ -45,8 +46,6 @@ from genfast.diffusion.feature_cache import DeepCacheUNet
 from genfast.diffusion.pipelines import denoiser_name, denoiser_of
 from genfast.quant.linear import LinearFilter, quantize_dynamic_int8
 
-DIFFUSION_STEPS = ("baseline", "bf16", "sdpa", "channels_last", "fused-qkv", "conv1x1-linear", "compile",
-                   "dynamic-int8", "regional-compile", "feature-cache")
 COMPILE_MODES = ("none", "full", "regional")
 # Linears with fewer input or output features gain little from int8 (the rescaling dominates) and
 # are where its error matters most. 320 is the narrowest width of SD 1.5/SDXL's UNets, so at the real
@@ -120,8 +119,8 @@ def apply_recipe(pipe: Any, recipe: DiffusionRecipe) -> Any:
     models = [denoiser, vae]
     if recipe.feature_cache_interval and type(denoiser).__name__ != "UNet2DConditionModel":
         raise ValueError(f"feature caching is implemented for UNet2DConditionModel, not {type(denoiser).__name__}")
-    device = next(denoiser.parameters()).device
-    pipe.to(device=device, dtype=recipe.dtype)
+    if next(denoiser.parameters()).dtype != recipe.dtype:  # (diffusers warns on every cast)
+        pipe.to(dtype=recipe.dtype)
     for model in models:
         set_attention(model, recipe.attention)
     if recipe.channels_last:

@@ -1,0 +1,53 @@
+"""`genfast imagine` end to end on the tiny random pipeline (2 steps, 32 x 32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from genfast import cli
+
+SMOKE = ["--model", "tiny-sd15", "--random-weights", "--size", "32x32", "--steps", "2", "--seed", "3"]
+
+
+def test_imagine_writes_a_labelled_png_reproducibly(tmp_path, capsys):
+    first, second = tmp_path / "a.png", tmp_path / "b.png"
+    assert cli.main(["imagine", "a red square", *SMOKE, "-o", str(first)]) == 0
+    err = capsys.readouterr().err
+    assert "RANDOM weights" in err and err.count("WARNING") == 2 and "denoising" in err
+    assert cli.main(["imagine", "a red square", *SMOKE, "-o", str(second)]) == 0
+    with Image.open(first) as a, Image.open(second) as b:
+        assert a.size == (32, 32) and a.mode == "RGB"
+        assert a.text["genfast:random-weights"] == "true" and "Warning" in a.text
+        assert a.text["genfast:seed"] == "3" and a.text["genfast:prompt"] == "a red square"
+        assert np.array_equal(np.asarray(a), np.asarray(b))  # same seed, same image
+
+
+def test_imagine_never_overwrites_without_force(tmp_path, capsys):
+    out = tmp_path / "keep.png"
+    out.write_bytes(b"mine")
+    assert cli.main(["imagine", "x", *SMOKE, "-o", str(out)]) == 2
+    assert out.read_bytes() == b"mine" and "--force" in capsys.readouterr().err
+    assert cli.main(["imagine", "x", *SMOKE, "-o", str(out), "--force"]) == 0
+    with Image.open(out) as img:
+        assert img.size == (32, 32)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "tiny-sd15", "--random-weights", "--size", "32x"], "WIDTHxHEIGHT"),
+    (["--model", "tiny-sd15", "--random-weights", "--size", "30x32"], "multiples of 8"),
+    (["--model", "sd15", "--random-weights"], "--random-weights builds one of"),
+    (["--model", "tiny-sd15"], "only with random weights"),
+    (["--model", "./no/such/pipeline"], "is not a directory"),
+])
+def test_imagine_user_errors(argv, message, tmp_path, capsys):
+    out = tmp_path / "out.png"
+    assert cli.main(["imagine", "x", *argv, "-o", str(out)]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_imagine_rejects_a_directory_without_model_index(tmp_path, capsys):
+    (tmp_path / "pipe").mkdir()
+    assert cli.main(["imagine", "x", "--model", str(tmp_path / "pipe"), "-o", str(tmp_path / "o.png")]) == 2
+    assert "model_index.json" in capsys.readouterr().err
