@@ -219,6 +219,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--one-step", default=None, help=argparse.SUPPRESS)  # internal: run one step in this process
     b.add_argument("--baseline-file", default=None, help=argparse.SUPPRESS)  # internal: the baseline's outputs
 
+    from genfast.diffusion import DIFFUSION_STEPS  # names only: no torch or diffusers import
+
+    b = bench.add_parser("diffusion", help="text-to-image ladder (random weights at the real size) vs fp32",
+                         description="Seconds per image and per denoiser step, compile time, peak memory and "
+                                     "PSNR against the fp32 baseline for each step of the recipe "
+                                     "(genfast/diffusion/recipe.py), on random weights at the real architecture "
+                                     f"size. Steps: {', '.join(DIFFUSION_STEPS)}.")
+    b.add_argument("--arch", default="sd15", help="sd15 or sdxl (tiny-sd15, tiny-sdxl: smoke tests) (default sd15)")
+    b.add_argument("--size", type=_positive_int, default=512, help="image side in pixels (default 512)")
+    b.add_argument("--steps", type=_positive_int, default=4, help="denoising steps per image (default 4)")
+    b.add_argument("--only", default=None, metavar="STEP,STEP", help="comma-separated recipe steps (default: all)")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--repeats", type=_positive_int, default=3)
+    b.add_argument("--threads", type=_positive_int, default=None)
+    b.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON to this file")
+    b.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    b.add_argument("--one-step", default=None, help=argparse.SUPPRESS)  # internal: run one step in this process
+    b.add_argument("--reference-dir", default=None, help=argparse.SUPPRESS)  # internal: reference images
+
     p = sub.add_parser("eval", help="evaluate a model (perplexity on the shipped corpus)")
     evals = p.add_subparsers(dest="evaluation", required=True, metavar="EVALUATION")
     e = evals.add_parser("ppl", help="perplexity on the evaluation half of the pydoc corpus",
@@ -262,6 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench" and args.workload == "llm":
             from genfast.llm.bench import bench_command
             return bench_command(args)
+        if args.command == "bench" and args.workload == "diffusion":
+            from genfast.diffusion.bench import bench_command as diffusion_bench_command
+            return diffusion_bench_command(args)
         if args.command == "bench" and args.workload == "sam":
             from genfast.sam.bench import bench_command as sam_bench_command
             return sam_bench_command(args)

@@ -136,3 +136,62 @@ def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:
                                                  requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+# Published component configs (diffusers' config.json of runwayml/stable-diffusion-v1-5 and
+# stabilityai/stable-diffusion-xl-base-1.0), the fields that fix the architecture and its cost.
+_SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+                  block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768, attention_head_dim=8,
+                  down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                  up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
+_SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
+                  block_out_channels=(320, 640, 1280), cross_attention_dim=2048, attention_head_dim=(5, 10, 20),
+                  transformer_layers_per_block=(1, 2, 10), use_linear_projection=True,
+                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                  up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                  addition_embed_type="text_time", addition_time_embed_dim=256,
+                  projection_class_embeddings_input_dim=2816)
+_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
+            layers_per_block=2, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
+_CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+               projection_dim=768, hidden_act="quick_gelu")
+_CLIP_BIGG = dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=32,
+                  projection_dim=1280, hidden_act="gelu")
+REAL_ARCHS = ("sd15", "sdxl")
+
+
+def _text_encoder(fields: dict, projection: bool) -> torch.nn.Module:
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    # The real vocabulary has 49408 tokens; the tiny byte tokenizer's ids are a valid subset.
+    config = CLIPTextConfig(vocab_size=49408, max_position_embeddings=77, bos_token_id=512, eos_token_id=513,
+                            pad_token_id=513, **fields)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
+
+
+def random_pipeline(arch: str, seed: int = 0) -> Any:
+    """SD 1.5 ("sd15") or SDXL ("sdxl") at the real architecture sizes with random weights (fp32,
+    CPU), for benchmarks: speed does not depend on weight values. Prompts go through the tiny byte
+    tokenizer (the real one is not available offline)."""
+    if arch not in REAL_ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(REAL_ARCHS)}")
+    diffusers = _import_diffusers()
+    sdxl = arch == "sdxl"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = diffusers.UNet2DConditionModel(**(_SDXL_UNET if sdxl else _SD15_UNET)).eval()
+        vae = diffusers.AutoencoderKL(**_VAE, sample_size=1024 if sdxl else 512).eval()
+        text_encoder = _text_encoder(_CLIP_L, projection=False)
+        text_encoder_2 = _text_encoder(_CLIP_BIGG, projection=True) if sdxl else None
+    scheduler = diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                                 timestep_spacing="leading", steps_offset=1)
+    tokenizer = _tiny_tokenizer(Path(tempfile.mkdtemp(prefix="genfast-tokenizer-")))
+    components: dict[str, Any] = dict(unet=unet, vae=vae, scheduler=scheduler, tokenizer=tokenizer,
+                                      text_encoder=text_encoder)
+    if sdxl:
+        pipe = diffusers.StableDiffusionXLPipeline(**components, tokenizer_2=tokenizer, text_encoder_2=text_encoder_2)
+    else:
+        pipe = diffusers.StableDiffusionPipeline(**components, safety_checker=None, feature_extractor=None,
+                                                 requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from genfast.bench.isolated import run_row
 from genfast.bench.machine import machine_info
 from genfast.bench.memory import peak_memory_bytes
 from genfast.bench.table import check_writable, markdown_table, median, write_json_atomic
@@ -260,7 +260,7 @@ def bench_command(args: argparse.Namespace) -> int:
             baseline_file = Path(tmp) / f"baseline-{batch_size}.pt"
             for step in steps:
                 print(f"  {step}, batch {batch_size} ...", file=sys.stderr, flush=True)
-                rows.append(_run_isolated(step, batch_size, args, baseline_file, Path(tmp)))
+                rows.append(_run_isolated(step, batch_size, args, baseline_file))
     for row in rows:
         base = next((r for r in rows if r["batch_size"] == row["batch_size"] and r.get("img_s")), None)
         if base is not None and row.get("img_s"):
@@ -275,20 +275,13 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_isolated(step: str, batch_size: int, args: argparse.Namespace, baseline_file: Path, tmp: Path) -> dict:
-    out = tmp / "row.json"
-    out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "genfast", "bench", "sam", "--one-step", step, "--batch-size", str(batch_size),
-           "--device", args.device, "--repeats", str(args.repeats), "--json", str(out),
-           "--baseline-file", str(baseline_file)]
-    cmd += ["--config", args.config] if args.config else ["--model", args.model]
+def _run_isolated(step: str, batch_size: int, args: argparse.Namespace, baseline_file: Path) -> dict:
+    argv = ["bench", "sam", "--one-step", step, "--batch-size", str(batch_size), "--device", args.device,
+            "--repeats", str(args.repeats), "--baseline-file", str(baseline_file)]
+    argv += ["--config", args.config] if args.config else ["--model", args.model]
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
-    if done.returncode != 0 or not out.exists():
-        raise UserError(f"benchmark step {step} (batch {batch_size}) failed (exit code {done.returncode}); "
-                        "see the error above")
-    return json.loads(out.read_text())
+        argv += ["--threads", str(args.threads)]
+    return run_row(argv, f"step {step} (batch {batch_size})")
 
 
 def config_json(config: SamConfig) -> str:
