@@ -24,6 +24,7 @@ from genfast.bench.machine import machine_info
 from genfast.bench.memory import peak_memory_bytes
 from genfast.bench.table import check_writable, markdown_table, median, write_json_atomic
 from genfast.diffusion import DIFFUSION_STEPS
+from genfast.diffusion.pipelines import DenoiserWrapper
 from genfast.errors import UserError
 
 ARCHS = ("sd15", "sdxl", "tiny-sd15", "tiny-sdxl")
@@ -45,19 +46,13 @@ def _pipeline(arch: str) -> Any:
     return tiny_pipeline(arch.removeprefix("tiny-")) if arch.startswith("tiny-") else random_pipeline(arch)
 
 
-class _TimedDenoiser(torch.nn.Module):
-    """Stands in for the pipeline's denoiser and times its calls from outside (hooks on a module
-    compiled in place would be traced into its graph); device-synchronized on CUDA."""
+class _TimedDenoiser(DenoiserWrapper):
+    """Times the denoiser's calls from outside (hooks on a module compiled in place would be
+    traced into its graph); device-synchronized on CUDA."""
 
     def __init__(self, denoiser: torch.nn.Module, device: torch.device) -> None:
-        super().__init__()
-        self.denoiser, self.device, self.seconds = denoiser, device, 0.0
-
-    def __getattr__(self, name: str) -> Any:  # config, dtype, add_embedding, ... of the real one
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["denoiser"], name)
+        super().__init__(denoiser)
+        self.device, self.seconds = device, 0.0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._sync()

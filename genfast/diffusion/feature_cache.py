@@ -19,24 +19,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from genfast.diffusion.pipelines import DenoiserWrapper
+
 # UNet inputs the cached path does not implement (ControlNet/T2I-adapter residuals, masks, class labels).
 _UNSUPPORTED = ("class_labels", "attention_mask", "encoder_attention_mask", "down_block_additional_residuals",
                 "mid_block_additional_residual", "down_intrablock_additional_residuals")
 
 
-class DeepCacheUNet(nn.Module):
-    """Wraps a UNet2DConditionModel (attributes such as `config`, `dtype` and `add_embedding` are
-    forwarded to it, so a pipeline uses it in place of its `unet`)."""
+class DeepCacheUNet(DenoiserWrapper):
+    """Wraps a UNet2DConditionModel; a pipeline uses it in place of its `unet`."""
 
     def __init__(self, unet: nn.Module, scheduler: Any, interval: int = 2) -> None:
-        super().__init__()
+        super().__init__(unet)
         if interval < 1:
             raise ValueError(f"feature-cache interval must be >= 1, got {interval}")
         if type(unet).__name__ != "UNet2DConditionModel":
             raise ValueError(f"feature caching is implemented for UNet2DConditionModel, not {type(unet).__name__}")
         if unet.config.addition_embed_type == "image_hint" or len(unet.up_blocks) < 2:
             raise ValueError("feature caching needs a UNet with >= 2 up blocks and no image-hint embedding")
-        self.unet = unet
         self.interval = interval
         self._scheduler = scheduler  # not a submodule: only its `timesteps` identity is read
         self._run: Tensor | None = None
@@ -44,17 +44,11 @@ class DeepCacheUNet(nn.Module):
         self._deep: Tensor | None = None
         self._deep_key: tuple | None = None  # (input shape, dtype) the cached features belong to
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["unet"], name)
-
     def _embeddings(self, sample: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
                     timestep_cond: Tensor | None, added_cond_kwargs: dict | None) -> tuple[Tensor, Tensor]:
         """The time (+ class, + SDXL text/time-id) embedding and the processed text states, as in
         UNet2DConditionModel.forward."""
-        unet = self.unet
+        unet = self.denoiser
         emb = unet.time_embedding(unet.get_time_embed(sample=sample, timestep=timestep), timestep_cond)
         class_emb = unet.get_class_embed(sample=sample, class_labels=None)
         if class_emb is not None:
@@ -86,7 +80,7 @@ class DeepCacheUNet(nn.Module):
         timesteps = getattr(self._scheduler, "timesteps", None)
         if timesteps is not self._run:  # a new run: set_timesteps made a new tensor
             self._run, self._calls, self._deep = timesteps, 0, None
-        unet = self.unet
+        unet = self.denoiser
         up_factor = 2 ** unet.num_upsamplers
         forward_upsample_size = any(dim % up_factor for dim in sample.shape[-2:])
         if unet.config.center_input_sample:

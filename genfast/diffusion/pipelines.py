@@ -37,6 +37,22 @@ def denoiser_of(pipe: Any) -> torch.nn.Module:
     raise ValueError(f"{type(pipe).__name__} has neither a `unet` nor a `transformer`: genfast's steps do not apply")
 
 
+class DenoiserWrapper(torch.nn.Module):
+    """Stands in for a pipeline's denoiser (set as its `unet`/`transformer`): attributes the
+    wrapper does not have (`config`, `dtype`, `add_embedding`, ...) are the wrapped module's, so
+    the pipeline works unchanged."""
+
+    def __init__(self, denoiser: torch.nn.Module) -> None:
+        super().__init__()
+        self.denoiser = denoiser
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["denoiser"], name)
+
+
 def denoiser_name(pipe: Any) -> str:
     return "unet" if getattr(pipe, "unet", None) is not None else "transformer"
 

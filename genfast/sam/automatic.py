@@ -46,7 +46,7 @@ from genfast.sam.masks import (
     uncrop_points,
 )
 from genfast.sam.modeling import Sam
-from genfast.sam.predictor import SamPredictor
+from genfast.sam.predictor import SamPredictor, check_image
 
 OUTPUT_MODES = ("binary_mask", "uncompressed_rle", "coco_rle")
 
@@ -202,13 +202,7 @@ class SamAutomaticMaskGenerator:
         prompt), stability_score and crop_box ([x, y, w, h] of the crop it came from). Sorted by
         the NMS passes: within a crop by decreasing predicted IoU.
         """
-        if not isinstance(image, np.ndarray):
-            raise UserError(f"image must be a numpy array (HxWx3 uint8 RGB), got {type(image).__name__}")
-        if image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
-            raise UserError(f"image must be HxWx3 (height, width, RGB channels), got shape {image.shape}")
-        if image.dtype != np.uint8:
-            raise UserError(f"image must be uint8 with values 0-255, got {image.dtype}; "
-                            "convert it, e.g. (image * 255).round().astype(np.uint8) for 0-1 floats")
+        check_image(image)
         data = self._generate_masks(image).cpu()
         if self.min_mask_region_area > 0:
             data = self.postprocess_small_regions(data, self.min_mask_region_area,

@@ -102,14 +102,7 @@ class SamPredictor:
         self._encode([transformed_image], [tuple(int(s) for s in original_image_size)])
 
     def _resize(self, image: np.ndarray, image_format: str, index: int | None) -> Tensor:
-        what = "image" if index is None else f"image {index}"
-        if not isinstance(image, np.ndarray):
-            raise UserError(f"{what} must be a numpy array (HxWx3 uint8), got {type(image).__name__}")
-        if image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
-            raise UserError(f"{what} must be HxWx3 (height, width, RGB/BGR channels), got shape {image.shape}")
-        if image.dtype != np.uint8:
-            raise UserError(f"{what} must be uint8 with values 0-255, got {image.dtype}; "
-                            "convert it, e.g. (image * 255).round().astype(np.uint8) for 0-1 floats")
+        check_image(image, "image" if index is None else f"image {index}", "RGB/BGR")
         if image_format not in ("RGB", "BGR"):
             raise UserError(f"image_format must be 'RGB' or 'BGR', got {image_format!r}")
         if image_format != self.model.image_format:
@@ -305,6 +298,18 @@ class SamPredictor:
             sizes["mask_input"] = mask_input.shape[0]
         if len(set(sizes.values())) > 1:
             raise UserError(f"prompt batch sizes differ: {sizes}; every prompt tensor needs the same B")
+
+
+def check_image(image: Any, what: str = "image", channels: str = "RGB") -> None:
+    """Raise a UserError unless `image` is an HxWx3 uint8 numpy array (`what` names it in the
+    message, `channels` says which colour order is expected)."""
+    if not isinstance(image, np.ndarray):
+        raise UserError(f"{what} must be a numpy array (HxWx3 uint8 {channels}), got {type(image).__name__}")
+    if image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
+        raise UserError(f"{what} must be HxWx3 (height, width, {channels} channels), got shape {image.shape}")
+    if image.dtype != np.uint8:
+        raise UserError(f"{what} must be uint8 with values 0-255, got {image.dtype}; "
+                        "convert it, e.g. (image * 255).round().astype(np.uint8) for 0-1 floats")
 
 
 def _to_numpy(t: Tensor) -> np.ndarray:
