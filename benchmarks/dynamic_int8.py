@@ -19,7 +19,8 @@ from genfast.bench.machine import device_name
 from genfast.quant import kernels
 from genfast.quant.grids import quantize
 
-SHAPES = [(4096, 768, 2304), (4096, 768, 3072), (4096, 3072, 768), (1024, 320, 1280), (128, 576, 1536)]
+SHAPES = [(4096, 768, 2304), (4096, 768, 3072), (4096, 3072, 768), (32768, 768, 2304), (1024, 320, 1280),
+          (128, 576, 1536)]
 
 
 def gflops(fn: Callable[[], object], flops: float, repeats: int = 5) -> float:
