@@ -5,7 +5,9 @@ architecture size: speed does not depend on weight values; `tiny-sd15`/`tiny-sdx
 tests), the same prompt and seed: seconds per image (text encoding + N denoising steps + VAE
 decode), seconds per denoiser step (the denoiser's own calls, timed around it), compile time
 (first call minus a warm one), peak memory, and PSNR of the image against the baseline's (fp32,
-explicit-softmax attention) and against the same fp32 pipeline with SDPA attention.
+explicit-softmax attention) and against the same fp32 pipeline with SDPA attention. Rows compiled
+with symbolic sizes also generate one image at a second resolution and report the graphs it added
+(0: no recompile).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ COLUMNS = [
     ("step", "step", ""), ("s_per_image", "s/image", ".2f"), ("speedup", "vs baseline", ".2f"),
     ("s_per_denoiser_step", "s/denoiser step", ".3f"), ("compile_s", "compile s", ".0f"),
     ("peak_mem_gb", "peak mem GB", ".2f"), ("psnr_db", "PSNR vs baseline dB", ".1f"),
-    ("psnr_vs_sdpa_db", "PSNR vs fp32 SDPA dB", ".1f"),
+    ("psnr_vs_sdpa_db", "PSNR vs fp32 SDPA dB", ".1f"), ("new_size_graphs", "graphs at new size", "d"),
 ]
 
 
@@ -79,10 +81,10 @@ def run_step(step: str, arch: str, size: int, steps: int, repeats: int, device: 
     timer = _TimedDenoiser(denoiser_of(pipe), device)  # around the feature cache too: what the loop calls
     setattr(pipe, denoiser_name(pipe), timer)
 
-    def generate() -> torch.Tensor:
+    def generate(height: int = size, width: int = size) -> torch.Tensor:
         generator = torch.Generator("cpu").manual_seed(0)
         with torch.inference_mode():
-            return pipe(PROMPT, height=size, width=size, num_inference_steps=steps, generator=generator,
+            return pipe(PROMPT, height=height, width=width, num_inference_steps=steps, generator=generator,
                         output_type="pt").images.float().cpu()
 
     start = time.perf_counter()
@@ -99,8 +101,15 @@ def run_step(step: str, arch: str, size: int, steps: int, repeats: int, device: 
     row: dict[str, Any] = {"step": step, "s_per_image": seconds, "s_per_denoiser_step": median(denoiser_times),
                            "peak_mem_gb": peak_memory_bytes(device) / 1e9, "arch": arch, "size": size,
                            "denoising_steps": steps}
-    if recipe_for_step(step).compile != "none":
+    recipe = recipe_for_step(step)
+    if recipe.compile != "none":
         row["compile_s"] = max(first_s - seconds, 0.0)
+    if recipe.dynamic_shapes:  # a smaller, non-square second size: cheaper than the timed one
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"]["unique_graphs"]
+        generate(height=max(size - 64, 64), width=max(size - 128, 64))
+        row["new_size_graphs"] = counters["stats"]["unique_graphs"] - graphs
     if step == "baseline":
         from genfast.diffusion.attention import set_attention
 

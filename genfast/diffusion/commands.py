@@ -24,7 +24,7 @@ import torch
 from genfast import images
 from genfast.errors import UserError
 
-RANDOM_ARCHS = {"tiny-sd15": "sd15", "tiny-sdxl": "sdxl"}
+RANDOM_ARCHS = {"tiny-sd15": "sd15", "tiny-sdxl": "sdxl", "tiny-pixart": "pixart"}
 RANDOM_WEIGHTS_WARNING = "random weights (--random-weights): for smoke tests and timing only; the image is noise"
 MAX_SIDE = 4096
 
@@ -54,6 +54,7 @@ def load(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
 
 
 def imagine_command(args: argparse.Namespace) -> int:
+    from genfast.diffusion.pipelines import call_kwargs
     from genfast.diffusion.recipe import apply_recipe, recipe_for_step
     from genfast.llm.session import resolve_device
 
@@ -75,8 +76,10 @@ def imagine_command(args: argparse.Namespace) -> int:
     loaded = time.perf_counter()
     generator = torch.Generator("cpu").manual_seed(seed)
     with torch.inference_mode():
-        image = pipe(args.prompt, negative_prompt=args.negative, height=height, width=width,
-                     num_inference_steps=args.steps, guidance_scale=args.guidance, generator=generator).images[0]
+        # Only a given negative prompt is passed: pipelines differ in their default (PixArt's is "").
+        negative = {} if args.negative is None else {"negative_prompt": args.negative}
+        image = pipe(args.prompt, height=height, width=width, num_inference_steps=args.steps,
+                     guidance_scale=args.guidance, generator=generator, **negative, **call_kwargs(pipe)).images[0]
     done = time.perf_counter()
     text = {"genfast:prompt": args.prompt, "genfast:seed": str(seed), "genfast:steps": str(args.steps),
             "genfast:size": f"{width}x{height}", "genfast:model": description, "genfast:recipe": args.recipe,

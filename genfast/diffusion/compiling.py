@@ -49,9 +49,18 @@ def compile_vae_decoder(vae: nn.Module, *, dynamic: bool = False) -> None:
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The blocks diffusers marks as repeated (`_repeated_blocks`: transformer blocks for UNets and
-    DiTs): compiled once per distinct shape, reused by every instance."""
+    DiTs) or, for models that declare none (PixArt), the entries of every ModuleList of two or more
+    modules of one class: compiled once per distinct shape, reused by every instance."""
     names = set(getattr(model, "_repeated_blocks", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not names:
+        taken: list[str] = []  # outermost lists only: a block is not compiled inside another
+        for name, module in model.named_modules():
+            if any(name.startswith(t + ".") for t in taken):
+                continue
+            if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+                taken.append(name)
+                blocks.extend(module)
     if not blocks:
         raise ValueError(f"{type(model).__name__} declares no repeated blocks: regional compilation does not apply")
     return blocks

@@ -1,13 +1,14 @@
 """Loading diffusers pipelines, and tiny random ones for tests.
 
 genfast does not re-implement UNets or VAEs: diffusers is the standard, and the recipe
-(genfast.diffusion.recipe) is applied to its pipelines. `tiny_pipeline` builds SD 1.5- and
-SDXL-shaped pipelines from configs with random weights (no hub is reachable here), with a
+(genfast.diffusion.recipe) is applied to its pipelines. `tiny_pipeline` builds SD 1.5-, SDXL- and
+PixArt-α-shaped pipelines from configs with random weights (no hub is reachable here), with a
 tokenizer whose vocabulary is the 256 byte symbols of CLIP's BPE and no merges, so prompts work.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import tempfile
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from genfast.errors import UserError
 
-TINY_ARCHS = ("sd15", "sdxl")
+TINY_ARCHS = ("sd15", "sdxl", "pixart")
 
 
 def _import_diffusers() -> Any:
@@ -111,14 +112,61 @@ def _tiny_text_encoder(projection: bool, hidden_size: int, seed: int) -> torch.n
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
 
+def _tiny_vae(seed: int) -> torch.nn.Module:
+    diffusers = _import_diffusers()
+    torch.manual_seed(seed)
+    return diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32), layers_per_block=1,
+        norm_num_groups=8, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=32,
+    ).eval()
+
+
+def _tiny_pixart(seed: int, tokenizer: Any) -> Any:
+    """PixArt-α's layout (a DiT with adaLN-single, a T5 encoder, DPM-Solver) at toy widths."""
+    from transformers import T5Config, T5EncoderModel
+
+    diffusers = _import_diffusers()
+    torch.manual_seed(seed)
+    transformer = diffusers.PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
+        cross_attention_dim=16, sample_size=16, patch_size=2, caption_channels=32, norm_num_groups=8).eval()
+    torch.manual_seed(seed + 2)
+    text_encoder = T5EncoderModel(T5Config(vocab_size=514, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                           pad_token_id=513, eos_token_id=513)).eval()
+    return diffusers.PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=_tiny_vae(seed + 1),
+                                         transformer=transformer, scheduler=diffusers.DPMSolverMultistepScheduler())
+
+
+# PixArt pipelines snap the requested size to an aspect-ratio table chosen by the transformer's
+# sample size; a transformer of another sample size (the tiny PixArt's 16) has no table.
+RESOLUTION_BIN_SAMPLE_SIZES = (32, 64, 128)
+
+
+def call_kwargs(pipe: Any) -> dict[str, Any]:
+    """Pipeline-specific call arguments: resolution binning off where the pipeline has no table."""
+    if "use_resolution_binning" in inspect.signature(pipe.__call__).parameters:
+        if denoiser_of(pipe).config.sample_size not in RESOLUTION_BIN_SAMPLE_SIZES:
+            return {"use_resolution_binning": False}
+    return {}
+
+
 def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:
-    """A tiny random StableDiffusionPipeline ("sd15") or StableDiffusionXLPipeline ("sdxl") in
-    fp32 on the CPU, with the architectures' features: cross-attention down/up blocks, resnets
-    with 1x1 shortcuts, conv (sd15) or linear (sdxl) transformer projections, SDXL's second text
-    encoder and time-id embedding. Images are 32x32 by default (latents 16x16: VAE factor 2)."""
+    """A tiny random StableDiffusionPipeline ("sd15"), StableDiffusionXLPipeline ("sdxl") or
+    PixArtAlphaPipeline ("pixart") in fp32 on the CPU, with the architectures' features:
+    cross-attention down/up blocks, resnets with 1x1 shortcuts, conv (sd15) or linear (sdxl)
+    transformer projections, SDXL's second text encoder and time-id embedding; PixArt's DiT blocks
+    and T5 encoder. Images are 32x32 by default (latents 16x16: VAE factor 2); call the PixArt one
+    with `call_kwargs(pipe)`."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
     diffusers = _import_diffusers()
+    directory = Path(tempfile.mkdtemp(prefix="genfast-tiny-tokenizer-"))
+    tokenizer = _tiny_tokenizer(directory)
+    if arch == "pixart":
+        pipe = _tiny_pixart(seed, tokenizer)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
     sdxl = arch == "sdxl"
     torch.manual_seed(seed)
     unet = diffusers.UNet2DConditionModel(
@@ -132,16 +180,9 @@ def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:
         addition_time_embed_dim=8 if sdxl else None,
         projection_class_embeddings_input_dim=32 + 6 * 8 if sdxl else None,
     ).eval()
-    torch.manual_seed(seed + 1)
-    vae = diffusers.AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32), layers_per_block=1,
-        norm_num_groups=8, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        sample_size=32,
-    ).eval()
+    vae = _tiny_vae(seed + 1)
     scheduler = diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                                  timestep_spacing="leading", steps_offset=1)
-    directory = Path(tempfile.mkdtemp(prefix="genfast-tiny-tokenizer-"))
-    tokenizer = _tiny_tokenizer(directory)
     components: dict[str, Any] = dict(unet=unet, vae=vae, scheduler=scheduler, tokenizer=tokenizer,
                                       text_encoder=_tiny_text_encoder(False, 32, seed + 2))
     if sdxl:

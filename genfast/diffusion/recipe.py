@@ -11,20 +11,23 @@
 | compile | torch.compile (fullgraph) of the denoiser and the VAE decoder | as bf16 (fp32: max abs diff <= 1e-3) |
 | dynamic-int8 | int8 activations x int8 weights in the linears `int8_keep` leaves (shape rule) | PSNR >= 35 dB (tiny models, every linear quantized: 45-53) |
 | regional-compile | instead of whole-model compile: each repeated (transformer) block compiled | as dynamic-int8 |
+| dynamic-shapes | the compiled regions and VAE decoder take symbolic sizes: a new resolution does not recompile | as dynamic-int8 |
 | feature-cache | DeepCache: UNet deep features reused every other step (`feature_cache_interval=2`) | not accuracy-preserving: PSNR >= 30 dB vs the same recipe uncached on tiny models (measured ~50) |
 
 "Scheduler state on the host, no device syncs in the loop" is not a step: diffusers' pipelines
-and schedulers already keep step indices as Python ints, and nothing genfast adds reads a device
-value (the feature cache detects a new run by tensor identity). It is only observable on CUDA
-(`torch.cuda.set_sync_debug_mode`) and is not tested yet (no GPU was available).
+and schedulers keep step indices as Python ints and sigmas on the CPU, and nothing genfast puts
+in the denoiser reads a tensor's value on the host (tests/diffusion/test_syncs.py counts such
+reads, `aten::_local_scalar_dense`, inside the denoiser: zero for SD 1.5, SDXL and PixArt with
+every eager step; a fullgraph-compiled denoiser cannot contain one). Per image, the Euler
+scheduler reads one device value (the first step's index). Not yet run on CUDA
+(`torch.cuda.set_sync_debug_mode`): no GPU was available.
 
-Not a step yet: dynamic-shape compilation (a new resolution without recompiling). Measured on
-the tiny SD 1.5 pipeline with `compile_module(unet, dynamic=True)` (CPU, torch 2.13): latents
-16 -> 20 -> 24 reused one graph, but a first compile at latent 32 specialized the sizes and 40
-recompiled once (then 48 and 32 reused that graph), with or without freezing: probably a
-sequence-length threshold in the CPU attention lowering (256 tokens vs 1024). The VAE decoder's
-CPU convolutions add a size guard as well. Until "never recompiles" holds and is tested, the
-ladder compiles static shapes.
+dynamic-shapes compiles with symbolic sizes (`dynamic=True`), so a new resolution reuses the
+graphs instead of recompiling: tested on tiny SD 1.5 and PixArt pipelines over latents 16 -> 20
+-> 12 (bf16, CPU, torch 2.13); `genfast bench diffusion` reports the graphs a second size adds
+at the real size. In fp32 one recompile remains possible on the CPU: ATen runs batch-1
+convolutions under 20480 input elements with its native kernel instead of oneDNN, a size guard
+(bf16 always takes oneDNN).
 
 `apply_recipe` works on any diffusers pipeline with a `unet` or `transformer` and a `vae`;
 a step that does not apply to it raises ValueError saying why.
@@ -63,6 +66,7 @@ class DiffusionRecipe:
     compile: str = "none"  # "none" | "full" (denoiser + VAE decoder) | "regional" (repeated blocks + VAE decoder)
     dynamic_int8: bool = False
     int8_min_features: int = INT8_MIN_FEATURES
+    dynamic_shapes: bool = False  # compile with symbolic sizes: a new resolution reuses the graphs
     feature_cache_interval: int = 0  # 0: off; N: full UNet every N steps
 
 
@@ -79,6 +83,7 @@ def recipe_for_step(step: str) -> DiffusionRecipe:
         "compile": {"compile": "full"},
         "dynamic-int8": {"dynamic_int8": True},
         "regional-compile": {"compile": "regional"},
+        "dynamic-shapes": {"dynamic_shapes": True},
         "feature-cache": {"feature_cache_interval": 2},
     }
     recipe = DiffusionRecipe()
@@ -103,6 +108,8 @@ def validate(recipe: DiffusionRecipe) -> None:
     if recipe.feature_cache_interval and recipe.compile == "full":
         raise ValueError("the feature cache runs the UNet's blocks one by one: use regional compilation, "
                          "not whole-denoiser compile")
+    if recipe.dynamic_shapes and recipe.compile == "none":
+        raise ValueError("dynamic_shapes is a compile option: it needs compile 'full' or 'regional'")
     if recipe.feature_cache_interval < 0:
         raise ValueError(f"feature_cache_interval must be >= 0, got {recipe.feature_cache_interval}")
 
@@ -137,11 +144,11 @@ def apply_recipe(pipe: Any, recipe: DiffusionRecipe) -> Any:
     if recipe.dynamic_int8:
         quantize_dynamic_int8(denoiser, keep=int8_keep(recipe.int8_min_features))
     if recipe.compile == "full":
-        compile_module(denoiser)
+        compile_module(denoiser, dynamic=recipe.dynamic_shapes)
     elif recipe.compile == "regional":
-        compile_regions(denoiser)
+        compile_regions(denoiser, dynamic=recipe.dynamic_shapes)
     if recipe.compile != "none":
-        compile_vae_decoder(vae)
+        compile_vae_decoder(vae, dynamic=recipe.dynamic_shapes)
     if recipe.feature_cache_interval:
         setattr(pipe, denoiser_name(pipe), DeepCacheUNet(denoiser, pipe.scheduler, recipe.feature_cache_interval))
     return pipe

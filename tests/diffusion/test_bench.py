@@ -26,6 +26,16 @@ def test_bench_diffusion_writes_the_ladder(tmp_path, capsys):
     assert "| baseline |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_bench_dynamic_shapes_row_reports_no_recompile_at_a_new_size(tmp_path):
+    out = tmp_path / "rows.json"
+    assert cli.main(["bench", "diffusion", "--arch", "tiny-sd15", "--size", "128", "--steps", "1", "--repeats", "1",
+                     "--only", "dynamic-shapes", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["step"] == "dynamic-shapes" and row["compile_s"] > 0
+    assert row["new_size_graphs"] == 0  # 64x64 after 128x128: the graphs were reused
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--arch", "sd3"], "unknown --arch"),
     (["--arch", "tiny-sd15", "--size", "30"], "multiple of 8"),

@@ -34,6 +34,28 @@ def test_imagine_never_overwrites_without_force(tmp_path, capsys):
         assert img.size == (32, 32)
 
 
+def test_imagine_loads_a_pipeline_directory(tmp_path, capsys):
+    """A diffusers directory (here the tiny PixArt-α, saved) loads with --model DIR and runs with a
+    non-square size; the image is the in-process pipeline's."""
+    import torch
+
+    from genfast.diffusion.pipelines import call_kwargs, tiny_pipeline
+    from genfast.diffusion.recipe import apply_recipe, recipe_for_step
+
+    pipe = tiny_pipeline("pixart")
+    pipe.save_pretrained(tmp_path / "pixart")
+    apply_recipe(pipe, recipe_for_step("baseline"))
+    out = tmp_path / "out.png"
+    assert cli.main(["imagine", "a red square", "--model", str(tmp_path / "pixart"), "--size", "48x32",
+                     "--steps", "2", "--seed", "5", "--recipe", "baseline", "-o", str(out)]) == 0
+    assert "RANDOM" not in capsys.readouterr().err
+    expected = pipe("a red square", height=32, width=48, num_inference_steps=2, guidance_scale=7.5,
+                    generator=torch.Generator().manual_seed(5), **call_kwargs(pipe)).images[0]
+    with Image.open(out) as img:
+        assert img.size == (48, 32) and img.text["genfast:random-weights"] == "false"
+        assert np.array_equal(np.asarray(img), np.asarray(expected))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "tiny-sd15", "--random-weights", "--size", "32x"], "WIDTHxHEIGHT"),
     (["--model", "tiny-sd15", "--random-weights", "--size", "30x32"], "multiples of 8"),

@@ -13,22 +13,23 @@ pytest.importorskip("diffusers")
 from torch._dynamo.utils import counters  # noqa: E402
 
 from genfast.diffusion.compiling import compile_regions  # noqa: E402
-from genfast.diffusion.pipelines import tiny_pipeline  # noqa: E402
+from genfast.diffusion.pipelines import call_kwargs, tiny_pipeline  # noqa: E402
+from genfast.diffusion.quality import psnr  # noqa: E402
 from genfast.diffusion.recipe import DiffusionRecipe, apply_recipe, recipe_for_step  # noqa: E402
 
 COMPILED_FP32 = 1e-4  # max abs pixel difference of compiled vs eager fp32
+COMPILED_BF16_PSNR = 35.0  # dB, compiled vs eager bf16 (the recipe's bf16 budget)
 
 
 def generate(pipe, size: int) -> torch.Tensor:
-    return pipe("a red cat", num_inference_steps=2, height=size, width=size,
+    return pipe("a red cat", num_inference_steps=2, height=size, width=size, **call_kwargs(pipe),
                 generator=torch.Generator().manual_seed(0), output_type="pt").images.float()
 
 
 @pytest.mark.slow
 def test_full_compile_no_graph_break_no_recompile():
     """Denoiser + VAE decoder compiled whole (fullgraph: a graph break raises): two graphs, reused
-    by a second call. (Dynamic shapes are not tested: the UNet still recompiled at a new size, see
-    the report on issue 5.)"""
+    by a second call."""
     recipe = replace(recipe_for_step("compile"), dtype=torch.float32)
     eager = apply_recipe(tiny_pipeline("sd15"), replace(recipe, compile="none"))
     pipe = apply_recipe(tiny_pipeline("sd15"), recipe)
@@ -58,3 +59,21 @@ def test_regional_compile_matches_eager():
     assert counters["stats"]["unique_graphs"] - graphs == 2  # one per width, shared by same-width blocks
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(out, again)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sd15", "pixart"])
+def test_dynamic_shapes_reuse_graphs_at_new_sizes(arch):
+    """The dynamic-shapes recipe (bf16, regional + VAE decoder with symbolic sizes): new
+    resolutions add no graph after the first call, and each matches the eager recipe at that size.
+    (bf16, as the recipe runs: in fp32, ATen picks its native convolution over oneDNN for batch-1
+    inputs under 20480 elements, a size guard that recompiles once when a size crosses it.)"""
+    recipe = replace(recipe_for_step("dynamic-shapes"), dynamic_int8=False)
+    eager = apply_recipe(tiny_pipeline(arch), replace(recipe, compile="none", dynamic_shapes=False))
+    pipe = apply_recipe(tiny_pipeline(arch), recipe)
+    generate(pipe, 128)  # latents 16x16; then 20x20 and 12x12
+    graphs = counters["stats"]["unique_graphs"]
+    for size in (160, 96):
+        image = generate(pipe, size)
+        assert counters["stats"]["unique_graphs"] == graphs, f"recompiled at {size}x{size}"
+        assert psnr(image, generate(eager, size)) >= COMPILED_BF16_PSNR

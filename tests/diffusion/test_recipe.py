@@ -11,9 +11,10 @@ import torch
 pytest.importorskip("diffusers")
 
 from genfast.diffusion.attention import fuse_qkv, unfuse_qkv  # noqa: E402
+from genfast.diffusion.compiling import repeated_blocks  # noqa: E402
 from genfast.diffusion.conv1x1 import Conv1x1AsLinear, conv1x1_to_linear, linears_to_conv1x1  # noqa: E402
 from genfast.diffusion.feature_cache import DeepCacheUNet  # noqa: E402
-from genfast.diffusion.pipelines import tiny_pipeline  # noqa: E402
+from genfast.diffusion.pipelines import denoiser_of, call_kwargs, tiny_pipeline  # noqa: E402
 from genfast.diffusion.quality import psnr  # noqa: E402
 from genfast.diffusion.recipe import (  # noqa: E402
     DIFFUSION_STEPS, DiffusionRecipe, apply_recipe, int8_keep, recipe_for_step)
@@ -26,18 +27,25 @@ CACHE_PSNR = 30.0  # dB vs the same recipe uncached; measured ~50
 
 
 def generate(pipe, size: int = 32, steps: int = 4) -> torch.Tensor:
-    return pipe("a red cat", num_inference_steps=steps, height=size, width=size,
+    return pipe("a red cat", num_inference_steps=steps, height=size, width=size, **call_kwargs(pipe),
                 generator=torch.Generator().manual_seed(0), output_type="pt").images.float()
 
 
 def eager(step: str, **changes) -> DiffusionRecipe:
     """The cumulative recipe of `step` without compiling (compiles are tested apart: they are slow)."""
-    return replace(recipe_for_step(step), compile="none", **changes)
+    return replace(recipe_for_step(step), compile="none", dynamic_shapes=False, **changes)
 
 
-@pytest.fixture(scope="module", params=["sd15", "sdxl"])
+@pytest.fixture(scope="module", params=["sd15", "sdxl", "pixart"])
 def arch(request):
     return request.param
+
+
+@pytest.fixture
+def unet_arch(arch):
+    if arch == "pixart":
+        pytest.skip("the feature cache is implemented for UNets (test_feature_cache_needs_a_unet)")
+    return arch
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +58,7 @@ def test_ladder_is_cumulative():
     full = recipe_for_step("feature-cache")
     assert (full.dtype, full.attention, full.compile) == (torch.bfloat16, "sdpa", "regional")
     assert full.channels_last and full.fuse_qkv and full.conv1x1_linear and full.dynamic_int8
+    assert full.dynamic_shapes and not recipe_for_step("regional-compile").dynamic_shapes
     assert recipe_for_step("compile").compile == "full" and not recipe_for_step("compile").dynamic_int8
     with pytest.raises(ValueError, match="unknown diffusion step"):
         recipe_for_step("turbo")
@@ -70,7 +79,7 @@ def test_bf16_steps_within_budget(arch, baseline, step):
 def test_dynamic_int8_within_budget(arch, baseline):
     # The tiny models' linears are narrower than INT8_MIN_FEATURES: quantize them all here.
     pipe = apply_recipe(tiny_pipeline(arch), eager("dynamic-int8", int8_min_features=1))
-    assert any(isinstance(m, QuantLinear) for m in pipe.unet.modules())
+    assert any(isinstance(m, QuantLinear) for m in denoiser_of(pipe).modules())
     assert psnr(generate(pipe), baseline) >= INT8_PSNR
 
 
@@ -81,7 +90,8 @@ def test_int8_filter_is_a_shape_rule():
     assert not any(isinstance(m, QuantLinear) for m in pipe.unet.modules())
 
 
-def test_feature_cache(arch, baseline):
+def test_feature_cache(unet_arch, baseline):
+    arch = unet_arch
     uncached = generate(apply_recipe(tiny_pipeline(arch), eager("conv1x1-linear", dtype=torch.float32)))
     pipe = apply_recipe(tiny_pipeline(arch), eager("feature-cache", dtype=torch.float32, dynamic_int8=False))
     assert isinstance(pipe.unet, DeepCacheUNet)
@@ -90,12 +100,25 @@ def test_feature_cache(arch, baseline):
     assert torch.equal(generate(pipe), cached)  # each pipeline call starts a new run (full first step)
 
 
-def test_feature_cache_interval_1_is_the_unet(arch):
+def test_feature_cache_needs_a_unet():
+    with pytest.raises(ValueError, match="UNet2DConditionModel"):
+        apply_recipe(tiny_pipeline("pixart"), eager("feature-cache"))
+
+
+def test_feature_cache_interval_1_is_the_unet(unet_arch):
     """Every step full: the cache's re-implementation of the UNet forward is the UNet's, bit for bit."""
+    arch = unet_arch
     reference = generate(apply_recipe(tiny_pipeline(arch), eager("conv1x1-linear", dtype=torch.float32)))
     pipe = apply_recipe(tiny_pipeline(arch), eager("feature-cache", dtype=torch.float32, dynamic_int8=False,
                                                    feature_cache_interval=1))
     assert torch.equal(generate(pipe), reference)
+
+
+def test_repeated_blocks_of_a_dit_without_declared_ones():
+    """PixArt declares no `_repeated_blocks`: its transformer blocks are found as a ModuleList of
+    one class (and not the lists nested inside them)."""
+    transformer = tiny_pipeline("pixart").transformer
+    assert list(repeated_blocks(transformer)) == list(transformer.transformer_blocks)
 
 
 def test_fuse_unfuse_round_trip():
@@ -133,6 +156,8 @@ def test_invalid_recipes_raise():
         apply_recipe(pipe, DiffusionRecipe(compile="full", feature_cache_interval=2))
     with pytest.raises(ValueError, match="fused QKV"):
         apply_recipe(pipe, DiffusionRecipe(fuse_qkv=True))
+    with pytest.raises(ValueError, match="dynamic_shapes"):
+        apply_recipe(pipe, DiffusionRecipe(dynamic_shapes=True))
 
 
 def test_every_step_has_a_recipe():
