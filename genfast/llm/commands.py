@@ -13,10 +13,12 @@ from genfast.llm.generate import Generator
 from genfast.llm.sampling import SamplingParams
 from genfast.llm.session import LoadedModel, load, make_generator
 from genfast.llm.stats import format_stats
+from genfast.llm.tensor_parallel import check_same_tokens, from_main_rank, is_main_rank
 
 
 def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    if is_main_rank():  # tensor-parallel ranks run in step; rank 0 speaks for all
+        print(message, file=sys.stderr, flush=True)
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -42,11 +44,35 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, Generator, SamplingParams]:
     params = _sampling(args)  # validate flags before the slow load
-    loaded = load(args.model, args.device, args.dtype, args.threads, args.quant, args.group_size)
+    draft = _draft(args)
+    loaded = load_announced(args)
+    generator = make_generator(loaded, args.max_seq_len, batch_size, args.compile, draft, args.speculate_k)
+    if draft is not None:
+        _log(f"genfast: speculative decoding: {generator.drafter.name} drafts {generator.k} tokens per target pass")
+    return loaded, generator, params
+
+
+def _draft(args: argparse.Namespace) -> str | None:
+    """The draft (genfast.llm.speculative.parse_draft) that --draft, --self-draft or
+    --prompt-lookup ask for, validated before the slow load."""
+    from genfast.llm.speculative import parse_draft
+
+    if args.self_draft is not None and parse_draft(args.self_draft)[0] not in ("int4", "int8", "layers"):
+        raise UserError(f"--self-draft takes int4, int8 or layers:N, got {args.self_draft!r}")
+    spec = f"model:{args.draft}" if args.draft else args.self_draft or ("prompt-lookup" if args.prompt_lookup else None)
+    if spec is None and args.speculate_k is not None:
+        raise UserError("--speculate-k needs --draft, --self-draft or --prompt-lookup")
+    return spec
+
+
+def load_announced(args: argparse.Namespace) -> LoadedModel:
+    """Load the model the model flags name and say on stderr what was loaded (and how it runs)."""
+    loaded = load(args.model, args.device, args.dtype, args.threads, args.quant, args.group_size, args.tp)
     dtype = str(loaded.dtype).removeprefix("torch.")
     quant = "" if loaded.quant == "none" else f", {loaded.quant} weights"
+    ranks = "" if loaded.tp == 1 else f" | tensor parallel over {loaded.tp} ranks"
     _log(f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
-         f"{dtype}{quant} on {loaded.device}")
+         f"{dtype}{quant} on {loaded.device}{ranks}")
     if loaded.quant != "none":
         from genfast.quant import kernels
 
@@ -54,12 +80,11 @@ def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, Ge
         if reason:
             _log(f"genfast: note: quantized weights use the slow dequantize path ({reason}); "
                  "they save memory but not time here")
-    generator = make_generator(loaded, args.max_seq_len, batch_size, args.compile)
-    return loaded, generator, params
+    return loaded
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    prompts = _read_prompts(args)
+    prompts = from_main_rank(lambda: _read_prompts(args))
     loaded, generator, params = _prepare(args, len(prompts))
     if args.chat:
         prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -77,6 +102,7 @@ def generate_command(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     result = generator.generate(ids, args.max_new_tokens, params, args.stop, args.seed, on_text=stream)
+    check_same_tokens(result.token_ids)
     if single:
         sys.stdout.write("\n")
     else:  # one JSON object per prompt and line: completions may contain any text
@@ -85,6 +111,8 @@ def generate_command(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if not args.quiet:
         _log(format_stats(loaded.model, result, peak_read_bandwidth(loaded.device), compile_s, loaded.device))
+        if loaded.tp > 1:
+            _log(f"bytes/step and MBU are one rank's (each of the {loaded.tp} reads its own shard)")
     return 0
 
 
@@ -98,13 +126,13 @@ def chat_command(args: argparse.Namespace) -> int:
         generator.warmup(params)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
-    interactive = sys.stdin.isatty()
+    interactive = sys.stdin.isatty() and is_main_rank()
     _log("genfast chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.")
     while True:
         if interactive:
             sys.stderr.write("> ")
             sys.stderr.flush()
-        line = sys.stdin.readline()
+        line = from_main_rank(sys.stdin.readline)
         if not line:
             break
         message = line.strip()
@@ -124,6 +152,7 @@ def chat_command(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
         result = generator.generate([ids], args.max_new_tokens, params, args.stop, args.seed, on_text=stream)
+        check_same_tokens(result.token_ids)
         sys.stdout.write("\n")
         sys.stdout.flush()
         history.append({"role": "assistant", "content": result.texts[0]})

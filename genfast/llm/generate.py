@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,6 +33,12 @@ class GenerationResult:
     mean_kv_len: float = 0.0  # average valid cache length read per decode step
     batch_size: int = 1
     stop_reasons: list[str] = field(default_factory=list)
+    # Speculative decoding (genfast.llm.speculative); decode_steps then counts tokens, not passes.
+    speculate_k: int = 0  # draft tokens per verify pass; 0: not speculative
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    target_passes: int = 0  # target forward passes during decode (verifies and plain steps)
+    draft_s: float = 0.0  # the part of decode_s spent drafting
 
     @property
     def ttft_s(self) -> float:
@@ -45,6 +52,68 @@ class GenerationResult:
     def decode_tok_s(self) -> float:
         """Tokens per second per sequence during decode (batch rows are counted once per step)."""
         return self.decode_steps / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of drafted tokens the target accepted."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Mean tokens produced per target pass: the accepted drafts plus the one token (correction
+        or bonus) each pass samples itself."""
+        return (self.accepted_tokens + self.target_passes) / self.target_passes if self.target_passes else 0.0
+
+
+class Completions:
+    """Per-sequence generated ids, streamed text and stop reasons of one generate() call."""
+
+    def __init__(self, tokenizer: Tokenizer, batch: int, stop_strings: Sequence[str],
+                 stop_at_eos: bool, on_text: TextCallback | None) -> None:
+        self.streams = [TextStream(tokenizer, tuple(stop_strings)) for _ in range(batch)]
+        self.generated: list[list[int]] = [[] for _ in range(batch)]
+        self.reasons = ["length"] * batch
+        self.done = [False] * batch
+        self.stop_ids = tokenizer.stop_ids if stop_at_eos else set()
+        self.on_text = on_text
+
+    def push(self, i: int, tok: int) -> None:
+        """Append one token to sequence i (ignored once it is done)."""
+        if self.done[i]:
+            return
+        if tok in self.stop_ids:
+            self.done[i], self.reasons[i] = True, "eos"
+            return
+        self.generated[i].append(tok)
+        text = self.streams[i].push(tok)
+        if text and self.on_text:
+            self.on_text(i, text)
+        if self.streams[i].stopped:
+            self.done[i], self.reasons[i] = True, "stop"
+
+    def push_step(self, next_tokens: Tensor) -> None:
+        """One token per sequence (rows past the batch are filler)."""
+        for i, tok in enumerate(next_tokens.tolist()[:len(self.done)]):
+            self.push(i, tok)
+
+    def finish(self, **stats: Any) -> GenerationResult:
+        """Flush the held-back text; the result with `stats` (GenerationResult's timing fields)."""
+        for i, stream in enumerate(self.streams):
+            tail = stream.finish()
+            if tail and self.on_text:
+                self.on_text(i, tail)
+        return GenerationResult(texts=[s.text for s in self.streams], token_ids=self.generated,
+                                new_tokens=sum(len(g) for g in self.generated), batch_size=len(self.done),
+                                stop_reasons=self.reasons, **stats)
+
+
+def cache_length(model: Transformer, max_seq_len: int | None) -> int:
+    """KV-cache slots per sequence: `max_seq_len` (default: all) capped at the model's context."""
+    limit = model.args.max_seq_len
+    length = min(max_seq_len or limit, limit)
+    if length < 2:
+        raise UserError(f"--max-seq-len must be at least 2, got {max_seq_len}")
+    return length
 
 
 class Generator:
@@ -60,10 +129,7 @@ class Generator:
                  max_batch_size: int = 1, compile: bool = True) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = model.norm.weight.device
-        limit = model.args.max_seq_len
-        self.max_seq_len = min(max_seq_len or limit, limit)
-        if self.max_seq_len < 2:
-            raise UserError(f"--max-seq-len must be at least 2, got {max_seq_len}")
+        self.max_seq_len = cache_length(model, max_seq_len)
         self.max_batch_size = max_batch_size
         model.setup_caches(max_batch_size, self.max_seq_len)
         self.static_kv = self.device.type == "cuda"
@@ -94,6 +160,40 @@ class Generator:
                  seed: int | None = None, on_text: TextCallback | None = None,
                  stop_at_eos: bool = True) -> GenerationResult:
         """Generate up to `max_new_tokens` for each prompt (token ids); stream text via `on_text`."""
+        lengths = self._check_request(prompts, max_new_tokens)
+        prompt_len = max(lengths)
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = Completions(self.tokenizer, len(prompts), stop_strings, stop_at_eos, on_text)
+        next_tokens, pad_start, prefill_s = self._prefill_prompts(prompts, params)
+        out.push_step(next_tokens)
+
+        # Decode: one token per step; the mask row grows by one slot each step.
+        last = prompt_len + max_new_tokens - 1
+        row_len = self.max_seq_len if self.static_kv else last
+        decode_row = attention_mask(torch.tensor([last], device=self.device), row_len, pad_start)
+        slots = torch.arange(row_len, device=self.device)
+        decode_s, steps, kv_total = 0.0, 0, 0
+        for pos in range(prompt_len, last):
+            if all(out.done):
+                break
+            kv_len = pos + 1
+            # CUDA: static shapes over the whole cache (CUDA graphs); CPU: only the valid prefix.
+            step_mask = decode_row & (slots < kv_len) if self.static_kv else decode_row[..., :kv_len].contiguous()
+            t0 = time.perf_counter()
+            next_tokens = self._step(next_tokens.view(-1, 1), torch.tensor([pos], device=self.device),
+                                     step_mask, params, steady=steps > 0)
+            self._sync()
+            decode_s += time.perf_counter() - t0
+            steps += 1
+            kv_total += kv_len
+            out.push_step(next_tokens)
+
+        return out.finish(prompt_tokens=sum(lengths), prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps,
+                          mean_kv_len=kv_total / steps if steps else 0.0)
+
+    def _check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
+        """Validate a generate() request; return the prompt lengths."""
         batch = len(prompts)
         if not 1 <= batch <= self.max_batch_size:
             raise UserError(f"got {batch} prompts; this generator was set up for 1 to {self.max_batch_size}")
@@ -109,9 +209,14 @@ class Generator:
                 f"context holds {self.max_seq_len} (model limit {self.model.args.max_seq_len}); "
                 "shorten the prompt or lower --max-new-tokens"
             )
-        if seed is not None:
-            torch.manual_seed(seed)
+        return lengths
 
+    def _prefill_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams
+                         ) -> tuple[Tensor, Tensor, float]:
+        """Prefill the whole (left-padded) prompt batch at once; return the first new tokens
+        [max_batch_size], each row's first real slot [max_batch_size] and the seconds taken."""
+        batch, lengths = len(prompts), [len(p) for p in prompts]
+        prompt_len = max(lengths)
         pad_start = torch.tensor([prompt_len - n for n in lengths], device=self.device)
         padded = [[0] * (prompt_len - n) + list(p) for p, n in zip(prompts, lengths)]
         tokens = torch.tensor(padded, device=self.device)
@@ -120,27 +225,6 @@ class Generator:
             tokens = torch.cat([tokens, filler])
             pad_start = torch.cat([pad_start, pad_start[:1].expand(self.max_batch_size - batch)])
 
-        streams = [TextStream(self.tokenizer, tuple(stop_strings)) for _ in range(batch)]
-        generated: list[list[int]] = [[] for _ in range(batch)]
-        reasons = ["length"] * batch
-        done = [False] * batch
-        stop_ids = self.tokenizer.stop_ids if stop_at_eos else set()
-
-        def accept(next_tokens: Tensor) -> None:
-            for i, tok in enumerate(next_tokens.tolist()[:batch]):
-                if done[i]:
-                    continue
-                if tok in stop_ids:
-                    done[i], reasons[i] = True, "eos"
-                    continue
-                generated[i].append(tok)
-                text = streams[i].push(tok)
-                if text and on_text:
-                    on_text(i, text)
-                if streams[i].stopped:
-                    done[i], reasons[i] = True, "stop"
-
-        # Prefill: the whole prompt batch at once.
         input_pos = torch.arange(prompt_len, device=self.device)
         mask = attention_mask(input_pos, prompt_len, pad_start)  # [max_batch_size, 1, S, S]
         t0 = time.perf_counter()
@@ -149,40 +233,7 @@ class Generator:
         else:
             next_tokens = self._step(tokens, input_pos, mask, params, prefill=True)
         self._sync()
-        prefill_s = time.perf_counter() - t0
-        accept(next_tokens)
-
-        # Decode: one token per step; the mask row grows by one slot each step.
-        last = prompt_len + max_new_tokens - 1
-        row_len = self.max_seq_len if self.static_kv else last
-        decode_row = attention_mask(torch.tensor([last], device=self.device), row_len, pad_start)
-        slots = torch.arange(row_len, device=self.device)
-        decode_s, steps, kv_total = 0.0, 0, 0
-        for pos in range(prompt_len, last):
-            if all(done):
-                break
-            kv_len = pos + 1
-            # CUDA: static shapes over the whole cache (CUDA graphs); CPU: only the valid prefix.
-            step_mask = decode_row & (slots < kv_len) if self.static_kv else decode_row[..., :kv_len].contiguous()
-            t0 = time.perf_counter()
-            next_tokens = self._step(next_tokens.view(-1, 1), torch.tensor([pos], device=self.device),
-                                     step_mask, params, steady=steps > 0)
-            self._sync()
-            decode_s += time.perf_counter() - t0
-            steps += 1
-            kv_total += kv_len
-            accept(next_tokens)
-
-        for i in range(batch):
-            tail = streams[i].finish()
-            if tail and on_text:
-                on_text(i, tail)
-        return GenerationResult(
-            texts=[s.text for s in streams], token_ids=generated, prompt_tokens=sum(lengths),
-            new_tokens=sum(len(g) for g in generated), prefill_s=prefill_s, decode_s=decode_s,
-            decode_steps=steps,
-            mean_kv_len=kv_total / steps if steps else 0.0, batch_size=batch, stop_reasons=reasons,
-        )
+        return next_tokens, pad_start, time.perf_counter() - t0
 
     def _step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams,
               prefill: bool = False, steady: bool = False) -> Tensor:
@@ -206,15 +257,19 @@ class Generator:
             torch._dynamo.mark_dynamic(mask, 3)
         if prefill:
             return self._prefill(tokens, input_pos, mask, params)
+        return self._run_compiled(self._decode, steady, tokens, input_pos, mask, params)
+
+    def _run_compiled(self, fn: Callable[..., Any], steady: bool, *args: Any) -> Any:
+        """Call a compiled step, skipping guard evaluation when `steady` (see _step)."""
         if steady and self.skip_guards:
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    return self._decode(tokens, input_pos, mask, params)
+                    return fn(*args)
             except RuntimeError as e:
                 if "skip_guard_eval_unsafe" not in str(e):
                     raise
                 self.guard_fallbacks += 1
-        return self._decode(tokens, input_pos, mask, params)
+        return fn(*args)
 
     def warmup(self, params: SamplingParams = SamplingParams()) -> float:
         """Compile (or load from the compile cache) prefill and decode; return the seconds spent.

@@ -41,9 +41,26 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
+        """Write k/v [B, kv_heads, S, D] at slots input_pos: [S] shared by all rows, or [B, S]
+        per row (continuous batching, where each sequence is at its own length). rows: [B], the
+        cache rows the batch rows write (default: all, in order)."""
+        if input_pos.dim() == 1 and rows is None:
+            self.k.index_copy_(2, input_pos, k)
+            self.v.index_copy_(2, input_pos, v)
+            return
+        if rows is None:
+            rows = torch.arange(k.shape[0], device=k.device)
+        pos = input_pos.expand(k.shape[0], k.shape[2])
+        # Advanced indices on dims 0 and 2 put the indexed dims first: the target is [B, S, H, D].
+        self.k[rows[:, None], :, pos] = k.transpose(1, 2)
+        self.v[rows[:, None], :, pos] = v.transpose(1, 2)
+
+    def read(self, kv_len: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values of the first kv_len slots, of all rows or of `rows` [B] (a copy)."""
+        if rows is None:
+            return self.k[:, :, :kv_len], self.v[:, :, :kv_len]
+        return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -63,7 +80,8 @@ class Attention(nn.Module):
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor,
+                cache_rows: Tensor | None = None) -> Tensor:
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -75,9 +93,8 @@ class Attention(nn.Module):
         if self.kv_cache is None:  # no cache: attend within this call only
             keys, values = k, v
         else:
-            self.kv_cache.update(input_pos, k, v)
-            kv_len = mask.shape[-1]
-            keys, values = self.kv_cache.k[:, :, :kv_len], self.kv_cache.v[:, :, :kv_len]
+            self.kv_cache.update(input_pos, k, v, cache_rows)
+            keys, values = self.kv_cache.read(mask.shape[-1], cache_rows)
 
         if seqlen == 1 and torch.compiler.is_compiling():
             out = self._decode_attention(q, keys, values, mask)
@@ -125,8 +142,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor,
+                cache_rows: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask, cache_rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -160,14 +178,17 @@ class Transformer(nn.Module):
             return
         dtype = self.tok_embeddings.weight.dtype  # the output head may hold quantized codes
         device = self.norm.weight.device
-        for layer in self.layers:
-            layer.attention.kv_cache = KVCache(batch_size, max_seq_len, self.args.n_kv_heads,
+        for layer in self.layers:  # the layer's own kv heads: a tensor-parallel shard holds a slice
+            layer.attention.kv_cache = KVCache(batch_size, max_seq_len, layer.attention.n_kv_heads,
                                                self.args.head_dim, dtype, device)
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
 
     def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
-        """fp32 cos and sin of the rotary angles at `input_pos` [S]: [S, head_dim // 2] each."""
-        angles = input_pos.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
+        """fp32 cos and sin of the rotary angles at `input_pos` [S]: [S, head_dim // 2] each; for
+        per-row positions [B, S]: [B, 1, S, head_dim // 2] (broadcast over heads)."""
+        angles = input_pos.to(torch.float32)[..., None] * self.inv_freq.float()
+        if input_pos.dim() == 2:
+            angles = angles[:, None]
         return angles.cos(), angles.sin()
 
     def clear_caches(self) -> None:
@@ -176,31 +197,38 @@ class Transformer(nn.Module):
         self.max_batch_size = self.max_seq_len = 0
 
     def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
-                all_logits: bool = False) -> Tensor:
+                all_logits: bool = False, cache_rows: Tensor | None = None,
+                n_layers: int | None = None) -> Tensor:
         """Run `tokens` [B, S] at cache slots `input_pos` [S]; return fp32 logits.
+
+        input_pos may also be [B, S]: each row at its own positions (continuous batching).
+        cache_rows: [B], the KV-cache rows the batch rows use (default: all rows, in order), e.g.
+        to prefill one new sequence into a free row while the others keep their caches.
 
         mask: boolean [B|1, 1, S, L] over the first L cache slots (see `attention_mask`); L is
         how many slots are valid after this call. Without a mask (and without caches) attention
         is causal within `tokens`, whose positions must then start at 0.
         all_logits: logits for every position [B, S, V]; otherwise for the last one [B, V].
+        n_layers: run only the first n layers, then the final norm and head (an early-exit
+        self-draft for speculative decoding; genfast.llm.speculative).
         """
         if mask is None:
             mask = attention_mask(input_pos, tokens.shape[1])
         cos, sin = self.rope(input_pos)
 
         x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, mask)
+        for layer in self.layers[:n_layers]:
+            x = layer(x, cos, sin, input_pos, mask, cache_rows)
         if not all_logits:
             x = x[:, -1]
         return self.output(self.norm(x)).float()
 
 
 def attention_mask(input_pos: Tensor, kv_len: int, pad_start: Tensor | None = None) -> Tensor:
-    """Boolean [B|1, 1, S, kv_len] mask for queries at `input_pos` over the first kv_len slots:
-    causal, minus each sequence's left padding (pad_start: [B] first real slot)."""
+    """Boolean [B|1, 1, S, kv_len] mask for queries at `input_pos` ([S], or [B, S] per row) over
+    the first kv_len slots: causal, minus each sequence's left padding (pad_start: [B] first real slot)."""
     key_pos = torch.arange(kv_len, device=input_pos.device)[None, None, None, :]
-    query_pos = input_pos[None, None, :, None]
+    query_pos = input_pos.reshape(-1, 1, input_pos.shape[-1], 1)
     mask = key_pos <= query_pos
     if pad_start is not None:
         # Padding queries still see themselves, so their rows stay finite (never NaN).

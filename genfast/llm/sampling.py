@@ -33,6 +33,14 @@ def sample(logits: Tensor, params: SamplingParams) -> Tensor:
     """Next token ids [B] from fp32 logits [B, V]."""
     if params.greedy:
         return logits.argmax(dim=-1)
+    return draw(probabilities(logits, params))
+
+
+def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution `sample` draws from, fp32 [B, V]: temperature, top-k and top-p applied;
+    one-hot at the argmax when greedy (so speculative decoding's acceptance rule covers greedy)."""
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     logits = logits / params.temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -44,7 +52,12 @@ def sample(logits: Tensor, params: SamplingParams) -> Tensor:
         drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= params.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    # Gumbel-style trick: argmax(p / Exp(1)) is a draw from p, with no host round trip.
-    noise = torch.empty_like(probs).exponential_(1)
-    return (probs / noise).argmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def draw(weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One index per row [B] drawn in proportion to the non-negative `weights` [B, V] (they need
+    not sum to 1). Gumbel-style trick: argmax(w / Exp(1)) is a draw from w, with no host round trip.
+    generator: the random stream (default torch's global one; a server seeds one per request)."""
+    noise = torch.empty_like(weights).exponential_(1, generator=generator)
+    return (weights / noise).argmax(dim=-1)

@@ -55,12 +55,15 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     quant: str = "none"  # how the weights are stored, e.g. "int4-g32" (also for quantized checkpoints)
+    tp: int = 1  # tensor-parallel ranks: the model is this rank's shard (genfast/llm/tensor_parallel.py)
 
 
 def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: int | None = None,
-         quant: str = "none", group_size: int | None = None) -> LoadedModel:
+         quant: str = "none", group_size: int | None = None, tp: int = 1) -> LoadedModel:
     """Resolve, load and (optionally) quantize a model; `quant`: none | int8 | int4 (weight-only,
-    round-to-nearest, `group_size` columns per scale; default: per channel for int8, 32 for int4)."""
+    round-to-nearest, `group_size` columns per scale; default: per channel for int8, 32 for int4).
+    `tp` > 1: keep this rank's tensor-parallel shard (after quantizing: codes are sliced, never
+    re-quantized); this process must have joined the ranks (tensor_parallel.join)."""
     if quant not in QUANT_MODES:
         raise UserError(f"unknown --quant {quant!r}; use one of {', '.join(QUANT_MODES)}")
     if group_size is not None and quant == "none":
@@ -74,6 +77,10 @@ def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: 
             raise UserError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     dev = resolve_device(device)
+    if tp > 1:
+        from genfast.llm.tensor_parallel import tp_device
+
+        dev = tp_device(dev)
     dt = resolve_dtype(dtype, dev)
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
@@ -83,7 +90,11 @@ def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: 
             raise UserError(f"{path} is already quantized; load it without --quant")
     elif quant != "none":
         quantize_loaded(path, transformer, 8 if quant == "int8" else 4, group_size)
-    return LoadedModel(path, transformer, tokenizer, dev, dt, describe_quantization(transformer))
+    if tp > 1:
+        from genfast.llm.tensor_parallel import current_rank, shard_model
+
+        shard_model(transformer, current_rank(), tp)
+    return LoadedModel(path, transformer, tokenizer, dev, dt, describe_quantization(transformer), tp)
 
 
 # The output head is the layer most sensitive to quantization (measured on SmolLM2: an int4 head
@@ -142,6 +153,20 @@ def describe_quantization(model: torch.nn.Module) -> str:
     return "+".join(schemes) or "none"
 
 
-def make_generator(loaded: LoadedModel, max_seq_len: int | None, batch_size: int, compile: bool) -> Generator:
-    return Generator(loaded.model, loaded.tokenizer, max_seq_len=max_seq_len, max_batch_size=batch_size,
-                     compile=compile)
+def make_generator(loaded: LoadedModel, max_seq_len: int | None, batch_size: int, compile: bool,
+                   draft: str | None = None, speculate_k: int | None = None) -> Generator:
+    """A Generator, or with `draft` (see genfast.llm.speculative.parse_draft) a speculative one
+    drafting `speculate_k` tokens per target pass."""
+    if draft is None:
+        if speculate_k is not None:
+            raise UserError("--speculate-k needs --draft, --self-draft or --prompt-lookup")
+        return Generator(loaded.model, loaded.tokenizer, max_seq_len=max_seq_len, max_batch_size=batch_size,
+                         compile=compile)
+    from genfast.llm.speculative import DEFAULT_K, SpeculativeGenerator, make_drafter
+
+    if batch_size != 1:
+        raise UserError(f"speculative decoding runs one prompt at a time; got {batch_size} prompts")
+    if loaded.tp > 1:
+        raise UserError("speculative decoding does not combine with --tp yet; drop one of them")
+    return SpeculativeGenerator(loaded.model, loaded.tokenizer, make_drafter(draft, loaded),
+                                k=speculate_k or DEFAULT_K, max_seq_len=max_seq_len, compile=compile)

@@ -1,0 +1,305 @@
+"""Tensor parallelism over torch.distributed: every rank holds a slice of each block's heads and
+feed-forward columns (the Megatron layout) and the ranks sum their partial outputs.
+
+Per transformer block, for world size W and rank r:
+- attention wqkv, column-parallel: rank r keeps q heads [r*H/W, (r+1)*H/W) and kv heads
+  [r*KV/W, (r+1)*KV/W). Both are contiguous blocks of the same fraction, so every local q head
+  still reads its own kv head (GQA). The fused [q | k | v] rows are sliced part by part and
+  re-fused; a q/k/v bias goes with its rows.
+- attention wo, row-parallel: the input columns of those q heads. Partial outputs are summed
+  across ranks (all-reduce) and the out bias is added once, after the sum.
+- feed-forward w13, column-parallel: the same slice of the gate half and of the up half.
+- feed-forward w2, row-parallel: the matching input columns, all-reduced.
+Embedding, norms and the output head are replicated: simplest, and the head's logits are then
+complete on every rank (vocab-parallel would add an all-gather per token). Two all-reduces per
+block per forward, the minimum for this layout; they are functional collectives, which
+torch.compile traces into the graph (fullgraph, no break).
+
+Quantized layers are sharded as codes, never re-quantized: rows are sliced with their scales,
+columns in whole quantization groups, so each rank computes with exactly the weights of TP=1.
+
+Every rank runs the same program on the same inputs and, after each all-reduce, holds the same
+sums, so all ranks compute the same logits and sample the same tokens (one shared RNG seed; see
+`join`). Rank 0 reads the input (`from_main_rank`) and prints; `check_same_tokens` verifies.
+Ranks are started by `launch_tp` (torch.distributed's elastic launcher, the engine of `torchrun
+--standalone`) or by torchrun itself; either way `launch_or_join` is the entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from genfast.errors import UserError
+from genfast.llm.config import ModelArgs
+from genfast.llm.model import Transformer
+from genfast.nn import Linear
+from genfast.quant.grids import QuantizedWeight
+from genfast.quant.linear import QuantLinear
+
+T = TypeVar("T")
+
+
+# ---- the process group ---------------------------------------------------------------------
+
+def launched() -> bool:
+    """True in a process started by torchrun or `launch_tp` (the launcher sets these variables)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def current_world_size() -> int:
+    """Ranks in the joined process group (1 when there is none)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def current_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_main_rank() -> bool:
+    return current_rank() == 0
+
+
+def join(tp: int) -> None:
+    """Join the process group of the ranks the launcher started (gloo on CPU, NCCL on CUDA).
+
+    Also gives every rank the same RNG state (sampling with temperature draws random numbers on
+    each rank, and they must draw the same ones) and silences the followers' stdout.
+    """
+    if not launched():
+        raise UserError(f"--tp {tp} runs {tp} processes: start it as `genfast ... --tp {tp}` (which "
+                        "launches them) or under torchrun")
+    started = int(os.environ["WORLD_SIZE"])
+    if started != tp:
+        raise UserError(f"--tp {tp} was asked for, but the launcher started {started} processes; "
+                        f"make them equal (torchrun --nproc-per-node {tp})")
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            backend = "cpu:gloo,cuda:nccl"  # CPU tensors (e.g. --device cpu, object broadcasts) via gloo
+        else:
+            backend = "gloo"
+        dist.init_process_group(backend)
+    torch.manual_seed(from_main_rank(torch.seed))
+    if not is_main_rank():  # every rank produces the same text: rank 0 prints it (errors still show)
+        sys.stdout = open(os.devnull, "w")
+
+
+def tp_device(device: torch.device) -> torch.device:
+    """This rank's device: on CUDA each rank has its own GPU (its local rank)."""
+    if device.type == "cuda" and launched():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return device
+
+
+def from_main_rank(read: Callable[[], T]) -> T:
+    """`read()` run on rank 0 and its result given to every rank (user input is read once).
+    A UserError raised there is raised on every rank, so none is left waiting."""
+    if current_world_size() == 1:
+        return read()
+    box: list[tuple[bool, object] | None] = [None]
+    if is_main_rank():
+        try:
+            box[0] = (True, read())
+        except UserError as e:
+            box[0] = (False, str(e))
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise UserError(str(value))
+    return value  # type: ignore[return-value]
+
+
+def check_same_tokens(token_ids: list[list[int]]) -> None:
+    """Raise if the ranks generated different tokens (a bug: their logits must be identical)."""
+    if current_world_size() == 1:
+        return
+    gathered: list[list[list[int]] | None] = [None] * current_world_size()
+    dist.all_gather_object(gathered, token_ids)
+    differing = [r for r, ids in enumerate(gathered) if ids != gathered[0]]
+    if differing:
+        raise RuntimeError(f"tensor-parallel ranks {differing} generated different tokens than rank 0")
+
+
+# ---- launching -----------------------------------------------------------------------------
+
+def default_threads(ranks: int) -> int:
+    """CPU threads per rank: this process's cores shared evenly."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // ranks)
+
+
+def launch_tp(argv: Sequence[str], n: int) -> int:
+    """Run `genfast *argv` as `n` ranks on this machine and return their exit code (0, or the
+    first failing rank's). The ranks see the launcher's environment (RANK, WORLD_SIZE, ...), so
+    the same command line joins instead of launching again."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # torchrun would set 1 thread per rank; give each rank its share of the cores instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(n)))
+    # The ranks print their own errors; the agent's log lines would only repeat them.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+    try:
+        elastic_launch(config, sys.executable)("-m", "genfast", *argv)
+    except ChildFailedError as e:
+        failed_rank, failure = e.get_first_failure()
+        if failure.exitcode > 0:
+            return failure.exitcode
+        # Killed by a signal (e.g. out of memory): the rank could not say so itself.
+        print(f"genfast: error: tensor-parallel rank {failed_rank} was killed by signal {-failure.exitcode}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def launch_or_join(tp: int, model: str | None, argv: Sequence[str]) -> int | None:
+    """The `--tp N` entry of a command. In a rank (started by torchrun or by us): join the others
+    and return None, so the command goes on. Otherwise: check that the model divides, launch the
+    ranks with this same command line, and return their exit code."""
+    if launched():
+        join(tp)
+        return None
+    from genfast.hub import resolve_model
+    from genfast.llm.checkpoint import read_model_args
+
+    check_shardable(read_model_args(resolve_model(model)), tp)  # fail before starting processes
+    return launch_tp(argv, tp)
+
+
+# ---- sharding ------------------------------------------------------------------------------
+
+def check_shardable(args: ModelArgs, world: int) -> None:
+    """Heads (q and kv) and the feed-forward width must split evenly over `world` ranks."""
+    sizes = {"attention heads": args.n_heads, "key/value heads": args.n_kv_heads,
+             "feed-forward width": args.intermediate_size}
+    bad = [f"{n} {what}" for what, n in sizes.items() if n % world]
+    if bad:
+        common = math.gcd(*sizes.values())
+        fits = [str(d) for d in range(2, common + 1) if common % d == 0]
+        hint = f"--tp {' or '.join(fits)}" if fits else "no --tp above 1"
+        raise UserError(f"--tp {world} needs the model's heads and feed-forward width to divide by {world}, but it "
+                        f"has {' and '.join(bad)}; this model supports {hint}")
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's slice of a layer's input features: the partial outputs of all ranks are summed
+    (all-reduce) and the bias is added once, after the sum."""
+
+    def __init__(self, local: nn.Module, bias: Tensor | None, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.local = local
+        self.register_buffer("bias", bias)
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = funcol.all_reduce(self.local(x), "sum", self.group)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def shard_model(model: Transformer, rank: int, world_size: int,
+                group: dist.ProcessGroup | None = None) -> Transformer:
+    """Keep rank `rank`'s share of every block (see the module docstring), in place. The model
+    must be loaded (and quantized, if it is to be) and have no KV caches yet. `group`: the ranks
+    to all-reduce over (default: the joined world, which must have `world_size` ranks). Everything
+    is checked before anything changes: on an error the model is left whole."""
+    if world_size == 1:
+        return model
+    check_shardable(model.args, world_size)
+    if model.max_seq_len:
+        raise ValueError("shard the model before setting up its KV caches")
+    for i, block in enumerate(model.layers):
+        attn, ff = block.attention, block.feed_forward
+        _check_column_split(attn.wo, attn.n_heads * attn.head_dim // world_size, f"layers.{i}.attention.wo")
+        _check_column_split(ff.w2, ff.intermediate_size // world_size, f"layers.{i}.feed_forward.w2")
+    if group is None:
+        if current_world_size() != world_size:
+            raise ValueError(f"sharding for {world_size} ranks needs a process group of {world_size} "
+                             "(tensor_parallel.join, or pass `group`)")
+        group = dist.group.WORLD
+    for block in model.layers:
+        attn, ff = block.attention, block.feed_forward
+        hd, heads, kv_heads = attn.head_dim, attn.n_heads // world_size, attn.n_kv_heads // world_size
+        q_rows, kv_rows = _block(rank, heads * hd), _block(rank, kv_heads * hd)
+        attn.wqkv = _rows(attn.wqkv, torch.cat([q_rows, attn.n_heads * hd + kv_rows,
+                                                (attn.n_heads + attn.n_kv_heads) * hd + kv_rows]))
+        attn.wo = _row_parallel(attn.wo, rank, heads * hd, group)
+        attn.n_heads, attn.n_kv_heads = heads, kv_heads
+
+        width = ff.intermediate_size // world_size
+        cols = _block(rank, width)
+        ff.w13 = _rows(ff.w13, torch.cat([cols, ff.intermediate_size + cols]))
+        ff.w2 = _row_parallel(ff.w2, rank, width, group)
+        ff.intermediate_size = width
+    return model
+
+
+def _block(rank: int, size: int) -> Tensor:
+    """Indices of rank `rank`'s contiguous block of `size`."""
+    return torch.arange(rank * size, (rank + 1) * size)
+
+
+def _rows(layer: nn.Module, index: Tensor) -> nn.Module:
+    """The layer restricted to the output features `index` (a column-parallel shard)."""
+    bias = None if layer.bias is None else layer.bias[index].clone()
+    if isinstance(layer, QuantLinear):
+        qw = layer.quantized_weight()
+        rows = QuantizedWeight(qw.codes[index], qw.scales[index], qw.mins[index], qw.bits, qw.group_size,
+                               qw.in_features)
+        return QuantLinear(rows, bias, layer.dynamic)
+    return _linear(layer.weight[index], bias)
+
+
+def _column_slice(qw: QuantizedWeight, start: int, stop: int) -> tuple[int, slice]:
+    """(group size, groups) of input columns [start, stop) of a quantized weight. Per-channel
+    scales (one group per row) serve every slice as they are, the slice becoming the group."""
+    if qw.group_size == qw.codes.shape[1]:
+        return stop - start, slice(0, 1)
+    return qw.group_size, slice(start // qw.group_size, stop // qw.group_size)
+
+
+def _check_column_split(layer: nn.Module, columns: int, name: str) -> None:
+    """A quantized layer splits by input features only in whole groups (and in multiples of 32,
+    the native kernel's activation blocks)."""
+    if not isinstance(layer, QuantLinear):
+        return
+    qw = layer.quantized_weight()
+    group_size, _ = _column_slice(qw, 0, columns)
+    if qw.codes.shape[1] != qw.in_features or columns % group_size or group_size % 32:
+        raise UserError(f"{name} has {qw.in_features} input features quantized in groups of {qw.group_size}; "
+                        f"split over the ranks, each gets {columns} columns, which must be whole groups and a "
+                        "multiple of 32; use another --tp or --group-size")
+
+
+def _row_parallel(layer: nn.Module, rank: int, columns: int, group: dist.ProcessGroup) -> RowParallelLinear:
+    """The layer restricted to rank `rank`'s block of `columns` input features, all-reduced."""
+    start, stop = rank * columns, (rank + 1) * columns
+    bias = None if layer.bias is None else layer.bias.detach().clone()
+    if not isinstance(layer, QuantLinear):
+        return RowParallelLinear(_linear(layer.weight[:, start:stop], None), bias, group)
+    qw = layer.quantized_weight()
+    group_size, groups = _column_slice(qw, start, stop)
+    local = QuantizedWeight(qw.codes[:, start:stop].contiguous(), qw.scales[:, groups].contiguous(),
+                            qw.mins[:, groups].contiguous(), qw.bits, group_size, columns)
+    return RowParallelLinear(QuantLinear(local, None, layer.dynamic), bias, group)
+
+
+def _linear(weight: Tensor, bias: Tensor | None) -> Linear:
+    with torch.device("meta"):
+        layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    layer.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return layer

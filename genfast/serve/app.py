@@ -1,0 +1,218 @@
+"""The HTTP layer: a FastAPI app serving an `Engine` with OpenAI's API.
+
+Routes: GET /health (no key needed), GET /v1/models, POST /v1/completions, POST
+/v1/chat/completions (streamed as server-sent events ending in `data: [DONE]` when `stream` is
+true). Every error is an OpenAI error object. The engine runs on its own thread; each request's
+events cross into the event loop through a `_Bridge`. A client that disconnects cancels its
+request, which frees its slot at the next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from genfast.errors import UserError
+from genfast.llm.sampling import SamplingParams
+from genfast.serve.engine import Delta, Engine, EngineStopped, Event, Finished, GenerationRequest, QueueFull, Ticket
+from genfast.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationBody,
+    ResponseHeader,
+)
+
+# How often a non-streamed request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.5
+
+
+class _Bridge:
+    """A request's engine events, carried from the engine thread into the event loop."""
+
+    def __init__(self, only_final: bool = False) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.only_final = only_final  # drop Deltas (a non-streamed response needs only Finished)
+
+    def __call__(self, event: Event) -> None:  # called on the engine thread
+        if self.only_final and isinstance(event, Delta):
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed (server gone): nobody is waiting for this event
+            pass
+
+
+def create_app(engine: Engine, model_name: str, api_key: str | None = None,
+               shutdown_timeout: float = 0.0) -> FastAPI:
+    """An app serving `engine` as `model_name`; with `api_key`, /v1/* needs `Authorization: Bearer KEY`.
+
+    The engine must be started (and warmed up) by the caller; the app shuts it down when the
+    server stops, letting in-flight requests finish for up to `shutdown_timeout` seconds.
+    """
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(engine.shutdown, shutdown_timeout)
+
+    app = FastAPI(title="genfast", lifespan=lifespan)
+    created = int(time.time())
+    tokenizer = engine.tokenizer
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_error(e).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:  # a bug; uvicorn logs the traceback
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", "server_error").body(),
+                            status_code=500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405, ...
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stats = asdict(engine.stats())
+        if engine.stopping:
+            return JSONResponse({"status": "shutting_down", **stats}, status_code=503)
+        return JSONResponse({"status": "ok", **stats})
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "genfast", "max_model_len": engine.max_seq_len}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)], response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+        prompt = body.single_prompt()
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return await serve(body, ids, body.max_tokens or 16, ResponseHeader("completion", model_name), request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)], response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+        try:
+            ids = tokenizer.encode(tokenizer.apply_chat_template(body.conversation()))
+        except UserError as e:
+            raise APIError(400, str(e), param="messages") from e
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(engine.max_seq_len - len(ids), 1)
+        return await serve(body, ids, max_tokens, ResponseHeader("chat", model_name), request)
+
+    def check_model(body: GenerationBody) -> None:
+        if body.model != model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                           code="model_not_found", param="model")
+
+    async def serve(body: GenerationBody, ids: list[int], max_tokens: int, header: ResponseHeader,
+                    request: Request) -> JSONResponse | StreamingResponse:
+        check_model(body)
+        gen = GenerationRequest(tuple(ids), max_tokens, SamplingParams(body.temperature, top_p=body.top_p),
+                                body.stop_strings, body.seed)
+        bridge = _Bridge(only_final=not body.stream)
+        try:
+            ticket = engine.submit(gen, bridge)
+        except UserError as e:
+            raise APIError(400, str(e)) from e
+        except QueueFull as e:
+            raise APIError(429, str(e), "rate_limit_exceeded", code="queue_full") from e
+        except EngineStopped as e:
+            raise APIError(503, str(e), "server_error", code="shutting_down") from e
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_sse(ticket, bridge, header, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        finished = await _wait(ticket, bridge, request)
+        if finished.finish_reason == "error":
+            raise APIError(500, f"generation failed: {finished.error}", "server_error")
+        return JSONResponse(header.response(finished))
+
+    return app
+
+
+async def _wait(ticket: Ticket, bridge: _Bridge, request: Request) -> Finished:
+    """The request's result; cancels it if the client goes away first (checked every 0.5 s)."""
+    get = asyncio.ensure_future(bridge.queue.get())  # the bridge passes only Finished
+    try:
+        while not get.done():
+            await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
+            if not get.done() and await request.is_disconnected():
+                ticket.cancel()
+    finally:
+        if not get.done():  # the handler itself was cancelled (server shutting down)
+            get.cancel()
+            ticket.cancel()
+    return get.result()
+
+
+async def _sse(ticket: Ticket, bridge: _Bridge, header: ResponseHeader, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per text delta, a last chunk with the finish reason, [DONE].
+
+    When the client disconnects, Starlette cancels this generator: `finally` cancels the request.
+    """
+    try:
+        first = True
+        if header.kind == "chat":  # OpenAI announces the role first
+            yield _event(header.chunk("", first=True))
+            first = False
+        while True:
+            event = await bridge.queue.get()
+            if isinstance(event, Delta):
+                yield _event(header.chunk(event.text, first=first))
+                first = False
+                continue
+            if event.finish_reason == "error":
+                yield _event(APIError(500, f"generation failed: {event.error}", "server_error").body())
+            else:
+                yield _event(header.chunk(None, event.finish_reason))
+                if include_usage:
+                    yield _event(header.usage_chunk(event))
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        ticket.cancel()  # no-op once finished
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _validation_error(e: RequestValidationError) -> APIError:
+    """One readable sentence from pydantic's errors, e.g. 'max_tokens: Input should be greater
+    than or equal to 1'."""
+    messages, param = [], None
+    for err in e.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}".rstrip(": "))
+        field = ".".join(loc)
+        param = param or field or None
+        messages.append(f"{field}: {err.get('msg')}" if field else str(err.get("msg")))
+    return APIError(400, "; ".join(messages) or "invalid request", param=param)

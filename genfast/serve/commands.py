@@ -1,0 +1,61 @@
+"""`genfast serve`: load, compile, then serve the OpenAI API until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from genfast.errors import UserError
+from genfast.hub import DEFAULT_MODEL
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def require_serve_extra() -> None:
+    """FastAPI and uvicorn are an optional extra: `genfast generate` does not need them."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"`genfast serve` needs FastAPI and uvicorn ({e.name} is missing): "
+                        "pip install 'genfast[serve]'") from e
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """What clients pass as `model`: --served-model-name, else the --model file or directory name."""
+    if args.served_model_name:
+        return args.served_model_name
+    return Path(args.model).name if args.model else DEFAULT_MODEL
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    require_serve_extra()
+    import uvicorn
+
+    from genfast.llm.commands import load_announced
+    from genfast.serve.app import create_app
+    from genfast.serve.engine import Engine
+
+    api_key = args.api_key or os.environ.get("GENFAST_API_KEY") or None
+    if args.host not in LOCAL_HOSTS and api_key is None:
+        _log(f"genfast: warning: serving on {args.host} without an API key: anyone who can reach it can use it "
+             "(set --api-key or GENFAST_API_KEY)")
+    loaded = load_announced(args)
+    engine = Engine(loaded.model, loaded.tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+                    max_seq_len=args.max_seq_len, compile=args.compile).start()
+    if args.compile:
+        _log("genfast: compiling prefill and decode (fast after the first run: the result is cached)...")
+    warmup_s = engine.warmup()
+    _log(f"genfast: ready in {warmup_s:.1f} s: {args.max_batch} slots of {engine.max_seq_len} tokens, "
+         f"queue of {args.max_queue}")
+    app = create_app(engine, served_model_name(args), api_key, args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    uvicorn.Server(config).run()
+    return 0

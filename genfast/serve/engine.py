@@ -1,0 +1,400 @@
+"""Continuous batching: many requests share each decode step over a fixed set of KV-cache rows.
+
+The engine owns the model's static KV cache of `max_batch` rows ("slots") and one scheduler
+thread. Between two decode steps the thread admits queued requests into free slots (a batch-1
+prefill written into that slot's cache row) and drops finished or cancelled ones; each decode
+step then runs every slot at its own position (`Transformer.forward` with per-row `input_pos`),
+free slots included, so the compiled decode graph always sees the same shapes and never
+recompiles as requests come and go. Only the attention's cache length varies (the longest
+active sequence), and it is a dynamic dimension, as in `Generator` (on CUDA the whole cache is
+read, so shapes are fully static).
+
+Nobody waits for anyone else to finish: a request joins at the next step boundary and leaves as
+soon as it stops. Greedy output is token-identical to `Generator.generate` for the same prompt
+(tests/serve): rows never attend to each other, and free slots are masked to their own slot 0.
+
+Results are pushed to a per-request `Sink` (a callable) from the scheduler thread: `Delta`s of
+final text as it is produced, then exactly one `Finished`. The HTTP layer (genfast/serve/app.py)
+bridges them into its event loop; `Engine.generate` is a blocking convenience for scripts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from genfast.compile import compile_fn
+from genfast.errors import UserError
+from genfast.llm.generate import cache_length
+from genfast.llm.model import Transformer, attention_mask
+from genfast.llm.sampling import SamplingParams, draw, probabilities
+from genfast.llm.streaming import TextStream
+from genfast.llm.tokenizer import Tokenizer
+
+log = logging.getLogger("genfast.serve")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    params: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None  # a private random stream: the same seed gives the same sample
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text that became final (never the start of a possible stop string)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    text: str
+    token_ids: list[int]
+    # "stop" (EOS or a stop string), "length" (max_tokens), "cancelled", or "error"
+    finish_reason: str
+    prompt_tokens: int
+    error: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+Event = Delta | Finished
+Sink = Callable[[Event], None]
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting queue holds `max_queue` requests."""
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down and takes no new requests."""
+
+
+class Ticket:
+    """A submitted request: cancel it at any time (queued or running); its sink gets `Finished`."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest, sink: Sink, ticket_id: int) -> None:
+        self.engine, self.request, self.sink, self.id = engine, request, sink, ticket_id
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.engine._cancel(self)
+
+
+@dataclass
+class _Sequence:
+    """A request running in a slot."""
+
+    ticket: Ticket
+    stream: TextStream
+    generator: torch.Generator | None
+    pos: int = 0  # cache position of the next token to feed
+    last: int = 0  # the token to feed next
+    generated: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    slots: int
+    active: int
+    queued: int
+    decode_steps: int
+    generated_tokens: int
+    cancelled: int
+    max_seq_len: int
+
+
+class Engine:
+    """A fixed set of `max_batch` KV-cache slots served by one scheduler thread (see module doc).
+
+    max_queue: requests allowed to wait for a slot; beyond that `submit` raises QueueFull
+    (back-pressure: memory stays bounded however many clients connect).
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, max_batch: int = 8, max_queue: int = 64,
+                 max_seq_len: int | None = None, compile: bool = True) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise UserError(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
+        self.model, self.tokenizer = model, tokenizer
+        self.device = model.norm.weight.device
+        self.max_seq_len = cache_length(model, max_seq_len)
+        self.max_batch, self.max_queue = max_batch, max_queue
+        model.setup_caches(max_batch, self.max_seq_len)
+        # As in Generator: CUDA reads the whole cache (static shapes for CUDA graphs); elsewhere
+        # only the prefix up to the longest active sequence.
+        self.static_kv = self.device.type == "cuda"
+        self.compiled = compile
+        if compile:
+            self._prefill = compile_fn(self._prefill_step, self.device, decode=False)
+            self._decode = compile_fn(self._decode_step, self.device, decode=True)
+        else:
+            self._prefill, self._decode = self._prefill_step, self._decode_step
+
+        self._slots: list[_Sequence | None] = [None] * max_batch
+        self._pending: deque[Ticket] = deque()
+        self._cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self._stopping = False  # no new requests
+        self._abort = False  # cancel everything now
+        self._thread: threading.Thread | None = None
+        self.decode_steps = self.generated_tokens = self.cancelled = 0
+
+    # Two functions, not one: dynamo keeps graphs per code object, so prefill's dynamic prompt
+    # length and decode's fixed batch never share (or evict) each other's graphs.
+    def _prefill_step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
+        return self.model(tokens, input_pos, mask, cache_rows=rows)
+
+    def _decode_step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
+        return self.model(tokens, input_pos, mask)
+
+    # ---- public API (any thread) ----
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="genfast-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> Ticket:
+        """Queue a request; raises UserError (invalid), QueueFull or EngineStopped."""
+        self.validate(request)
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            waiting = len(self._pending) - self._slots.count(None)  # those not about to get a slot
+            if waiting >= self.max_queue:
+                raise QueueFull(f"all {self.max_batch} slots are busy and {len(self._pending)} requests are "
+                                "waiting; retry later")
+            ticket = Ticket(self, request, sink, next(self._ids))
+            self._pending.append(ticket)
+            self._cond.notify_all()
+        return ticket
+
+    def validate(self, request: GenerationRequest) -> None:
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise UserError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise UserError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if n + request.max_tokens > self.max_seq_len:
+            raise UserError(
+                f"this model's context holds {self.max_seq_len} tokens, but {n + request.max_tokens} were "
+                f"requested ({n} in the prompt, {request.max_tokens} to generate); shorten the prompt or "
+                "lower max_tokens")
+        vocab = self.model.args.vocab_size
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
+            raise UserError(f"prompt token ids must be in [0, {vocab})")
+
+    def generate(self, request: GenerationRequest, on_text: Callable[[str], None] | None = None) -> Finished:
+        """Submit and wait (blocking) for the result; `on_text` gets each Delta's text."""
+        events: queue.Queue[Event] = queue.Queue()
+        self.submit(request, events.put)
+        while True:
+            event = events.get()
+            if isinstance(event, Finished):
+                return event
+            if on_text:
+                on_text(event.text)
+
+    def warmup(self) -> float:
+        """Compile (or load from the compile cache) prefill and decode; return the seconds spent.
+
+        A 2-token prompt marks the prompt length dynamic and 3 tokens the cache length, so these
+        two graphs serve every later request (tests/serve checks that nothing recompiles).
+        """
+        t0 = time.perf_counter()
+        bos = self.tokenizer.bos_id or 0
+        result = self.generate(GenerationRequest((bos, bos), max_tokens=3))
+        if result.error:
+            raise RuntimeError(f"warm-up failed: {result.error}")
+        return time.perf_counter() - t0
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            active = sum(s is not None for s in self._slots)
+            return EngineStats(self.max_batch, active, len(self._pending), self.decode_steps,
+                               self.generated_tokens, self.cancelled, self.max_seq_len)
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """Take no new requests; let running and queued ones finish for up to `timeout` seconds,
+        then cancel the rest (their sinks get Finished('cancelled')) and stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            deadline = time.monotonic() + timeout
+            while not self._idle() and self._thread is not None and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            self._abort = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        with self._cond:  # never started, or stopped: nobody else will answer these
+            self._cancel_all_locked()
+
+    # ---- scheduler thread ----
+
+    def _idle(self) -> bool:
+        return not self._pending and all(s is None for s in self._slots)
+
+    def _cancel(self, ticket: Ticket) -> None:
+        with self._cond:
+            ticket.cancelled = True
+            if ticket in self._pending:  # not started: answer now and free its queue place
+                self._pending.remove(ticket)
+                self._finish_cancelled(ticket, [], None)
+
+    def _finish_cancelled(self, ticket: Ticket, generated: list[int], text: str | None) -> None:
+        self.cancelled += 1
+        ticket.sink(Finished(text or "", generated, "cancelled", len(ticket.request.prompt_ids)))
+
+    def _cancel_all_locked(self) -> None:
+        while self._pending:
+            self._finish_cancelled(self._pending.popleft(), [], None)
+        for i, seq in enumerate(self._slots):
+            if seq is not None:
+                self._slots[i] = None
+                self._finish_cancelled(seq.ticket, seq.generated, seq.stream.text)
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while self._idle() and not self._stopping and not self._abort:
+                        self._cond.wait()
+                    if self._abort or (self._stopping and self._idle()):
+                        self._cancel_all_locked()
+                        self._cond.notify_all()
+                        return
+                    admitted = []
+                    for slot, seq in enumerate(self._slots):
+                        if seq is None and self._pending:
+                            self._slots[slot] = self._new_sequence(self._pending.popleft())
+                            admitted.append(slot)
+                try:
+                    for slot in admitted:
+                        self._prefill_slot(slot)
+                    self._drop_cancelled()
+                    if any(s is not None for s in self._slots):
+                        self._step()
+                except Exception as e:  # a bug: fail the running requests, keep serving the next ones
+                    log.exception("decode step failed")
+                    self._fail_all(f"{type(e).__name__}: {e}")
+                with self._cond:
+                    self._cond.notify_all()  # shutdown() waits for idleness
+
+    def _new_sequence(self, ticket: Ticket) -> _Sequence:
+        req = ticket.request
+        generator = None
+        if req.seed is not None and not req.params.greedy:
+            generator = torch.Generator(self.device).manual_seed(req.seed)
+        return _Sequence(ticket, TextStream(self.tokenizer, req.stop), generator)
+
+    def _prefill_slot(self, slot: int) -> None:
+        """Prefill the slot's prompt into its cache row and take the first token."""
+        seq = self._slots[slot]
+        assert seq is not None
+        req = seq.ticket.request
+        n = len(req.prompt_ids)
+        tokens = torch.tensor([req.prompt_ids], device=self.device)
+        input_pos = torch.arange(n, device=self.device)
+        mask = attention_mask(input_pos, n)
+        rows = torch.tensor([slot], device=self.device)
+        if self.compiled and n > 1:  # size 1 is always specialized (a one-token prompt compiles once more)
+            torch._dynamo.mark_dynamic(tokens, 1)
+            torch._dynamo.mark_dynamic(input_pos, 0)
+            torch._dynamo.mark_dynamic(mask, 2)
+            torch._dynamo.mark_dynamic(mask, 3)
+        logits = self._prefill(tokens, input_pos, mask, rows)
+        seq.pos = n
+        self._accept(slot, self._sample(logits, [seq])[0])
+
+    def _step(self) -> None:
+        """One decode step for every slot; free slots run a dummy token at their own slot 0."""
+        seqs = self._slots
+        tokens = torch.tensor([[s.last if s else 0] for s in seqs], device=self.device)
+        input_pos = torch.tensor([[s.pos if s else 0] for s in seqs], device=self.device)
+        kv_len = self.max_seq_len if self.static_kv else max(s.pos for s in seqs if s) + 1
+        mask = attention_mask(input_pos, kv_len)
+        if self.compiled and not self.static_kv:
+            torch._dynamo.mark_dynamic(mask, 3)
+        logits = self._decode(tokens, input_pos, mask)
+        self.decode_steps += 1
+        for slot, token in enumerate(self._sample(logits, seqs)):
+            if seqs[slot] is not None:
+                seqs[slot].pos += 1
+                self._accept(slot, token)
+
+    def _sample(self, logits: Tensor, seqs: Sequence[_Sequence | None]) -> list[int]:
+        """Next token per row: argmax for greedy rows (all rows at once), and for sampling rows a
+        draw with the row's own temperature/top-p and random stream."""
+        tokens = logits.argmax(dim=-1)
+        for i, seq in enumerate(seqs):
+            if seq is not None and not seq.ticket.request.params.greedy:
+                row = probabilities(logits[i:i + 1], seq.ticket.request.params)
+                tokens[i] = draw(row, seq.generator)[0]
+        return tokens.tolist()
+
+    def _accept(self, slot: int, token: int) -> None:
+        seq = self._slots[slot]
+        assert seq is not None
+        if token in self.tokenizer.stop_ids:  # EOS ends the sequence and is not part of it
+            self._finish(slot, "stop")
+            return
+        seq.generated.append(token)
+        self.generated_tokens += 1
+        text = seq.stream.push(token)
+        if text:
+            seq.ticket.sink(Delta(text))
+        if seq.stream.stopped:
+            self._finish(slot, "stop")
+        elif len(seq.generated) >= seq.ticket.request.max_tokens:
+            self._finish(slot, "length")
+        else:
+            seq.last = token
+
+    def _finish(self, slot: int, reason: str) -> None:
+        seq = self._slots[slot]
+        assert seq is not None
+        tail = seq.stream.finish()
+        if tail:
+            seq.ticket.sink(Delta(tail))
+        with self._cond:
+            self._slots[slot] = None
+        seq.ticket.sink(Finished(seq.stream.text, seq.generated, reason, len(seq.ticket.request.prompt_ids)))
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            for slot, seq in enumerate(self._slots):
+                if seq is not None and seq.ticket.cancelled:
+                    self._slots[slot] = None
+                    self._finish_cancelled(seq.ticket, seq.generated, seq.stream.text)
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            for slot, seq in enumerate(self._slots):
+                if seq is not None:
+                    self._slots[slot] = None
+                    seq.ticket.sink(Finished(seq.stream.text, seq.generated, "error",
+                                             len(seq.ticket.request.prompt_ids), error=message))

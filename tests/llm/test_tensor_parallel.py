@@ -1,0 +1,170 @@
+"""Tensor parallelism: TP=2 (two gloo processes on this CPU) equals TP=1.
+
+One pair of processes runs every case (a process group costs seconds to start). Per case, each
+rank loads the tiny random model, quantizes it if asked, keeps its shard and records the logits
+of a prompt and the greedy tokens of a generation; the test compares them with the unsharded
+model in this process. Tolerance (fp32): the ranks split the sums of wo and w2 into two partial
+sums, so only the order of additions changes: logits agree to atol = rtol = 1e-5, and the greedy
+tokens exactly. Both ranks' results are identical bit for bit (same reduced sums everywhere).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from genfast.errors import UserError
+from genfast.llm.checkpoint import load_model, read_model_args
+from genfast.llm.generate import Generator
+from genfast.llm.session import quantize_loaded
+from genfast.llm.tensor_parallel import check_same_tokens, check_shardable, shard_model
+from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
+
+WORLD = 2
+NEW_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # a TINY_CONFIGS name
+    quant: str = "none"
+    compile: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}-{self.quant}" + ("-compiled" if self.compile else "")
+
+
+CASES = [
+    Case("llama3"),  # GQA (4 q heads, 2 kv heads), untied head, Llama 3.1 rope
+    Case("llama2_linear"),  # MHA with q/k/v and out biases (the out bias is added once, after the sum)
+    Case("qwen2"),  # GQA with q/k/v bias, tied embeddings
+    Case("qwen2", "int8"),  # per-channel scales: each rank's columns keep the row's scale
+    Case("qwen2", "int4"),  # groups of 32: whole groups per rank
+]
+# The functional all-reduce inside the compiled prefill and decode graphs (fullgraph): ~35 s of
+# compiling on two cores, so in its own (slow) test.
+COMPILED = Case("qwen2", compile=True)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp_models")
+    dirs = {}
+    for name in {c.model for c in CASES} | {COMPILED.model, "smollm"}:
+        hf = make_hf_model(name)
+        dirs[name] = save_hf_model(hf, root / name)
+        word_tokenizer(hf.config.vocab_size).save(dirs[name])
+    return dirs
+
+
+def prompt_for(path: Path) -> list[int]:
+    vocab = read_model_args(path).vocab_size
+    return torch.randint(0, vocab, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@torch.inference_mode()
+def run_case(path: Path, case: Case, rank: int, world: int) -> tuple[torch.Tensor, list[int]]:
+    """(logits of the prompt at every position, greedy tokens) on rank `rank` of `world`."""
+    model = load_model(path)
+    if case.quant != "none":
+        quantize_loaded(path, model, 8 if case.quant == "int8" else 4, None)
+    shard_model(model, rank, world)
+    prompt = prompt_for(path)
+    logits = model(torch.tensor([prompt]), torch.arange(len(prompt)), all_logits=True)
+    generator = Generator(model, word_tokenizer(model.args.vocab_size), max_seq_len=32, compile=case.compile)
+    tokens = generator.generate([prompt], NEW_TOKENS, stop_at_eos=False).token_ids[0]
+    check_same_tokens([tokens])
+    return logits, tokens
+
+
+def _rank_main(rank: int, world: int, store: str, cases: list[Case], dirs: dict[str, Path], out: Path) -> None:
+    torch.set_num_threads(1)  # two ranks on two cores
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        results = {case.key: run_case(dirs[case.model], case, rank, world) for case in cases}
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+def run_tp2(cases: list[Case], dirs: dict[str, Path], out: Path) -> list[dict]:
+    """Every case on two gloo ranks: per rank, {case key: (logits, tokens)}."""
+    mp.spawn(_rank_main, args=(WORLD, str(out / "store"), cases, dirs, out), nprocs=WORLD)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def tp2_results(model_dirs, tmp_path_factory) -> list[dict]:
+    return run_tp2(CASES, model_dirs, tmp_path_factory.mktemp("tp_out"))
+
+
+def check_equals_tp1(case: Case, dirs: dict[str, Path], results: list[dict]) -> None:
+    ref_logits, ref_tokens = run_case(dirs[case.model], Case(case.model, case.quant), 0, 1)  # eager TP=1
+    logits, tokens = results[0][case.key]
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert tokens == ref_tokens
+    other_logits, other_tokens = results[1][case.key]
+    assert torch.equal(other_logits, logits) and other_tokens == tokens
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.key)
+def test_tp2_equals_tp1(case, model_dirs, tp2_results):
+    check_equals_tp1(case, model_dirs, tp2_results)
+
+
+@pytest.mark.slow
+def test_compiled_tp2_equals_tp1(model_dirs, tmp_path):
+    check_equals_tp1(COMPILED, model_dirs, run_tp2([COMPILED], model_dirs, tmp_path))
+
+
+def test_heads_that_do_not_divide_are_a_clear_error(model_dirs):
+    model = load_model(model_dirs["smollm"])  # 3 heads, 1 kv head
+    with pytest.raises(UserError, match="--tp 2 needs .* 3 attention heads and 1 key/value heads; this model "
+                                        "supports no --tp above 1"):
+        shard_model(model, 0, 2)
+    assert model.layers[0].attention.n_heads == 3  # untouched
+
+
+def test_real_smollm2_supports_tp3_not_tp2(smollm2_gguf):
+    args = read_model_args(smollm2_gguf)  # 9 heads, 3 kv heads, feed-forward 1536
+    with pytest.raises(UserError, match="9 attention heads and 3 key/value heads; this model supports --tp 3"):
+        check_shardable(args, 2)
+    check_shardable(args, 3)
+
+
+def test_quantized_groups_must_not_straddle_ranks(model_dirs):
+    path = model_dirs["llama3"]  # feed-forward 160: 80 columns per rank, not whole groups of 32
+    model = load_model(path)
+    quantize_loaded(path, model, 4, None)
+    with pytest.raises(UserError, match="layers.0.feed_forward.w2 has 160 input features quantized in groups of 32; "
+                                        "split over the ranks, each gets 80 columns"):
+        shard_model(model, 0, 2)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "genfast", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generate_tp2_prints_the_text_of_tp1(model_dirs):
+    argv = ["generate", "w1 w2 w3", "--model", str(model_dirs["qwen2"]), "--dtype", "float32", "--no-compile",
+            "-n", "8", "--quiet"]
+    one, two = run_cli(*argv), run_cli(*argv, "--tp", "2")
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    assert one.stdout.strip() and two.stdout == one.stdout  # printed once (rank 0), the same text
+
+
+def test_cli_tp_error_is_one_line_before_launching(model_dirs):
+    done = run_cli("generate", "w1", "--model", str(model_dirs["smollm"]), "--tp", "2", "--no-compile")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "genfast: error: --tp 2 needs the model's heads and feed-forward width to divide by 2, but it has "
+        "3 attention heads and 1 key/value heads; this model supports no --tp above 1"]

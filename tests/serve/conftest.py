@@ -1,0 +1,112 @@
+"""A tiny random model on disk and real uvicorn servers on free localhost ports, for the server tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.llm.hf_fixtures import TINY_CONFIGS, save_hf_model, word_tokenizer
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
+
+# Plain "w1 w2 ..." text: the chat template joins the turns, so chat prompts are word prompts too.
+TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+VOCAB = TINY_CONFIGS["llama3"]["vocab_size"]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The tiny llama3 test model with a 1,024-token context (long requests for the cancellation
+    and shutdown tests) and a word tokenizer with a chat template, saved as a HF directory."""
+    import transformers
+
+    cfg = dict(TINY_CONFIGS["llama3"], max_position_embeddings=1024)
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures")
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **cfg),
+                                                       dtype=torch.float32)
+    directory = save_hf_model(hf.eval(), tmp_path_factory.mktemp("tiny-serve"))
+    tok = word_tokenizer(VOCAB)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save(directory)
+    return directory
+
+
+def load_tiny(directory: Path):
+    """A fresh (model, tokenizer): every engine needs its own model, since the KV caches live in it."""
+    from genfast.llm.checkpoint import load_model
+    from genfast.llm.tokenizer import load_tokenizer
+
+    return load_model(directory), load_tokenizer(directory)
+
+
+def words(*numbers: int) -> str:
+    return " ".join(f"w{n}" for n in numbers)
+
+
+class Server:
+    """`create_app(engine)` served by uvicorn on a free localhost port, in a background thread."""
+
+    def __init__(self, engine, model_name: str = "tiny", api_key: str | None = None) -> None:
+        import uvicorn
+
+        from genfast.serve.app import create_app
+
+        self.engine = engine.start()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(engine, model_name, api_key), log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def client(self, api_key: str = "unused", **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kwargs)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def serve(tiny_dir) -> Iterator:
+    """serve(**engine_kwargs) -> a running Server on a fresh tiny eager engine; all closed at teardown."""
+    from genfast.serve.engine import Engine
+
+    servers: list[Server] = []
+
+    def start(api_key: str | None = None, **engine_kwargs) -> Server:
+        model, tok = load_tiny(tiny_dir)
+        engine_kwargs.setdefault("compile", False)
+        servers.append(Server(Engine(model, tok, **engine_kwargs), api_key=api_key))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()

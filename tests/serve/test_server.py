@@ -1,0 +1,221 @@
+"""`genfast serve` over real HTTP with the official openai client, on a tiny random model (eager)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+
+import openai
+import pytest
+
+from genfast.llm.generate import Generator
+from tests.serve.conftest import load_tiny, wait_until, words
+
+PROMPT = words(5, 17, 3, 99, 42)
+
+
+@pytest.fixture
+def reference(tiny_dir):
+    """Single-request greedy output of `Generator.generate` (what `genfast generate` runs)."""
+    model, tok = load_tiny(tiny_dir)
+    gen = Generator(model, tok, max_seq_len=1024, compile=False)
+
+    def complete(prompt: str, n: int):
+        return gen.generate([gen.encode_prompt(prompt)], n)
+
+    complete.tokenizer = tok
+    return complete
+
+
+def test_models_and_health(serve):
+    server = serve(max_batch=2)
+    models = server.client().models.list().data
+    assert [m.id for m in models] == ["tiny"] and models[0].owned_by == "genfast"
+    status, health = request(server, "GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["slots"] == 2 and health["active"] == 0
+
+
+def test_completions_greedy_equal_single_request_generate(serve, reference):
+    client = serve(max_batch=4).client()
+    want = reference(PROMPT, 24)
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert got.choices[0].text == want.texts[0]
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == 5 and got.usage.completion_tokens == 24 and got.usage.total_tokens == 29
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.texts[0]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+    # Token ids in, as OpenAI allows.
+    ids = reference.tokenizer.encode(PROMPT)
+    assert client.completions.create(model="tiny", prompt=ids, max_tokens=24, temperature=0).choices[0].text == want.texts[0]
+
+
+def test_chat_applies_the_template_streamed_or_not(serve, reference):
+    client = serve(max_batch=2).client()
+    messages = [{"role": "system", "content": words(7)}, {"role": "user", "content": words(8, 9)}]
+    want = reference(reference.tokenizer.apply_chat_template(messages), 12)
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.texts[0]
+    assert got.usage.prompt_tokens == want.prompt_tokens and got.usage.completion_tokens == 12
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=12,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.texts[0]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_and_max_tokens(serve, reference):
+    client = serve(max_batch=2).client()
+    free = reference(PROMPT, 16).texts[0]
+    stop = " ".join(free.split(" ")[4:6])
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "w999"])
+    assert got.choices[0].text == free[: free.find(stop)] and got.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True))
+    assert streamed == free[: free.find(stop)]
+    short = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+
+
+def test_seed_makes_sampling_reproducible(serve):
+    client = serve(max_batch=4).client()
+
+    def sample(seed: int) -> str:
+        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=1.0, top_p=0.9,
+                                         seed=seed).choices[0].text
+
+    first = sample(7)
+    assert sample(7) == first
+    # While other requests share the batch, the seeded row still draws the same tokens.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(sample, [7, 8, 7, 9]))
+    assert results[0] == results[2] == first
+    assert len({first, results[1], results[3]}) > 1
+
+
+@pytest.mark.parametrize("body,message", [
+    ('{"model": "tiny", "prompt": "w1", ', "not valid JSON"),
+    ({"model": "tiny", "prompt": "w1", "max_tokens": "ten"}, "max_tokens"),
+    ({"model": "tiny", "prompt": 5}, "prompt"),
+    ({"model": "tiny", "prompt": "w1", "temprature": 0.5}, "temprature"),
+    ({"model": "tiny", "prompt": "w1", "max_tokens": 0}, "max_tokens"),
+    ({"model": "tiny", "prompt": "w1", "max_tokens": 5000}, "context holds 1024"),
+    ({"model": "tiny", "prompt": " ".join(["w1"] * 1100)}, "context holds 1024"),
+    ({"model": "tiny", "prompt": "w1", "n": 2}, "n"),
+    ({"model": "tiny", "prompt": "w1", "temperature": 3}, "temperature"),
+    ({"model": "tiny", "prompt": "w1", "presence_penalty": 0.5}, "not supported"),
+    ({"model": "tiny", "prompt": ["w1", "w2"]}, "one prompt per request"),
+    ({"model": "tiny", "prompt": ""}, "empty"),
+    ({"model": "tiny", "prompt": [1, 5000]}, "token ids"),
+    ({"model": "gpt-4", "prompt": "w1"}, "does not exist"),
+])
+def test_bad_requests_get_openai_errors(serve, body, message):
+    server = serve(max_batch=1)
+    status, answer = request(server, "POST", "/v1/completions", body)
+    assert status == (404 if "gpt-4" in str(body) else 400), answer
+    error = answer["error"]
+    assert message in error["message"] and error["type"] and "code" in error and "param" in error
+    assert server.engine.stats().active == 0
+
+
+def test_bad_chat_requests(serve):
+    client = serve(max_batch=1).client()
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="tiny", messages=[])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "w1"}])
+    with pytest.raises(openai.NotFoundError):
+        client.with_options(base_url=client.base_url.join("/nothing")).models.list()
+
+
+def test_api_key(serve):
+    server = serve(max_batch=1, api_key="sekrit")
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        server.client("wrong").models.list()
+    assert request(server, "POST", "/v1/completions", {"model": "tiny", "prompt": "w1"})[0] == 401
+    assert server.client("sekrit").completions.create(model="tiny", prompt="w1", max_tokens=2).usage.completion_tokens == 2
+    assert request(server, "GET", "/health")[0] == 200  # probes need no key
+
+
+def request(server, method: str, path: str, body: dict | str | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    """A raw HTTP request (no client-side validation): status and JSON answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    content = body if isinstance(body, str | None) else json.dumps(body)
+    conn.request(method, path, body=content, headers={"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    try:
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def long_stream(server, max_tokens: int = 1000) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """Open a streamed completion that runs for a long while and read its first event; closing
+    the returned connection is a client disconnect."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
+        {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}))
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: {")
+    return conn, response
+
+
+def test_full_queue_answers_429_and_memory_stays_bounded(serve):
+    server = serve(max_batch=1, max_queue=1)
+    running, _ = long_stream(server)  # takes the only slot
+    client = server.client()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(client.completions.create, model="tiny", prompt=PROMPT, max_tokens=2)
+        assert wait_until(lambda: server.engine.stats().queued == 1)
+        with pytest.raises(openai.RateLimitError, match="retry later"):
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        running.close()  # the slot frees, the queued request runs
+        assert queued.result(timeout=30).usage.completion_tokens == 2
+
+
+def test_client_disconnect_cancels_and_frees_the_slot(serve):
+    server = serve(max_batch=2)
+    conn, _ = long_stream(server)
+    assert server.engine.stats().active == 1
+    conn.close()
+    assert wait_until(lambda: server.engine.stats().active == 0, timeout=5)
+    stats = server.engine.stats()
+    assert stats.cancelled == 1 and stats.generated_tokens < 1000
+
+
+def test_client_leaving_a_non_streamed_request_cancels_it(serve):
+    server = serve(max_batch=2)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                 body=json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0}))
+    assert wait_until(lambda: server.engine.stats().generated_tokens > 0)
+    conn.close()
+    assert wait_until(lambda: server.engine.stats().active == 0, timeout=5)
+    assert server.engine.stats().cancelled == 1
+
+
+def test_16_concurrent_streams_equal_their_single_request_outputs(serve, reference):
+    server = serve(max_batch=8, max_queue=16)
+    prompts = [words(*range(i, i + 2 + i % 7)) for i in range(16)]
+    want = [reference(p, 64).texts[0] for p in prompts]
+    client = server.client()
+
+    def stream(prompt: str) -> tuple[str, str | None]:
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0,
+                                                stream=True))
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(stream, prompts))
+    assert [text for text, _ in got] == want
+    assert all(reason == "length" for _, reason in got)
+    stats = server.engine.stats()
+    assert stats.generated_tokens == 16 * 64 and stats.active == stats.queued == 0
+    assert stats.decode_steps < 16 * 63  # the requests shared decode steps
