@@ -22,12 +22,13 @@ every eager step; a fullgraph-compiled denoiser cannot contain one). Per image, 
 scheduler reads one device value (the first step's index). Not yet run on CUDA
 (`torch.cuda.set_sync_debug_mode`): no GPU was available.
 
-dynamic-shapes compiles with symbolic sizes (`dynamic=True`), so a new resolution reuses the
-graphs instead of recompiling: tested on tiny SD 1.5 and PixArt pipelines over latents 16 -> 20
--> 12 (bf16, CPU, torch 2.13); `genfast bench diffusion` reports the graphs a second size adds
-at the real size. In fp32 one recompile remains possible on the CPU: ATen runs batch-1
-convolutions under 20480 input elements with its native kernel instead of oneDNN, a size guard
-(bf16 always takes oneDNN).
+dynamic-shapes compiles with symbolic sizes (`dynamic=True`, each size its own symbol: no
+"duck sizing", which tied height to width after a square first image and recompiled at the first
+non-square one), so a new resolution reuses the graphs: tested on tiny SD 1.5 and PixArt
+pipelines over 128x128 -> 160x96 -> 96x96 (bf16, CPU, torch 2.13); `genfast bench diffusion`
+reports the graphs a second size adds at the real size. In fp32 one recompile remains possible
+on the CPU: ATen runs batch-1 convolutions under 20480 input elements with its native kernel
+instead of oneDNN, a size guard (bf16 always takes oneDNN).
 
 `apply_recipe` works on any diffusers pipeline with a `unet` or `transformer` and a `vae`;
 a step that does not apply to it raises ValueError saying why.
