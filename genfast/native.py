@@ -9,6 +9,7 @@ CPU lacks the instructions, when no compiler works, or when `GENFAST_NATIVE_KERN
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -62,13 +63,18 @@ def _build(name: str, source: Path, cflags: tuple[str, ...], required: tuple[str
     full_name = f"genfast_{name}_{digest.hexdigest()[:12]}"
     build_dir = kernel_dir() / full_name
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not (build_dir / f"{full_name}.so").exists():
-        print(f"genfast: building the native {what} into {build_dir} (once; ~10-60 s)", file=sys.stderr, flush=True)
-    try:
-        cpp_extension.load(name=full_name, sources=[str(source)], extra_cflags=list(cflags),
-                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                           is_python_module=False, verbose=False)
-    except (OSError, RuntimeError) as exc:  # no compiler, no ninja, build error
-        log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
-        return f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    # One process builds, the others wait and load its library: tensor-parallel ranks start
+    # together and would otherwise both compile into one directory.
+    with open(kernel_dir() / f"{full_name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (build_dir / f"{full_name}.so").exists():
+            print(f"genfast: building the native {what} into {build_dir} (once; ~10-60 s)", file=sys.stderr,
+                  flush=True)
+        try:
+            cpp_extension.load(name=full_name, sources=[str(source)], extra_cflags=list(cflags),
+                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                               is_python_module=False, verbose=False)
+        except (OSError, RuntimeError) as exc:  # no compiler, no ninja, build error
+            log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
+            return f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     return None
