@@ -31,6 +31,18 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str
     return "\n".join(lines)
 
 
+def report(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]], info: dict[str, str], model: str,
+           footnote: str, json_path: str | Path | None) -> None:
+    """The end of every `genfast bench`: tag the rows with the machine and model, print the table
+    and its footnote (followed by the machine), write the rows as JSON when asked."""
+    for row in rows:
+        row.update({"device": info["device"], "torch": info["torch"], "model": model})
+    print(markdown_table(rows, columns))
+    print(f"\n{footnote} Machine: {info['device']}, torch {info['torch']}.")
+    if json_path:
+        write_json_atomic(json_path, rows)
+
+
 def check_writable(path: str | Path, force: bool) -> Path:
     """Fail early (before a long run) if `path` exists and --force was not given."""
     path = Path(path)

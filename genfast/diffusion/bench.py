@@ -24,7 +24,7 @@ import torch
 from genfast.bench.isolated import run_row
 from genfast.bench.machine import machine_info
 from genfast.bench.memory import peak_memory_bytes
-from genfast.bench.table import check_writable, markdown_table, median, write_json_atomic
+from genfast.bench.table import check_writable, median, report, write_json_atomic
 from genfast.diffusion import DIFFUSION_STEPS
 from genfast.diffusion.pipelines import DenoiserWrapper
 from genfast.errors import UserError
@@ -76,8 +76,9 @@ def run_step(step: str, arch: str, size: int, steps: int, repeats: int, device: 
     from genfast.diffusion.quality import psnr
     from genfast.diffusion.recipe import apply_recipe, recipe_for_step
 
+    recipe = recipe_for_step(step)
     pipe = _pipeline(arch).to(device)
-    apply_recipe(pipe, recipe_for_step(step))
+    apply_recipe(pipe, recipe)
     timer = _TimedDenoiser(denoiser_of(pipe), device)  # around the feature cache too: what the loop calls
     setattr(pipe, denoiser_name(pipe), timer)
 
@@ -101,7 +102,6 @@ def run_step(step: str, arch: str, size: int, steps: int, repeats: int, device: 
     row: dict[str, Any] = {"step": step, "s_per_image": seconds, "s_per_denoiser_step": median(denoiser_times),
                            "peak_mem_gb": peak_memory_bytes(device) / 1e9, "arch": arch, "size": size,
                            "denoising_steps": steps}
-    recipe = recipe_for_step(step)
     if recipe.compile != "none":
         row["compile_s"] = max(first_s - seconds, 0.0)
     if recipe.dynamic_shapes:  # a smaller, non-square second size: cheaper than the timed one
@@ -162,11 +162,7 @@ def bench_command(args: argparse.Namespace) -> int:
     for row in rows:
         if base is not None:
             row["speedup"] = base["s_per_image"] / row["s_per_image"]
-        row.update({"device": info["device"], "torch": info["torch"], "model": f"{args.arch} (random weights)"})
-    print(markdown_table(rows, COLUMNS))
-    print(f"\ns/image: prompt encoding + {args.steps} denoising steps (classifier-free guidance) + VAE decode, "
-          f"median of {args.repeats} after a warm-up. PSNR: same seed and prompt, images in [0, 1]. "
-          f"Machine: {info['device']}, torch {info['torch']}.")
-    if args.json_path:
-        write_json_atomic(args.json_path, rows)
+    report(rows, COLUMNS, info, f"{args.arch} (random weights)",
+           f"s/image: prompt encoding + {args.steps} denoising steps (classifier-free guidance) + VAE decode, "
+           f"median of {args.repeats} after a warm-up. PSNR: same seed and prompt, images in [0, 1].", args.json_path)
     return 0

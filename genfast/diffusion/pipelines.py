@@ -160,14 +160,17 @@ def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:
     with `call_kwargs(pipe)`."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
-    diffusers = _import_diffusers()
-    directory = Path(tempfile.mkdtemp(prefix="genfast-tiny-tokenizer-"))
-    tokenizer = _tiny_tokenizer(directory)
+    tokenizer = _tiny_tokenizer(Path(tempfile.mkdtemp(prefix="genfast-tiny-tokenizer-")))
     if arch == "pixart":
         pipe = _tiny_pixart(seed, tokenizer)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-    sdxl = arch == "sdxl"
+    else:
+        pipe = _tiny_stable_diffusion(arch == "sdxl", seed, tokenizer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _tiny_stable_diffusion(sdxl: bool, seed: int, tokenizer: Any) -> Any:
+    diffusers = _import_diffusers()
     torch.manual_seed(seed)
     unet = diffusers.UNet2DConditionModel(
         sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
@@ -187,12 +190,16 @@ def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:
                                       text_encoder=_tiny_text_encoder(False, 32, seed + 2))
     if sdxl:
         components.update(tokenizer_2=tokenizer, text_encoder_2=_tiny_text_encoder(True, 32, seed + 3))
-        pipe = diffusers.StableDiffusionXLPipeline(**components)
-    else:
-        pipe = diffusers.StableDiffusionPipeline(**components, safety_checker=None, feature_extractor=None,
-                                                 requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return _stable_diffusion_pipeline(sdxl, components)
+
+
+def _stable_diffusion_pipeline(sdxl: bool, components: dict[str, Any]) -> Any:
+    """An SDXL or SD 1.5 pipeline from its components (SD 1.5 without a safety checker)."""
+    diffusers = _import_diffusers()
+    if sdxl:
+        return diffusers.StableDiffusionXLPipeline(**components)
+    return diffusers.StableDiffusionPipeline(**components, safety_checker=None, feature_extractor=None,
+                                             requires_safety_checker=False)
 
 
 # Published component configs (diffusers' config.json of runwayml/stable-diffusion-v1-5 and
@@ -246,9 +253,7 @@ def random_pipeline(arch: str, seed: int = 0) -> Any:
     components: dict[str, Any] = dict(unet=unet, vae=vae, scheduler=scheduler, tokenizer=tokenizer,
                                       text_encoder=text_encoder)
     if sdxl:
-        pipe = diffusers.StableDiffusionXLPipeline(**components, tokenizer_2=tokenizer, text_encoder_2=text_encoder_2)
-    else:
-        pipe = diffusers.StableDiffusionPipeline(**components, safety_checker=None, feature_extractor=None,
-                                                 requires_safety_checker=False)
+        components.update(tokenizer_2=tokenizer, text_encoder_2=text_encoder_2)
+    pipe = _stable_diffusion_pipeline(sdxl, components)
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -23,7 +23,7 @@ import torch
 
 from genfast.bench.machine import machine_info, peak_read_bandwidth
 from genfast.bench.memory import peak_memory_bytes
-from genfast.bench.table import check_writable, markdown_table, median, write_json_atomic
+from genfast.bench.table import check_writable, median, report, write_json_atomic
 from genfast.errors import UserError
 from genfast.llm.corpus import pydoc_text
 from genfast.llm.sampling import SamplingParams
@@ -191,12 +191,9 @@ def bench_command(args: argparse.Namespace) -> int:
             row["greedy_match"] = _common_prefix(tokens, base_tokens) / max(len(base_tokens), 1)
         if bf16_tokens is not None and row.get("acceptance") is not None:
             row["same_as_bf16"] = _common_prefix(tokens, bf16_tokens) / max(len(bf16_tokens), 1)
-        row.update({"device": info["device"], "torch": info["torch"], "model": str(model_path)})
-    print(markdown_table(rows, COLUMNS))
-    print(f"\nMBU: bytes read per decode step (weights + valid KV cache) x steps/s / "
-          f"{rows[0]['peak_bw_gb_s']:.1f} GB/s measured read bandwidth. Machine: {info['device']}, torch {info['torch']}.")
-    if args.json_path:
-        write_json_atomic(args.json_path, rows)
+    report(rows, COLUMNS, info, str(model_path),
+           f"MBU: bytes read per decode step (weights + valid KV cache) x steps/s / "
+           f"{rows[0]['peak_bw_gb_s']:.1f} GB/s measured read bandwidth.", args.json_path)
     return 0
 
 

@@ -30,7 +30,7 @@ import torch
 from genfast.bench.isolated import run_row
 from genfast.bench.machine import machine_info
 from genfast.bench.memory import peak_memory_bytes
-from genfast.bench.table import check_writable, markdown_table, median, write_json_atomic
+from genfast.bench.table import check_writable, median, report, write_json_atomic
 from genfast.errors import UserError
 from genfast.sam.config import SamConfig, sam_preset
 
@@ -265,13 +265,9 @@ def bench_command(args: argparse.Namespace) -> int:
         base = next((r for r in rows if r["batch_size"] == row["batch_size"] and r.get("img_s")), None)
         if base is not None and row.get("img_s"):
             row["speedup"] = row["img_s"] / base["img_s"]
-        row.update({"device": info["device"], "torch": info["torch"], "model": f"{config.name} (random weights)"})
-    print(markdown_table(rows, COLUMNS))
-    print(f"\nimg/s: set_images + one point prompt per image, median of {args.repeats}; vs baseline: the first "
-          f"row of the same batch size. Images: {rows[0].get('images', '-')}. Machine: {info['device']}, "
-          f"torch {info['torch']}.")
-    if args.json_path:
-        write_json_atomic(args.json_path, rows)
+    report(rows, COLUMNS, info, f"{config.name} (random weights)",
+           f"img/s: set_images + one point prompt per image, median of {args.repeats}; vs baseline: the first "
+           f"row of the same batch size. Images: {rows[0].get('images', '-')}.", args.json_path)
     return 0
 
 
