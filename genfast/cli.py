@@ -103,10 +103,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
                        description="Serve the OpenAI API (GET /v1/models, POST /v1/completions and "
                                    "/v1/chat/completions, streamed or not; GET /health). Concurrent requests "
-                                   "share decode steps in --max-batch KV-cache slots. Needs FastAPI and "
+                                   "share decode steps in --max-batch KV-cache slots; with --tp N, rank 0 "
+                                   "serves and the other ranks mirror its model calls. Needs FastAPI and "
                                    "uvicorn: pip install 'genfast[serve]'.")
     _add_model_args(p)
-    p.set_defaults(tp=1)  # one process; the engine batches requests instead
+    _add_tp_arg(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; use 0.0.0.0 with --api-key)")
@@ -351,7 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _tensor_parallel_ranks(args) > 1:
             from genfast.llm.tensor_parallel import launch_or_join
 
-            code = launch_or_join(args.tp, args.model, sys.argv[1:] if argv is None else argv)
+            # A server's ranks get its --shutdown-timeout to finish requests, and time to exit.
+            grace_s = getattr(args, "shutdown_timeout", 20.0) + 10.0
+            code = launch_or_join(args.tp, args.model, sys.argv[1:] if argv is None else argv, grace_s)
             if code is not None:  # this process launched the ranks and they are done
                 return code
         if args.command == "generate":

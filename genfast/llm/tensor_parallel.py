@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Callable, Sequence
@@ -139,10 +140,14 @@ def default_threads(ranks: int) -> int:
     return max(1, cores // ranks)
 
 
-def launch_tp(argv: Sequence[str], n: int) -> int:
+def launch_tp(argv: Sequence[str], n: int, grace_s: float = 30.0) -> int:
     """Run `genfast *argv` as `n` ranks on this machine and return their exit code (0, or the
     first failing rank's). The ranks see the launcher's environment (RANK, WORLD_SIZE, ...), so
-    the same command line joins instead of launching again."""
+    the same command line joins instead of launching again.
+
+    Ctrl-C or SIGTERM is passed on to the ranks, which get `grace_s` seconds to finish (e.g. a
+    server's in-flight requests) before they are killed; this process then ends as they do."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -151,9 +156,16 @@ def launch_tp(argv: Sequence[str], n: int) -> int:
     # The ranks print their own errors; the agent's log lines would only repeat them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          shutdown_timeout=math.ceil(grace_s))
     try:
         elastic_launch(config, sys.executable)("-m", "genfast", *argv)
+    except SignalException as e:
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        signal.signal(e.sigval, signal.SIG_DFL)  # end by the same signal, as a single process would
+        os.kill(os.getpid(), e.sigval)
+        return 128 + e.sigval  # not reached
     except ChildFailedError as e:
         failed_rank, failure = e.get_first_failure()
         if failure.exitcode > 0:
@@ -165,10 +177,10 @@ def launch_tp(argv: Sequence[str], n: int) -> int:
     return 0
 
 
-def launch_or_join(tp: int, model: str | None, argv: Sequence[str]) -> int | None:
+def launch_or_join(tp: int, model: str | None, argv: Sequence[str], grace_s: float = 30.0) -> int | None:
     """The `--tp N` entry of a command. In a rank (started by torchrun or by us): join the others
     and return None, so the command goes on. Otherwise: check that the model divides, launch the
-    ranks with this same command line, and return their exit code."""
+    ranks with this same command line (see `launch_tp` for `grace_s`), and return their exit code."""
     if launched():
         join(tp)
         return None
@@ -176,7 +188,7 @@ def launch_or_join(tp: int, model: str | None, argv: Sequence[str]) -> int | Non
     from genfast.llm.checkpoint import read_model_args
 
     check_shardable(read_model_args(resolve_model(model)), tp)  # fail before starting processes
-    return launch_tp(argv, tp)
+    return launch_tp(argv, tp, grace_s)
 
 
 # ---- sharding ------------------------------------------------------------------------------

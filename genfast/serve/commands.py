@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -39,16 +40,26 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from genfast.llm.commands import load_announced
+    from genfast.llm.tensor_parallel import is_main_rank
     from genfast.serve.app import create_app
     from genfast.serve.engine import Engine
 
+    if not is_main_rank():
+        # A follower stops when rank 0 says so, after rank 0 has let in-flight requests finish:
+        # Ctrl-C and SIGTERM reach every rank, and a follower that died first would cut them off.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    loaded = load_announced(args)
+    engine = Engine(loaded.model, loaded.tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+                    max_seq_len=args.max_seq_len, compile=args.compile)
+    if not is_main_rank():
+        engine.follow()
+        return 0
+    engine.start()
     api_key = args.api_key or os.environ.get("GENFAST_API_KEY") or None
     if args.host not in LOCAL_HOSTS and api_key is None:
         _log(f"genfast: warning: serving on {args.host} without an API key: anyone who can reach it can use it "
              "(set --api-key or GENFAST_API_KEY)")
-    loaded = load_announced(args)
-    engine = Engine(loaded.model, loaded.tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
-                    max_seq_len=args.max_seq_len, compile=args.compile).start()
     if args.compile:
         _log("genfast: compiling prefill and decode (fast after the first run: the result is cached)...")
     warmup_s = engine.warmup()
@@ -57,5 +68,8 @@ def serve_command(args: argparse.Namespace) -> int:
     app = create_app(engine, served_model_name(args), api_key, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    finally:  # also when uvicorn could not start (port taken): tensor-parallel followers must stop too
+        engine.shutdown()
     return 0

@@ -16,6 +16,10 @@ soon as it stops. Greedy output is token-identical to `Generator.generate` for t
 Results are pushed to a per-request `Sink` (a callable) from the scheduler thread: `Delta`s of
 final text as it is produced, then exactly one `Finished`. The HTTP layer (genfast/serve/app.py)
 bridges them into its event loop; `Engine.generate` is a blocking convenience for scripts.
+
+Under tensor parallelism (the model is a shard and a process group is joined) the engine of
+rank 0 schedules and broadcasts each model call; the other ranks' engines `follow` (see
+genfast/serve/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from genfast.llm.generate import cache_length
 from genfast.llm.model import Transformer, attention_mask
 from genfast.llm.sampling import SamplingParams, draw, probabilities
 from genfast.llm.streaming import TextStream
+from genfast.llm.tensor_parallel import current_world_size
 from genfast.llm.tokenizer import Tokenizer
+from genfast.serve.tensor_parallel import KEEPALIVE_S, Op, StepBroadcast
 
 log = logging.getLogger("genfast.serve")
 
@@ -153,6 +159,8 @@ class Engine:
         self._abort = False  # cancel everything now
         self._thread: threading.Thread | None = None
         self.decode_steps = self.generated_tokens = self.cancelled = 0
+        # Rank 0 of several tensor-parallel ranks tells the others which call to run next.
+        self._broadcast = StepBroadcast() if current_world_size() > 1 else None
 
     # Two functions, not one: dynamo keeps graphs per code object, so prefill's dynamic prompt
     # length and decode's fixed batch never share (or evict) each other's graphs.
@@ -161,6 +169,41 @@ class Engine:
 
     def _decode_step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
         return self.model(tokens, input_pos, mask)
+
+    # The inputs of a call are built by one function on every rank, so that tensor-parallel
+    # followers trace the same graphs (the same dynamic dimensions) as rank 0.
+    def _run_prefill(self, tokens: Tensor, slot: int) -> Tensor:
+        n = tokens.shape[1]
+        input_pos = torch.arange(n, device=self.device)
+        mask = attention_mask(input_pos, n)
+        rows = torch.tensor([slot], device=self.device)
+        if self.compiled and n > 1:  # size 1 is always specialized (a one-token prompt compiles once more)
+            torch._dynamo.mark_dynamic(tokens, 1)
+            torch._dynamo.mark_dynamic(input_pos, 0)
+            torch._dynamo.mark_dynamic(mask, 2)
+            torch._dynamo.mark_dynamic(mask, 3)
+        return self._prefill(tokens, input_pos, mask, rows)
+
+    def _run_decode(self, tokens: Tensor, input_pos: Tensor, kv_len: int) -> Tensor:
+        mask = attention_mask(input_pos, kv_len)
+        if self.compiled and not self.static_kv:
+            torch._dynamo.mark_dynamic(mask, 3)
+        return self._decode(tokens, input_pos, mask)
+
+    def follow(self, receiver: StepBroadcast | None = None) -> None:
+        """On a tensor-parallel rank other than 0: run the model calls rank 0 broadcasts, until it
+        stops. This rank's logits are not used (rank 0 samples; every rank has the same ones)."""
+        receiver = receiver or StepBroadcast()
+        with torch.inference_mode():
+            while True:
+                op, arg, payload = receiver.receive()
+                if op is Op.STOP:
+                    return
+                if op is Op.PREFILL:
+                    self._run_prefill(payload.to(self.device), slot=arg)
+                elif op is Op.DECODE:
+                    tokens, positions = payload.to(self.device)
+                    self._run_decode(tokens[:, None], positions[:, None], kv_len=arg)
 
     # ---- public API (any thread) ----
 
@@ -278,11 +321,19 @@ class Engine:
                 self._finish_cancelled(seq.ticket, seq.generated, seq.stream.text)
 
     def _run(self) -> None:
+        try:
+            self._schedule()
+        finally:
+            if self._broadcast is not None:
+                self._broadcast.send(Op.STOP)
+
+    def _schedule(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._cond:
                     while self._idle() and not self._stopping and not self._abort:
-                        self._cond.wait()
+                        if not self._cond.wait(KEEPALIVE_S) and self._broadcast is not None:
+                            self._broadcast.send(Op.KEEPALIVE)
                     if self._abort or (self._stopping and self._idle()):
                         self._cancel_all_locked()
                         self._cond.notify_all()
@@ -316,30 +367,22 @@ class Engine:
         seq = self._slots[slot]
         assert seq is not None
         req = seq.ticket.request
-        n = len(req.prompt_ids)
-        tokens = torch.tensor([req.prompt_ids], device=self.device)
-        input_pos = torch.arange(n, device=self.device)
-        mask = attention_mask(input_pos, n)
-        rows = torch.tensor([slot], device=self.device)
-        if self.compiled and n > 1:  # size 1 is always specialized (a one-token prompt compiles once more)
-            torch._dynamo.mark_dynamic(tokens, 1)
-            torch._dynamo.mark_dynamic(input_pos, 0)
-            torch._dynamo.mark_dynamic(mask, 2)
-            torch._dynamo.mark_dynamic(mask, 3)
-        logits = self._prefill(tokens, input_pos, mask, rows)
-        seq.pos = n
+        tokens = torch.tensor([req.prompt_ids])
+        if self._broadcast is not None:
+            self._broadcast.send(Op.PREFILL, slot, tokens)
+        logits = self._run_prefill(tokens.to(self.device), slot)
+        seq.pos = len(req.prompt_ids)
         self._accept(slot, self._sample(logits, [seq])[0])
 
     def _step(self) -> None:
         """One decode step for every slot; free slots run a dummy token at their own slot 0."""
         seqs = self._slots
-        tokens = torch.tensor([[s.last if s else 0] for s in seqs], device=self.device)
-        input_pos = torch.tensor([[s.pos if s else 0] for s in seqs], device=self.device)
+        tokens_positions = torch.tensor([[s.last if s else 0 for s in seqs], [s.pos if s else 0 for s in seqs]])
         kv_len = self.max_seq_len if self.static_kv else max(s.pos for s in seqs if s) + 1
-        mask = attention_mask(input_pos, kv_len)
-        if self.compiled and not self.static_kv:
-            torch._dynamo.mark_dynamic(mask, 3)
-        logits = self._decode(tokens, input_pos, mask)
+        if self._broadcast is not None:
+            self._broadcast.send(Op.DECODE, kv_len, tokens_positions)
+        tokens, positions = tokens_positions.to(self.device)
+        logits = self._run_decode(tokens[:, None], positions[:, None], kv_len)
         self.decode_steps += 1
         for slot, token in enumerate(self._sample(logits, seqs)):
             if seqs[slot] is not None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -110,3 +113,29 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return condition()
+
+
+def start_cli_server(*args: str, timeout: float = 300.0) -> tuple[subprocess.Popen, int]:
+    """`genfast serve *args --port 0` as a process; returns it and its port once it listens (the
+    caller stops it). Fails with the server's log if it does not start within `timeout`."""
+    proc = subprocess.Popen([sys.executable, "-m", "genfast", "serve", *args, "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    found: list[int] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            log.append(line)
+            if match := re.search(r"running on http://127\.0\.0\.1:(\d+)", line):
+                found.append(int(match.group(1)))
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not found:
+        proc.kill()
+        pytest.fail("the server did not start:\n" + "".join(log))
+    assert any("ready in" in line for line in log)
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining: a full pipe would block it
+    return proc, found[0]

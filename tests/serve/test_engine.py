@@ -7,6 +7,7 @@ import queue
 import threading
 
 import pytest
+import torch
 
 from genfast.llm.generate import Generator
 from genfast.llm.sampling import SamplingParams
@@ -123,3 +124,54 @@ def test_invalid_requests_are_refused_before_queueing(tiny_dir):
         with pytest.raises(UserError, match=message):
             engine.submit(request, lambda e: None)
     assert engine.stats().queued == 0
+
+
+class _Recorder:
+    """Stands in for rank 0's broadcast: keeps what would be sent."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple] = []
+
+    def send(self, op, arg: int = 0, payload=None) -> None:
+        self.messages.append((op, arg, None if payload is None else payload.clone()))
+
+
+class _Replay:
+    """Stands in for a follower's receiving end: hands back recorded messages in order."""
+
+    def __init__(self, messages: list[tuple]) -> None:
+        self.messages = iter(messages)
+
+    def receive(self) -> tuple:
+        return next(self.messages)
+
+
+def test_tensor_parallel_leader_announces_every_model_call_and_a_follower_replays_them(tiny_dir, monkeypatch):
+    """Rank 0's engine sends one message per model call (and keep-alives while idle, and STOP when
+    it stops); a follower that runs those messages ends with exactly rank 0's KV cache, so its
+    shard would have joined every all-reduce in the same order. (tests/serve/test_serve_cli.py
+    runs the real two-process server.)"""
+    import genfast.serve.engine as engine_module
+    from genfast.serve.tensor_parallel import Op
+
+    monkeypatch.setattr(engine_module, "KEEPALIVE_S", 0.02)
+    leader = Engine(*load_tiny(tiny_dir), max_batch=2, compile=False)
+    leader._broadcast = recorder = _Recorder()
+    leader.start()
+    assert wait_until(lambda: len(recorder.messages) >= 2)  # idle: keep-alives only
+    run_concurrently(leader, [GenerationRequest(tuple(p), n) for p, n in zip(PROMPTS[:3], LENGTHS[:3])])
+    leader.shutdown()
+
+    ops = [op for op, _, _ in recorder.messages]
+    assert ops[:2] == [Op.KEEPALIVE] * 2 and ops[-1] is Op.STOP and ops.count(Op.STOP) == 1
+    assert ops.count(Op.PREFILL) == 3 and ops.count(Op.DECODE) == leader.decode_steps
+    prefills = [(arg, payload[0].tolist()) for op, arg, payload in recorder.messages if op is Op.PREFILL]
+    assert sorted(tokens for _, tokens in prefills) == sorted(PROMPTS[:3])
+    assert all(slot in (0, 1) for slot, _ in prefills)
+
+    follower = Engine(*load_tiny(tiny_dir), max_batch=2, compile=False)
+    follower.follow(_Replay(recorder.messages))  # returns at STOP
+    for mine, theirs in zip(leader.model.layers, follower.model.layers, strict=True):
+        assert torch.equal(mine.attention.kv_cache.k, theirs.attention.kv_cache.k)
+        assert torch.equal(mine.attention.kv_cache.v, theirs.attention.kv_cache.v)
+    assert leader.model.layers[0].attention.kv_cache.k.abs().sum() > 0  # the caches were written

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from genfast.cli import main
-from tests.serve.conftest import Server
+from tests.serve.conftest import Server, start_cli_server
 from tests.serve.test_server import long_stream
 
 
@@ -34,19 +34,10 @@ class _Port:
 def test_cli_serves_and_shuts_down_gracefully(tiny_dir):
     """SIGTERM (as Ctrl-C's SIGINT) stops accepting, lets the in-flight stream finish, then exits
     with the signal's status, as uvicorn does (SIGINT: 130, like every genfast command)."""
-    proc = subprocess.Popen([sys.executable, "-m", "genfast", "serve", "--model", str(tiny_dir), "--no-compile",
-                             "--dtype", "float32", "--port", "0", "--max-batch", "2", "--served-model-name", "tiny"],
-                            stderr=subprocess.PIPE, text=True)
+    proc, port = start_cli_server("--model", str(tiny_dir), "--no-compile", "--dtype", "float32",
+                                  "--max-batch", "2", "--served-model-name", "tiny")
     try:
-        log = []
-        for line in proc.stderr:
-            log.append(line)
-            if found := re.search(r"running on http://127\.0\.0\.1:(\d+)", line):
-                break
-        else:
-            pytest.fail("the server did not start:\n" + "".join(log))
-        assert any("ready in" in line for line in log)
-        _, response = long_stream(_Port(int(found.group(1))), max_tokens=600)
+        _, response = long_stream(_Port(port), max_tokens=600)
         proc.send_signal(signal.SIGTERM)
         events = response.read().decode().split("\n\n")  # the rest of the stream, to its end
         assert proc.wait(timeout=60) == -signal.SIGTERM
@@ -102,3 +93,52 @@ def test_real_model_greedy_equals_genfast_generate(smollm2_gguf):
     finally:
         server.close()
 
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+def test_tensor_parallel_server_answers_as_one_process_and_stops_every_rank(tiny_dir):
+    """`serve --tp 2`, compiled: rank 0 schedules and the other rank mirrors each prefill and
+    decode (their compiled graphs must match collective for collective, or both would hang).
+    Concurrent greedy requests, more than the slots so one joins mid-way, equal a one-process
+    engine's answers (fp32: the two ranks' logits agree with TP=1 within ~1e-7). SIGTERM to
+    the launcher lets the in-flight stream finish and stops both ranks."""
+    import openai
+
+    from genfast.serve.engine import Engine
+    from tests.serve.conftest import load_tiny
+
+    prompts = ["w1 w2 w3", "w5 w6 w7 w8 w9", "w100", "w7 w7 w7 w7"]
+
+    def complete(client: openai.OpenAI, prompt: str) -> str:
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+    single = Server(Engine(*load_tiny(tiny_dir), max_batch=1, compile=False))
+    try:
+        want = [complete(single.client(), p) for p in prompts]
+    finally:
+        single.close()
+
+    proc, port = start_cli_server("--model", str(tiny_dir), "--tp", "2", "--dtype", "float32", "--max-batch", "2",
+                                  "--served-model-name", "tiny")
+    try:
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(lambda p: complete(client, p), prompts)) == want
+
+        _, response = long_stream(_Port(port), max_tokens=400)
+        proc.send_signal(signal.SIGTERM)
+        events = response.read().decode().split("\n\n")
+        assert proc.wait(timeout=120) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    data = [e.removeprefix("data: ").strip() for e in events if e.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"
+    for pid in ranks:  # none left behind
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
