@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
@@ -35,29 +36,36 @@ def _device_of(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def _without_duck_sizing(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """Trace with every size its own symbol. By default dynamo merges sizes that are equal on the
-    first call ("duck sizing"): a square first image ties height to width, and the first
-    non-square one recompiles (measured on SD 1.5's VAE decoder: 512x512, then 448x384). The
-    setting is read when a graph is traced, so it is scoped to the calls, not set globally."""
+def _traced_with(compiled: Callable[..., Any], *, duck_sizing: bool, graphs: int) -> Callable[..., Any]:
+    """`compiled` with two tracing settings, scoped to its calls (they are read when a graph is
+    traced), not set globally:
+    - duck_sizing False: every size its own symbol. By default dynamo merges sizes that are equal
+      on the first call: a square first image ties height to width, and the first non-square one
+      recompiles (measured on SD 1.5's VAE decoder: 512x512, then 448x384).
+    - graphs: how many graphs one code object may hold. Dynamo's default (8) is per function, not
+      per module: all of a UNet's residual blocks share `ResnetBlock2D.forward`, and their
+      parameter shapes (static by design) need one graph each."""
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with fx_config.patch(use_duck_shape=False):
+        with fx_config.patch(use_duck_shape=duck_sizing), dynamo_config.patch(recompile_limit=graphs):
             return compiled(*args, **kwargs)
 
     return call
 
 
-def compile_module(module: nn.Module, *, dynamic: bool = False, whole_model: bool = True) -> nn.Module:
+def compile_module(module: nn.Module, *, dynamic: bool = False, whole_model: bool = True,
+                   graphs: int | None = None) -> nn.Module:
     """Compile `module`'s forward in place (fullgraph: a graph break is an error, not a slowdown).
-    With `dynamic`, sizes are symbolic and independent of each other (see _without_duck_sizing)."""
+    With `dynamic`, sizes are symbolic and independent of each other; `graphs`: the most graphs
+    its forward's code may compile (see _traced_with)."""
     options = diffusion_inductor_options(_device_of(module), whole_model=whole_model, dynamic=dynamic)
-    if not dynamic:
+    if not dynamic and graphs is None:
         module.compile(fullgraph=True, options=options)
         return module
     # An instance attribute: nn.Module.__call__ runs it; parameters and state dict are untouched.
-    module.forward = _without_duck_sizing(torch.compile(module.forward, fullgraph=True, dynamic=True,
-                                                        options=options))
+    compiled = torch.compile(module.forward, fullgraph=True, dynamic=dynamic, options=options)
+    module.forward = _traced_with(compiled, duck_sizing=not dynamic,
+                                  graphs=max(graphs or 0, dynamo_config.recompile_limit))
     return module
 
 
@@ -70,19 +78,26 @@ def compile_vae_decoder(vae: nn.Module, *, dynamic: bool = False) -> None:
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks diffusers marks as repeated (`_repeated_blocks`: transformer blocks for UNets and
-    DiTs) or, for models that declare none (PixArt), the entries of every ModuleList of two or more
-    modules of one class: compiled once per distinct shape, reused by every instance."""
+    """The blocks to compile one by one: those diffusers marks as repeated (`_repeated_blocks`:
+    the transformer blocks of UNets and DiTs), plus the entries of every ModuleList of two or
+    more modules of one class that neither are nor contain such a block (a UNet's residual
+    blocks, where its convolutions are; a DiT's blocks when it declares none). Same-class blocks
+    share their compiled graphs: one per distinct shape, not per instance."""
     names = set(getattr(model, "_repeated_blocks", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not names:
-        taken: list[str] = []  # outermost lists only: a block is not compiled inside another
-        for name, module in model.named_modules():
-            if any(name.startswith(t + ".") for t in taken):
-                continue
-            if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
-                taken.append(name)
-                blocks.extend(module)
+    declared = [m for m in model.modules() if type(m).__name__ in names]
+    in_declared = {id(sub) for block in declared for sub in block.modules()}
+    listed: list[nn.Module] = []
+    taken: list[str] = []  # outermost lists only: a block is not compiled inside another
+    for name, module in model.named_modules():
+        if any(name.startswith(t + ".") for t in taken):
+            continue
+        if not (isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1):
+            continue
+        if any(id(m) in in_declared or any(type(sub).__name__ in names for sub in m.modules()) for m in module):
+            continue
+        taken.append(name)
+        listed.extend(module)
+    blocks = declared + listed
     if not blocks:
         raise ValueError(f"{type(model).__name__} declares no repeated blocks: regional compilation does not apply")
     return blocks
@@ -93,6 +108,8 @@ def compile_regions(model: nn.Module, *, dynamic: bool = False) -> int:
     time is that of one block per distinct shape instead of the whole model; speed is close to
     whole-model compile when the blocks dominate. Returns the number of blocks compiled."""
     blocks = repeated_blocks(model)
+    # One graph per distinct parameter shape per class (twice that, for a second resolution).
+    shapes = {(type(b), tuple(p.shape for p in b.parameters())) for b in blocks}
     for block in blocks:
-        compile_module(block, dynamic=dynamic, whole_model=False)
+        compile_module(block, dynamic=dynamic, whole_model=False, graphs=2 * len(shapes))
     return len(blocks)

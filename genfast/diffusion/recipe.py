@@ -10,6 +10,8 @@
 | conv1x1-linear | every 1x1 Conv2d of denoiser and VAE runs as a Linear over channels | fp32 max abs diff <= 1e-4; cumulative: as bf16 |
 | compile | torch.compile (fullgraph) of the denoiser and the VAE decoder | as bf16 (fp32: max abs diff <= 1e-3) |
 | dynamic-int8 | int8 activations x int8 weights in the linears `int8_keep` leaves (shape rule) | PSNR >= 35 dB (tiny models, every linear quantized: 45-53) |
+| int8-conv | uint8 activations x int8 weights in the denoiser's and VAE decoder's convolutions `int8_conv_keep` leaves (CPU with oneDNN; skipped with a warning elsewhere) | PSNR >= 35 dB (tiny models, every conv quantized) |
+| group-norm-kernel | GroupNorm of channels-last activations by genfast's native CPU kernel (`group_norm.py`; a no-op, with a warning, without AVX512 or off the CPU) | fp32 max abs diff <= 1e-4; cumulative: as int8-conv |
 | regional-compile | instead of whole-model compile: each repeated (transformer) block compiled | as dynamic-int8 |
 | dynamic-shapes | the compiled regions and VAE decoder take symbolic sizes: a new resolution does not recompile | as dynamic-int8 |
 | feature-cache | DeepCache: UNet deep features reused every other step (`feature_cache_interval=2`) | not accuracy-preserving: PSNR >= 30 dB vs the same recipe uncached on tiny models (measured ~50) |
@@ -36,6 +38,7 @@ a step that does not apply to it raises ValueError saying why.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,7 +50,10 @@ from genfast.diffusion.attention import fuse_qkv, set_attention
 from genfast.diffusion.compiling import compile_module, compile_regions, compile_vae_decoder
 from genfast.diffusion.conv1x1 import conv1x1_to_linear
 from genfast.diffusion.feature_cache import DeepCacheUNet
+from genfast.diffusion.group_norm import unavailable_reason as group_norm_unavailable_reason
+from genfast.diffusion.group_norm import use_channels_last_group_norm
 from genfast.diffusion.pipelines import denoiser_name, denoiser_of
+from genfast.quant.conv import ConvFilter, int8_conv_unavailable_reason, quantize_dynamic_int8_convs
 from genfast.quant.linear import LinearFilter, quantize_dynamic_int8
 
 COMPILE_MODES = ("none", "full", "regional")
@@ -55,6 +61,11 @@ COMPILE_MODES = ("none", "full", "regional")
 # are where its error matters most. 320 is the narrowest width of SD 1.5/SDXL's UNets, so at the real
 # sizes this quantizes the attention and feed-forward linears and leaves the time/text embeddings.
 INT8_MIN_FEATURES = 320
+# Convolutions with fewer channels in or out stay in floating point: the first and last layers of
+# the UNet and VAE (3 or 4 image/latent channels), which gain nothing and carry the most error.
+# Every other convolution of SD 1.5/SDXL has >= 128 (measured on the SD 1.5 VAE decoder at 512 x 512:
+# thresholds 512 / 256 / 128 took its decode from 3.94 s to 3.60 / 3.31 / 2.97 s; docs/performance.md).
+INT8_CONV_MIN_CHANNELS = 128
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,9 @@ class DiffusionRecipe:
     compile: str = "none"  # "none" | "full" (denoiser + VAE decoder) | "regional" (repeated blocks + VAE decoder)
     dynamic_int8: bool = False
     int8_min_features: int = INT8_MIN_FEATURES
+    int8_conv: bool = False
+    int8_conv_min_channels: int = INT8_CONV_MIN_CHANNELS
+    group_norm_kernel: bool = False
     dynamic_shapes: bool = False  # compile with symbolic sizes: a new resolution reuses the graphs
     feature_cache_interval: int = 0  # 0: off; N: full UNet every N steps
 
@@ -83,6 +97,8 @@ def recipe_for_step(step: str) -> DiffusionRecipe:
         "conv1x1-linear": {"conv1x1_linear": True},
         "compile": {"compile": "full"},
         "dynamic-int8": {"dynamic_int8": True},
+        "int8-conv": {"int8_conv": True},
+        "group-norm-kernel": {"group_norm_kernel": True},
         "regional-compile": {"compile": "regional"},
         "dynamic-shapes": {"dynamic_shapes": True},
         "feature-cache": {"feature_cache_interval": 2},
@@ -98,6 +114,15 @@ def int8_keep(min_features: int = INT8_MIN_FEATURES) -> LinearFilter:
     point when min(in_features, out_features) < `min_features` (see INT8_MIN_FEATURES)."""
     def keep(name: str, linear: nn.Linear) -> bool:
         return min(linear.in_features, linear.out_features) < min_features
+
+    return keep
+
+
+def int8_conv_keep(min_channels: int = INT8_CONV_MIN_CHANNELS) -> ConvFilter:
+    """The int8-conv filter, a function of the layer's shape only: a convolution stays in floating
+    point when min(in_channels, out_channels) < `min_channels` (see INT8_CONV_MIN_CHANNELS)."""
+    def keep(name: str, conv: nn.Conv2d) -> bool:
+        return min(conv.in_channels, conv.out_channels) < min_channels
 
     return keep
 
@@ -144,6 +169,19 @@ def apply_recipe(pipe: Any, recipe: DiffusionRecipe) -> Any:
             conv1x1_to_linear(model)
     if recipe.dynamic_int8:
         quantize_dynamic_int8(denoiser, keep=int8_keep(recipe.int8_min_features))
+    # The two CPU kernels below are skipped, with a warning, where they cannot run, so that one
+    # recipe serves every device.
+    if recipe.int8_conv:
+        reason = int8_conv_unavailable_reason(next(denoiser.parameters()).device)
+        if reason:
+            warnings.warn(f"int8-conv skipped: {reason}", stacklevel=2)
+        else:
+            for model in (denoiser, getattr(vae, "decoder", vae)):  # (txt2img runs no VAE encoder)
+                quantize_dynamic_int8_convs(model, keep=int8_conv_keep(recipe.int8_conv_min_channels))
+    if recipe.group_norm_kernel:
+        if not sum(use_channels_last_group_norm(model) for model in models):
+            warnings.warn(f"group-norm-kernel has no effect here: {group_norm_unavailable_reason() or 'not on the CPU'}",
+                          stacklevel=2)
     if recipe.compile == "full":
         compile_module(denoiser, dynamic=recipe.dynamic_shapes)
     elif recipe.compile == "regional":

@@ -12,7 +12,7 @@ pytest.importorskip("diffusers")
 
 from torch._dynamo.utils import counters  # noqa: E402
 
-from genfast.diffusion.compiling import compile_regions  # noqa: E402
+from genfast.diffusion.compiling import compile_regions, repeated_blocks  # noqa: E402
 from genfast.diffusion.pipelines import call_kwargs, tiny_pipeline  # noqa: E402
 from genfast.diffusion.quality import psnr  # noqa: E402
 from genfast.diffusion.recipe import DiffusionRecipe, apply_recipe, recipe_for_step  # noqa: E402
@@ -44,7 +44,8 @@ def test_full_compile_no_graph_break_no_recompile():
 
 @pytest.mark.slow
 def test_regional_compile_matches_eager():
-    """Repeated (transformer) blocks compiled one by one: one graph per distinct block width."""
+    """Repeated blocks (transformer and residual) compiled one by one: one graph per distinct
+    block shape, shared by the blocks of that shape, not one per block."""
     pipe = apply_recipe(tiny_pipeline("sdxl"), DiffusionRecipe(attention="sdpa"))
     unet = pipe.unet
     torch.manual_seed(0)
@@ -54,10 +55,14 @@ def test_regional_compile_matches_eager():
     with torch.no_grad():
         expected = unet(sample, 10, encoder_hidden_states=text, added_cond_kwargs=added).sample
         graphs = counters["stats"]["unique_graphs"]
-        assert compile_regions(unet) == 4  # down_blocks.0, up_blocks.1 (x2): width 16; mid_block: width 32
+        # 4 transformer blocks (down_blocks.0, up_blocks.1 x2: width 16; mid_block: width 32) and
+        # the 6 residual blocks of the ModuleLists of two or more (up_blocks.0, up_blocks.1, mid_block).
+        blocks = repeated_blocks(unet)
+        assert compile_regions(unet) == 10
+        shapes = {(type(b), tuple(p.shape for p in b.parameters())) for b in blocks}
         out = unet(sample, 10, encoder_hidden_states=text, added_cond_kwargs=added).sample
         again = unet(sample, 10, encoder_hidden_states=text, added_cond_kwargs=added).sample
-    assert counters["stats"]["unique_graphs"] - graphs == 2  # one per width, shared by same-width blocks
+    assert counters["stats"]["unique_graphs"] - graphs == len(shapes) < len(blocks)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(out, again)
 

@@ -14,10 +14,13 @@ from genfast.diffusion.attention import fuse_qkv, unfuse_qkv  # noqa: E402
 from genfast.diffusion.compiling import repeated_blocks  # noqa: E402
 from genfast.diffusion.conv1x1 import Conv1x1AsLinear, conv1x1_to_linear, linears_to_conv1x1  # noqa: E402
 from genfast.diffusion.feature_cache import DeepCacheUNet  # noqa: E402
+from genfast.diffusion.group_norm import ChannelsLastGroupNorm  # noqa: E402
+from genfast.diffusion.group_norm import unavailable_reason as group_norm_unavailable  # noqa: E402
 from genfast.diffusion.pipelines import denoiser_of, call_kwargs, tiny_pipeline  # noqa: E402
 from genfast.diffusion.quality import psnr  # noqa: E402
 from genfast.diffusion.recipe import (  # noqa: E402
-    DIFFUSION_STEPS, DiffusionRecipe, apply_recipe, int8_keep, recipe_for_step)
+    DIFFUSION_STEPS, DiffusionRecipe, apply_recipe, int8_conv_keep, int8_keep, recipe_for_step)
+from genfast.quant.conv import DynamicInt8Conv2d  # noqa: E402
 from genfast.quant.linear import QuantLinear  # noqa: E402
 
 FP32_EXACT = 1e-4  # max abs pixel difference (images in [0, 1]) for the fp32 rewrites
@@ -83,6 +86,41 @@ def test_dynamic_int8_within_budget(arch, baseline):
     assert psnr(generate(pipe), baseline) >= INT8_PSNR
 
 
+def test_int8_conv_within_budget(arch, baseline):
+    # Every convolution quantized (the tiny models are narrower than INT8_CONV_MIN_CHANNELS).
+    pipe = apply_recipe(tiny_pipeline(arch), eager("int8-conv", int8_min_features=1, int8_conv_min_channels=1))
+    assert any(isinstance(m, DynamicInt8Conv2d) for m in denoiser_of(pipe).modules())
+    assert any(isinstance(m, DynamicInt8Conv2d) for m in pipe.vae.decoder.modules())
+    assert psnr(generate(pipe), baseline) >= INT8_PSNR
+
+
+def test_int8_conv_filter_is_a_shape_rule():
+    keep = int8_conv_keep(128)
+    assert keep("conv_in", torch.nn.Conv2d(4, 320, 3)) and not keep("any", torch.nn.Conv2d(128, 256, 3))
+
+
+def test_cpu_kernel_steps_are_skipped_with_a_warning_where_they_cannot_run(monkeypatch):
+    import genfast.diffusion.recipe as recipe_module
+
+    monkeypatch.setattr(recipe_module, "int8_conv_unavailable_reason", lambda device: "no oneDNN here")
+    monkeypatch.setattr(recipe_module, "use_channels_last_group_norm", lambda model: 0)
+    with pytest.warns(UserWarning) as caught:
+        pipe = apply_recipe(tiny_pipeline("sd15"), eager("group-norm-kernel", int8_conv_min_channels=1))
+    assert {str(w.message).split(":")[0] for w in caught} == {"int8-conv skipped", "group-norm-kernel has no effect here"}
+    assert not any(isinstance(m, DynamicInt8Conv2d) for m in pipe.unet.modules())
+
+
+def test_group_norm_kernel_is_exact_in_fp32(arch, baseline):
+    pipe = apply_recipe(tiny_pipeline(arch), eager("group-norm-kernel", dtype=torch.float32, dynamic_int8=False,
+                                                   int8_conv=False))
+    norms = [m for model in (denoiser_of(pipe), pipe.vae) for m in model.modules()
+             if isinstance(m, ChannelsLastGroupNorm)]
+    assert norms and all(type(m) is not torch.nn.GroupNorm for m in pipe.vae.modules())
+    if group_norm_unavailable() is None:
+        assert any(m.native for m in norms)
+    assert (generate(pipe) - baseline).abs().max().item() <= FP32_EXACT
+
+
 def test_int8_filter_is_a_shape_rule():
     keep = int8_keep(320)
     assert keep("any", torch.nn.Linear(320, 64)) and not keep("any", torch.nn.Linear(320, 1280))
@@ -93,7 +131,8 @@ def test_int8_filter_is_a_shape_rule():
 def test_feature_cache(unet_arch, baseline):
     arch = unet_arch
     uncached = generate(apply_recipe(tiny_pipeline(arch), eager("conv1x1-linear", dtype=torch.float32)))
-    pipe = apply_recipe(tiny_pipeline(arch), eager("feature-cache", dtype=torch.float32, dynamic_int8=False))
+    pipe = apply_recipe(tiny_pipeline(arch), eager("feature-cache", dtype=torch.float32, dynamic_int8=False, int8_conv=False,
+                                                   group_norm_kernel=False))
     assert isinstance(pipe.unet, DeepCacheUNet)
     cached = generate(pipe)
     assert CACHE_PSNR <= psnr(cached, uncached) < 100  # close, but the cache did skip work
@@ -109,7 +148,8 @@ def test_feature_cache_interval_1_is_the_unet(unet_arch):
     """Every step full: the cache's re-implementation of the UNet forward is the UNet's, bit for bit."""
     arch = unet_arch
     reference = generate(apply_recipe(tiny_pipeline(arch), eager("conv1x1-linear", dtype=torch.float32)))
-    pipe = apply_recipe(tiny_pipeline(arch), eager("feature-cache", dtype=torch.float32, dynamic_int8=False,
+    pipe = apply_recipe(tiny_pipeline(arch), eager("feature-cache", dtype=torch.float32, dynamic_int8=False, int8_conv=False,
+                                                   group_norm_kernel=False,
                                                    feature_cache_interval=1))
     assert torch.equal(generate(pipe), reference)
 

@@ -1,0 +1,104 @@
+"""Dynamic int8 convolution: int8 weights x uint8 activations quantized at run time.
+
+For the compute-bound convolutions of diffusion UNets and VAE decoders (the linears have
+`QuantLinear(dynamic=True)`). Weights: symmetric int8, one scale per output channel, quantized
+once. Activations: asymmetric uint8 with one scale and zero point per call (per tensor: the
+convolution's reduction runs over neighbouring pixels, so a per-pixel scale cannot be factored
+out of it), computed inside the graph; nothing is read on the host.
+
+Kernel: oneDNN's int8 convolution (`torch.ops.onednn.qconv_pointwise`, AVX512-VNNI/AMX on x86),
+the op inductor's own x86 quantization lowers to; it traces under torch.compile (fullgraph) with
+the scale and zero point as tensors, and inductor fuses the activation quantization into the
+preceding kernel. The weight is prepacked once into oneDNN's blocked layout, an opaque tensor
+kept as a plain attribute (not a buffer: it is not in the state dict and `.to()` does not move
+it), so quantize after loading and after any dtype or device change.
+
+Only CPU builds with oneDNN have this op. `reference_forward` computes the same quantized
+product with a float convolution of the dequantized operands: the tests' oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ConvFilter = Callable[[str, nn.Conv2d], bool]  # (name, conv) -> True to keep it in floating point
+
+
+def int8_conv_unavailable_reason(device: torch.device | str) -> str | None:
+    """Why DynamicInt8Conv2d cannot run on `device`, or None if it can."""
+    if torch.device(device).type != "cpu":
+        return "int8 convolutions use oneDNN's CPU kernels (not available on CUDA here)"
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.onednn, "qconv_pointwise"):
+        return "this PyTorch build has no oneDNN int8 convolution"
+    return None
+
+
+class DynamicInt8Conv2d(nn.Module):
+    """A Conv2d (groups 1, zero padding) computing with int8 weights and uint8 activations."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        super().__init__()
+        if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise ValueError("DynamicInt8Conv2d supports groups=1 and numeric zero padding only")
+        reason = int8_conv_unavailable_reason(conv.weight.device)
+        if reason:
+            raise ValueError(reason)
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.kernel_size = conv.kernel_size
+        self.stride, self.padding, self.dilation = list(conv.stride), list(conv.padding), list(conv.dilation)
+        w = conv.weight.detach().float()
+        scale = (w.abs().amax(dim=(1, 2, 3)) / 127).clamp(min=1e-12)
+        self.register_buffer("qweight", torch.round(w / scale[:, None, None, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_zero_point", torch.zeros_like(scale, dtype=torch.int32))
+        self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().float())
+        # x_scale/x_zero_point given to prepack do not affect the result: the real ones come per call.
+        self.packed_weight = torch.ops.onednn.qconv_prepack(self.qweight, scale, 1.0, 0, self.stride, self.padding,
+                                                            self.dilation, 1, None)
+
+    @staticmethod
+    def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x ≈ (q - zero_point) * scale with q uint8; the range always includes 0 (zero padding
+        must stay exact)."""
+        xf = x.float()
+        low, high = xf.amin().clamp(max=0), xf.amax().clamp(min=0)
+        scale = ((high - low) / 255).clamp(min=1e-12)
+        zero_point = torch.round(-low / scale).to(torch.int32)
+        q = (torch.round(xf / scale) + zero_point).clamp(0, 255).to(torch.uint8)
+        return q, scale, zero_point
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, scale, zero_point = self.quantize_activation(x)
+        return torch.ops.onednn.qconv_pointwise.tensor(
+            q, scale, zero_point, self.packed_weight, self.weight_scale, self.weight_zero_point, self.bias,
+            self.stride, self.padding, self.dilation, 1, 1.0, 0, x.dtype, "none", [], "")
+
+    def reference_forward(self, x: Tensor) -> Tensor:
+        """The same quantized computation as fp32 arithmetic on the dequantized operands."""
+        q, scale, zero_point = self.quantize_activation(x)
+        xd = (q.float() - zero_point) * scale
+        wd = self.qweight.float() * self.weight_scale[:, None, None, None]
+        return F.conv2d(xd, wd, self.bias, self.stride, self.padding, self.dilation).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={tuple(self.kernel_size)}, "
+                f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, int8 x uint8")
+
+
+def quantize_dynamic_int8_convs(model: nn.Module, keep: ConvFilter | None = None) -> list[str]:
+    """Replace every nn.Conv2d of `model` that `keep` does not keep (and that DynamicInt8Conv2d
+    supports) with a DynamicInt8Conv2d, in place; returns the names replaced."""
+    replaced = []
+    for name, conv in list(model.named_modules()):
+        if type(conv) is not nn.Conv2d or conv.groups != 1 or conv.padding_mode != "zeros":
+            continue
+        if isinstance(conv.padding, str) or (keep is not None and keep(name, conv)):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, DynamicInt8Conv2d(conv))
+        replaced.append(name)
+    return replaced
