@@ -3,7 +3,10 @@
 CPU: `freezing` (measured 8.7 vs 9.5 ms per SmolLM2 decode step, single runs, within this
 host's noise). Weights stay graph inputs: with dynamo's `prepare_freezing` they become constants
 and inductor folds their fp32 upcast, doubling the bytes each decode step reads (57 vs ~100 tok/s).
-`cpp_wrapper` and `max_autotune` were measured and did not help (docs/performance.md).
+`max_autotune` was measured and did not help (docs/performance.md). `cpp_wrapper` (the graph's
+calls made from C++, not Python) speeds up the decode of models whose linears are genfast's native
+quantized kernels (+6-8% int4/int8 decode on SmolLM2: 121 extern kernel calls per step) and slows
+bf16 decode (-3-5%), so it is used there only; not with tensor parallelism (untested there).
 CUDA: CUDA graphs remove the per-kernel launch cost of decode.
 """
 
@@ -14,20 +17,30 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from genfast.hub import genfast_home
 
 
-def inductor_options(device: torch.device | str, *, decode: bool) -> dict[str, Any]:
+def inductor_options(device: torch.device | str, *, decode: bool, native_kernels: bool = False) -> dict[str, Any]:
+    """`native_kernels`: the compiled model's linears call genfast's native quantized kernels."""
     device = torch.device(device)
     if device.type == "cuda":
         return {"triton.cudagraphs": decode, "coordinate_descent_tuning": True}
-    return {"freezing": True}
+    options: dict[str, Any] = {"freezing": True}
+    if decode and native_kernels and not (dist.is_available() and dist.is_initialized()):
+        options["cpp_wrapper"] = True
+    return options
 
 
-def compile_fn(fn: Callable, device: torch.device | str, *, decode: bool) -> Callable:
-    """Compile one step function (fullgraph: a graph break is a bug, not a slowdown)."""
-    return torch.compile(fn, fullgraph=True, dynamic=False, options=inductor_options(device, decode=decode))
+def compile_fn(fn: Callable, device: torch.device | str, *, decode: bool, model: nn.Module | None = None) -> Callable:
+    """Compile one step function (fullgraph: a graph break is a bug, not a slowdown) of `model`."""
+    from genfast.quant.linear import uses_native_kernels
+
+    native = model is not None and uses_native_kernels(model)
+    return torch.compile(fn, fullgraph=True, dynamic=False,
+                         options=inductor_options(device, decode=decode, native_kernels=native))
 
 
 def use_persistent_cache() -> None:

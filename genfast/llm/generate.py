@@ -138,7 +138,7 @@ class Generator:
         self.guard_fallbacks = 0  # steady decode steps that had to be retried with all guards
         if compile:
             self._prefill = compile_fn(self._prefill_step, self.device, decode=False)
-            self._decode = compile_fn(self._decode_step, self.device, decode=True)
+            self._decode = compile_fn(self._decode_step, self.device, decode=True, model=model)
 
     # Two functions, not one: dynamo keeps compiled graphs per code object, and decode's cache
     # must hold only decode graphs for its guard-skipping steady state (see _step).

@@ -244,7 +244,7 @@ class SpeculativeGenerator(Generator):
         super().__init__(model, tokenizer, max_seq_len=max_seq_len, max_batch_size=1, compile=compile)
         self.k, self.drafter = k, drafter
         if compile:
-            self._verify = compile_fn(self._verify_step, self.device, decode=True)
+            self._verify = compile_fn(self._verify_step, self.device, decode=True, model=model)
         drafter.attach(self)
 
     def _verify_step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, q: Tensor,

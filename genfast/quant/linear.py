@@ -118,6 +118,11 @@ class QuantLinear(nn.Module):
                 f"group_size={self.group_size}, bias={self.bias is not None}, kernel={kernel}")
 
 
+def uses_native_kernels(model: nn.Module) -> bool:
+    """True when some linear of `model` runs genfast's native quantized kernel."""
+    return any(isinstance(m, QuantLinear) and m.native for m in model.modules())
+
+
 LinearFilter = Callable[[str, nn.Linear], bool]
 
 

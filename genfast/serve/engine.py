@@ -147,7 +147,7 @@ class Engine:
         self.compiled = compile
         if compile:
             self._prefill = compile_fn(self._prefill_step, self.device, decode=False)
-            self._decode = compile_fn(self._decode_step, self.device, decode=True)
+            self._decode = compile_fn(self._decode_step, self.device, decode=True, model=model)
         else:
             self._prefill, self._decode = self._prefill_step, self._decode_step
 

@@ -6,6 +6,7 @@ import torch
 from genfast.errors import UserError
 from genfast.llm.generate import Generator
 from genfast.llm.sampling import SamplingParams
+from genfast.quant import kernels
 from tests.llm.hf_fixtures import tiny_genfast_model, word_tokenizer
 
 
@@ -138,3 +139,24 @@ def test_steady_decode_falls_back_to_full_guards(tiny):
     mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
     out = gen._step(torch.tensor([[1]]), torch.tensor([4]), mask, SamplingParams(), steady=True)
     assert out.tolist() == [1] and len(calls) == 2 and gen.guard_fallbacks == 1
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no native quantized kernel on this machine")
+def test_compiled_native_quantized_decode_uses_the_cpp_wrapper_and_matches_eager(tmp_path):
+    """Decode of a model on genfast's native int4/int8 kernels compiles with inductor's C++
+    wrapper (measured faster there, docs/performance.md); it must give eager's tokens."""
+    from genfast.compile import inductor_options
+    from genfast.quant.linear import quantize_linears, uses_native_kernels
+
+    hf, model = tiny_genfast_model("qwen2", tmp_path)
+    quantize_linears(model, 4, 32)
+    assert uses_native_kernels(model)
+    assert inductor_options("cpu", decode=True, native_kernels=True).get("cpp_wrapper")
+    assert not inductor_options("cpu", decode=False, native_kernels=True).get("cpp_wrapper")
+    assert not inductor_options("cpu", decode=True).get("cpp_wrapper")
+    tok = word_tokenizer(hf.config.vocab_size)
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12]]
+    eager = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=False).generate(prompts, 12)
+    compiled = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=True)
+    assert compiled.generate(prompts, 12).token_ids == eager.token_ids
+    assert compiled.guard_fallbacks == 0
