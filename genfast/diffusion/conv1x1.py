@@ -54,16 +54,11 @@ class Conv1x1AsLinear(nn.Module):
         return self.linear(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
-
-
 def conv1x1_to_linear(model: nn.Module) -> list[str]:
     """Replace every pointwise Conv2d of `model` by a Conv1x1AsLinear, in place; returns their names."""
     names = [name for name, m in model.named_modules() if is_pointwise_conv(m)]
     for name in names:
-        _replace(model, name, Conv1x1AsLinear.from_conv(model.get_submodule(name)))
+        model.set_submodule(name, Conv1x1AsLinear.from_conv(model.get_submodule(name)))
     return names
 
 
@@ -71,5 +66,5 @@ def linears_to_conv1x1(model: nn.Module) -> list[str]:
     """Undo `conv1x1_to_linear`: the original Conv2d layers (same weights) come back."""
     names = [name for name, m in model.named_modules() if isinstance(m, Conv1x1AsLinear)]
     for name in names:
-        _replace(model, name, model.get_submodule(name).to_conv())
+        model.set_submodule(name, model.get_submodule(name).to_conv())
     return names

@@ -64,8 +64,7 @@ def use_channels_last_group_norm(model: nn.Module) -> int:
     swapped = 0
     for name, module in list(model.named_modules()):
         if type(module) is nn.GroupNorm:
-            parent, _, child = name.rpartition(".")
             replacement = ChannelsLastGroupNorm(module)
-            setattr(model.get_submodule(parent), child, replacement)
+            model.set_submodule(name, replacement)
             swapped += replacement.native
     return swapped

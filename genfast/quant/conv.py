@@ -28,6 +28,11 @@ from torch import Tensor, nn
 ConvFilter = Callable[[str, nn.Conv2d], bool]  # (name, conv) -> True to keep it in floating point
 
 
+def supports(conv: nn.Conv2d) -> bool:
+    """Whether DynamicInt8Conv2d can compute `conv`: groups 1 and numeric zero padding."""
+    return conv.groups == 1 and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
+
+
 def int8_conv_unavailable_reason(device: torch.device | str) -> str | None:
     """Why DynamicInt8Conv2d cannot run on `device`, or None if it can."""
     if torch.device(device).type != "cpu":
@@ -42,7 +47,7 @@ class DynamicInt8Conv2d(nn.Module):
 
     def __init__(self, conv: nn.Conv2d) -> None:
         super().__init__()
-        if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        if not supports(conv):
             raise ValueError("DynamicInt8Conv2d supports groups=1 and numeric zero padding only")
         reason = int8_conv_unavailable_reason(conv.weight.device)
         if reason:
@@ -92,13 +97,8 @@ class DynamicInt8Conv2d(nn.Module):
 def quantize_dynamic_int8_convs(model: nn.Module, keep: ConvFilter | None = None) -> list[str]:
     """Replace every nn.Conv2d of `model` that `keep` does not keep (and that DynamicInt8Conv2d
     supports) with a DynamicInt8Conv2d, in place; returns the names replaced."""
-    replaced = []
-    for name, conv in list(model.named_modules()):
-        if type(conv) is not nn.Conv2d or conv.groups != 1 or conv.padding_mode != "zeros":
-            continue
-        if isinstance(conv.padding, str) or (keep is not None and keep(name, conv)):
-            continue
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, DynamicInt8Conv2d(conv))
-        replaced.append(name)
-    return replaced
+    targets = [(name, conv) for name, conv in model.named_modules()
+               if type(conv) is nn.Conv2d and supports(conv) and not (keep is not None and keep(name, conv))]
+    for name, conv in targets:
+        model.set_submodule(name, DynamicInt8Conv2d(conv))
+    return [name for name, _ in targets]

@@ -136,9 +136,7 @@ def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and not (keep and keep(name, m))]
     for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, make(name, linear))
+        model.set_submodule(name, make(name, linear))
     return [name for name, _ in targets]
 
 
