@@ -31,22 +31,28 @@ class _Port:
         self.port = port
 
 
+def assert_sigterm_lets_a_stream_finish(proc: subprocess.Popen, port: int, max_tokens: int, timeout: float) -> None:
+    """SIGTERM to the server while a stream runs: the stream still ends normally ([DONE] after a
+    'length' finish) and the process exits by the signal."""
+    _, response = long_stream(_Port(port), max_tokens=max_tokens)
+    proc.send_signal(signal.SIGTERM)
+    events = response.read().decode().split("\n\n")  # the rest of the stream, to its end
+    assert proc.wait(timeout=timeout) == -signal.SIGTERM
+    data = [e.removeprefix("data: ").strip() for e in events if e.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"
+
+
 def test_cli_serves_and_shuts_down_gracefully(tiny_dir):
     """SIGTERM (as Ctrl-C's SIGINT) stops accepting, lets the in-flight stream finish, then exits
     with the signal's status, as uvicorn does (SIGINT: 130, like every genfast command)."""
     proc, port = start_cli_server("--model", str(tiny_dir), "--no-compile", "--dtype", "float32",
                                   "--max-batch", "2", "--served-model-name", "tiny")
     try:
-        _, response = long_stream(_Port(port), max_tokens=600)
-        proc.send_signal(signal.SIGTERM)
-        events = response.read().decode().split("\n\n")  # the rest of the stream, to its end
-        assert proc.wait(timeout=60) == -signal.SIGTERM
+        assert_sigterm_lets_a_stream_finish(proc, port, max_tokens=600, timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    data = [e.removeprefix("data: ").strip() for e in events if e.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"
 
 
 def test_serve_without_the_extra_names_the_pip_command(monkeypatch, capsys):
@@ -129,16 +135,9 @@ def test_tensor_parallel_server_answers_as_one_process_and_stops_every_rank(tiny
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             assert list(pool.map(lambda p: complete(client, p), prompts)) == want
-
-        _, response = long_stream(_Port(port), max_tokens=400)
-        proc.send_signal(signal.SIGTERM)
-        events = response.read().decode().split("\n\n")
-        assert proc.wait(timeout=120) == -signal.SIGTERM
+        assert_sigterm_lets_a_stream_finish(proc, port, max_tokens=400, timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    data = [e.removeprefix("data: ").strip() for e in events if e.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"
     for pid in ranks:  # none left behind
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
