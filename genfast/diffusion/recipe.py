@@ -64,7 +64,8 @@ INT8_MIN_FEATURES = 320
 # Convolutions with fewer channels in or out stay in floating point: the first and last layers of
 # the UNet and VAE (3 or 4 image/latent channels), which gain nothing and carry the most error.
 # Every other convolution of SD 1.5/SDXL has >= 128 (measured on the SD 1.5 VAE decoder at 512 x 512:
-# thresholds 512 / 256 / 128 took its decode from 3.94 s to 3.60 / 3.31 / 2.97 s; docs/performance.md).
+# thresholds 512 / 256 / 128 took its decode from 3.74 s to 3.31 / 3.01 / 2.74 s:
+# `python benchmarks/diffusion_parts.py vae`, docs/performance.md).
 INT8_CONV_MIN_CHANNELS = 128
 
 
