@@ -95,15 +95,27 @@ def quantize_to_grid(w: Tensor, scales: Tensor, mins: Tensor, bits: int) -> Tens
     return u.clamp(lowest, top).to(torch.uint8)
 
 
+# Rows are quantized this many elements at a time: the fp32 temporaries take ~20 bytes per weight,
+# which for a whole output head (e.g. 152k x 896) was 2.7 GB at once; per chunk it is ~80 MB.
+QUANTIZE_CHUNK_ELEMENTS = 1 << 22
+
+
 def quantize(weight: Tensor, bits: int, group_size: int | None = None) -> QuantizedWeight:
     """Round-to-nearest quantization of a [N, K] weight. int8 defaults to one group per row."""
     n, k = weight.shape
     group_size = group_size or (padded_in_features(k, 32) if bits == 8 else 128)
     check_group_size(bits, group_size, k)
-    w = _pad_columns(weight.detach().float(), padded_in_features(k, group_size))
-    scales, mins = group_grid(w, bits, group_size)
-    expand = lambda t: t.repeat_interleave(group_size, dim=1)  # noqa: E731
-    codes = quantize_to_grid(w, expand(scales), expand(mins), bits)
+    k_padded = padded_in_features(k, group_size)
+    codes = torch.empty(n, k_padded, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(n, k_padded // group_size, dtype=SCALE_DTYPE, device=weight.device)
+    mins = torch.empty_like(scales)
+    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // k_padded)
+    for start in range(0, n, rows):  # rows are independent: chunking changes no result
+        w = _pad_columns(weight[start:start + rows].detach().float(), k_padded)
+        s, m = group_grid(w, bits, group_size)
+        expand = lambda t: t.repeat_interleave(group_size, dim=1)  # noqa: E731
+        codes[start:start + rows] = quantize_to_grid(w, expand(s), expand(m), bits)
+        scales[start:start + rows], mins[start:start + rows] = s, m
     return QuantizedWeight(codes, scales, mins, bits, group_size, k)
 
 
