@@ -2,7 +2,9 @@
 directory written by `genfast quantize` (see genfast/quant/checkpoint.py).
 
 All formats are read lazily (memory-mapped) and tensor by tensor into a model built on the meta
-device, so peak memory is the model plus one tensor. Pickle checkpoints are refused: they can
+device, one transformer block at a time, so peak memory is the model plus one tensor; a caller
+that quantizes or shards each block as it is filled (`load_model`'s `prepare_block`) never holds
+more than one block at full size. Pickle checkpoints are refused: they can
 run code when loaded.
 """
 
@@ -18,7 +20,7 @@ import torch
 from genfast.errors import UserError
 from genfast.llm.config import ModelArgs
 from genfast.llm.gguf_file import GGUFFile, is_gguf, open_gguf
-from genfast.llm.model import Transformer
+from genfast.llm.model import Transformer, TransformerBlock
 from genfast.quant.grids import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -86,11 +88,44 @@ def gguf_path(path: Path) -> Path:
     return path if path.is_file() else next(p for p in sorted(path.glob("*.gguf")) if is_gguf(p))
 
 
-def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
-    """Build the model described by the checkpoint at `path` and fill it with its weights."""
+BlockHook = Callable[[str, TransformerBlock], None]
+
+
+def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               prepare_block: BlockHook | None = None) -> Transformer:
+    """Build the model described by the checkpoint at `path` and fill it with its weights.
+
+    Transformer blocks are allocated and filled one at a time. `prepare_block(prefix, block)`
+    (e.g. quantize and shard it, in place) runs on each before the next is read, so peak memory
+    is the prepared model plus one block as stored, never the whole model at full size."""
     fmt = checkpoint_format(path)
     if fmt == "genfast":
-        return _load_quantized(path, dtype, device)
+        args, fill = _quantized_filler(path, dtype)
+    else:
+        args, fill = _source_filler(path, fmt)
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)  # cast while empty: memory is allocated once, in dtype
+    blocks, model.layers = model.layers, torch.nn.ModuleList()
+    model.to_empty(device=device)  # everything but the blocks
+    model.reset_rope()  # computed buffers were left uninitialized by to_empty
+    fill(model, "")
+    if args.tie_embeddings and isinstance(model.output, torch.nn.Linear):
+        model.output.weight = model.tok_embeddings.weight
+    for i, block in enumerate(blocks):
+        prefix = f"layers.{i}."
+        fill(block.to_empty(device=device), prefix)
+        if prepare_block is not None:
+            prepare_block(prefix, block)
+    model.layers = blocks
+    return model.eval().requires_grad_(False)
+
+
+Filler = Callable[[torch.nn.Module, str], None]
+
+
+def _source_filler(path: Path, fmt: str) -> tuple[ModelArgs, Filler]:
+    """The config of a Hugging Face or GGUF checkpoint, and a function that fills a part of the
+    model (the module stored under a prefix) from it, tensor by tensor."""
     if fmt == "hf":
         args = ModelArgs.from_hf_config(_read_json(path / "config.json"))
         get, available = _hf_source(path)
@@ -101,50 +136,51 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
         layer_prefix, layer_names, global_names = "blk.{i}.", _GGUF_LAYER, _GGUF_GLOBAL
 
-    model = _empty_model(args, dtype, device)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name, param in params.items():
-        if name == "output.weight" and args.tie_embeddings:
-            continue
-        if name.startswith("layers."):
-            _, idx, suffix = name.split(".", 2)
-            sources = [layer_prefix.format(i=idx) + s for s in layer_names[suffix]]
-        else:
-            sources = [global_names[name]]
-        missing = [s for s in sources if s not in available]
-        if missing:
-            raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
-        tensor = torch.cat([get(s) for s in sources]) if len(sources) > 1 else get(sources[0])
-        if tensor.shape != param.shape:
-            raise UserError(
-                f"{path}: tensor {sources[0]} has shape {tuple(tensor.shape)} but the config implies "
-                f"{tuple(param.shape)} for {name}; the checkpoint and its config disagree"
-            )
-        with torch.no_grad():
-            param.copy_(tensor)
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    return model.eval().requires_grad_(False)
+    def fill(module: torch.nn.Module, prefix: str) -> None:
+        for local, param in module.named_parameters(remove_duplicate=False):
+            name = prefix + local
+            if name == "output.weight" and args.tie_embeddings:
+                continue
+            if name.startswith("layers."):
+                _, idx, suffix = name.split(".", 2)
+                sources = [layer_prefix.format(i=idx) + s for s in layer_names[suffix]]
+            else:
+                sources = [global_names[name]]
+            missing = [s for s in sources if s not in available]
+            if missing:
+                raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
+            tensor = torch.cat([get(s) for s in sources]) if len(sources) > 1 else get(sources[0])
+            if tensor.shape != param.shape:
+                raise UserError(
+                    f"{path}: tensor {sources[0]} has shape {tuple(tensor.shape)} but the config implies "
+                    f"{tuple(param.shape)} for {name}; the checkpoint and its config disagree"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+
+    return args, fill
 
 
-def _empty_model(args: ModelArgs, dtype: torch.dtype, device: str | torch.device) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(args).to(dtype)  # cast while empty: memory is allocated once, in dtype
-    model = model.to_empty(device=device)
-    model.reset_rope()  # computed buffers were left uninitialized by to_empty
-    return model
-
-
-def _load_quantized(path: Path, dtype: torch.dtype, device: str | torch.device) -> Transformer:
+def _quantized_filler(path: Path, dtype: torch.dtype) -> tuple[ModelArgs, Filler]:
+    """The same for a `genfast quantize` directory: a part gets the header's layers under its prefix
+    (the top level: those outside the blocks)."""
     from genfast.quant.checkpoint import QuantizedCheckpoint, load_quantized_into
 
     checkpoint = QuantizedCheckpoint(path / QUANTIZED_FILE)
     args = _quantized_args(checkpoint, path)
-    model = _empty_model(args, dtype, device)
-    load_quantized_into(model, checkpoint, convert=lambda _, t: t.to(dtype))
-    if args.tie_embeddings and isinstance(model.output, torch.nn.Linear):
-        model.output.weight = model.tok_embeddings.weight
-    return model.eval().requires_grad_(False)
+    block_prefixes = tuple(f"layers.{i}." for i in range(args.n_layers))
+    for name in checkpoint.layers:
+        if name.startswith("layers.") and not name.startswith(block_prefixes):
+            raise UserError(f"{checkpoint.path}: header lists layer {name}, which this model has no linear for")
+
+    def fill(module: torch.nn.Module, prefix: str) -> None:
+        if prefix:
+            layers = [n for n in checkpoint.layers if n.startswith(prefix)]
+        else:
+            layers = [n for n in checkpoint.layers if not n.startswith("layers.")]
+        load_quantized_into(module, checkpoint, convert=lambda _, t: t.to(dtype), prefix=prefix, layers=layers)
+
+    return args, fill
 
 
 def _quantized_args(checkpoint: QuantizedCheckpoint, path: Path) -> ModelArgs:

@@ -9,7 +9,7 @@ import torch
 
 from genfast.errors import UserError
 from genfast.hub import resolve_model
-from genfast.llm.checkpoint import checkpoint_format, load_model
+from genfast.llm.checkpoint import checkpoint_format, load_model, read_model_args
 from genfast.llm.generate import Generator
 from genfast.llm.model import Transformer
 from genfast.llm.tokenizer import Tokenizer, load_tokenizer
@@ -84,16 +84,26 @@ def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: 
     dt = resolve_dtype(dtype, dev)
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
-    transformer = load_model(path, dt, dev)
-    if checkpoint_format(path) == "genfast":
-        if quant != "none":
-            raise UserError(f"{path} is already quantized; load it without --quant")
-    elif quant != "none":
-        quantize_loaded(path, transformer, 8 if quant == "int8" else 4, group_size)
+    if quant != "none" and checkpoint_format(path) == "genfast":
+        raise UserError(f"{path} is already quantized; load it without --quant")
+    bits = {"none": None, "int8": 8, "int4": 4}[quant]
     if tp > 1:
-        from genfast.llm.tensor_parallel import current_rank, shard_model
+        from genfast.llm.tensor_parallel import check_shardable, current_rank, shard_block
 
-        shard_model(transformer, current_rank(), tp)
+        check_shardable(read_model_args(path), tp)
+        rank = current_rank()
+
+    def prepare_block(prefix: str, block: torch.nn.Module) -> None:
+        # Quantize and shard each block as it is loaded: the whole model never exists at full size
+        # (a model that needs --tp because it does not fit one device must not be loaded whole).
+        if bits is not None:
+            quantize_loaded(path, block, bits, group_size, prefix=prefix)
+        if tp > 1:
+            shard_block(block, rank, tp, prefix)
+
+    transformer = load_model(path, dt, dev, prepare_block)
+    if bits is not None:
+        quantize_loaded(path, transformer, bits, group_size)  # what is left: the output head
     return LoadedModel(path, transformer, tokenizer, dev, dt, describe_quantization(transformer), tp)
 
 
@@ -104,9 +114,10 @@ HEAD = "output"
 INT4_HEAD_BITS = 8
 
 
-def quantize_loaded(path: Path, model: Transformer, bits: int, group_size: int | None,
-                    precomputed: dict[str, QuantizedWeight] | None = None) -> list[str]:
-    """Quantize every linear of a loaded model in place; returns the names replaced.
+def quantize_loaded(path: Path, model: torch.nn.Module, bits: int, group_size: int | None,
+                    precomputed: dict[str, QuantizedWeight] | None = None, prefix: str = "") -> list[str]:
+    """Quantize every linear of a loaded model in place; returns the names replaced. `model` may
+    be a part of the model, the module stored under `prefix` (e.g. a block being loaded).
 
     Per layer, the first that applies: `precomputed` weights (e.g. from GPTQ); the GGUF source's own
     blocks when they already are codes on a genfast grid (Q8_0 for int8, Q4_0/Q4_1 for int4, group
@@ -117,16 +128,17 @@ def quantize_loaded(path: Path, model: Transformer, bits: int, group_size: int |
 
     precomputed = precomputed or {}
     head_bits = INT4_HEAD_BITS if bits == 4 else bits
+    targets = {prefix + name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     direct: dict[str, QuantizedWeight] = {}
     if checkpoint_format(path) == "gguf":
         if group_size in (None, 32):
-            direct = gguf_quantized_linears(path, bits)
-        if head_bits != bits:
-            direct.pop(HEAD, None)
+            direct = gguf_quantized_linears(path, bits, only=targets - {HEAD})
+        if HEAD in targets:
             direct.update(gguf_quantized_linears(path, head_bits, only={HEAD}))
     default_group = group_size or (None if bits == 8 else DEFAULT_INT4_GROUP_SIZE)
 
-    def make(name: str, linear: torch.nn.Linear) -> QuantLinear:
+    def make(local: str, linear: torch.nn.Linear) -> QuantLinear:
+        name = prefix + local
         bias = None if linear.bias is None else linear.bias.detach().clone()
         qw = precomputed.get(name) or direct.get(name)
         if qw is not None:
@@ -135,7 +147,7 @@ def quantize_loaded(path: Path, model: Transformer, bits: int, group_size: int |
             return QuantLinear.from_linear(linear, head_bits)
         return QuantLinear.from_linear(linear, bits, default_group)
 
-    return replace_linears(model, make)
+    return [prefix + local for local in replace_linears(model, make)]
 
 
 def describe_quantization(model: torch.nn.Module) -> str:

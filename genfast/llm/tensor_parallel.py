@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from genfast.errors import UserError
 from genfast.llm.config import ModelArgs
-from genfast.llm.model import Transformer
+from genfast.llm.model import Transformer, TransformerBlock
 from genfast.nn import Linear
 from genfast.quant.grids import QuantizedWeight
 from genfast.quant.linear import QuantLinear
@@ -249,29 +249,43 @@ def shard_model(model: Transformer, rank: int, world_size: int,
     if model.max_seq_len:
         raise ValueError("shard the model before setting up its KV caches")
     for i, block in enumerate(model.layers):
-        attn, ff = block.attention, block.feed_forward
-        _check_column_split(attn.wo, attn.n_heads * attn.head_dim // world_size, f"layers.{i}.attention.wo")
-        _check_column_split(ff.w2, ff.intermediate_size // world_size, f"layers.{i}.feed_forward.w2")
+        _check_block_split(block, world_size, f"layers.{i}.")
+    for i, block in enumerate(model.layers):
+        shard_block(block, rank, world_size, f"layers.{i}.", group)
+    return model
+
+
+def shard_block(block: TransformerBlock, rank: int, world_size: int, prefix: str = "",
+                group: dist.ProcessGroup | None = None) -> None:
+    """Keep rank `rank`'s share of one transformer block, in place (`shard_model`, a block at a
+    time: the loader shards each block as it reads it). `prefix`: the block's name, for errors."""
+    _check_block_split(block, world_size, prefix)
     if group is None:
         if current_world_size() != world_size:
             raise ValueError(f"sharding for {world_size} ranks needs a process group of {world_size} "
                              "(tensor_parallel.join, or pass `group`)")
         group = dist.group.WORLD
-    for block in model.layers:
-        attn, ff = block.attention, block.feed_forward
-        hd, heads, kv_heads = attn.head_dim, attn.n_heads // world_size, attn.n_kv_heads // world_size
-        q_rows, kv_rows = _block(rank, heads * hd), _block(rank, kv_heads * hd)
-        attn.wqkv = _rows(attn.wqkv, torch.cat([q_rows, attn.n_heads * hd + kv_rows,
-                                                (attn.n_heads + attn.n_kv_heads) * hd + kv_rows]))
-        attn.wo = _row_parallel(attn.wo, rank, heads * hd, group)
-        attn.n_heads, attn.n_kv_heads = heads, kv_heads
+    attn, ff = block.attention, block.feed_forward
+    hd, heads, kv_heads = attn.head_dim, attn.n_heads // world_size, attn.n_kv_heads // world_size
+    q_rows, kv_rows = _block(rank, heads * hd), _block(rank, kv_heads * hd)
+    attn.wqkv = _rows(attn.wqkv, torch.cat([q_rows, attn.n_heads * hd + kv_rows,
+                                            (attn.n_heads + attn.n_kv_heads) * hd + kv_rows]))
+    attn.wo = _row_parallel(attn.wo, rank, heads * hd, group)
+    attn.n_heads, attn.n_kv_heads = heads, kv_heads
 
-        width = ff.intermediate_size // world_size
-        cols = _block(rank, width)
-        ff.w13 = _rows(ff.w13, torch.cat([cols, ff.intermediate_size + cols]))
-        ff.w2 = _row_parallel(ff.w2, rank, width, group)
-        ff.intermediate_size = width
-    return model
+    width = ff.intermediate_size // world_size
+    cols = _block(rank, width)
+    ff.w13 = _rows(ff.w13, torch.cat([cols, ff.intermediate_size + cols]))
+    ff.w2 = _row_parallel(ff.w2, rank, width, group)
+    ff.intermediate_size = width
+
+
+def _check_block_split(block: TransformerBlock, world_size: int, prefix: str) -> None:
+    attn, ff = block.attention, block.feed_forward
+    if isinstance(attn.wo, RowParallelLinear):
+        raise ValueError(f"{prefix}: block is already sharded")
+    _check_column_split(attn.wo, attn.n_heads * attn.head_dim // world_size, f"{prefix}attention.wo")
+    _check_column_split(ff.w2, ff.intermediate_size // world_size, f"{prefix}feed_forward.w2")
 
 
 def _block(rank: int, size: int) -> Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -116,17 +116,22 @@ class QuantizedCheckpoint:
 
 
 def load_quantized_into(model: nn.Module, checkpoint: QuantizedCheckpoint,
-                        convert: Callable[[str, Tensor], Tensor] | None = None) -> None:
+                        convert: Callable[[str, Tensor], Tensor] | None = None, prefix: str = "",
+                        layers: Collection[str] | None = None) -> None:
     """Replace the linears named in the header by QuantLinear layers and fill every other tensor.
 
     `model` is built from the same config (on the target device, any floating dtype); `convert`
-    maps each floating tensor to the model's dtype/device (default: cast to the parameter's)."""
+    maps each floating tensor to the model's dtype/device (default: cast to the parameter's).
+    To fill a part of a model: `model` is the module the checkpoint stores under `prefix`
+    (e.g. "layers.3."), and `layers` the header's layers it holds (default: all of them)."""
+    layers = list(checkpoint.layers if layers is None else layers)
     modules = dict(model.named_modules())
-    for name in checkpoint.layers:
-        if not isinstance(modules.get(name), nn.Linear):
+    for name in layers:
+        if not (name.startswith(prefix) and isinstance(modules.get(name[len(prefix):]), nn.Linear)):
             raise UserError(f"{checkpoint.path}: header lists layer {name}, which this model has no linear for")
 
-    def make(name: str, linear: nn.Linear) -> QuantLinear:
+    def make(local: str, linear: nn.Linear) -> QuantLinear:
+        name = prefix + local
         qw = checkpoint.quantized_weight(name)
         if (qw.out_features, qw.in_features) != tuple(linear.weight.shape):
             raise UserError(f"{checkpoint.path}: layer {name} is {qw.out_features}x{qw.in_features} in the "
@@ -136,13 +141,15 @@ def load_quantized_into(model: nn.Module, checkpoint: QuantizedCheckpoint,
         bias = checkpoint.get(f"{name}.bias").to(device) if checkpoint.layers[name].get("bias") else None
         return QuantLinear(qw, bias)
 
-    replace_linears(model, make, keep=lambda name, _: name not in checkpoint.layers)
+    local_layers = {name[len(prefix):] for name in layers}
+    replace_linears(model, make, keep=lambda local, _: local not in local_layers)
     state = model.state_dict()
-    quantized_prefixes = tuple(f"{name}." for name in checkpoint.layers)
+    quantized_prefixes = tuple(f"{local}." for local in local_layers)
     with torch.no_grad():
-        for name, target in state.items():
-            if name.startswith(quantized_prefixes) or ".kv_cache." in name:
+        for local, target in state.items():
+            if local.startswith(quantized_prefixes) or ".kv_cache." in local:
                 continue
+            name = prefix + local
             tensor = checkpoint.get(name)
             if tensor.shape != target.shape:
                 raise UserError(f"{checkpoint.path}: tensor {name} has shape {tuple(tensor.shape)}, the model "

@@ -145,3 +145,47 @@ def test_int4_keeps_the_output_head_in_int8(tmp_path):
     word_tokenizer(320).save(directory)
     model = load(str(directory), "cpu", "float32", quant="int4", group_size=64).model
     assert model.output.bits == 8 and model.layers[0].attention.wqkv.bits == 4
+
+
+@pytest.mark.parametrize("fmt,quant,group", [("hf", "int8", None), ("hf", "int4", 64), ("gguf", "int4", None)])
+def test_quantizing_while_loading_equals_quantizing_the_loaded_model(fmt, quant, group, tmp_path):
+    """`load --quant` quantizes each block as it is read (the float model never exists whole):
+    the result is the model quantized after a whole load, tensor for tensor (GGUF: its own Q4_1
+    blocks, taken as they are in both)."""
+    from genfast.llm.session import quantize_loaded
+
+    hf = make_hf_model("qwen2")
+    if fmt == "hf":
+        path = save_hf_model(hf, tmp_path / "m")
+        word_tokenizer(hf.config.vocab_size).save(path)
+    else:
+        path = write_gguf_from_hf(hf, tmp_path / "m.gguf", arch="qwen2", qtype="Q4_1")
+    whole = load_model(path)
+    quantize_loaded(path, whole, 8 if quant == "int8" else 4, group)
+    streamed = load(str(path), "cpu", "float32", quant=quant, group_size=group).model
+    want, got = whole.state_dict(), streamed.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_blocks_are_read_one_at_a_time(monkeypatch, tmp_path):
+    """With a `prepare_block` hook, a block is allocated only after the one before it has been
+    prepared: at most one block exists at full size."""
+    from genfast.llm.model import TransformerBlock
+
+    path = save_hf_model(make_hf_model("llama3"), tmp_path / "m")
+    allocated, prepared = [], []
+    to_empty = TransformerBlock.to_empty
+
+    def counting_to_empty(self, **kwargs):
+        allocated.append(self)
+        return to_empty(self, **kwargs)
+
+    def prepare(prefix: str, block: TransformerBlock) -> None:
+        assert allocated[-1] is block and len(allocated) == len(prepared) + 1, "a block was allocated ahead"
+        prepared.append(prefix)
+
+    monkeypatch.setattr(TransformerBlock, "to_empty", counting_to_empty)
+    model = load_model(path, prepare_block=prepare)
+    assert prepared == ["layers.0.", "layers.1."] and len(model.layers) == 2

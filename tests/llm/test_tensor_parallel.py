@@ -10,8 +10,6 @@ tokens exactly. Both ranks' results are identical bit for bit (same reduced sums
 
 from __future__ import annotations
 
-import os
-
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -25,8 +23,9 @@ import torch.multiprocessing as mp
 from genfast.errors import UserError
 from genfast.llm.checkpoint import load_model, read_model_args
 from genfast.llm.generate import Generator
-from genfast.llm.session import quantize_loaded
-from genfast.llm.tensor_parallel import check_same_tokens, check_shardable, shard_model
+from genfast.llm.session import load, quantize_loaded
+from genfast.llm.tensor_parallel import (RowParallelLinear, check_same_tokens, check_shardable, leave,
+                                           shard_model)
 from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
 
 WORLD = 2
@@ -74,11 +73,16 @@ def prompt_for(path: Path) -> list[int]:
 
 @torch.inference_mode()
 def run_case(path: Path, case: Case, rank: int, world: int) -> tuple[torch.Tensor, list[int]]:
-    """(logits of the prompt at every position, greedy tokens) on rank `rank` of `world`."""
-    model = load_model(path)
-    if case.quant != "none":
-        quantize_loaded(path, model, 8 if case.quant == "int8" else 4, None)
-    shard_model(model, rank, world)
+    """(logits of the prompt at every position, greedy tokens) on rank `rank` of `world`. TP=1
+    loads the whole model and then quantizes it; TP=2 loads as the CLI does (`session.load`:
+    each block quantized and sharded as it is read)."""
+    if world == 1:
+        model = load_model(path)
+        if case.quant != "none":
+            quantize_loaded(path, model, 8 if case.quant == "int8" else 4, None)
+    else:
+        model = load(str(path), device="cpu", dtype="float32", quant=case.quant, tp=world).model
+        assert isinstance(model.layers[0].attention.wo, RowParallelLinear)
     prompt = prompt_for(path)
     logits = model(torch.tensor([prompt]), torch.arange(len(prompt)), all_logits=True)
     generator = Generator(model, word_tokenizer(model.args.vocab_size), max_seq_len=32, compile=case.compile)
@@ -93,14 +97,8 @@ def _rank_main(rank: int, world: int, store: str, cases: list[Case], dirs: dict[
     try:
         results = {case.key: run_case(dirs[case.model], case, rank, world) for case in cases}
     finally:
-        dist.destroy_process_group()
+        leave()  # as a CLI rank does at exit (without it, ~1 exit in 8 aborts: see leave)
     torch.save(results, out / f"rank{rank}.pt")
-    # Leave without interpreter teardown: after the results are saved, a rank sometimes aborted
-    # while exiting ("terminate called without an active exception", no Python frame; about 1
-    # run in 6 with torch 2.13's gloo), which mp.spawn reports as a failure.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_tp2(cases: list[Case], dirs: dict[str, Path], out: Path) -> list[dict]:
