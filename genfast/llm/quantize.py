@@ -16,8 +16,8 @@ from pathlib import Path
 
 from genfast import __version__
 from genfast.errors import UserError
-from genfast.hub import publish_directory
-from genfast.llm.checkpoint import QUANTIZED_FILE, checkpoint_format
+from genfast.hub import publish_directory, resolve_model
+from genfast.llm.checkpoint import QUANTIZED_FILE, checkpoint_format, read_model_args
 from genfast.llm.session import DTYPES, HEAD, LoadedModel, describe_quantization, load, quantize_loaded
 from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 
@@ -93,19 +93,20 @@ def quantize_command(args: argparse.Namespace) -> int:
             raise UserError(f"--group-size for int4 must be one of {', '.join(map(str, INT4_GROUP_SIZES))}")
     elif group_size is not None and group_size % 32:
         raise UserError("--group-size for int8 must be a multiple of 32")
+    if args.calibration is not None and args.mode != "int4-gptq":
+        raise UserError("--calibration only applies to --mode int4-gptq")
+    path = resolve_model(args.model)
+    if checkpoint_format(path) == "genfast":
+        raise UserError(f"{path} is already quantized; quantize the original model instead")
+    _log(f"genfast: quantizing {path} ({read_model_args(path).n_params / 1e6:.0f}M parameters) to {args.mode}")
     # Quantization arithmetic runs in fp32; unquantized tensors are stored in --dtype.
-    loaded = load(args.model, "cpu", "float32", args.threads)
-    if checkpoint_format(loaded.path) == "genfast":
-        raise UserError(f"{loaded.path} is already quantized; quantize the original model instead")
-    _log(f"genfast: quantizing {loaded.path} ({loaded.model.args.n_params / 1e6:.0f}M parameters) to {args.mode}")
     calibration = None
-    if args.mode == "int4-gptq":
+    if args.mode == "int4-gptq":  # calibrates on the whole float model
+        loaded = load(str(path), "cpu", "float32", args.threads)
         calibration = gptq_quantize_model(loaded, group_size, args.calibration, args.calibration_windows,
                                           args.calibration_window)
-    else:
-        if args.calibration is not None:
-            raise UserError("--calibration only applies to --mode int4-gptq")
-        quantize_loaded(loaded.path, loaded.model, bits, group_size)
+    else:  # round-to-nearest, block by block as the model is read: the float model never exists whole
+        loaded = load(str(path), "cpu", "float32", args.threads, quant=args.mode, group_size=group_size)
     scheme = describe_quantization(loaded.model)
     metadata = {"model_args": json.dumps(loaded.model.args.to_dict()), "mode": args.mode, "scheme": scheme,
                 "source": str(loaded.path), "genfast_version": __version__}
