@@ -63,17 +63,20 @@ def vae() -> None:
 def group_norm() -> None:
     from genfast.diffusion.group_norm import ChannelsLastGroupNorm
 
-    print("| channels x size | ATen eager ms | inductor ms | genfast kernel, compiled ms |\n|---|---|---|---|")
-    for channels, size in ((128, 512), (256, 256), (512, 128)):
+    print("| batch x channels x size | ATen eager ms | inductor ms | genfast kernel, compiled ms |\n|---|---|---|---|")
+    # The VAE decoder's (batch 1) and then the SD 1.5 UNet's (batch 2: classifier-free guidance) shapes.
+    shapes = ((1, 128, 512), (1, 256, 256), (1, 512, 128), (1, 512, 64),
+              (2, 320, 64), (2, 640, 64), (2, 640, 32), (2, 1280, 32), (2, 1280, 16), (2, 1280, 8))
+    for batch, channels, size in shapes:
         norm = torch.nn.GroupNorm(32, channels, eps=1e-6).to(torch.bfloat16)
         native = ChannelsLastGroupNorm(norm)
-        x = torch.randn(1, channels, size, size, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+        x = torch.randn(batch, channels, size, size, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
         options = {"freezing": True}
         inductor = torch.compile(lambda t: F.silu(norm(t)), options=options)
         ours = torch.compile(lambda t: F.silu(native(t)), fullgraph=True, options=options)
         with torch.inference_mode():
             row = [median_s(lambda f=f: f(x), repeats=5) * 1e3 for f in (lambda t: F.silu(norm(t)), inductor, ours)]
-        print(f"| {channels} x {size}x{size} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")
+        print(f"| {batch} x {channels} x {size}x{size} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")
 
 
 def attention() -> None:
