@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from genfast.cli import main
 from genfast.errors import UserError
 from genfast.llm.checkpoint import load_model, read_model_args
 from genfast.llm.generate import Generator
@@ -30,6 +31,7 @@ from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
 
 WORLD = 2
 NEW_TOKENS = 12
+QUANTIZED_DIR = "qwen2-int4-directory"
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ CASES = [
     Case("qwen2"),  # GQA with q/k/v bias, tied embeddings
     Case("qwen2", "int8"),  # per-channel scales: each rank's columns keep the row's scale
     Case("qwen2", "int4"),  # groups of 32: whole groups per rank
+    Case(QUANTIZED_DIR),  # a `genfast quantize --mode int4` directory: its blocks are read as codes
 ]
 # The functional all-reduce inside the compiled prefill and decode graphs (fullgraph): ~35 s of
 # compiling on two cores, so in its own (slow) test.
@@ -59,10 +62,13 @@ COMPILED = Case("qwen2", compile=True)
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp_models")
     dirs = {}
-    for name in {c.model for c in CASES} | {COMPILED.model, "smollm"}:
+    for name in {c.model for c in CASES} - {QUANTIZED_DIR} | {COMPILED.model, "smollm"}:
         hf = make_hf_model(name)
         dirs[name] = save_hf_model(hf, root / name)
         word_tokenizer(hf.config.vocab_size).save(dirs[name])
+    dirs[QUANTIZED_DIR] = root / QUANTIZED_DIR
+    assert main(["quantize", "-m", str(dirs["qwen2"]), "--mode", "int4", "--dtype", "float32",
+                 "-o", str(dirs[QUANTIZED_DIR])]) == 0
     return dirs
 
 
