@@ -59,7 +59,12 @@ def _build(name: str, source: Path, cflags: tuple[str, ...], required: tuple[str
         return f"this CPU lacks {', '.join(missing)}"
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + " ".join(cflags).encode())
+    try:
+        code = source.read_bytes()
+    except OSError as exc:  # an install that did not ship the source
+        log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
+        return f"its source is missing: {exc}"
+    digest = hashlib.sha256(code + torch.__version__.encode() + " ".join(cflags).encode())
     full_name = f"genfast_{name}_{digest.hexdigest()[:12]}"
     build_dir = kernel_dir() / full_name
     build_dir.mkdir(parents=True, exist_ok=True)
