@@ -3,18 +3,20 @@
 Runs the 121 weight matrices of one SmolLM2-135M decode step (30 layers x fused qkv, o, gate+up,
 down; plus the 49152 x 576 output head) with random bf16 weights, and prints GB/s of weight read:
 
-    python benchmarks/linear_kernels.py
+    python benchmarks/linear_kernels.py                  # one row
+    python benchmarks/linear_kernels.py --rows 2,3,5,8   # a few rows: batched decode, verification
 
-The result decided genfast.nn.Linear's compiled path (docs/performance.md).
+The results decided genfast.nn.Linear's compiled paths and MAX_FEW_ROWS (docs/performance.md).
 """
 
+import argparse
 import time
 
 import torch
 import torch.nn.functional as F
 
 from genfast.bench.machine import device_name, measure_read_bandwidth
-from genfast.nn import row_linear
+from genfast.nn import few_rows_linear, few_rows_unavailable_reason, row_linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -27,6 +29,38 @@ def best_of(fn, repeats: int = 15) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def few_rows(counts: list[int]) -> None:
+    """Each formulation compiled over the whole step, per row count."""
+    reason = few_rows_unavailable_reason()
+    if reason:
+        raise SystemExit(f"the few-row kernel cannot run here: {reason}")
+    torch.manual_seed(0)
+    torch._dynamo.config.recompile_limit = 4 * len(counts)
+    weights = [torch.randn(n, k).bfloat16() for n, k in SHAPES]
+    total = sum(w.nbytes for w in weights)
+
+    def step(linear, x576, x1536):
+        return [linear(x576 if w.shape[1] == 576 else x1536, w) for w in weights]
+
+    formulations = {
+        "compiled F.linear (aten)": torch.compile(lambda a, b: step(F.linear, a, b), dynamic=False),
+        "compiled few-row kernel": torch.compile(lambda a, b: step(few_rows_linear, a, b), dynamic=False),
+        "compiled one-row reduction, row by row": torch.compile(
+            lambda a, b: [step(row_linear, a[i:i + 1], b[i:i + 1]) for i in range(a.shape[0])], dynamic=False),
+    }
+    print(f"{device_name('cpu')}, torch {torch.__version__}; {total / 1e6:.0f} MB of bf16 weights per step\n")
+    print("| rows | " + " | ".join(f"{name} ms (GB/s)" for name in formulations) + " |\n|---|"
+          + "---|" * len(formulations))
+    for rows in counts:
+        x576, x1536 = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 1536).bfloat16()
+        cells = []
+        for fn in formulations.values():
+            with torch.inference_mode():
+                t = best_of(lambda: fn(x576, x1536), repeats=10)
+            cells.append(f"{t * 1e3:.2f} ({total / t / 1e9:.0f})")
+        print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
@@ -81,4 +115,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", help="comma-separated row counts: time the few-row formulations instead")
+    rows = parser.parse_args().rows
+    if rows:
+        few_rows([int(r) for r in rows.split(",")])
+    else:
+        main()
