@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import time
 
 import openai
 import pytest
@@ -192,6 +193,13 @@ def test_client_disconnect_cancels_and_frees_the_slot(serve):
 
 def test_client_leaving_a_non_streamed_request_cancels_it(serve):
     server = serve(max_batch=2)
+    step = server.engine._step
+
+    def slow_step() -> None:  # 1000 tokens must outlast the disconnect's detection, however fast a step
+        time.sleep(0.005)
+        step()
+
+    server.engine._step = slow_step
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
                  body=json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0}))
