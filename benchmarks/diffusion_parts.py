@@ -10,24 +10,12 @@ recipe compiles them. PSNR of the VAE variants is against the bf16 decode of the
 """
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from genfast.bench.machine import device_name
-
-
-def median_s(fn: Callable[[], object], repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from genfast.bench.timing import median_seconds
 
 
 def vae() -> None:
@@ -51,7 +39,7 @@ def vae() -> None:
             use_channels_last_group_norm(vae_model.decoder)
         compile_vae_decoder(vae_model)
         with torch.inference_mode():
-            seconds = median_s(lambda: vae_model.decode(latents))
+            seconds = median_seconds(lambda: vae_model.decode(latents), repeats=3)
             image = (vae_model.decode(latents).sample.float().clamp(-1, 1) + 1) / 2
         reference = image if reference is None else reference
         name = ("bf16" if not min_channels else f"int8 convs >= {min_channels} channels") + (
@@ -75,7 +63,7 @@ def group_norm() -> None:
         inductor = torch.compile(lambda t: F.silu(norm(t)), options=options)
         ours = torch.compile(lambda t: F.silu(native(t)), fullgraph=True, options=options)
         with torch.inference_mode():
-            row = [median_s(lambda f=f: f(x), repeats=5) * 1e3 for f in (lambda t: F.silu(norm(t)), inductor, ours)]
+            row = [median_seconds(lambda f=f: f(x), repeats=5) * 1e3 for f in (lambda t: F.silu(norm(t)), inductor, ours)]
         print(f"| {batch} x {channels} x {size}x{size} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")
 
 
@@ -93,7 +81,7 @@ def attention() -> None:
             return torch.softmax((q @ k.transpose(-1, -2)) * d ** -0.5, -1) @ v
 
         with torch.inference_mode():
-            ms = [median_s(f) * 1e3 for f in (lambda: F.scaled_dot_product_attention(q, k, v), math,
+            ms = [median_seconds(f, repeats=3) * 1e3 for f in (lambda: F.scaled_dot_product_attention(q, k, v), math,
                                               lambda: flex(q, k, v),
                                               lambda: F.scaled_dot_product_attention(*padded, scale=d ** -0.5))]
         tflops = 4 * b * h * n * n * d / (ms[0] * 1e-3) / 1e12

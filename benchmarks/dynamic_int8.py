@@ -8,14 +8,13 @@ inputs: `qlinear` (activations per block of 32, the weight-only path) and `qline
 (per-token activations, the dynamic int8 path).
 """
 
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from genfast.bench.machine import device_name
+from genfast.bench.timing import median_seconds
 from genfast.quant import kernels
 from genfast.quant.grids import quantize
 
@@ -24,13 +23,7 @@ SHAPES = [(4096, 768, 2304), (4096, 768, 3072), (4096, 3072, 768), (32768, 768, 
 
 
 def gflops(fn: Callable[[], object], flops: float, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return flops / statistics.median(times) / 1e9
+    return flops / median_seconds(fn, repeats) / 1e9
 
 
 def main() -> None:

@@ -4,12 +4,10 @@ sdpa step runs it) against genfast's fused kernel; median ms of 7 calls, max err
     python benchmarks/sam_attention.py
 """
 
-import statistics
-import time
-
 import torch
 
 from genfast.bench.machine import device_name
+from genfast.bench.timing import median_seconds
 from genfast.sam import kernels
 from genfast.sam.modeling.attention import rel_pos_attention
 
@@ -17,13 +15,7 @@ SHAPES = {"global block (12 heads, 64x64 grid)": (1, 12, 64, 64), "windowed bloc
 
 
 def median_ms(fn, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return 1000 * median_seconds(fn, repeats)
 
 
 def main() -> None:
