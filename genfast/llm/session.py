@@ -132,8 +132,8 @@ def quantize_loaded(path: Path, model: torch.nn.Module, bits: int, group_size: i
     direct: dict[str, QuantizedWeight] = {}
     if checkpoint_format(path) == "gguf":
         if group_size in (None, 32):
-            direct = gguf_quantized_linears(path, bits, only=targets - {HEAD})
-        if HEAD in targets:
+            direct = gguf_quantized_linears(path, bits, only=targets if head_bits == bits else targets - {HEAD})
+        if head_bits != bits and HEAD in targets:
             direct.update(gguf_quantized_linears(path, head_bits, only={HEAD}))
     default_group = group_size or (None if bits == 8 else DEFAULT_INT4_GROUP_SIZE)
 

@@ -189,3 +189,12 @@ def test_blocks_are_read_one_at_a_time(monkeypatch, tmp_path):
     monkeypatch.setattr(TransformerBlock, "to_empty", counting_to_empty)
     model = load_model(path, prepare_block=prepare)
     assert prepared == ["layers.0.", "layers.1."] and len(model.layers) == 2
+
+
+def test_an_int8_group_size_other_than_32_requantizes_the_gguf_head(tmp_path):
+    """Only group 32 matches Q8_0's blocks: with --group-size 64 every int8 layer, the head too, is
+    requantized (int4 keeps the head's Q8_0 codes whatever the group size: see INT4_HEAD_BITS)."""
+    path = write_gguf_from_hf(make_hf_model("llama3"), tmp_path / "m.gguf", arch="llama", qtype="Q8_0")
+    model = load(str(path), "cpu", "float32", quant="int8", group_size=64).model
+    assert model.output.group_size == 64 and model.layers[0].attention.wqkv.group_size == 64
+    assert load(str(path), "cpu", "float32", quant="int8").model.output.group_size == 32
