@@ -8,7 +8,7 @@ import torch
 
 from genfast.bench.machine import device_name
 from genfast.bench.timing import median_seconds
-from genfast.sam import kernels
+from genfast.sam import fused_attention as kernels
 from genfast.sam.modeling.attention import rel_pos_attention
 
 SHAPES = {"global block (12 heads, 64x64 grid)": (1, 12, 64, 64), "windowed block (25 windows x 12 heads, 14x14)": (25, 12, 14, 14)}

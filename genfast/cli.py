@@ -29,7 +29,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file, Hugging Face model directory, hub id (org/name) or built-in name "
                         "(default: smollm2-135m-instruct; fetch it with `genfast pull`)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float32 or float16 (CUDA only)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on CUDA and CPUs with native bf16; elsewhere float32 arithmetic on "
+                        "bf16-stored linear weights: see `genfast info`), bfloat16, float32 or float16 (CUDA only)")
     g.add_argument("--quant", default="none", choices=QUANT_MODES,
                    help="weight-only quantization applied on load, round-to-nearest (default: none); "
                         "for GPTQ, write a checkpoint with `genfast quantize`")
@@ -316,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--one-step", default=None, help=argparse.SUPPRESS)  # internal: run one step in this process
     b.add_argument("--reference-dir", default=None, help=argparse.SUPPRESS)  # internal: reference images
 
+    p = sub.add_parser("info", help="this machine: CPU, ISA, bandwidth, auto dtype, which kernel variants run and why")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip measuring the read bandwidth")
+
     p = sub.add_parser("eval", help="evaluate a model (perplexity on the shipped corpus)")
     evals = p.add_subparsers(dest="evaluation", required=True, metavar="EVALUATION")
     e = evals.add_parser("ppl", help="perplexity on the evaluation half of the pydoc corpus",
@@ -388,6 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench" and args.workload == "sam":
             from genfast.sam.bench import bench_command as sam_bench_command
             return sam_bench_command(args)
+        if args.command == "info":
+            from genfast.info import info_command
+            return info_command(args)
         if args.command == "eval" and args.evaluation == "ppl":
             from genfast.llm.perplexity import eval_ppl_command
             return eval_ppl_command(args)

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from genfast import native
+from genfast.kernels import LINEAR_FEW_ROWS
 
-FEW_ROWS_SOURCE = Path(__file__).with_name("linear_few_rows_avx512.cpp")
-FEW_ROWS_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
-FEW_ROWS_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 # Up to this many rows the kernel beats aten's GEMM on a 2-core Zen 4 (SmolLM2 step, ms: 2 rows 6.4
 # vs 12.1, 3: 7.7 vs 11.7, 5: 10.3 vs 12.6); from 6 rows on its bf16 dot products are the bound and
-# it only ties (`python benchmarks/linear_kernels.py --rows 1,2,3,4,5,6,8`).
+# it only ties (`python benchmarks/linear_kernels.py --rows 1,2,3,4,5,6,8`). The AVX2 variant keeps
+# the same bound (measured in docs/performance.md, "AVX2").
 MAX_FEW_ROWS = 5
 
 torch.library.define("genfast::linear_few_rows", "(Tensor x, Tensor weight) -> Tensor")
@@ -29,8 +25,7 @@ def _linear_few_rows_fake(x: Tensor, weight: Tensor) -> Tensor:
 
 def few_rows_unavailable_reason() -> str | None:
     """Why the few-row bf16 kernel cannot run here, or None when it is loaded."""
-    return native.build("linear_few_rows", FEW_ROWS_SOURCE, FEW_ROWS_CFLAGS, FEW_ROWS_CPU_FLAGS,
-                        "few-row bf16 linear kernel")
+    return LINEAR_FEW_ROWS.unavailable_reason()
 
 
 def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
@@ -52,8 +47,9 @@ def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Te
 
 
 def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear for 2 to MAX_FEW_ROWS bf16 rows by the native kernel, which reads the weight once
-    for all rows (aten's GEMM streams it at under half the bandwidth). fp32 sums, as row_linear."""
+    """F.linear for 1 to MAX_FEW_ROWS rows (fp32 or bf16) and a bf16 weight by the native kernel,
+    which reads the weight once for all rows (aten's GEMM streams it at under half the bandwidth).
+    fp32 sums, as row_linear; the result has x's dtype."""
     out = torch.ops.genfast.linear_few_rows(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         out = out + bias.float()
@@ -63,9 +59,9 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
 def _few_rows_apply(x: Tensor, weight: Tensor) -> bool:
     rows = x.numel() // x.shape[-1]
     # A dynamic row count (a prefill's length) keeps aten's GEMM: testing it would add a guard.
-    return (statically_known_true(rows >= 2) and statically_known_true(rows <= MAX_FEW_ROWS)
-            and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and weight.shape[1] % 32 == 0 and few_rows_kernel_available())
+    return (weight.dtype == torch.bfloat16 and x.dtype in (torch.bfloat16, torch.float32)
+            and x.device.type == "cpu" and weight.shape[1] % 32 == 0 and few_rows_kernel_available()
+            and statically_known_true(rows >= few_rows_min_rows()) and statically_known_true(rows <= MAX_FEW_ROWS))
 
 
 @torch.compiler.assume_constant_result  # run (and build the kernel) while tracing, not traced
@@ -73,14 +69,52 @@ def few_rows_kernel_available() -> bool:
     return few_rows_unavailable_reason() is None
 
 
+@torch.compiler.assume_constant_result
+def few_rows_min_rows() -> int:
+    """The fewest rows the kernel takes. AVX-512: 2, one row is inductor's reduction, which
+    streams bf16 weights at 48 GB/s on Zen 4; AVX2: 1, that reduction reaches ~9 GB/s on Zen 3
+    (docs/performance.md, "AVX2")."""
+    return 2 if LINEAR_FEW_ROWS.loaded_isa() == "avx512" else 1
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) with bandwidth-bound paths for one and a few
-    input rows under torch.compile (decode, batched decode, speculative verification)."""
+    input rows under torch.compile (decode, batched decode, speculative verification).
+
+    The weight may be stored in bf16 while inputs are fp32 (`store_linear_weights`: half the bytes
+    per decode step on CPUs without native bf16): the few-row kernel multiplies in fp32, eagerly
+    or compiled; other row counts (prefill) upcast the weight for aten's GEMM."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():
-            if x.numel() == x.shape[-1]:
-                return row_linear(x, self.weight, self.bias)
-            if _few_rows_apply(x, self.weight):
-                return few_rows_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        mixed = self.weight.dtype != x.dtype
+        if (mixed or torch.compiler.is_compiling()) and _few_rows_apply(x, self.weight):
+            return few_rows_linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling() and not mixed and x.numel() == x.shape[-1]:
+            return row_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight.to(x.dtype) if mixed else self.weight, self.bias)
+
+
+def auto_weight_dtype(device: torch.device, compute: torch.dtype) -> torch.dtype:
+    """How `--dtype auto` stores Linear weights: in bf16 on a CPU that computes in fp32 (no native
+    bf16 dot products) where the few-row kernel multiplies bf16 weights by fp32 rows, halving the
+    bytes each decode step reads with no emulated bf16 arithmetic; elsewhere as it computes."""
+    if device.type == "cpu" and compute == torch.float32 and few_rows_unavailable_reason() is None:
+        return torch.bfloat16
+    return compute
+
+
+def store_linear_weights(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store the weight of every `Linear` of `model` in `dtype` (biases, norms and the rest keep
+    theirs), in place; a parameter tied to a converted weight (an embedding table shared with the
+    output head) is converted with it and stays tied. Returns how many weights were converted."""
+    converted: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (old, new): old stays alive
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.dtype != dtype:
+            old = module.weight
+            if id(old) not in converted:
+                converted[id(old)] = (old, nn.Parameter(old.detach().to(dtype), requires_grad=False))
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) in converted:
+                setattr(module, name, converted[id(param)][1])
+    return len(converted)

@@ -5,7 +5,16 @@ import torch
 import torch.nn.functional as F
 
 import genfast.nn
-from genfast.nn import MAX_FEW_ROWS, Linear, few_rows_unavailable_reason, row_linear
+from genfast.kernels import LINEAR_FEW_ROWS
+from genfast.nn import (
+    MAX_FEW_ROWS,
+    Linear,
+    auto_weight_dtype,
+    few_rows_min_rows,
+    few_rows_unavailable_reason,
+    row_linear,
+    store_linear_weights,
+)
 
 needs_few_rows_kernel = pytest.mark.skipif(few_rows_unavailable_reason() is not None,
                                            reason=f"few-row kernel: {few_rows_unavailable_reason()}")
@@ -42,14 +51,17 @@ def test_state_dict_is_nn_linear_compatible():
 
 
 @needs_few_rows_kernel
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("n,k", [(48, 96), (7, 64), (33, 1536)])  # output counts that are no multiple of a tile
-def test_few_rows_kernel_sums_in_fp32(rows, n, k):
-    """The kernel's result is the exact dot products of the bf16 inputs, up to fp32 summation."""
+def test_few_rows_kernel_sums_in_fp32(x_dtype, rows, n, k):
+    """The kernel's result is the exact dot products of its inputs, up to fp32 summation: bf16
+    weights times the rows as given (AVX2) or rounded to bf16 (AVX-512, whose products are bf16)."""
     torch.manual_seed(rows)
-    x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
+    x, w = torch.randn(rows, k).to(x_dtype), torch.randn(n, k).bfloat16()
     got = torch.ops.genfast.linear_few_rows(x, w)
-    want = x.double() @ w.double().t()
+    multiplied = x.bfloat16() if LINEAR_FEW_ROWS.loaded_isa() == "avx512" else x
+    want = multiplied.double() @ w.double().t()
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), want, atol=1e-5 * k ** 0.5, rtol=1e-6)
 
@@ -64,11 +76,62 @@ def test_compiled_linear_takes_the_few_row_kernel_up_to_its_limit(bias, monkeypa
     kernel = genfast.nn.few_rows_linear
     monkeypatch.setattr(genfast.nn, "few_rows_linear", lambda *a: traced.append(a[0].shape) or kernel(*a))
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
-    for rows in range(2, MAX_FEW_ROWS + 3):
+    for rows in range(1, MAX_FEW_ROWS + 3):
         x = torch.randn(1, rows, 96).bfloat16()
         want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
         with torch.inference_mode():
             got = compiled(x)
         assert got.shape == (1, rows, 40) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)  # bf16 output rounding
-    assert traced == [(1, rows, 96) for rows in range(2, MAX_FEW_ROWS + 1)]  # more rows: aten's GEMM
+    # One row: inductor's reduction where it is fast (AVX-512); more rows than the limit: aten's GEMM.
+    assert traced == [(1, rows, 96) for rows in range(few_rows_min_rows(), MAX_FEW_ROWS + 1)]
+
+
+@needs_few_rows_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_stored_weights_compute_in_fp32_eager_and_compiled(bias):
+    """Storage bf16, arithmetic fp32 (`--dtype auto` without native bf16): few rows take the kernel
+    even eagerly, more rows upcast the weight; both equal F.linear on the upcast weight."""
+    torch._dynamo.reset()  # one graph per row count: start from none
+    torch.manual_seed(0)
+    layer = Linear(96, 40, bias=bias)
+    assert store_linear_weights(layer, torch.bfloat16) == 1
+    assert layer.weight.dtype == torch.bfloat16 and (layer.bias is None or layer.bias.dtype == torch.float32)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    # AVX-512's kernel multiplies bf16-rounded rows (its products are bf16); AVX2's the fp32 rows.
+    tol = 2e-2 if LINEAR_FEW_ROWS.loaded_isa() == "avx512" else 1e-5
+    for rows in (1, 3, MAX_FEW_ROWS + 2):
+        x = torch.randn(rows, 96)
+        want = F.linear(x, layer.weight.float(), layer.bias)
+        for run in (layer, compiled):
+            got = run(x)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_bf16_stored_weights_without_the_kernel_upcast(monkeypatch):
+    monkeypatch.setattr(genfast.nn, "few_rows_kernel_available", lambda: False)
+    layer = Linear(64, 8)
+    store_linear_weights(layer, torch.bfloat16)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias))
+
+
+def test_store_linear_weights_keeps_tied_tables_tied_and_the_rest_as_is():
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 32), "head": Linear(32, 10, bias=False),
+                                 "norm": torch.nn.LayerNorm(32), "plain": torch.nn.Linear(32, 32)})
+    model["head"].weight = model["emb"].weight
+    assert store_linear_weights(model, torch.bfloat16) == 1
+    assert model["head"].weight is model["emb"].weight and model["emb"].weight.dtype == torch.bfloat16
+    assert model["norm"].weight.dtype == model["plain"].weight.dtype == torch.float32  # only genfast Linears
+    assert store_linear_weights(model, torch.bfloat16) == 0
+
+
+def test_auto_weight_dtype(monkeypatch):
+    cpu = torch.device("cpu")
+    assert auto_weight_dtype(cpu, torch.bfloat16) == torch.bfloat16
+    assert auto_weight_dtype(torch.device("cuda"), torch.float32) == torch.float32
+    monkeypatch.setattr(genfast.nn, "few_rows_unavailable_reason", lambda: None)
+    assert auto_weight_dtype(cpu, torch.float32) == torch.bfloat16
+    monkeypatch.setattr(genfast.nn, "few_rows_unavailable_reason", lambda: "this CPU lacks avx2")
+    assert auto_weight_dtype(cpu, torch.float32) == torch.float32

@@ -6,24 +6,14 @@ import json
 import os
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from genfast.hardware import cpu_model, describe_isa, synchronize
 from genfast.hub import genfast_home
 
 _BANDWIDTH_BYTES = 1 << 29  # 512 MiB: far larger than any cache
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def device_name(device: torch.device | str) -> str:
@@ -36,10 +26,17 @@ def device_name(device: torch.device | str) -> str:
 def machine_info(device: torch.device | str) -> dict[str, Any]:
     return {
         "device": device_name(device),
+        "isa": describe_isa() if torch.device(device).type == "cpu" else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
     }
+
+
+def describe_machine(info: dict[str, Any]) -> str:
+    """'<device>, ISA <isa>, torch <version>' for bench headers and footnotes."""
+    isa = f", ISA {info['isa']}" if info.get("isa") else ""
+    return f"{info['device']}{isa}, torch {info['torch']}"
 
 
 def peak_read_bandwidth(device: torch.device | str, remeasure: bool = False) -> float:
@@ -73,11 +70,9 @@ def measure_read_bandwidth(device: torch.device | str, repeats: int = 7) -> floa
     x = torch.ones(_BANDWIDTH_BYTES // 4, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         t0 = time.perf_counter()
         x.sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best

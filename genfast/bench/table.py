@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from genfast.bench.machine import describe_machine
 from genfast.errors import UserError
 
 
@@ -31,14 +32,14 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str
     return "\n".join(lines)
 
 
-def report(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]], info: dict[str, str], model: str,
+def report(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]], info: dict[str, Any], model: str,
            footnote: str, json_path: str | Path | None) -> None:
     """The end of every `genfast bench`: tag the rows with the machine and model, print the table
     and its footnote (followed by the machine), write the rows as JSON when asked."""
     for row in rows:
-        row.update({"device": info["device"], "torch": info["torch"], "model": model})
+        row.update({"device": info["device"], "isa": info.get("isa"), "torch": info["torch"], "model": model})
     print(markdown_table(rows, columns))
-    print(f"\n{footnote} Machine: {info['device']}, torch {info['torch']}.")
+    print(f"\n{footnote} Machine: {describe_machine(info)}.")
     if json_path:
         write_json_atomic(json_path, rows)
 

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from genfast.bench.isolated import run_row
-from genfast.bench.machine import machine_info
-from genfast.bench.memory import peak_memory_bytes
+from genfast.bench.machine import describe_machine, machine_info
 from genfast.bench.table import check_writable, median, report, write_json_atomic
 from genfast.diffusion import DIFFUSION_STEPS
 from genfast.diffusion.pipelines import DenoiserWrapper
 from genfast.errors import UserError
+from genfast.hardware import peak_memory_bytes, synchronize
 
 ARCHS = ("sd15", "sdxl", "tiny-sd15", "tiny-sdxl")
 PROMPT = "a photograph of a lighthouse on a rocky coast at dusk"
@@ -57,16 +57,12 @@ class _TimedDenoiser(DenoiserWrapper):
         self.device, self.seconds = device, 0.0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._sync()
+        synchronize(self.device)
         start = time.perf_counter()
         out = self.denoiser(*args, **kwargs)
-        self._sync()
+        synchronize(self.device)
         self.seconds += time.perf_counter() - start
         return out
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def run_step(step: str, arch: str, size: int, steps: int, repeats: int, device: torch.device,
@@ -125,7 +121,7 @@ def run_step(step: str, arch: str, size: int, steps: int, repeats: int, device: 
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from genfast.llm.session import resolve_device
+    from genfast.hardware import resolve_device
 
     if args.arch not in ARCHS:
         raise UserError(f"unknown --arch {args.arch!r}; choose one of {', '.join(ARCHS)}")
@@ -147,7 +143,7 @@ def bench_command(args: argparse.Namespace) -> int:
     ladder.sort(key=DIFFUSION_STEPS.index)
     info = machine_info(device)
     print(f"genfast bench diffusion: {args.arch} with RANDOM weights (speed only), {args.size}x{args.size}, "
-          f"{args.steps} steps, on {info['device']}, torch {info['torch']}; median of {args.repeats}", file=sys.stderr)
+          f"{args.steps} steps, on {describe_machine(info)}; median of {args.repeats}", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory(prefix="genfast-bench-diffusion-") as reference_dir:
         for step in ladder:

@@ -56,7 +56,7 @@ def load(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
 def imagine_command(args: argparse.Namespace) -> int:
     from genfast.diffusion.pipelines import call_kwargs
     from genfast.diffusion.recipe import apply_recipe, recipe_for_step
-    from genfast.llm.session import resolve_device
+    from genfast.hardware import resolve_device
 
     width, height = parse_size(args.size)
     output = Path(args.output).expanduser()

@@ -2,7 +2,7 @@
 
 A UNet's or VAE decoder's GroupNorm at high resolution is memory-bound work that inductor and
 ATen both run several times slower than the memory allows on channels-last tensors (see
-`group_norm_avx512.cpp`). `ChannelsLastGroupNorm` keeps nn.GroupNorm's parameters and state-dict
+genfast/kernels/group_norm_avx512.cpp). `ChannelsLastGroupNorm` keeps nn.GroupNorm's parameters and state-dict
 names, and runs `torch.ops.genfast.group_norm_nhwc` (an ordinary custom op: torch.compile calls it
 without a graph break) when the input is channels-last fp32/bf16 with channels a multiple of 16 on a
 CPU with AVX512; otherwise `F.group_norm`, so it is always safe to swap in.
@@ -10,17 +10,11 @@ CPU with AVX512; otherwise `F.group_norm`, so it is always safe to swap in.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genfast import native
-
-SOURCE = Path(__file__).with_name("group_norm_avx512.cpp")
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw")
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+from genfast.kernels import GROUP_NORM
 
 torch.library.define("genfast::group_norm_nhwc", "(Tensor x, int groups, Tensor weight, Tensor bias, float eps) -> Tensor")
 
@@ -32,7 +26,7 @@ def _group_norm_nhwc_fake(x: Tensor, groups: int, weight: Tensor, bias: Tensor, 
 
 def unavailable_reason() -> str | None:
     """Why the native kernel cannot run here, or None when it is loaded."""
-    return native.build("group_norm", SOURCE, CFLAGS, REQUIRED_CPU_FLAGS, "GroupNorm CPU kernel")
+    return GROUP_NORM.unavailable_reason()
 
 
 class ChannelsLastGroupNorm(nn.Module):

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from genfast.bench.machine import machine_info, peak_read_bandwidth
-from genfast.bench.memory import peak_memory_bytes
+from genfast.bench.machine import describe_machine, machine_info, peak_read_bandwidth
 from genfast.bench.table import check_writable, median, report, write_json_atomic
 from genfast.errors import UserError
+from genfast.hardware import peak_memory_bytes
 from genfast.llm.corpus import pydoc_text
 from genfast.llm.sampling import SamplingParams
 from genfast.llm.session import load, make_generator
@@ -47,8 +47,15 @@ LADDER = [
     Step("eager-bf16", "bfloat16", False, "bf16 weights and cache"),
     Step("compiled-fp32", "float32", True, "torch.compile (freezing) of prefill and decode, fp32"),
     Step("compiled-bf16", "bfloat16", True, "torch.compile (freezing) of prefill and decode, bf16"),
-    Step("compiled-bf16-int8", "bfloat16", True, "+ int8 weights (per-channel scales; VNNI kernel on CPU)", "int8"),
-    Step("compiled-bf16-int4", "bfloat16", True, "+ int4 weights (groups of 32, int8 head; VNNI kernel on CPU)", "int4"),
+    # What `genfast generate` runs by default: bf16 where the CPU has native bf16 dot products;
+    # elsewhere fp32 arithmetic on bf16-stored linear weights (genfast.nn.auto_weight_dtype).
+    Step("compiled-auto", "auto", True, "torch.compile, --dtype auto (the default)"),
+    Step("compiled-bf16-int8", "bfloat16", True, "+ int8 weights (per-channel scales; native kernel on CPU)", "int8"),
+    Step("compiled-bf16-int4", "bfloat16", True, "+ int4 weights (groups of 32, int8 head; native kernel on CPU)", "int4"),
+    # Without native bf16 (AVX2) bf16 activations are emulated: there the quantized kernels are
+    # fastest with fp32 activations (and `--dtype auto` picks fp32).
+    Step("compiled-fp32-int8", "float32", True, "int8 weights, fp32 activations", "int8"),
+    Step("compiled-fp32-int4", "float32", True, "int4 weights, fp32 activations", "int4"),
 ]
 BASELINE = LADDER[0].name
 BF16 = "compiled-bf16"  # the quantized rows' reference (the issue's speed bars are relative to it)
@@ -123,7 +130,7 @@ def run_step(step: Step, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "step": step.name,
         "what": step.what,
-        "dtype": step.dtype,
+        "dtype": loaded.dtype_label(),
         "compiled": step.compile,
         "decode_tok_s": decode,
         "decode_tok_s_min": min(r.decode_tok_s for r in results),
@@ -159,8 +166,8 @@ def bench_command(args: argparse.Namespace) -> int:
         check_writable(args.json_path, args.force)
     names = args.steps.replace("speculative", ",".join(SPECULATIVE)).split(",") if args.steps else None
     steps = [_step_named(n) for n in names] if names else LADDER
+    from genfast.hardware import resolve_device
     from genfast.hub import resolve_model
-    from genfast.llm.session import resolve_device
 
     model_path = resolve_model(args.model)  # fail early on a missing model
     device = resolve_device(args.device)
@@ -170,7 +177,7 @@ def bench_command(args: argparse.Namespace) -> int:
     # Bandwidth varies with the machine's state (shared hosts): measure it now, for every step.
     peak_bw = peak_read_bandwidth(device, remeasure=not os.environ.get("GENFAST_PEAK_BW_GBS"))
     ranks = f", tensor parallel over {args.tp} ranks (per-rank bytes and MBU)" if args.tp > 1 else ""
-    print(f"genfast bench llm: {model_path} on {info['device']}, torch {info['torch']}{ranks}", file=sys.stderr)
+    print(f"genfast bench llm: {model_path} on {describe_machine(info)}{ranks}", file=sys.stderr)
     print(f"prompt: {args.prompt}, {args.prompt_tokens} tokens; {args.new_tokens} new tokens (greedy), "
           f"median of {args.repeats}", file=sys.stderr)
     rows = []

@@ -68,18 +68,18 @@ def _draft(args: argparse.Namespace) -> str | None:
 def load_announced(args: argparse.Namespace) -> LoadedModel:
     """Load the model the model flags name and say on stderr what was loaded (and how it runs)."""
     loaded = load(args.model, args.device, args.dtype, args.threads, args.quant, args.group_size, args.tp)
-    dtype = str(loaded.dtype).removeprefix("torch.")
+    dtype = loaded.dtype_label()
     quant = "" if loaded.quant == "none" else f", {loaded.quant} weights"
     ranks = "" if loaded.tp == 1 else f" | tensor parallel over {loaded.tp} ranks"
     _log(f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
          f"{dtype}{quant} on {loaded.device}{ranks}")
     if loaded.quant != "none":
-        from genfast.quant import kernels
+        from genfast.kernels import QLINEAR
 
-        reason = kernels.unavailable_reason() if loaded.device.type == "cpu" else "not on CPU"
+        reason = QLINEAR.unavailable_reason() if loaded.device.type == "cpu" else "not on CPU"
         if reason:
             _log(f"genfast: note: quantized weights use the slow dequantize path ({reason}); "
-                 "they save memory but not time here")
+                 "they save memory, but decode is slower than unquantized here (`genfast info` says why)")
     return loaded
 
 

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from genfast.compile import compile_fn
 from genfast.errors import UserError
+from genfast.hardware import synchronize
 from genfast.llm.model import Transformer, attention_mask
 from genfast.llm.sampling import SamplingParams, sample
 from genfast.llm.streaming import TextStream
@@ -183,7 +184,7 @@ class Generator:
             t0 = time.perf_counter()
             next_tokens = self._step(next_tokens.view(-1, 1), torch.tensor([pos], device=self.device),
                                      step_mask, params, steady=steps > 0)
-            self._sync()
+            synchronize(self.device)
             decode_s += time.perf_counter() - t0
             steps += 1
             kv_total += kv_len
@@ -232,7 +233,7 @@ class Generator:
             next_tokens = self._step(tokens, input_pos, mask, params)
         else:
             next_tokens = self._step(tokens, input_pos, mask, params, prefill=True)
-        self._sync()
+        synchronize(self.device)
         return next_tokens, pad_start, time.perf_counter() - t0
 
     def _step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams,
@@ -280,7 +281,3 @@ class Generator:
         prompts = [[self.tokenizer.bos_id or 0] * 2] + [[0]] * (self.max_batch_size - 1)
         self.generate(prompts[: self.max_batch_size], max_new_tokens=3, params=params, stop_at_eos=False)
         return time.perf_counter() - t0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)

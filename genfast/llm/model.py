@@ -176,7 +176,7 @@ class Transformer(nn.Module):
             raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
         if (batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len):
             return
-        dtype = self.tok_embeddings.weight.dtype  # the output head may hold quantized codes
+        dtype = self.norm.weight.dtype  # the compute dtype (linears may store theirs in bf16, or codes)
         device = self.norm.weight.device
         for layer in self.layers:  # the layer's own kv heads: a tensor-parallel shard holds a slice
             layer.attention.kv_cache = KVCache(batch_size, max_seq_len, layer.attention.n_kv_heads,
@@ -216,7 +216,7 @@ class Transformer(nn.Module):
             mask = attention_mask(input_pos, tokens.shape[1])
         cos, sin = self.rope(input_pos)
 
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)  # the table may be stored in bf16
         for layer in self.layers[:n_layers]:
             x = layer(x, cos, sin, input_pos, mask, cache_rows)
         if not all_logits:

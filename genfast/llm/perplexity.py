@@ -162,7 +162,7 @@ def eval_ppl_command(args: argparse.Namespace) -> int:
     json_path = check_writable(args.json_path, args.force) if args.json_path else None
     loaded = load(args.model, args.device, args.dtype, args.threads, args.quant,
                   getattr(args, "group_size", None))
-    dtype = str(loaded.dtype).removeprefix("torch.")
+    dtype = loaded.dtype_label()
     _log(f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
          f"{dtype}{'' if loaded.quant == 'none' else ', ' + loaded.quant + ' weights'} on {loaded.device}")
     ids = evaluation_token_ids(loaded.tokenizer)

@@ -13,12 +13,12 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from genfast import __version__
 from genfast.errors import UserError
+from genfast.hardware import DTYPES
 from genfast.hub import publish_directory, resolve_model
 from genfast.llm.checkpoint import QUANTIZED_FILE, checkpoint_format, read_model_args
-from genfast.llm.session import DTYPES, HEAD, LoadedModel, describe_quantization, load, quantize_loaded
+from genfast.llm.session import HEAD, LoadedModel, describe_quantization, load, quantize_loaded
 from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 
 

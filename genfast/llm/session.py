@@ -8,43 +8,15 @@ from pathlib import Path
 import torch
 
 from genfast.errors import UserError
+from genfast.hardware import resolve_device, resolve_dtype
 from genfast.hub import resolve_model
 from genfast.llm.checkpoint import checkpoint_format, load_model, read_model_args
 from genfast.llm.generate import Generator
 from genfast.llm.model import Transformer
 from genfast.llm.tokenizer import Tokenizer, load_tokenizer
+from genfast.nn import auto_weight_dtype, store_linear_weights
 from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, QUANT_MODES
 from genfast.quant.grids import QuantizedWeight
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise UserError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but this torch build sees no CUDA GPU")
-    if device.type not in ("cpu", "cuda"):
-        raise UserError(f"device {name!r} is not supported; use cpu or cuda")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bf16: on CUDA, and on CPUs too, where compiled bf16 decode is the fastest
-    (docs/performance.md); fp16 on CPU is refused (no fast kernels)."""
-    if name == "auto":
-        return torch.bfloat16
-    if name not in DTYPES:
-        raise UserError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
-    dtype = DTYPES[name]
-    if dtype == torch.float16 and device.type == "cpu":
-        raise UserError("float16 is slow and poorly supported on CPU; use bfloat16 or float32")
-    return dtype
 
 
 @dataclass
@@ -56,6 +28,14 @@ class LoadedModel:
     dtype: torch.dtype
     quant: str = "none"  # how the weights are stored, e.g. "int4-g32" (also for quantized checkpoints)
     tp: int = 1  # tensor-parallel ranks: the model is this rank's shard (genfast/llm/tensor_parallel.py)
+    weight_dtype: torch.dtype | None = None  # unquantized linears' storage, when not `dtype` (auto on AVX2: bf16)
+
+    def dtype_label(self) -> str:
+        """e.g. 'bfloat16', or 'float32 (bfloat16 linear weights)'."""
+        label = str(self.dtype).removeprefix("torch.")
+        if self.weight_dtype is not None:
+            label += f" ({str(self.weight_dtype).removeprefix('torch.')} linear weights)"
+        return label
 
 
 def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: int | None = None,
@@ -82,6 +62,7 @@ def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: 
 
         dev = tp_device(dev)
     dt = resolve_dtype(dtype, dev)
+    weight_dt = auto_weight_dtype(dev, dt) if dtype == "auto" else dt
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
     if quant != "none" and checkpoint_format(path) == "genfast":
@@ -100,11 +81,14 @@ def load(model: str | None, device: str = "auto", dtype: str = "auto", threads: 
             quantize_loaded(path, block, bits, group_size, prefix=prefix)
         if tp > 1:
             shard_block(block, rank, tp, prefix)
+        store_linear_weights(block, weight_dt)
 
     transformer = load_model(path, dt, dev, prepare_block)
     if bits is not None:
         quantize_loaded(path, transformer, bits, group_size)  # what is left: the output head
-    return LoadedModel(path, transformer, tokenizer, dev, dt, describe_quantization(transformer), tp)
+    store_linear_weights(transformer, weight_dt)  # the head (and an embedding table tied to it)
+    return LoadedModel(path, transformer, tokenizer, dev, dt, describe_quantization(transformer), tp,
+                       None if weight_dt == dt else weight_dt)
 
 
 # The output head is the layer most sensitive to quantization (measured on SmolLM2: an int4 head

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from genfast.compile import compile_fn
 from genfast.errors import UserError
+from genfast.hardware import synchronize
 from genfast.llm.generate import Completions, GenerationResult, Generator, TextCallback
 from genfast.llm.model import Transformer, attention_mask
 from genfast.llm.sampling import SamplingParams, draw, probabilities
@@ -287,7 +288,7 @@ class SpeculativeGenerator(Generator):
             t0 = time.perf_counter()
             pos = len(history) - 1  # the pending token's slot
             proposal = self.drafter.propose(history, params) if pos + self.k < self.max_seq_len else None
-            self._sync()
+            synchronize(self.device)
             draft_s += time.perf_counter() - t0
             if proposal is None:
                 input_pos, mask = positions(self, pos, 1)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from genfast.bench.memory import peak_memory_bytes
+from genfast.hardware import peak_memory_bytes
 from genfast.llm.generate import GenerationResult
 from genfast.llm.model import Transformer
 

@@ -13,6 +13,12 @@ preceding kernel. The weight is prepacked once into oneDNN's blocked layout, an 
 kept as a plain attribute (not a buffer: it is not in the state dict and `.to()` does not move
 it), so quantize after loading and after any dtype or device change.
 
+Range: on CPUs without VNNI (e.g. AVX2-only) oneDNN multiplies u8 x s8 with vpmaddubsw, which
+sums pairs of products into int16 with saturation: full-range activations (255 * 127 * 2) would
+overflow and give wrong outputs (measured on Zen 3: off by 0.31 on a largest output of 2.59). There
+activations use 7 bits (0..127, as fbgemm's and PyTorch's x86 "reduce_range"), which cannot
+saturate; where VNNI sums in int32 they use all 8.
+
 Only CPU builds with oneDNN have this op. `reference_forward` computes the same quantized
 product with a float convolution of the dequantized operands: the tests' oracle.
 """
@@ -25,12 +31,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast import hardware
+
 ConvFilter = Callable[[str, nn.Conv2d], bool]  # (name, conv) -> True to keep it in floating point
 
 
 def supports(conv: nn.Conv2d) -> bool:
     """Whether DynamicInt8Conv2d can compute `conv`: groups 1 and numeric zero padding."""
     return conv.groups == 1 and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
+
+
+def activation_levels() -> int:
+    """Largest uint8 activation code: 255 where the CPU sums u8 x s8 products in int32 (VNNI,
+    AMX), 127 where oneDNN's int16 pair sums would otherwise saturate (see the module notes)."""
+    flags = hardware.cpu_flags()
+    return 255 if any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8")) else 127
 
 
 def int8_conv_unavailable_reason(device: torch.device | str) -> str | None:
@@ -53,6 +68,7 @@ class DynamicInt8Conv2d(nn.Module):
         if reason:
             raise ValueError(reason)
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.activation_levels = activation_levels()
         self.kernel_size = conv.kernel_size
         self.stride, self.padding, self.dilation = list(conv.stride), list(conv.padding), list(conv.dilation)
         w = conv.weight.detach().float()
@@ -66,32 +82,32 @@ class DynamicInt8Conv2d(nn.Module):
                                                             self.dilation, 1, None)
 
     @staticmethod
-    def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x ≈ (q - zero_point) * scale with q uint8; the range always includes 0 (zero padding
-        must stay exact)."""
+    def quantize_activation(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
+        """x ≈ (q - zero_point) * scale with q uint8 in [0, levels]; the range always includes 0
+        (zero padding must stay exact)."""
         xf = x.float()
         low, high = xf.amin().clamp(max=0), xf.amax().clamp(min=0)
-        scale = ((high - low) / 255).clamp(min=1e-12)
+        scale = ((high - low) / levels).clamp(min=1e-12)
         zero_point = torch.round(-low / scale).to(torch.int32)
-        q = (torch.round(xf / scale) + zero_point).clamp(0, 255).to(torch.uint8)
+        q = (torch.round(xf / scale) + zero_point).clamp(0, levels).to(torch.uint8)
         return q, scale, zero_point
 
     def forward(self, x: Tensor) -> Tensor:
-        q, scale, zero_point = self.quantize_activation(x)
+        q, scale, zero_point = self.quantize_activation(x, self.activation_levels)
         return torch.ops.onednn.qconv_pointwise.tensor(
             q, scale, zero_point, self.packed_weight, self.weight_scale, self.weight_zero_point, self.bias,
             self.stride, self.padding, self.dilation, 1, 1.0, 0, x.dtype, "none", [], "")
 
     def reference_forward(self, x: Tensor) -> Tensor:
         """The same quantized computation as fp32 arithmetic on the dequantized operands."""
-        q, scale, zero_point = self.quantize_activation(x)
+        q, scale, zero_point = self.quantize_activation(x, self.activation_levels)
         xd = (q.float() - zero_point) * scale
         wd = self.qweight.float() * self.weight_scale[:, None, None, None]
         return F.conv2d(xd, wd, self.bias, self.stride, self.padding, self.dilation).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={tuple(self.kernel_size)}, "
-                f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, int8 x uint8")
+                f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, int8 x uint{8 if self.activation_levels == 255 else 7}")
 
 
 def quantize_dynamic_int8_convs(model: nn.Module, keep: ConvFilter | None = None) -> list[str]:

@@ -4,9 +4,10 @@ Two uses: weight-only quantization (memory-bound decode: fewer bytes per weight)
 (compute-bound layers: int8 x int8 products; `dynamic=True`, per-channel int8 weights only).
 
 Kernels, chosen once per layer from its device:
-- CPU with AVX512-VNNI: `torch.ops.genfast.qlinear` (kernels/qlinear_avx512.cpp), for any number
-  of rows, eager or compiled. It always quantizes activations to int8 per block of 32 (finer than
-  per token), so on such CPUs weight-only int8 and dynamic int8 are the same computation.
+- CPU with AVX512-VNNI or AVX2: `torch.ops.genfast.qlinear` (genfast/kernels/qlinear_<isa>.cpp,
+  the variant chosen at run time), for any number of rows, eager or compiled. Weight-only layers
+  quantize activations to int8 per block of 32, dynamic ones per token; both variants compute the
+  same integer sums.
 - elsewhere, weight-only: dequantize to the activation dtype and matmul. Under torch.compile a
   one-row input becomes a single fused loop that reads the codes (`row_linear`).
 - elsewhere, dynamic: activations quantized per token, `torch._int_mm`, rescaled.
@@ -20,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.kernels import QLINEAR
 from genfast.nn import row_linear
-from genfast.quant import kernels
+from genfast.quant import packing
 from genfast.quant.grids import QuantizedWeight, pack_nibbles, unpack_nibbles
 
 
@@ -41,12 +43,12 @@ class QuantLinear(nn.Module):
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.padded_in_features = qweight.codes.shape[1]
         device = qweight.codes.device
-        self.native = device.type == "cpu" and kernels.available()
+        self.native = device.type == "cpu" and packing.available()
         # Buffers hold the kernel's layout; `quantized_weight()` gives back the canonical form.
         if self.native:
-            self.padded_out_features = -(-self.out_features // kernels.ROW_GROUP) * kernels.ROW_GROUP
+            self.padded_out_features = -(-self.out_features // packing.ROW_GROUP) * packing.ROW_GROUP
             parts = (_pad_rows(t, self.padded_out_features) for t in (qweight.codes, qweight.scales, qweight.mins))
-            self.register_buffer("packed", kernels.pack(*parts, self.bits))
+            self.register_buffer("packed", packing.pack(*parts, self.bits))
         else:
             codes = pack_nibbles(qweight.codes) if self.bits == 4 else qweight.codes
             self.register_buffer("codes", codes.contiguous())
@@ -66,7 +68,7 @@ class QuantLinear(nn.Module):
         """The canonical (storage) form of this layer's weight."""
         n, k = self.out_features, self.padded_in_features
         if self.native:
-            codes, scales, mins = (t[:n] for t in kernels.unpack(self.packed, self.bits, self.padded_out_features,
+            codes, scales, mins = (t[:n] for t in packing.unpack(self.packed, self.bits, self.padded_out_features,
                                                                   k, self.group_size))
         else:
             codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
@@ -113,7 +115,7 @@ class QuantLinear(nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "avx512-vnni" if self.native else ("int_mm" if self.dynamic else "dequantize")
+        kernel = f"native-{QLINEAR.loaded_isa()}" if self.native else ("int_mm" if self.dynamic else "dequantize")
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}, kernel={kernel}")
 

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from genfast.bench.isolated import run_row
-from genfast.bench.machine import machine_info
-from genfast.bench.memory import peak_memory_bytes
+from genfast.bench.machine import describe_machine, machine_info
 from genfast.bench.table import check_writable, median, report, write_json_atomic
 from genfast.errors import UserError
+from genfast.hardware import peak_memory_bytes
 from genfast.sam.config import SamConfig, sam_preset
 
 BASELINE = "original-fp32"
@@ -132,8 +132,8 @@ def _run_genfast(config: SamConfig, model, step: str, images: list[np.ndarray], 
 
 def _step_note(step: str, device: torch.device) -> str | None:
     """Why a step is skipped (prefixed 'skipped:') or runs a fallback here; None if it runs as named."""
-    from genfast.quant import kernels as quant_kernels
-    from genfast.sam import kernels as sam_kernels
+    from genfast.quant import packing as quant_kernels
+    from genfast.sam import fused_attention as sam_kernels
     from genfast.sam.recipe import sparse_2_4_unavailable
 
     if step == "sparse-2:4" and (reason := sparse_2_4_unavailable(device)):
@@ -222,7 +222,7 @@ def run_step(step: str, config: SamConfig, batch_size: int, repeats: int, device
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from genfast.llm.session import resolve_device
+    from genfast.hardware import resolve_device
 
     device = resolve_device(args.device)
     if args.threads:
@@ -252,8 +252,8 @@ def bench_command(args: argparse.Namespace) -> int:
               "genfast's fp32 step is the baseline", file=sys.stderr)
     steps.sort(key=STEPS.index)
     info = machine_info(device)
-    print(f"genfast bench sam: {config.name} with RANDOM weights (speed only) on {info['device']}, torch "
-          f"{info['torch']}; one point prompt per image, median of {args.repeats}", file=sys.stderr)
+    print(f"genfast bench sam: {config.name} with RANDOM weights (speed only) on {describe_machine(info)}; "
+          f"one point prompt per image, median of {args.repeats}", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory(prefix="genfast-bench-sam-") as tmp:
         for batch_size in batch_sizes:

@@ -36,16 +36,15 @@ import numpy as np
 import torch
 
 from genfast import __version__
-from genfast.errors import UserError
 from genfast import images as image_files
+from genfast.errors import UserError
+from genfast.hardware import synchronize
 from genfast.sam import images
 from genfast.sam.masks import box_xyxy_to_xywh, mask_to_rle, masks_to_boxes
 from genfast.sam.modeling import Sam
 
 RANDOM_WEIGHTS_WARNING = ("random weights (--random-weights): for benchmarking only; "
                           "these masks are meaningless")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def _log(message: str) -> None:
@@ -125,18 +124,12 @@ def check_prompt_inside(prompt: Prompt, height: int, width: int) -> None:
 # ---- model ---------------------------------------------------------------------------------------
 
 def resolve_device_dtype(device_name: str, dtype_name: str) -> tuple[torch.device, torch.dtype]:
-    """'auto' device: CUDA when present; 'auto' dtype: bfloat16 on CUDA, float32 on CPU."""
-    from genfast.llm.session import resolve_device
+    """'auto' device: CUDA when present; 'auto' dtype: bfloat16 on CUDA, float32 on CPU (SAM's
+    masks are checked against fp32 there; bf16 is a recipe step)."""
+    from genfast.hardware import resolve_device, resolve_dtype
 
     device = resolve_device(device_name)
-    if dtype_name == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype_name not in _DTYPES:
-        raise UserError(f"unknown dtype {dtype_name!r}; use auto, float32, bfloat16 or float16 (CUDA only)")
-    dtype = _DTYPES[dtype_name]
-    if dtype == torch.float16 and device.type == "cpu":
-        raise UserError("float16 is slow and poorly supported on CPU; use float32 or bfloat16")
-    return device, dtype
+    return device, resolve_dtype(dtype_name, device, auto=torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 @dataclass
@@ -187,11 +180,6 @@ class Segmentation:
     decode_s: float
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def segment_prompt(model: Sam, image: np.ndarray, prompt: Prompt, multimask: bool) -> Segmentation:
     """SAM's three masks for the prompt, best predicted IoU first; only the best without `multimask`."""
     from genfast.sam.predictor import SamPredictor
@@ -199,7 +187,7 @@ def segment_prompt(model: Sam, image: np.ndarray, prompt: Prompt, multimask: boo
     predictor = SamPredictor(model)
     start = time.perf_counter()
     predictor.set_image(image)
-    _sync(model.device)
+    synchronize(model.device)
     encoded = time.perf_counter()
     masks, scores, _ = predictor.predict(prompt.points, prompt.labels, prompt.box, multimask_output=True)
     decoded = time.perf_counter()
@@ -221,7 +209,7 @@ def segment_auto(model: Sam, image: np.ndarray, args: argparse.Namespace) -> Seg
         output_mode="binary_mask")
     start = time.perf_counter()
     found = generator.generate(image)
-    _sync(model.device)
+    synchronize(model.device)
     elapsed = time.perf_counter() - start
     found = sorted(found, key=lambda r: r["area"], reverse=True)
     masks = [np.asarray(r["segmentation"], dtype=bool) for r in found]

@@ -6,7 +6,7 @@ import torch
 from genfast.errors import UserError
 from genfast.llm.generate import Generator
 from genfast.llm.sampling import SamplingParams
-from genfast.quant import kernels
+from genfast.quant import packing as kernels
 from tests.llm.hf_fixtures import tiny_genfast_model, word_tokenizer
 
 

@@ -80,3 +80,16 @@ def test_no_int8_convolution_off_the_cpu():
     assert "CPU" in int8_conv_unavailable_reason("cuda")
     with pytest.raises(ValueError, match="CPU"):
         DynamicInt8Conv2d(nn.Conv2d(8, 8, 3, device="meta"))
+
+
+def test_activations_use_seven_bits_where_int16_pair_sums_would_saturate(monkeypatch):
+    """Without VNNI oneDNN sums u8 x s8 pairs in int16: 255 * 127 * 2 overflows, 127 * 127 * 2 does not."""
+    from genfast.quant import conv as conv_module
+    from tests.cpus import ZEN3, ZEN4, pretend_cpu
+
+    pretend_cpu(monkeypatch, ZEN4)
+    assert conv_module.activation_levels() == 255
+    pretend_cpu(monkeypatch, ZEN3)
+    assert conv_module.activation_levels() == 127
+    q, scale, zero_point = DynamicInt8Conv2d.quantize_activation(torch.randn(1, 4, 8, 8), 127)
+    assert q.max() <= 127 and 0 <= zero_point.item() <= 127

@@ -4,8 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genfast import native
-from genfast.quant import kernels
+from genfast.quant import packing as kernels
 from genfast.quant.grids import QuantizedWeight, check_group_size, pack_nibbles, quantize, unpack_nibbles
 from genfast.quant.linear import QuantLinear, quantize_linears
 
@@ -196,10 +195,21 @@ def test_dynamic_int8_filter_hook_and_validation(tmp_path):
         QuantLinear(quantize(torch.randn(8, 64), 4, 32), dynamic=True)
 
 
-def test_native_kernel_is_built_where_the_cpu_supports_it():
-    """Where the CPU has the instructions, a failed build is a bug, not a silent slow path."""
-    if any(flag not in native.cpu_flags() for flag in kernels.REQUIRED_CPU_FLAGS):
-        pytest.skip("this CPU lacks AVX512-VNNI")
-    if kernels.unavailable_reason() == "disabled by GENFAST_NATIVE_KERNELS=0":
-        pytest.skip("disabled by the environment")
-    assert kernels.unavailable_reason() is None
+
+@needs_native
+@pytest.mark.parametrize("bits,group_size", [(8, None), (8, 64), (4, 32), (4, 128)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_native_weight_only_equals_its_integer_math(bits, group_size, rows):
+    """Every kernel variant (AVX-512 VNNI, AVX2) computes these exact integer sums: activations
+    quantized to int8 per block of 32, codes times int8 summed per block, scaled in fp32. Only the
+    order of the fp32 additions differs between variants."""
+    torch.manual_seed(0)
+    k, n = 256, 80
+    layer = QuantLinear.from_linear(torch.nn.Linear(k, n, bias=False), bits, group_size)
+    qw = layer.quantized_weight()
+    x = torch.randn(rows, k)
+    blocks = x.reshape(rows, k // 32, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    xq = torch.round(blocks / scale) * scale  # the dequantized int8 activations
+    expected = xq.reshape(rows, k).double() @ qw.dequantize(torch.float64).t()
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)

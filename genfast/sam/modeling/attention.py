@@ -5,7 +5,7 @@
 - "sdpa": `F.scaled_dot_product_attention`, with the encoder's relative-position bias passed as
   a materialized float mask;
 - "fused": for the encoder, the bias added inside the attention kernel, never materialized: on
-  CPU the native kernel (genfast/sam/kernels) where it applies (bf16 on an AVX512-BF16 CPU, head
+  CPU the native kernel (genfast/sam/fused_attention.py) where it applies (bf16 on an AVX512-BF16 CPU, head
   dim a multiple of 16), on CUDA FlexAttention with a score_mod (Triton; the library's masking
   makes every sequence length correct); SDPA everywhere else, and always in the mask decoder,
   whose attention has no bias;
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from genfast.sam import kernels
+from genfast.sam import fused_attention
 
 ATTENTION_IMPLS = ("auto", "math", "sdpa", "fused")
 
@@ -47,8 +47,8 @@ def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Ten
     """
     b, n_heads, n, c = q.shape
     scale = c ** -0.5
-    if impl in ("auto", "fused") and kernels.supports(q):
-        return kernels.rel_pos_attention(q, k, v, rel_h, rel_w, scale)
+    if impl in ("auto", "fused") and fused_attention.supports(q):
+        return fused_attention.rel_pos_attention(q, k, v, rel_h, rel_w, scale)
     if impl in ("auto", "fused") and q.is_cuda:
         return flex_rel_pos_attention(q, k, v, rel_h, rel_w)
     grid_h, grid_w = rel_h.shape[-1], rel_w.shape[-1]

@@ -1,31 +1,26 @@
-"""The native kernel for quantized linears (built on first use: see genfast/native.py).
+"""The native quantized-linear ops (`genfast.kernels.QLINEAR`) and their weight layout.
 
-`qlinear_avx512.cpp` is a VNNI GEMM over 8/4-bit codes (see the file's header for the math and the
-tile layout). It registers `torch.ops.genfast.qlinear`, an ordinary custom op that torch.compile
-calls without a graph break. Machines without AVX512-VNNI, or without a working compiler, get
-`available() == False` and the callers use their pure-PyTorch path.
+The kernels (genfast/kernels/qlinear_<isa>.cpp; each file's header has the math) register
+`torch.ops.genfast.qlinear` (weight-only: activations quantized to int8 per block of 32) and
+`torch.ops.genfast.qlinear_dynamic` (per-token int8 activations), ordinary custom ops that
+torch.compile calls without a graph break. Every variant reads the same packed layout, made here.
+Where no variant runs (`available() == False`) the callers use their pure-PyTorch path.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from genfast import native
+from genfast.kernels import QLINEAR
 
-SOURCE = Path(__file__).with_name("qlinear_avx512.cpp")
 TILE_ROWS = 16  # output rows per tile
 ROW_GROUP = 64  # rows per unit of work (4 tiles); weights are padded with zero rows to a multiple
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
-# -fopenmp: at::parallel_for is OpenMP pragmas in headers; without the flag it runs on one thread.
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"]
 
 
 def unavailable_reason() -> str | None:
-    """Why the native CPU kernel cannot be used here, or None when it is loaded and ready."""
-    return native.build("qlinear", SOURCE, CFLAGS, REQUIRED_CPU_FLAGS, "int8/int4 CPU kernel")
+    """Why no native quantized-linear kernel runs here, or None when one is loaded and ready."""
+    return QLINEAR.unavailable_reason()
 
 
 def available() -> bool:
@@ -51,7 +46,7 @@ def _qlinear_fake(x: Tensor, packed: Tensor, bits: int, group_size: int, out_fea
 
 
 # Codes [N, K] viewed as (row group s, tile t, row r, block b, chunk c, [nibble half h,] byte j);
-# the kernel wants (s, b, t, c, r, j): see the layout notes in qlinear_avx512.cpp.
+# the kernel wants (s, b, t, c, r, j): see the layout notes in genfast/kernels/qlinear_avx512.cpp.
 _TILES = ROW_GROUP // TILE_ROWS
 
 

@@ -1,4 +1,5 @@
-// y = x W^T for a bf16 weight W [N, K] and a few bf16 input rows x [M, K] (M <= 8), in fp32.
+// y = x W^T for a bf16 weight W [N, K] and a few input rows x [M, K] (M <= 8), in fp32. fp32 rows
+// are rounded to bf16 first: the products are bf16 x bf16 (the AVX2 variant multiplies them in fp32).
 //
 // Why: decoding a batch of a few sequences, or verifying k drafts, multiplies a handful of rows by
 // every weight. That is bound by reading the weights, but aten's GEMM for 2-8 rows streams them at
@@ -78,11 +79,12 @@ void linear_rows(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t
 
 at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_few_rows: x [M, K], weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "linear_few_rows: bf16 only");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_few_rows: the weight must be bf16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_few_rows: x must be fp32 or bf16");
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(M >= 1 && M <= 8, "linear_few_rows: 1 to 8 rows");
   TORCH_CHECK(K % 32 == 0, "linear_few_rows: K must be a multiple of 32");
-  const at::Tensor xs = x.contiguous(), w = weight.contiguous();
+  const at::Tensor xs = x.to(at::kBFloat16).contiguous(), w = weight.contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const auto* xp = xs.data_ptr<at::BFloat16>();
   const auto* wp = w.data_ptr<at::BFloat16>();

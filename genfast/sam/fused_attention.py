@@ -1,25 +1,20 @@
-"""The native fused relative-position attention for SAM's image encoder (built on first use: see
-genfast/native.py). `rel_pos_attention_avx512.cpp` explains the kernel; it registers
+"""The native fused relative-position attention for SAM's image encoder (`genfast.kernels.
+REL_POS_ATTENTION`). genfast/kernels/rel_pos_attention_avx512.cpp explains the kernel; it registers
 `torch.ops.genfast.rel_pos_attention`, which torch.compile calls without a graph break."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from genfast import native
+from genfast.kernels import REL_POS_ATTENTION
 
-SOURCE = Path(__file__).with_name("rel_pos_attention_avx512.cpp")
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
 MAX_HEAD_DIM = 128
 
 
 def unavailable_reason() -> str | None:
     """Why the native kernel cannot be used here, or None when it is loaded and ready."""
-    return native.build("rel_pos_attention", SOURCE, CFLAGS, REQUIRED_CPU_FLAGS, "fused SAM attention kernel")
+    return REL_POS_ATTENTION.unavailable_reason()
 
 
 @torch.compiler.assume_constant_result  # torch.compile calls it once instead of tracing the build

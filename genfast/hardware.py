@@ -1,0 +1,159 @@
+"""The hardware layer every workload uses: which device, which dtype `auto` means there, what the
+CPU's instruction set is (and which native-kernel variants it allows), synchronize and peak memory.
+
+ISA levels, best first: `avx512` (AVX-512 F/BW/VL; a kernel variant may need more, such as VNNI
+or BF16), `avx2` (AVX2 + FMA + F16C) and `none` (portable PyTorch code only). `GENFAST_ISA`
+caps the level, so an AVX-512 machine can run and test the AVX2 and portable paths; it never
+raises the level above what the CPU has.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from genfast.errors import UserError
+
+ISA_LEVELS = ("avx512", "avx2", "none")  # best first
+ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "fma", "f16c"), "avx2": ("avx2", "fma", "f16c"),
+                 "none": ()}
+ISA_ENV = "GENFAST_ISA"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+# ---- CPU -------------------------------------------------------------------------------------------
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 'flags', ARM 'Features'); empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def detected_isa() -> str:
+    """The best ISA level this CPU supports."""
+    flags = cpu_flags()
+    return next(level for level in ISA_LEVELS if all(f in flags for f in ISA_CPU_FLAGS[level]))
+
+
+def isa_override() -> str | None:
+    """GENFAST_ISA's level, or None when unset; an unknown value is a user error."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in ISA_LEVELS:
+        raise UserError(f"{ISA_ENV}={value!r} is not an ISA level; use one of {', '.join(ISA_LEVELS)}")
+    return value
+
+
+def isa() -> str:
+    """The ISA level genfast uses: the detected one, capped by GENFAST_ISA."""
+    detected, cap = detected_isa(), isa_override()
+    if cap is None:
+        return detected
+    return max(detected, cap, key=ISA_LEVELS.index)  # later in ISA_LEVELS = lower
+
+
+def isa_allows(level: str) -> bool:
+    """Whether code written for `level` may run under the active ISA level."""
+    return ISA_LEVELS.index(level) >= ISA_LEVELS.index(isa())
+
+
+def has_native_bf16() -> bool:
+    """Whether the CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16) under the
+    active ISA level. Without it, bf16 matmuls are converted to fp32 and run several times slower
+    than fp32 itself (measured on Zen 3: bf16 prefill 45 vs fp32 279 tok/s; docs/performance.md)."""
+    flags = cpu_flags()
+    return isa_allows("avx512") and ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+# ---- device and dtype ------------------------------------------------------------------------------
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' is CUDA when torch sees a GPU, else the CPU; anything else must be cpu or cuda[:N]."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise UserError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but this torch build sees no CUDA GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"device {name!r} is not supported; use cpu or cuda")
+    return device
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """What `--dtype auto` means on `device`: bf16 on CUDA and on CPUs with native bf16 dot
+    products (there compiled bf16 decode reads half the bytes and is fastest), fp32 on other CPUs,
+    where bf16 arithmetic is emulated."""
+    if device.type == "cuda" or has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def resolve_dtype(name: str, device: torch.device, auto: torch.dtype | None = None) -> torch.dtype:
+    """A --dtype value: 'auto' (`auto`, default auto_dtype(device)) or a name in DTYPES; fp16 on
+    CPU is refused."""
+    if name == "auto":
+        return auto or auto_dtype(device)
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16 (CUDA only)")
+    dtype = DTYPES[name]
+    if dtype == torch.float16 and device.type == "cpu":
+        raise UserError("float16 is slow and poorly supported on CPU; use float32 or bfloat16")
+    return dtype
+
+
+# ---- timing and memory -----------------------------------------------------------------------------
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU, whose ops finish when they return)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device | str) -> int:
+    """CUDA: peak allocated by torch; CPU: the process's peak resident set size."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def describe_isa() -> str:
+    """One line for bench headers and stats: the active ISA level and the flags that matter."""
+    notable = [f for f in ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16") if f in cpu_flags()]
+    text = isa()
+    if notable and isa_allows("avx512"):
+        text += " (" + ", ".join(notable) + ")"
+    if isa_override() is not None:
+        text += f" [{ISA_ENV}={isa_override()}; detected {detected_isa()}]"
+    return text

@@ -1,0 +1,143 @@
+"""genfast's native CPU kernels: one declaration per kernel, a variant per ISA, chosen at run time.
+
+Every C++ source lives in this folder. A `Kernel` lists its variants best first; each variant names
+its ISA level (genfast.hardware.ISA_LEVELS), the CPU flags it needs and the compiler flags that
+match them. `Kernel.load()` takes the first variant the CPU and GENFAST_ISA allow, compiles it on
+first use with the local C++ compiler (torch.utils.cpp_extension, into GENFAST_KERNEL_DIR, default
+GENFAST_HOME/kernels, once per source, flags and torch version) and loads it; the library
+registers its ops with torch.library, so torch.compile calls them without a graph break. All
+variants of a kernel register the same ops with the same semantics, so one process loads one.
+Where no variant fits, the compiler fails or `GENFAST_NATIVE_KERNELS=0`, the caller takes its
+pure-PyTorch path (the portable fallback), and `why` says why.
+
+Adding a variant (e.g. ARM NEON): write `<name>_<isa>.cpp` next to the others, add the ISA level to
+genfast.hardware.ISA_LEVELS with its CPU flags, and list the variant in its Kernel below.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from genfast import hardware
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent
+DISABLE_ENV = "GENFAST_NATIVE_KERNELS"
+
+# -fopenmp: at::parallel_for is OpenMP pragmas in headers; without the flag it runs on one thread.
+_AVX512 = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c")
+_AVX2 = ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c")
+
+
+@dataclass(frozen=True)
+class Variant:
+    isa: str  # a level of genfast.hardware.ISA_LEVELS
+    source: str  # file name in this folder
+    cpu_flags: tuple[str, ...]  # what the CPU must have (as /proc/cpuinfo names it)
+    cflags: tuple[str, ...]  # the matching compiler flags
+
+    @property
+    def path(self) -> Path:
+        return SOURCE_DIR / self.source
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    what: str  # a few words for messages, e.g. "int8/int4 linear kernel"
+    variants: tuple[Variant, ...]  # best first
+
+    def choose(self) -> tuple[Variant | None, str]:
+        """The variant this machine runs and why (or None and why none)."""
+        if os.environ.get(DISABLE_ENV, "1") == "0":
+            return None, f"disabled by {DISABLE_ENV}=0"
+        passed_over = []
+        for variant in self.variants:
+            missing = [flag for flag in variant.cpu_flags if flag not in hardware.cpu_flags()]
+            if missing:
+                passed_over.append(f"{variant.isa}: this CPU lacks {', '.join(missing)}")
+            elif not hardware.isa_allows(variant.isa):
+                passed_over.append(f"{variant.isa}: not allowed by {hardware.ISA_ENV}={hardware.isa_override()}")
+            else:
+                return variant, "best variant for this CPU" + (f" ({'; '.join(passed_over)})" if passed_over else "")
+        return None, "; ".join(passed_over) or "no variant for this CPU"
+
+    def unavailable_reason(self) -> str | None:
+        """None when the chosen variant is built and its ops are loaded, else why not."""
+        variant, why = self.choose()
+        if variant is None:
+            return why
+        return _build(self.name, variant, self.what)
+
+    def available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def loaded_isa(self) -> str | None:
+        """The ISA level of the variant in use, or None when the PyTorch path runs."""
+        return self.choose()[0].isa if self.available() else None
+
+
+QLINEAR = Kernel("qlinear", "int8/int4 linear kernel", (
+    Variant("avx512", "qlinear_avx512.cpp", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"),
+            _AVX512 + ("-mavx512vnni",)),
+    Variant("avx2", "qlinear_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
+))
+LINEAR_FEW_ROWS = Kernel("linear_few_rows", "few-row bf16 linear kernel", (
+    Variant("avx512", "linear_few_rows_avx512.cpp", ("avx512f", "avx512bw", "avx512_bf16"), _AVX512 + ("-mavx512bf16",)),
+    Variant("avx2", "linear_few_rows_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
+))
+REL_POS_ATTENTION = Kernel("rel_pos_attention", "fused SAM attention kernel", (
+    Variant("avx512", "rel_pos_attention_avx512.cpp", ("avx512f", "avx512bw", "avx512_bf16"),
+            _AVX512 + ("-mavx512bf16",)),
+))
+GROUP_NORM = Kernel("group_norm", "GroupNorm CPU kernel", (
+    Variant("avx512", "group_norm_avx512.cpp", ("avx512f", "avx512bw"), _AVX512),
+))
+KERNELS = (QLINEAR, LINEAR_FEW_ROWS, REL_POS_ATTENTION, GROUP_NORM)
+
+
+def kernel_dir() -> Path:
+    from genfast.hub import genfast_home
+
+    return Path(os.environ.get("GENFAST_KERNEL_DIR") or genfast_home() / "kernels")
+
+
+@cache
+def _build(name: str, variant: Variant, what: str) -> str | None:
+    """Compile and load one variant (once per process); None when its ops are ready, else why not."""
+    from torch.utils import cpp_extension
+
+    try:
+        code = variant.path.read_bytes()
+    except OSError as exc:  # an install that did not ship the source
+        log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
+        return f"its source is missing: {exc}"
+    digest = hashlib.sha256(code + torch.__version__.encode() + " ".join(variant.cflags).encode())
+    full_name = f"genfast_{name}_{variant.isa}_{digest.hexdigest()[:12]}"
+    build_dir = kernel_dir() / full_name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # One process builds, the others wait and load its library: tensor-parallel ranks start
+    # together and would otherwise both compile into one directory.
+    with open(kernel_dir() / f"{full_name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (build_dir / f"{full_name}.so").exists():
+            print(f"genfast: building the native {what} ({variant.isa}) into {build_dir} (once; ~10-60 s)",
+                  file=sys.stderr, flush=True)
+        try:
+            cpp_extension.load(name=full_name, sources=[str(variant.path)], extra_cflags=list(variant.cflags),
+                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                               is_python_module=False, verbose=False)
+        except (OSError, RuntimeError) as exc:  # no compiler, no ninja, build error
+            log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
+            return f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    return None

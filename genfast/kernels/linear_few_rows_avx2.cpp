@@ -1,0 +1,100 @@
+// AVX2 + FMA variant of linear_few_rows_avx512.cpp: y = x W^T for a bf16 weight W [N, K] and 1 to
+// 8 input rows x [M, K] (fp32 or bf16), in fp32.
+//
+// Why: without AVX512-BF16 there is no bf16 dot-product instruction, and both aten's bf16 GEMM
+// and inductor's one-row reduction convert and multiply element by element: on a 2-core Zen 3,
+// compiled bf16 decode of SmolLM2 streamed its weights at ~9 GB/s of the ~24 GB/s the machine
+// reads. A bf16 weight widens to fp32 exactly (a 16-bit shift), so here each 8-weight vector is
+// loaded once, widened, and multiplied into all M rows (fp32 FMA) while the next ones stream in:
+// the weights are read once at close to the memory's speed, whatever M.
+//
+// Tiling: R = 8 / M output rows (at least 1) times the M rows: at most 8 accumulators of 8 fp32
+// lanes, summed horizontally once per output. The input rows are widened to fp32 once per call.
+// K must be a multiple of 32 (the Python side checks and otherwise uses F.linear).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline __m256 widen_bf16x8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Output rows [n0, n1) (a multiple of R apart), R at a time, for the M input rows (fp32, [M, K]).
+template <int M, int R>
+void tiles(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {
+  static_assert(M * R <= 8, "8 accumulators at most");
+  for (int64_t n = n0; n < n1; n += R) {
+    __m256 acc[M * R];
+    for (int i = 0; i < M * R; ++i) acc[i] = _mm256_setzero_ps();
+    const at::BFloat16* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * K;
+    for (int64_t k = 0; k < K; k += 8) {
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = widen_bf16x8(rows[r] + k);
+      for (int m = 0; m < M; ++m) {
+        const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[r * M + m] = _mm256_fmadd_ps(wv[r], xv, acc[r * M + m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = hsum(acc[r * M + m]);
+    }
+  }
+}
+
+template <int M>
+void linear_rows(const float* x, const at::BFloat16* w, float* y, int64_t N, int64_t K) {
+  constexpr int R = std::max(1, 8 / M);
+  const int64_t tiles_total = N / R, tail = tiles_total * R;
+  at::parallel_for(0, tiles_total, 64 / R + 1, [&](int64_t begin, int64_t end) {
+    tiles<M, R>(x, w, y, begin * R, end * R, N, K);
+  });
+  tiles<M, 1>(x, w, y, tail, N, N, K);  // the last N % R rows
+}
+
+at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_few_rows: x [M, K], weight [N, K]");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_few_rows: the weight must be bf16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_few_rows: x must be fp32 or bf16");
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(M >= 1 && M <= 8, "linear_few_rows: 1 to 8 rows");
+  TORCH_CHECK(K % 32 == 0, "linear_few_rows: K must be a multiple of 32");
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), w = weight.contiguous();  // bf16 -> fp32 is exact
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const auto* wp = w.data_ptr<at::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  switch (M) {
+    case 1: linear_rows<1>(xp, wp, yp, N, K); break;
+    case 2: linear_rows<2>(xp, wp, yp, N, K); break;
+    case 3: linear_rows<3>(xp, wp, yp, N, K); break;
+    case 4: linear_rows<4>(xp, wp, yp, N, K); break;
+    case 5: linear_rows<5>(xp, wp, yp, N, K); break;
+    case 6: linear_rows<6>(xp, wp, yp, N, K); break;
+    case 7: linear_rows<7>(xp, wp, yp, N, K); break;
+    default: linear_rows<8>(xp, wp, yp, N, K); break;
+  }
+  return y;
+}
+
+}  // namespace
+
+// The schema is defined on the Python side (genfast/nn.py).
+TORCH_LIBRARY_IMPL(genfast, CPU, m) { m.impl("linear_few_rows", &linear_few_rows); }

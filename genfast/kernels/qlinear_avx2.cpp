@@ -1,0 +1,402 @@
+// AVX2 + FMA + F16C variant of qlinear_avx512.cpp: the same ops, packed weight layout and
+// activation quantization, and the same integer sums, so both variants give the same results up
+// to the order of fp32 additions. See qlinear_avx512.cpp for the math and the layout; here a
+// 64-byte chunk of a 16-row tile is two 32-byte halves, rows 0-7 and rows 8-15.
+//
+// AVX2 has no vpdpbusd. A u8 x s8 dot product is vpmaddubsw (adjacent products summed into int16,
+// saturating) followed by vpmaddwd with ones (pairs of int16 into int32). What must not saturate:
+// - 4-bit codes (<= 15) times int8 activations (|x| <= 127): a pair is at most 3810, so the eight
+//   vpmaddubsw results of one 32-column block (30480) still fit int16 and are widened once.
+// - 8-bit codes u in [0, 255] would overflow (2 * 255 * 127). The codes are made signed,
+//   w = u - 128 (a xor with 0x80), and the sign moves to the activation: |w| * (x * sign(w))
+//   (vpabsb, vpsignb), at most 2 * 128 * 127 = 32512 per pair, exact. Then
+//   sum u*x = sum w*x + 128 * sum x, which folds into the minimum: min' = min + 128 * scale.
+//
+// Compiled with -mavx2 -mfma -mf16c; the registry (genfast/kernels/__init__.py) loads it only on
+// CPUs with those flags.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // activation quantization block
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kTilesPerTask = 4;
+constexpr int64_t kPrefetchBlocks = 2;
+
+// 8 activations as fp32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline __m256 abs8(__m256 v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+
+// 32 activations times `inv`, rounded to nearest even (the default MXCSR mode, as std::nearbyint),
+// stored as int8 in order; returns their sum.
+template <typename T>
+inline int32_t quantize32(const T* src, __m256 inv, int8_t* dst) {
+  const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(src), inv));
+  const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(src + 8), inv));
+  const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(src + 16), inv));
+  const __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(src + 24), inv));
+  // The packs work within 128-bit lanes; the permute puts the 4-byte groups back in order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), ordered);
+  return hsum(_mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3)));
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, float* xsum) {
+  const int64_t blocks = k / kBlock;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const T* src = x + m * k + b * kBlock;
+        const __m256 a = _mm256_max_ps(abs8(load8(src)), abs8(load8(src + 8)));
+        const __m256 c = _mm256_max_ps(abs8(load8(src + 16)), abs8(load8(src + 24)));
+        const float scale = hmax(_mm256_max_ps(a, c)) / 127.f;
+        const __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+        const int32_t sum = quantize32(src, inv, xq + m * k + b * kBlock);
+        xs[m * blocks + b] = scale;
+        xsum[m * blocks + b] = scale * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// sum over 4 columns of |w| * (x * sign(w)) for signed 8-bit weights w, as 8 int32 (one per row).
+inline __m256i dot_signed(__m256i w, __m256i x4) {
+  const __m256i products = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x4, w));
+  return _mm256_madd_epi16(products, _mm256_set1_epi16(1));
+}
+
+// Dot products of one 32-column activation block with the two 8-row halves of one 16-row tile.
+// 8-bit: with the codes made signed (see the header); 4-bit: with the unsigned codes.
+template <int Bits>
+inline void tile_block_dots(const uint8_t* w, const int8_t* xq, __m256i& dot0, __m256i& dot1) {
+  if constexpr (Bits == 8) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i x4 = broadcast4(xq + 4 * c);
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64)), flip);
+      const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64 + 32)), flip);
+      a0 = _mm256_add_epi32(a0, dot_signed(w0, x4));
+      a1 = _mm256_add_epi32(a1, dot_signed(w1, x4));
+    }
+    dot0 = a0;
+    dot1 = a1;
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();  // int16 sums, at most 30480
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i x_low = broadcast4(xq + 8 * c), x_high = broadcast4(xq + 8 * c + 4);
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64 + 32));
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v0, low), x_low));
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), x_high));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(v1, low), x_low));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), x_high));
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    dot0 = _mm256_madd_epi16(s0, ones);
+    dot1 = _mm256_madd_epi16(s1, ones);
+  }
+}
+
+struct Activations {
+  const int8_t* xq;
+  const float* xs;
+  const float* xsum;
+  int64_t rows, k;
+};
+
+struct Weights {
+  const uint8_t* packed;
+  const at::Half* scales;
+  const at::Half* mins;
+  int64_t group_size, n_padded, n;
+};
+
+inline __m256 load_half8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The minimum's coefficient for the kernel's integer sums: 8-bit sums are over signed codes.
+template <int Bits>
+inline __m256 effective_min(__m256 minimum, __m256 scale) {
+  if constexpr (Bits == 8) return _mm256_fmadd_ps(scale, _mm256_set1_ps(128.f), minimum);
+  return minimum;
+}
+
+template <typename T>
+inline void store_rows(T* dst, const float* values, int64_t count) {
+  for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<T>(values[j]);
+}
+
+// Output rows [16 * t0, 16 * (t0 + NT)) for every activation row.
+template <int Bits, int NT, typename T>
+void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
+  constexpr int kHalves = 2 * NT;
+  const int64_t blocks = a.k / kBlock;
+  const int64_t blocks_per_group = w.group_size / kBlock;
+  const int64_t block_bytes = kBlock * kTileRows * Bits / 8;
+  const uint8_t* base = w.packed + t0 * blocks * block_bytes;
+  for (int64_t m = 0; m < a.rows; ++m) {
+    const int8_t* xrow = a.xq + m * a.k;
+    const float* xs_row = a.xs + m * blocks;
+    const float* xsum_row = a.xsum + m * blocks;
+    __m256 out[kHalves];
+    for (int i = 0; i < kHalves; ++i) out[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < a.k / w.group_size; ++g) {
+      __m256 acc[kHalves];
+      for (int i = 0; i < kHalves; ++i) acc[i] = _mm256_setzero_ps();
+      float group_sum = 0.f;
+      for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+        // Software prefetch a few blocks ahead (see qlinear_avx512.cpp).
+        if (m == 0) {
+          const uint8_t* ahead = base + (b + kPrefetchBlocks) * NT * block_bytes;
+          for (int64_t line = 0; line < NT * block_bytes; line += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+          }
+        }
+        const __m256 xscale = _mm256_set1_ps(xs_row[b]);
+        for (int i = 0; i < NT; ++i) {
+          __m256i dot0, dot1;
+          tile_block_dots<Bits>(base + (b * NT + i) * block_bytes, xrow + b * kBlock, dot0, dot1);
+          acc[2 * i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), xscale, acc[2 * i]);
+          acc[2 * i + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), xscale, acc[2 * i + 1]);
+        }
+        group_sum += xsum_row[b];
+      }
+      const __m256 sum = _mm256_set1_ps(group_sum);
+      for (int i = 0; i < kHalves; ++i) {
+        const int64_t offset = g * w.n_padded + t0 * kTileRows + i * 8;
+        const __m256 scale = load_half8(w.scales + offset);
+        const __m256 minimum = effective_min<Bits>(load_half8(w.mins + offset), scale);
+        out[i] = _mm256_fmadd_ps(minimum, sum, _mm256_fmadd_ps(scale, acc[i], out[i]));
+      }
+    }
+    alignas(32) float result[kHalves * 8];
+    for (int i = 0; i < kHalves; ++i) _mm256_store_ps(result + 8 * i, out[i]);
+    const int64_t first = t0 * kTileRows;
+    store_rows(y + m * w.n + first, result, std::min<int64_t>(kHalves * 8, w.n - first));
+  }
+}
+
+template <int Bits, typename T>
+void qlinear_tiles(const Activations& a, const Weights& w, T* y) {
+  const int64_t tasks = w.n_padded / (kTileRows * kTilesPerTask);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) tile_run<Bits, kTilesPerTask>(a, w, task * kTilesPerTask, y);
+  });
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t group_size,
+                   int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "qlinear: x must be [rows, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear: x must be fp32 or bf16");
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % group_size == 0 && group_size % kBlock == 0, "qlinear: K must be whole groups of whole blocks");
+  const int64_t groups = k / group_size;
+  const int64_t bytes_per_row = k * bits / 8 + 4 * groups;
+  const int64_t n_padded = packed.numel() / bytes_per_row;
+  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
+              out_features <= n_padded, "qlinear: packed size does not match K, bits and group size");
+
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs, xsum;
+  xq.resize(rows * k);
+  xs.resize(rows * k / kBlock);
+  xsum.resize(rows * k / kBlock);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(xc.data_ptr<float>(), rows, k, xq.data(), xs.data(), xsum.data());
+  } else {
+    quantize_rows(xc.data_ptr<at::BFloat16>(), rows, k, xq.data(), xs.data(), xsum.data());
+  }
+
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k * bits / 8);
+  const Activations a{xq.data(), xs.data(), xsum.data(), rows, k};
+  const Weights w{codes, scales, scales + groups * n_padded, group_size, n_padded, out_features};
+  if (x.scalar_type() == at::kFloat) {
+    bits == 8 ? qlinear_tiles<8>(a, w, y.data_ptr<float>()) : qlinear_tiles<4>(a, w, y.data_ptr<float>());
+  } else {
+    bits == 8 ? qlinear_tiles<8>(a, w, y.data_ptr<at::BFloat16>()) : qlinear_tiles<4>(a, w, y.data_ptr<at::BFloat16>());
+  }
+  return y;
+}
+
+
+// ---- dynamic int8: per-token activations, per-channel int8 weights ---------------------------
+//
+// As in qlinear_avx512.cpp: one scale per activation row, int32 sums over all of K. A register
+// tile is kRowsPerTile activation rows x one 16-row weight tile (two halves): each weight vector
+// is made signed and absolute once and serves 4 rows.
+
+constexpr int kRowsPerTile = 4;
+constexpr int64_t kRowsPerTask = 64;
+
+template <typename T>
+void quantize_rows_per_token(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* src = x + m * k;
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t j = 0; j < k; j += 8) vmax = _mm256_max_ps(vmax, abs8(load8(src + j)));
+      const float scale = hmax(vmax) / 127.f;
+      const __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+      int32_t sum = 0;
+      for (int64_t j = 0; j < k; j += kBlock) sum += quantize32(src + j, inv, xq + m * k + j);
+      xs[m] = scale;
+      xsum[m] = sum;
+    }
+  });
+}
+
+// y rows [m0, m0 + R) x outputs [16 * t, 16 * (t + 1)).
+template <int R, typename T>
+void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k, const Weights& w,
+                  int64_t m0, int64_t t, T* y) {
+  constexpr int64_t block_bytes = kBlock * kTileRows;
+  const int64_t first = t * kTileRows;
+  if (first >= w.n) return;
+  // Tiles are stored [row group][block][tile in group][chunk]: step between blocks of one tile.
+  const int64_t group_first_tile = t - t % kTilesPerTask;
+  const uint8_t* tile = w.packed + group_first_tile * (k / kBlock) * block_bytes + (t % kTilesPerTask) * block_bytes;
+  const int64_t block_stride = kTilesPerTask * block_bytes;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* block = tile + b * block_stride;
+#pragma GCC unroll 2
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * 64)), flip);
+      const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * 64 + 32)), flip);
+      const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x4 = broadcast4(xq + (m0 + r) * k + b * kBlock + 4 * c);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(x4, w0)), ones));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(x4, w1)), ones));
+      }
+    }
+  }
+  const int64_t count = std::min<int64_t>(kTileRows, w.n - first);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 scale = load_half8(w.scales + first + 8 * h);
+    const __m256 minimum = effective_min<8>(load_half8(w.mins + first + 8 * h), scale);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m256 dot = _mm256_fmadd_ps(minimum, _mm256_set1_ps(static_cast<float>(xsum[m])),
+                                         _mm256_mul_ps(scale, _mm256_cvtepi32_ps(acc[r][h])));
+      alignas(32) float result[8];
+      _mm256_store_ps(result, _mm256_mul_ps(dot, _mm256_set1_ps(xs[m])));
+      store_rows(y + m * w.n + first + 8 * h, result, std::clamp<int64_t>(count - 8 * h, 0, 8));
+    }
+  }
+}
+
+at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "qlinear_dynamic: x must be [rows, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear_dynamic: x must be fp32 or bf16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear_dynamic: packed must be contiguous uint8");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "qlinear_dynamic: K must be a multiple of 32");
+  const int64_t bytes_per_row = k + 4;  // codes + fp16 scale + fp16 minimum
+  const int64_t n_padded = packed.numel() / bytes_per_row;
+  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
+              out_features <= n_padded, "qlinear_dynamic: packed size does not match K (8-bit, one group)");
+  TORCH_CHECK(static_cast<double>(k) * 255 * 128 < 2147483647.0, "qlinear_dynamic: K too large for int32 sums");
+
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> xsum;
+  xq.resize(rows * k);
+  xs.resize(rows);
+  xsum.resize(rows);
+  const at::Tensor xc = x.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows_per_token(xc.data_ptr<float>(), rows, k, xq.data(), xs.data(), xsum.data());
+  } else {
+    quantize_rows_per_token(xc.data_ptr<at::BFloat16>(), rows, k, xq.data(), xs.data(), xsum.data());
+  }
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k);
+  const Weights w{codes, scales, scales + n_padded, k, n_padded, out_features};
+  const int64_t row_groups = n_padded / (kTileRows * kTilesPerTask);
+  const int64_t row_chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  const int8_t* xq_ptr = xq.data();
+  const float* xs_ptr = xs.data();
+  const int32_t* xsum_ptr = xsum.data();
+  auto run = [&](auto* out) {
+    // As in the AVX-512 variant: one chunk of activation rows through every weight row group.
+    at::parallel_for(0, row_groups * row_chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t0 = (task % row_groups) * kTilesPerTask;
+        const int64_t m_begin = (task / row_groups) * kRowsPerTask, m_end = std::min(rows, m_begin + kRowsPerTask);
+        for (int64_t t = t0; t < t0 + kTilesPerTask; ++t) {
+          int64_t m = m_begin;
+          for (; m + kRowsPerTile <= m_end; m += kRowsPerTile)
+            dynamic_tile<kRowsPerTile>(xq_ptr, xs_ptr, xsum_ptr, k, w, m, t, out);
+          for (; m < m_end; ++m) dynamic_tile<1>(xq_ptr, xs_ptr, xsum_ptr, k, w, m, t, out);
+        }
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(y.data_ptr<float>());
+  } else {
+    run(y.data_ptr<at::BFloat16>());
+  }
+  return y;
+}
+
+}  // namespace
+
+// The schema is defined on the Python side (genfast/quant/packing.py).
+TORCH_LIBRARY_IMPL(genfast, CPU, m) {
+  m.impl("qlinear", &qlinear);
+  m.impl("qlinear_dynamic", &qlinear_dynamic);
+}

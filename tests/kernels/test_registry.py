@@ -1,0 +1,91 @@
+"""The native-kernel registry: which variant each CPU gets, why, and that the chosen one builds."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from genfast import hardware, kernels
+from tests.cpus import OLD_X86, SKYLAKE_X, ZEN3, ZEN4, pretend_cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def chosen(kernel: kernels.Kernel) -> str | None:
+    variant, _ = kernel.choose()
+    return variant.isa if variant else None
+
+
+@pytest.mark.parametrize("flags,cap,expected", [
+    (ZEN4, None, {"qlinear": "avx512", "linear_few_rows": "avx512", "rel_pos_attention": "avx512", "group_norm": "avx512"}),
+    (ZEN4, "avx2", {"qlinear": "avx2", "linear_few_rows": "avx2", "rel_pos_attention": None, "group_norm": None}),
+    (ZEN4, "none", {"qlinear": None, "linear_few_rows": None, "rel_pos_attention": None, "group_norm": None}),
+    # AVX-512 without VNNI: the AVX2 quantized kernel, the plain AVX-512 GroupNorm.
+    (SKYLAKE_X, None, {"qlinear": "avx2", "linear_few_rows": "avx2", "rel_pos_attention": None, "group_norm": "avx512"}),
+    (ZEN3, None, {"qlinear": "avx2", "linear_few_rows": "avx2", "rel_pos_attention": None, "group_norm": None}),
+    (OLD_X86, None, {"qlinear": None, "linear_few_rows": None, "rel_pos_attention": None, "group_norm": None}),
+])
+def test_variant_choice_per_cpu(monkeypatch, flags, cap, expected):
+    pretend_cpu(monkeypatch, flags, cap)
+    monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
+    assert {k.name: chosen(k) for k in kernels.KERNELS} == expected
+
+
+def test_reasons_name_what_is_missing(monkeypatch):
+    pretend_cpu(monkeypatch, ZEN4, "avx2")
+    monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
+    variant, why = kernels.QLINEAR.choose()
+    assert variant.isa == "avx2" and "not allowed by GENFAST_ISA=avx2" in why
+    pretend_cpu(monkeypatch, ZEN3)
+    assert "this CPU lacks avx512f" in kernels.GROUP_NORM.choose()[1]
+    monkeypatch.setenv(kernels.DISABLE_ENV, "0")
+    assert kernels.QLINEAR.choose() == (None, "disabled by GENFAST_NATIVE_KERNELS=0")
+    assert kernels.QLINEAR.unavailable_reason() == "disabled by GENFAST_NATIVE_KERNELS=0"
+
+
+def test_every_variant_has_its_source_and_matching_compiler_flags():
+    needs = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_vnni": "-mavx512vnni",
+             "avx512_bf16": "-mavx512bf16", "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
+    for kernel in kernels.KERNELS:
+        for variant in kernel.variants:
+            assert variant.path.is_file(), variant
+            assert variant.source == f"{kernel.name}_{variant.isa}.cpp"
+            assert variant.isa in hardware.ISA_LEVELS
+            for flag in variant.cpu_flags:
+                assert needs[flag] in variant.cflags, (variant, flag)
+    assert set(kernels.SOURCE_DIR.glob("*.cpp")) == {v.path for k in kernels.KERNELS for v in k.variants}
+
+
+def test_a_missing_source_is_a_reason_not_an_error():
+    ghost = kernels.Kernel("ghost", "test kernel", (kernels.Variant("none", "../../ghost_none.cpp", (), ()),))
+    assert ghost.unavailable_reason().startswith("its source is missing")
+
+
+@pytest.mark.parametrize("kernel", kernels.KERNELS, ids=lambda k: k.name)
+def test_the_chosen_variant_builds_where_the_cpu_supports_it(kernel):
+    """Where the CPU has a variant's instructions, a failed build is a bug, not a silent slow path."""
+    variant, why = kernel.choose()
+    if variant is None:
+        pytest.skip(why)
+    assert kernel.unavailable_reason() is None
+    assert kernel.loaded_isa() == variant.isa
+
+
+LOWER_LEVELS = hardware.ISA_LEVELS[hardware.ISA_LEVELS.index(hardware.isa()) + 1:]
+# The kernels' own tests: each variant against its reference and the portable path.
+VARIANT_TESTS = ["tests/quant/test_linear.py", "tests/sam/test_attention.py", "tests/diffusion/test_group_norm.py"]
+
+
+@pytest.mark.parametrize("level", LOWER_LEVELS)
+def test_lower_isa_variants_pass_the_kernel_tests(level):
+    """With GENFAST_ISA, this machine also tests the variants of every lower ISA level (an AVX-512
+    machine runs the AVX2 kernels; every machine the portable paths)."""
+    env = {**os.environ, hardware.ISA_ENV: level}
+    probe = subprocess.run([sys.executable, "-c", "from genfast.kernels import QLINEAR; print(QLINEAR.loaded_isa())"],
+                           env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    assert probe.stdout.split()[-1] == ("None" if level == "none" else level)  # qlinear has every level but none
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *VARIANT_TESTS],
+                         env=env, cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

@@ -1,0 +1,70 @@
+"""genfast.hardware: the ISA level (and its GENFAST_ISA cap), what `auto` dtype means per ISA, devices."""
+
+import pytest
+import torch
+
+from genfast import hardware
+from genfast.errors import UserError
+from tests.cpus import OLD_X86, SKYLAKE_X, ZEN3, ZEN4, pretend_cpu
+
+
+@pytest.mark.parametrize("flags,level", [(ZEN4, "avx512"), (SKYLAKE_X, "avx512"), (ZEN3, "avx2"),
+                                         (OLD_X86, "none"), (frozenset(), "none")])
+def test_detected_level(monkeypatch, flags, level):
+    pretend_cpu(monkeypatch, flags)
+    assert hardware.detected_isa() == level == hardware.isa()
+
+
+def test_the_override_only_lowers_the_level(monkeypatch):
+    pretend_cpu(monkeypatch, ZEN4)
+    for cap in ("avx2", "none", "avx512"):
+        monkeypatch.setenv(hardware.ISA_ENV, cap)
+        assert hardware.isa() == cap
+    pretend_cpu(monkeypatch, ZEN3, "avx512")
+    assert hardware.isa() == "avx2"  # never above what the CPU has
+    assert "detected avx2" in hardware.describe_isa()
+    monkeypatch.setenv(hardware.ISA_ENV, "AVX2 ")
+    assert hardware.isa() == "avx2"
+
+
+def test_an_unknown_override_is_a_user_error(monkeypatch):
+    pretend_cpu(monkeypatch, ZEN4, "sse9")
+    with pytest.raises(UserError, match="avx512, avx2, none"):
+        hardware.isa()
+
+
+@pytest.mark.parametrize("flags,cap,expected", [
+    (ZEN4, None, torch.bfloat16),  # native bf16 dot products: bf16 reads half the bytes
+    (ZEN4, "avx2", torch.float32),  # the AVX2 paths have no native bf16
+    (ZEN3, None, torch.float32),  # emulated bf16: fp32 is several times faster
+    (SKYLAKE_X, None, torch.float32),
+    (OLD_X86, None, torch.float32),
+])
+def test_auto_dtype_per_isa(monkeypatch, flags, cap, expected):
+    pretend_cpu(monkeypatch, flags, cap)
+    assert hardware.auto_dtype(torch.device("cpu")) == expected
+    assert hardware.resolve_dtype("auto", torch.device("cpu")) == expected
+    assert hardware.auto_dtype(torch.device("cuda")) == torch.bfloat16
+
+
+def test_dtype_and_device_errors():
+    with pytest.raises(UserError, match="unknown dtype"):
+        hardware.resolve_dtype("int3", torch.device("cpu"))
+    with pytest.raises(UserError, match="float16 is slow"):
+        hardware.resolve_dtype("fp16", torch.device("cpu"))
+    assert hardware.resolve_dtype("auto", torch.device("cpu"), auto=torch.float64) == torch.float64
+    with pytest.raises(UserError, match="unknown device"):
+        hardware.resolve_device("gpu7")
+    with pytest.raises(UserError, match="not supported"):
+        hardware.resolve_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA GPU"):
+            hardware.resolve_device("cuda")
+        assert hardware.resolve_device("auto") == torch.device("cpu")
+
+
+def test_real_cpu_is_described():
+    assert hardware.isa() in hardware.ISA_LEVELS
+    assert hardware.describe_isa().startswith(hardware.isa())
+    assert hardware.peak_memory_bytes("cpu") > 0
+    hardware.synchronize("cpu")
