@@ -6,7 +6,7 @@
 // instruction): per block, sum_k u*x = xs[b] * dot(u, xq), and the minimum contributes
 // min * sum_k x, with sum_k x taken from the same quantized x so the two terms stay consistent.
 //
-// Weight layout (made by genfast/quant/kernels/__init__.py): rows in tiles of 16, tiles in groups
+// Weight layout (made by genfast/quant/packing.py): rows in tiles of 16, tiles in groups
 // of 4 (64 rows, the unit of work of one thread). A tile's chunk of 4 (int8) or 8 (int4) columns
 // is 64 bytes = 16 rows x 4 bytes, so one vpdpbusd with 4 broadcast activation bytes serves 16
 // output rows and no horizontal sums are needed; for int4 the low nibbles hold columns 8c..8c+3
@@ -364,7 +364,7 @@ at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_
 
 }  // namespace
 
-// The schema is defined on the Python side (genfast/quant/kernels/__init__.py).
+// The schema is defined on the Python side (genfast/quant/packing.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) {
   m.impl("qlinear", &qlinear);
   m.impl("qlinear_dynamic", &qlinear_dynamic);
