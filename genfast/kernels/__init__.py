@@ -1,6 +1,6 @@
 """genfast's native CPU kernels: one declaration per kernel, a variant per ISA, chosen at run time.
 
-Every C++ source lives in this folder. A `Kernel` lists its variants best first; each variant names
+Every C++ source lives in this folder, with the headers its variants share. A `Kernel` lists its variants best first; each variant names
 its ISA level (genfast.hardware.ISA_LEVELS), the CPU flags it needs and the compiler flags that
 match them. `Kernel.load()` takes the first variant the CPU and GENFAST_ISA allow, compiles it on
 first use with the local C++ compiler (torch.utils.cpp_extension, into GENFAST_KERNEL_DIR, default
@@ -118,7 +118,8 @@ def _build(name: str, variant: Variant, what: str) -> str | None:
     from torch.utils import cpp_extension
 
     try:
-        code = variant.path.read_bytes()
+        # The headers variants share (e.g. qlinear.h) are part of every build's identity.
+        code = variant.path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
     except OSError as exc:  # an install that did not ship the source
         log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
         return f"its source is missing: {exc}"

@@ -20,7 +20,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+
+#include "linear_few_rows.h"
 
 namespace {
 
@@ -59,42 +60,17 @@ void tiles(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t 
   }
 }
 
-template <int M>
-void linear_rows(const float* x, const at::BFloat16* w, float* y, int64_t N, int64_t K) {
-  constexpr int R = std::max(1, 8 / M);
-  const int64_t tiles_total = N / R, tail = tiles_total * R;
-  at::parallel_for(0, tiles_total, 64 / R + 1, [&](int64_t begin, int64_t end) {
-    tiles<M, R>(x, w, y, begin * R, end * R, N, K);
-  });
-  tiles<M, 1>(x, w, y, tail, N, N, K);  // the last N % R rows
-}
-
-at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_few_rows: x [M, K], weight [N, K]");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_few_rows: the weight must be bf16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_few_rows: x must be fp32 or bf16");
-  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(M >= 1 && M <= 8, "linear_few_rows: 1 to 8 rows");
-  TORCH_CHECK(K % 32 == 0, "linear_few_rows: K must be a multiple of 32");
-  const at::Tensor xf = x.to(at::kFloat).contiguous(), w = weight.contiguous();  // bf16 -> fp32 is exact
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  const auto* wp = w.data_ptr<at::BFloat16>();
-  float* yp = y.data_ptr<float>();
-  switch (M) {
-    case 1: linear_rows<1>(xp, wp, yp, N, K); break;
-    case 2: linear_rows<2>(xp, wp, yp, N, K); break;
-    case 3: linear_rows<3>(xp, wp, yp, N, K); break;
-    case 4: linear_rows<4>(xp, wp, yp, N, K); break;
-    case 5: linear_rows<5>(xp, wp, yp, N, K); break;
-    case 6: linear_rows<6>(xp, wp, yp, N, K); break;
-    case 7: linear_rows<7>(xp, wp, yp, N, K); break;
-    default: linear_rows<8>(xp, wp, yp, N, K); break;
+struct Avx2 {
+  using Input = float;  // bf16 rows widen exactly
+  template <int M>
+  static constexpr int rows_per_tile = std::max(1, 8 / M);
+  template <int M, int R>
+  static void tiles(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {
+    ::tiles<M, R>(x, w, y, n0, n1, N, K);
   }
-  return y;
-}
+};
 
 }  // namespace
 
 // The schema is defined on the Python side (genfast/nn.py).
-TORCH_LIBRARY_IMPL(genfast, CPU, m) { m.impl("linear_few_rows", &linear_few_rows); }
+TORCH_LIBRARY_IMPL(genfast, CPU, m) { m.impl("linear_few_rows", &genfast_few_rows::linear_few_rows<Avx2>); }

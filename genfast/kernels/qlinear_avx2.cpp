@@ -15,23 +15,20 @@
 // Compiled with -mavx2 -mfma -mf16c; the registry (genfast/kernels/__init__.py) loads it only on
 // CPUs with those flags.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+
+#include "qlinear.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // activation quantization block
-constexpr int64_t kTileRows = 16;
-constexpr int64_t kTilesPerTask = 4;
+using namespace genfast_qlinear;
+
 constexpr int64_t kPrefetchBlocks = 2;
 
 // 8 activations as fp32.
@@ -139,20 +136,6 @@ inline void tile_block_dots(const uint8_t* w, const int8_t* xq, __m256i& dot0, _
   }
 }
 
-struct Activations {
-  const int8_t* xq;
-  const float* xs;
-  const float* xsum;
-  int64_t rows, k;
-};
-
-struct Weights {
-  const uint8_t* packed;
-  const at::Half* scales;
-  const at::Half* mins;
-  int64_t group_size, n_padded, n;
-};
-
 inline __m256 load_half8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -162,11 +145,6 @@ template <int Bits>
 inline __m256 effective_min(__m256 minimum, __m256 scale) {
   if constexpr (Bits == 8) return _mm256_fmadd_ps(scale, _mm256_set1_ps(128.f), minimum);
   return minimum;
-}
-
-template <typename T>
-inline void store_rows(T* dst, const float* values, int64_t count) {
-  for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<T>(values[j]);
 }
 
 // Output rows [16 * t0, 16 * (t0 + NT)) for every activation row.
@@ -219,53 +197,6 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
   }
 }
 
-template <int Bits, typename T>
-void qlinear_tiles(const Activations& a, const Weights& w, T* y) {
-  const int64_t tasks = w.n_padded / (kTileRows * kTilesPerTask);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) tile_run<Bits, kTilesPerTask>(a, w, task * kTilesPerTask, y);
-  });
-}
-
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t group_size,
-                   int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2, "qlinear: x must be [rows, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear: x must be fp32 or bf16");
-  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
-  const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % group_size == 0 && group_size % kBlock == 0, "qlinear: K must be whole groups of whole blocks");
-  const int64_t groups = k / group_size;
-  const int64_t bytes_per_row = k * bits / 8 + 4 * groups;
-  const int64_t n_padded = packed.numel() / bytes_per_row;
-  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
-              out_features <= n_padded, "qlinear: packed size does not match K, bits and group size");
-
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xs, xsum;
-  xq.resize(rows * k);
-  xs.resize(rows * k / kBlock);
-  xsum.resize(rows * k / kBlock);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows(xc.data_ptr<float>(), rows, k, xq.data(), xs.data(), xsum.data());
-  } else {
-    quantize_rows(xc.data_ptr<at::BFloat16>(), rows, k, xq.data(), xs.data(), xsum.data());
-  }
-
-  const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k * bits / 8);
-  const Activations a{xq.data(), xs.data(), xsum.data(), rows, k};
-  const Weights w{codes, scales, scales + groups * n_padded, group_size, n_padded, out_features};
-  if (x.scalar_type() == at::kFloat) {
-    bits == 8 ? qlinear_tiles<8>(a, w, y.data_ptr<float>()) : qlinear_tiles<4>(a, w, y.data_ptr<float>());
-  } else {
-    bits == 8 ? qlinear_tiles<8>(a, w, y.data_ptr<at::BFloat16>()) : qlinear_tiles<4>(a, w, y.data_ptr<at::BFloat16>());
-  }
-  return y;
-}
-
 
 // ---- dynamic int8: per-token activations, per-channel int8 weights ---------------------------
 //
@@ -274,7 +205,6 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, 
 // is made signed and absolute once and serves 4 rows.
 
 constexpr int kRowsPerTile = 4;
-constexpr int64_t kRowsPerTask = 64;
 
 template <typename T>
 void quantize_rows_per_token(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
@@ -337,66 +267,34 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
   }
 }
 
-at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2, "qlinear_dynamic: x must be [rows, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear_dynamic: x must be fp32 or bf16");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear_dynamic: packed must be contiguous uint8");
-  const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0, "qlinear_dynamic: K must be a multiple of 32");
-  const int64_t bytes_per_row = k + 4;  // codes + fp16 scale + fp16 minimum
-  const int64_t n_padded = packed.numel() / bytes_per_row;
-  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
-              out_features <= n_padded, "qlinear_dynamic: packed size does not match K (8-bit, one group)");
-  TORCH_CHECK(static_cast<double>(k) * 255 * 128 < 2147483647.0, "qlinear_dynamic: K too large for int32 sums");
-
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xs;
-  thread_local std::vector<int32_t> xsum;
-  xq.resize(rows * k);
-  xs.resize(rows);
-  xsum.resize(rows);
-  const at::Tensor xc = x.contiguous();
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows_per_token(xc.data_ptr<float>(), rows, k, xq.data(), xs.data(), xsum.data());
-  } else {
-    quantize_rows_per_token(xc.data_ptr<at::BFloat16>(), rows, k, xq.data(), xs.data(), xsum.data());
+struct Avx2 {
+  template <typename T>
+  static void quantize_blocks(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, float* xsum) {
+    quantize_rows(x, rows, k, xq, xs, xsum);
   }
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k);
-  const Weights w{codes, scales, scales + n_padded, k, n_padded, out_features};
-  const int64_t row_groups = n_padded / (kTileRows * kTilesPerTask);
-  const int64_t row_chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  const int8_t* xq_ptr = xq.data();
-  const float* xs_ptr = xs.data();
-  const int32_t* xsum_ptr = xsum.data();
-  auto run = [&](auto* out) {
-    // As in the AVX-512 variant: one chunk of activation rows through every weight row group.
-    at::parallel_for(0, row_groups * row_chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t t0 = (task % row_groups) * kTilesPerTask;
-        const int64_t m_begin = (task / row_groups) * kRowsPerTask, m_end = std::min(rows, m_begin + kRowsPerTask);
-        for (int64_t t = t0; t < t0 + kTilesPerTask; ++t) {
-          int64_t m = m_begin;
-          for (; m + kRowsPerTile <= m_end; m += kRowsPerTile)
-            dynamic_tile<kRowsPerTile>(xq_ptr, xs_ptr, xsum_ptr, k, w, m, t, out);
-          for (; m < m_end; ++m) dynamic_tile<1>(xq_ptr, xs_ptr, xsum_ptr, k, w, m, t, out);
-        }
-      }
-    });
-  };
-  if (x.scalar_type() == at::kFloat) {
-    run(y.data_ptr<float>());
-  } else {
-    run(y.data_ptr<at::BFloat16>());
+  template <int Bits, typename T>
+  static void tiles(const Activations& a, const Weights& w, int64_t t0, T* y) {
+    tile_run<Bits, kTilesPerTask>(a, w, t0, y);
   }
-  return y;
-}
+  template <typename T>
+  static void quantize_tokens(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
+    quantize_rows_per_token(x, rows, k, xq, xs, xsum);
+  }
+  template <typename T>
+  static void dynamic_rows(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k, const Weights& w,
+                           int64_t m_begin, int64_t m_end, int64_t t0, T* y) {
+    for (int64_t t = t0; t < t0 + kTilesPerTask; ++t) {
+      int64_t m = m_begin;
+      for (; m + kRowsPerTile <= m_end; m += kRowsPerTile) dynamic_tile<kRowsPerTile>(xq, xs, xsum, k, w, m, t, y);
+      for (; m < m_end; ++m) dynamic_tile<1>(xq, xs, xsum, k, w, m, t, y);
+    }
+  }
+};
 
 }  // namespace
 
 // The schema is defined on the Python side (genfast/quant/packing.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) {
-  m.impl("qlinear", &qlinear);
-  m.impl("qlinear_dynamic", &qlinear_dynamic);
+  m.impl("qlinear", &genfast_qlinear::qlinear<Avx2>);
+  m.impl("qlinear_dynamic", &genfast_qlinear::qlinear_dynamic<Avx2>);
 }

@@ -16,23 +16,20 @@
 //
 // Compiled with -mavx512f/bw/vl/vnni/f16c; the Python side calls it only when the CPU has them.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+
+#include "qlinear.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // activation quantization block
-constexpr int64_t kTileRows = 16;
-constexpr int64_t kTilesPerTask = 4;
+using namespace genfast_qlinear;
+
 constexpr int64_t kPrefetchBlocks = 2;
 
 // 16 activations as fp32.
@@ -108,20 +105,6 @@ inline void block_dots(const uint8_t* const* w, const int8_t* xq, __m512i* dot) 
   for (int i = 0; i < NT; ++i) dot[i] = _mm512_add_epi32(acc0[i], acc1[i]);
 }
 
-struct Activations {
-  const int8_t* xq;
-  const float* xs;
-  const float* xsum;
-  int64_t rows, k;
-};
-
-struct Weights {
-  const uint8_t* packed;
-  const at::Half* scales;
-  const at::Half* mins;
-  int64_t group_size, n_padded, n;
-};
-
 // Output rows [16 * t0, 16 * (t0 + NT)) for every activation row.
 template <int Bits, int NT, typename T>
 void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
@@ -175,57 +158,6 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
   }
 }
 
-template <int Bits, typename T>
-void qlinear_tiles(const Activations& a, const Weights& w, T* y) {
-  const int64_t tasks = w.n_padded / (kTileRows * kTilesPerTask);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) tile_run<Bits, kTilesPerTask>(a, w, task * kTilesPerTask, y);
-  });
-}
-
-// `packed` holds, back to back: the codes in tile layout ([N_padded, K] x bits/8 bytes), then
-// the fp16 scales [groups, N_padded], then the fp16 minima [groups, N_padded]. One tensor per layer
-// keeps the per-call cost low (every tensor is an input torch.compile's wrapper must handle).
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t group_size,
-                   int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2, "qlinear: x must be [rows, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear: x must be fp32 or bf16");
-  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
-  const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % group_size == 0 && group_size % kBlock == 0, "qlinear: K must be whole groups of whole blocks");
-  const int64_t groups = k / group_size;
-  const int64_t bytes_per_row = k * bits / 8 + 4 * groups;
-  const int64_t n_padded = packed.numel() / bytes_per_row;
-  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
-              out_features <= n_padded, "qlinear: packed size does not match K, bits and group size");
-
-  // Quantized activations live in per-thread scratch space: no allocations per call but the output.
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xs, xsum;
-  xq.resize(rows * k);
-  xs.resize(rows * k / kBlock);
-  xsum.resize(rows * k / kBlock);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows(xc.data_ptr<float>(), rows, k, xq.data(), xs.data(), xsum.data());
-  } else {
-    quantize_rows(xc.data_ptr<at::BFloat16>(), rows, k, xq.data(), xs.data(), xsum.data());
-  }
-
-  const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k * bits / 8);
-  const Activations a{xq.data(), xs.data(), xsum.data(), rows, k};
-  const Weights w{codes, scales, scales + groups * n_padded, group_size, n_padded, out_features};
-  if (x.scalar_type() == at::kFloat) {
-    bits == 8 ? qlinear_tiles<8>(a, w, y.data_ptr<float>()) : qlinear_tiles<4>(a, w, y.data_ptr<float>());
-  } else {
-    bits == 8 ? qlinear_tiles<8>(a, w, y.data_ptr<at::BFloat16>()) : qlinear_tiles<4>(a, w, y.data_ptr<at::BFloat16>());
-  }
-  return y;
-}
-
 
 // ---- dynamic int8: per-token activations, per-channel int8 weights ---------------------------
 //
@@ -237,7 +169,6 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, 
 // qlinear (8-bit, one group).
 
 constexpr int kRowsPerTile = 4;
-constexpr int64_t kRowsPerTask = 64;
 
 template <typename T>
 void quantize_rows_per_token(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
@@ -307,65 +238,32 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
   }
 }
 
-at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2, "qlinear_dynamic: x must be [rows, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear_dynamic: x must be fp32 or bf16");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear_dynamic: packed must be contiguous uint8");
-  const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0, "qlinear_dynamic: K must be a multiple of 32");
-  const int64_t bytes_per_row = k + 4;  // codes + fp16 scale + fp16 minimum
-  const int64_t n_padded = packed.numel() / bytes_per_row;
-  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
-              out_features <= n_padded, "qlinear_dynamic: packed size does not match K (8-bit, one group)");
-  TORCH_CHECK(static_cast<double>(k) * 255 * 128 < 2147483647.0, "qlinear_dynamic: K too large for int32 sums");
-
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xs;
-  thread_local std::vector<int32_t> xsum;
-  xq.resize(rows * k);
-  xs.resize(rows);
-  xsum.resize(rows);
-  const at::Tensor xc = x.contiguous();
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows_per_token(xc.data_ptr<float>(), rows, k, xq.data(), xs.data(), xsum.data());
-  } else {
-    quantize_rows_per_token(xc.data_ptr<at::BFloat16>(), rows, k, xq.data(), xs.data(), xsum.data());
+struct Avx512 {
+  template <typename T>
+  static void quantize_blocks(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, float* xsum) {
+    quantize_rows(x, rows, k, xq, xs, xsum);
   }
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k);
-  const Weights w{codes, scales, scales + n_padded, k, n_padded, out_features};
-  const int64_t row_groups = n_padded / (kTileRows * kTilesPerTask);
-  const int64_t row_chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  const int8_t* xq_ptr = xq.data();
-  const float* xs_ptr = xs.data();
-  const int32_t* xsum_ptr = xsum.data();
-  auto run = [&](auto* out) {
-    // Consecutive tasks take one chunk of activation rows (in L2) through every weight row group:
-    // the weights (a few MB) stay in L3, while a large activation matrix is read from memory once.
-    at::parallel_for(0, row_groups * row_chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t t0 = (task % row_groups) * kTilesPerTask;
-        const int64_t m_begin = (task / row_groups) * kRowsPerTask, m_end = std::min(rows, m_begin + kRowsPerTask);
-        int64_t m = m_begin;
-        for (; m + kRowsPerTile <= m_end; m += kRowsPerTile)
-          dynamic_tile<kRowsPerTile>(xq_ptr, xs_ptr, xsum_ptr, k, w, m, t0, out);
-        for (; m < m_end; ++m) dynamic_tile<1>(xq_ptr, xs_ptr, xsum_ptr, k, w, m, t0, out);
-      }
-    });
-  };
-  if (x.scalar_type() == at::kFloat) {
-    run(y.data_ptr<float>());
-  } else {
-    run(y.data_ptr<at::BFloat16>());
+  template <int Bits, typename T>
+  static void tiles(const Activations& a, const Weights& w, int64_t t0, T* y) {
+    tile_run<Bits, kTilesPerTask>(a, w, t0, y);
   }
-  return y;
-}
+  template <typename T>
+  static void quantize_tokens(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
+    quantize_rows_per_token(x, rows, k, xq, xs, xsum);
+  }
+  template <typename T>
+  static void dynamic_rows(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k, const Weights& w,
+                           int64_t m_begin, int64_t m_end, int64_t t0, T* y) {
+    int64_t m = m_begin;
+    for (; m + kRowsPerTile <= m_end; m += kRowsPerTile) dynamic_tile<kRowsPerTile>(xq, xs, xsum, k, w, m, t0, y);
+    for (; m < m_end; ++m) dynamic_tile<1>(xq, xs, xsum, k, w, m, t0, y);
+  }
+};
 
 }  // namespace
 
 // The schema is defined on the Python side (genfast/quant/packing.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) {
-  m.impl("qlinear", &qlinear);
-  m.impl("qlinear_dynamic", &qlinear_dynamic);
+  m.impl("qlinear", &genfast_qlinear::qlinear<Avx512>);
+  m.impl("qlinear_dynamic", &genfast_qlinear::qlinear_dynamic<Avx512>);
 }

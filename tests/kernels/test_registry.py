@@ -75,7 +75,9 @@ def test_the_chosen_variant_builds_where_the_cpu_supports_it(kernel):
 
 LOWER_LEVELS = hardware.ISA_LEVELS[hardware.ISA_LEVELS.index(hardware.isa()) + 1:]
 # The kernels' own tests: each variant against its reference and the portable path.
-VARIANT_TESTS = ["tests/quant/test_linear.py", "tests/sam/test_attention.py", "tests/diffusion/test_group_norm.py"]
+VARIANT_TESTS = [
+    "tests/quant/test_linear.py", "tests/test_nn.py", "tests/sam/test_attention.py", "tests/diffusion/test_group_norm.py",
+]
 
 
 @pytest.mark.parametrize("level", LOWER_LEVELS)

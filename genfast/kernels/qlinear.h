@@ -1,0 +1,145 @@
+// The host side that every qlinear_<isa>.cpp variant shares: argument checks, per-thread scratch
+// buffers, the dtype and bit-width dispatch, and the split of the work into tasks. A variant is a
+// struct of static functions (see qlinear_avx512.cpp for the math and the packed weight layout):
+//
+//   template <typename T> quantize_blocks(x, rows, k, xq, xs, xsum)   int8 per block of 32
+//   template <int Bits, typename T> tiles(a, w, t0, y)                 outputs [16 t0, 16 (t0 + 4)), every row
+//   template <typename T> quantize_tokens(x, rows, k, xq, xs, xsum)   int8 per row
+//   template <typename T> dynamic_rows(xq, xs, xsum, k, w, m0, m1, t0, y)  rows [m0, m1) x the same outputs
+//
+// `packed` holds, back to back: the codes in tile layout ([N_padded, K] x bits/8 bytes), then the
+// fp16 scales [groups, N_padded], then the fp16 minima [groups, N_padded]. One tensor per layer
+// keeps the per-call cost low (every tensor is an input torch.compile's wrapper must handle).
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace genfast_qlinear {
+
+constexpr int64_t kBlock = 32;  // activation quantization block
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kTilesPerTask = 4;
+constexpr int64_t kRowsPerTask = 64;  // dynamic: activation rows per task
+
+struct Activations {
+  const int8_t* xq;
+  const float* xs;
+  const float* xsum;
+  int64_t rows, k;
+};
+
+struct Weights {
+  const uint8_t* packed;
+  const at::Half* scales;
+  const at::Half* mins;
+  int64_t group_size, n_padded, n;
+};
+
+template <typename T>
+inline void store_rows(T* dst, const float* values, int64_t count) {
+  for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<T>(values[j]);
+}
+
+inline void check_input(const char* op, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be fp32 or bf16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), op, ": packed must be contiguous uint8");
+}
+
+template <class V>
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t group_size,
+                   int64_t out_features) {
+  check_input("qlinear", x, packed);
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % group_size == 0 && group_size % kBlock == 0, "qlinear: K must be whole groups of whole blocks");
+  const int64_t groups = k / group_size;
+  const int64_t bytes_per_row = k * bits / 8 + 4 * groups;
+  const int64_t n_padded = packed.numel() / bytes_per_row;
+  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
+              out_features <= n_padded, "qlinear: packed size does not match K, bits and group size");
+
+  // Quantized activations live in per-thread scratch space: no allocations per call but the output.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs, xsum;
+  xq.resize(rows * k);
+  xs.resize(rows * k / kBlock);
+  xsum.resize(rows * k / kBlock);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k * bits / 8);
+  const Activations a{xq.data(), xs.data(), xsum.data(), rows, k};
+  const Weights w{codes, scales, scales + groups * n_padded, group_size, n_padded, out_features};
+  auto run = [&](const auto* in, auto* out) {
+    V::quantize_blocks(in, rows, k, xq.data(), xs.data(), xsum.data());
+    at::parallel_for(0, n_padded / (kTileRows * kTilesPerTask), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        bits == 8 ? V::template tiles<8>(a, w, task * kTilesPerTask, out)
+                  : V::template tiles<4>(a, w, task * kTilesPerTask, out);
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(xc.data_ptr<float>(), y.data_ptr<float>());
+  } else {
+    run(xc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+  }
+  return y;
+}
+
+template <class V>
+at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  check_input("qlinear_dynamic", x, packed);
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "qlinear_dynamic: K must be a multiple of 32");
+  const int64_t bytes_per_row = k + 4;  // codes + fp16 scale + fp16 minimum
+  const int64_t n_padded = packed.numel() / bytes_per_row;
+  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
+              out_features <= n_padded, "qlinear_dynamic: packed size does not match K (8-bit, one group)");
+  TORCH_CHECK(static_cast<double>(k) * 255 * 128 < 2147483647.0, "qlinear_dynamic: K too large for int32 sums");
+
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> xsum;
+  xq.resize(rows * k);
+  xs.resize(rows);
+  xsum.resize(rows);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k);
+  const Weights w{codes, scales, scales + n_padded, k, n_padded, out_features};
+  const int64_t row_groups = n_padded / (kTileRows * kTilesPerTask);
+  const int64_t row_chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  // Pointers taken here: inside the parallel region the thread_local names are other threads' buffers.
+  int8_t* xq_ptr = xq.data();
+  float* xs_ptr = xs.data();
+  int32_t* xsum_ptr = xsum.data();
+  auto run = [&](const auto* in, auto* out) {
+    V::quantize_tokens(in, rows, k, xq_ptr, xs_ptr, xsum_ptr);
+    // Consecutive tasks take one chunk of activation rows (in L2) through every weight row group:
+    // the weights (a few MB) stay in L3, while a large activation matrix is read from memory once.
+    at::parallel_for(0, row_groups * row_chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t0 = (task % row_groups) * kTilesPerTask;
+        const int64_t m_begin = (task / row_groups) * kRowsPerTask, m_end = std::min(rows, m_begin + kRowsPerTask);
+        V::dynamic_rows(xq_ptr, xs_ptr, xsum_ptr, k, w, m_begin, m_end, t0, out);
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(xc.data_ptr<float>(), y.data_ptr<float>());
+  } else {
+    run(xc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+  }
+  return y;
+}
+
+}  // namespace genfast_qlinear
