@@ -11,8 +11,8 @@ from genfast.kernels import LINEAR_FEW_ROWS
 
 # Up to this many rows the kernel beats aten's GEMM on a 2-core Zen 4 (SmolLM2 step, ms: 2 rows 6.4
 # vs 12.1, 3: 7.7 vs 11.7, 5: 10.3 vs 12.6); from 6 rows on its bf16 dot products are the bound and
-# it only ties (`python benchmarks/linear_kernels.py --rows 1,2,3,4,5,6,8`). The AVX2 variant keeps
-# the same bound (measured in docs/performance.md, "AVX2").
+# it only ties (`python benchmarks/linear_kernels.py --rows 1,2,3,4,5,6,8`). The AVX2 variant uses
+# the same bound; its own crossover against aten's GEMM has not been measured yet.
 MAX_FEW_ROWS = 5
 
 torch.library.define("genfast::linear_few_rows", "(Tensor x, Tensor weight) -> Tensor")
