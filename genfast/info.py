@@ -31,7 +31,7 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
     lines.append(("--dtype auto", f"{str(auto).removeprefix('torch.')} on the CPU ({why})"))
     for kernel in kernels.KERNELS:
         variant, why = kernel.choose()
-        reason = kernel.unavailable_reason() if variant else why
+        reason = kernel.unavailable_reason()  # `why` again when no variant fits
         if reason is None:
             lines.append((kernel.what, f"native {variant.isa} ({why})"))
         else:

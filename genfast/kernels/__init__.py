@@ -1,14 +1,15 @@
 """genfast's native CPU kernels: one declaration per kernel, a variant per ISA, chosen at run time.
 
-Every C++ source lives in this folder, with the headers its variants share. A `Kernel` lists its variants best first; each variant names
-its ISA level (genfast.hardware.ISA_LEVELS), the CPU flags it needs and the compiler flags that
-match them. `Kernel.load()` takes the first variant the CPU and GENFAST_ISA allow, compiles it on
-first use with the local C++ compiler (torch.utils.cpp_extension, into GENFAST_KERNEL_DIR, default
-GENFAST_HOME/kernels, once per source, flags and torch version) and loads it; the library
+Every C++ source lives in this folder, with the headers its variants share. A `Kernel` lists its
+variants best first; each variant names its ISA level (genfast.hardware.ISA_LEVELS), the CPU flags
+it needs and the compiler flags that match them. `Kernel.choose()` takes the first variant the CPU
+and GENFAST_ISA allow; `Kernel.unavailable_reason()` (or `available()`) compiles it on first use
+with the local C++ compiler (torch.utils.cpp_extension, into GENFAST_KERNEL_DIR, default
+GENFAST_HOME/kernels, once per source, headers, flags and torch version) and loads it; the library
 registers its ops with torch.library, so torch.compile calls them without a graph break. All
 variants of a kernel register the same ops with the same semantics, so one process loads one.
 Where no variant fits, the compiler fails or `GENFAST_NATIVE_KERNELS=0`, the caller takes its
-pure-PyTorch path (the portable fallback), and `why` says why.
+pure-PyTorch path (the portable fallback), and the reason says why.
 
 Adding a variant (e.g. ARM NEON): write `<name>_<isa>.cpp` next to the others, add the ISA level to
 genfast.hardware.ISA_LEVELS with its CPU flags, and list the variant in its Kernel below.

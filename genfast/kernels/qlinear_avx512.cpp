@@ -151,9 +151,7 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
       alignas(64) float result[kTileRows];
       _mm512_store_ps(result, out[i]);
       const int64_t first = (t0 + i) * kTileRows;
-      const int64_t count = std::min<int64_t>(kTileRows, w.n - first);
-      T* dst = y + m * w.n + first;
-      for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<T>(result[j]);
+      store_rows(y + m * w.n + first, result, std::min<int64_t>(kTileRows, w.n - first));
     }
   }
 }
