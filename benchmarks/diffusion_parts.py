@@ -2,7 +2,7 @@
 (docs/performance.md, "int8 convolutions, a GroupNorm kernel, ..."), medians on this machine:
 
     python benchmarks/diffusion_parts.py vae          # VAE decode at 512x512: int8 thresholds, GroupNorm kernel
-    python benchmarks/diffusion_parts.py group-norm   # one GroupNorm+SiLU: ATen, inductor, genfast's kernel
+    python benchmarks/diffusion_parts.py group-norm [--dtype float32]  # one GroupNorm+SiLU: ATen, inductor, genfast's kernel
     python benchmarks/diffusion_parts.py attention    # the UNet's self-attention shapes: SDPA and alternatives
 
 Random weights at the real size (`random_pipeline("sd15")`); bf16, channels-last, compiled as the
@@ -48,7 +48,7 @@ def vae() -> None:
         print(f"| {name} | {seconds:.2f} | {quality} |")
 
 
-def group_norm() -> None:
+def group_norm(dtype: torch.dtype) -> None:
     from genfast.diffusion.group_norm import ChannelsLastGroupNorm
 
     print("| batch x channels x size | ATen eager ms | inductor ms | genfast kernel, compiled ms |\n|---|---|---|---|")
@@ -56,9 +56,9 @@ def group_norm() -> None:
     shapes = ((1, 128, 512), (1, 256, 256), (1, 512, 128), (1, 512, 64),
               (2, 320, 64), (2, 640, 64), (2, 640, 32), (2, 1280, 32), (2, 1280, 16), (2, 1280, 8))
     for batch, channels, size in shapes:
-        norm = torch.nn.GroupNorm(32, channels, eps=1e-6).to(torch.bfloat16)
+        norm = torch.nn.GroupNorm(32, channels, eps=1e-6).to(dtype)
         native = ChannelsLastGroupNorm(norm)
-        x = torch.randn(batch, channels, size, size, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+        x = torch.randn(batch, channels, size, size, dtype=dtype).to(memory_format=torch.channels_last)
         options = {"freezing": True}
         inductor = torch.compile(lambda t: F.silu(norm(t)), options=options)
         ours = torch.compile(lambda t: F.silu(native(t)), fullgraph=True, options=options)
@@ -91,6 +91,10 @@ def attention() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=("vae", "group-norm", "attention"))
-    part = parser.parse_args().part
-    print(f"{part} on {device_name(torch.device('cpu'))}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    {"vae": vae, "group-norm": group_norm, "attention": attention}[part]()
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="group-norm's dtype")
+    args = parser.parse_args()
+    print(f"{args.part} on {device_name(torch.device('cpu'))}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    if args.part == "group-norm":
+        group_norm(getattr(torch, args.dtype))
+    else:
+        {"vae": vae, "attention": attention}[args.part]()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from genfast.bench.machine import device_name
 from genfast.bench.timing import median_seconds
-from genfast.quant import kernels
+from genfast.quant import packing as kernels
 from genfast.quant.grids import quantize
 
 SHAPES = [(4096, 768, 2304), (4096, 768, 3072), (4096, 3072, 768), (32768, 768, 2304), (1024, 320, 1280),

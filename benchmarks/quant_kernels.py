@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from genfast.bench.machine import device_name
-from genfast.quant import kernels
+from genfast.quant import packing as kernels
 from genfast.quant.grids import quantize
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]

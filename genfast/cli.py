@@ -148,6 +148,7 @@ def _add_imagine_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", default="sdpa", choices=DIFFUSION_STEPS,
                    help="the last recipe step to apply, all earlier ones included (default: sdpa)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    _add_low_precision_arg(p)
     p.add_argument("--random-weights", action="store_true",
                    help="a tiny random pipeline (smoke tests and timing only; labelled in every output)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
@@ -203,6 +204,12 @@ def _add_segment_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     g.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16 (CUDA only)")
+
+
+def _add_low_precision_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="the dtype of the recipe's bf16 step and every later one: auto (bfloat16 where the CPU "
+                        "or GPU computes in it natively; float32, leaving the bf16 step out, on CPUs that emulate it)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", default="1,8", help="comma-separated images per batch (default: 1,8)")
     b.add_argument("--device", default="auto")
     b.add_argument("--steps", default=None, help="comma-separated step names (default: the whole ladder)")
+    _add_low_precision_arg(b)
     b.add_argument("--repeats", type=_positive_int, default=3)
     b.add_argument("--threads", type=_positive_int, default=None)
     b.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON to this file")
@@ -311,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=_positive_int, default=4, help="denoising steps per image (default 4)")
     b.add_argument("--only", default=None, metavar="STEP,STEP", help="comma-separated recipe steps (default: all)")
     b.add_argument("--device", default="auto")
+    _add_low_precision_arg(b)
     b.add_argument("--repeats", type=_positive_int, default=3)
     b.add_argument("--threads", type=_positive_int, default=None)
     b.add_argument("--json", dest="json_path", default=None, help="also write the rows as JSON to this file")

@@ -132,6 +132,26 @@ def resolve_dtype(name: str, device: torch.device, auto: torch.dtype | None = No
 
 # ---- timing and memory -----------------------------------------------------------------------------
 
+LOW_PRECISION_CHOICES = ("auto", "bfloat16", "float32")
+
+
+def low_precision_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The dtype of a recipe's "bf16" step (SAM, diffusion) for a --dtype `name` in
+    LOW_PRECISION_CHOICES; None leaves the step out, so the recipe computes in fp32 throughout.
+    'auto' leaves it out where bf16 is emulated (auto_dtype is fp32 there)."""
+    if name == "auto":
+        return None if auto_dtype(device) == torch.float32 else torch.bfloat16
+    if name not in LOW_PRECISION_CHOICES:
+        raise UserError(f"--dtype takes {', '.join(LOW_PRECISION_CHOICES)}, got {name!r}")
+    return torch.bfloat16 if name == "bfloat16" else None
+
+
+def low_precision_note(device: torch.device) -> str:
+    """Why a recipe's bf16 step is left out, for a table row or a message."""
+    why = "this CPU has no native bf16 arithmetic" if device.type == "cpu" and not has_native_bf16() else "--dtype"
+    return f"{why}; the later steps compute in fp32 (--dtype bfloat16 runs them in bf16)"
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the device's queued work (a no-op on the CPU, whose ops finish when they return)."""
     device = torch.device(device)

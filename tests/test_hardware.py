@@ -47,6 +47,20 @@ def test_auto_dtype_per_isa(monkeypatch, flags, cap, expected):
     assert hardware.auto_dtype(torch.device("cuda")) == torch.bfloat16
 
 
+@pytest.mark.parametrize("flags, auto", [(ZEN4, torch.bfloat16), (ZEN3, None)])
+def test_the_recipes_bf16_step_follows_the_cpu(monkeypatch, flags, auto):
+    """--dtype auto of `bench sam`, `bench diffusion` and `imagine`: the bf16 step where the CPU
+    computes in bf16 natively, fp32 throughout (None) where it emulates it."""
+    pretend_cpu(monkeypatch, flags)
+    cpu = torch.device("cpu")
+    assert hardware.low_precision_dtype("auto", cpu) == auto
+    assert hardware.low_precision_dtype("bfloat16", cpu) == torch.bfloat16
+    assert hardware.low_precision_dtype("float32", cpu) is None
+    with pytest.raises(UserError, match="--dtype takes"):
+        hardware.low_precision_dtype("float16", cpu)
+    assert hardware.low_precision_note(cpu).startswith("this CPU has no native bf16" if auto is None else "--dtype")
+
+
 def test_dtype_and_device_errors():
     with pytest.raises(UserError, match="unknown dtype"):
         hardware.resolve_dtype("int3", torch.device("cpu"))

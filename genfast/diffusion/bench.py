@@ -39,6 +39,7 @@ COLUMNS = [
     ("s_per_denoiser_step", "s/denoiser step", ".3f"), ("compile_s", "compile s", ".0f"),
     ("peak_mem_gb", "peak mem GB", ".2f"), ("psnr_db", "PSNR vs baseline dB", ".1f"),
     ("psnr_vs_sdpa_db", "PSNR vs fp32 SDPA dB", ".1f"), ("new_size_graphs", "graphs at new size", "d"),
+    ("note", "note", ""),
 ]
 
 
@@ -66,13 +67,16 @@ class _TimedDenoiser(DenoiserWrapper):
 
 
 def run_step(step: str, arch: str, size: int, steps: int, repeats: int, device: torch.device,
-             reference_dir: Path) -> dict[str, Any]:
+             reference_dir: Path, low_precision: torch.dtype | None = torch.bfloat16) -> dict[str, Any]:
     """One row, in this process; the reference steps save their images to reference_dir."""
     from genfast.diffusion.pipelines import denoiser_name, denoiser_of
     from genfast.diffusion.quality import psnr
     from genfast.diffusion.recipe import apply_recipe, recipe_for_step
+    from genfast.hardware import low_precision_note
 
-    recipe = recipe_for_step(step)
+    if step == "bf16" and low_precision is None:
+        return {"step": step, "note": f"skipped: {low_precision_note(device)}"}
+    recipe = recipe_for_step(step, low_precision)
     pipe = _pipeline(arch).to(device)
     apply_recipe(pipe, recipe)
     timer = _TimedDenoiser(denoiser_of(pipe), device)  # around the feature cache too: what the loop calls
@@ -121,7 +125,7 @@ def run_step(step: str, arch: str, size: int, steps: int, repeats: int, device: 
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from genfast.hardware import resolve_device
+    from genfast.hardware import low_precision_dtype, resolve_device
 
     if args.arch not in ARCHS:
         raise UserError(f"unknown --arch {args.arch!r}; choose one of {', '.join(ARCHS)}")
@@ -130,8 +134,10 @@ def bench_command(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    low_precision = low_precision_dtype(args.dtype, device)
     if args.one_step:
-        row = run_step(args.one_step, args.arch, args.size, args.steps, args.repeats, device, Path(args.reference_dir))
+        row = run_step(args.one_step, args.arch, args.size, args.steps, args.repeats, device, Path(args.reference_dir),
+                       low_precision)
         write_json_atomic(args.json_path, row)
         return 0
     if args.json_path:
@@ -143,20 +149,22 @@ def bench_command(args: argparse.Namespace) -> int:
     ladder.sort(key=DIFFUSION_STEPS.index)
     info = machine_info(device)
     print(f"genfast bench diffusion: {args.arch} with RANDOM weights (speed only), {args.size}x{args.size}, "
-          f"{args.steps} steps, on {describe_machine(info)}; median of {args.repeats}", file=sys.stderr)
+          f"{args.steps} steps, on {describe_machine(info)}; median of {args.repeats}; steps from bf16 on in "
+          f"{str(low_precision or torch.float32).removeprefix('torch.')}", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory(prefix="genfast-bench-diffusion-") as reference_dir:
         for step in ladder:
             print(f"  {step} ...", file=sys.stderr, flush=True)
             argv = ["bench", "diffusion", "--one-step", step, "--arch", args.arch, "--size", str(args.size),
                     "--steps", str(args.steps), "--repeats", str(args.repeats), "--device", args.device,
+                    "--dtype", args.dtype,
                     "--reference-dir", reference_dir]
             if args.threads:
                 argv += ["--threads", str(args.threads)]
             rows.append(run_row(argv, f"step {step}"))
     base = next((r for r in rows if r["step"] == "baseline"), None)
     for row in rows:
-        if base is not None:
+        if base is not None and row.get("s_per_image"):
             row["speedup"] = base["s_per_image"] / row["s_per_image"]
     report(rows, COLUMNS, info, f"{args.arch} (random weights)",
            f"s/image: prompt encoding + {args.steps} denoising steps (classifier-free guidance) + VAE decode, "

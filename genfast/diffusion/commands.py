@@ -56,21 +56,22 @@ def load(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
 def imagine_command(args: argparse.Namespace) -> int:
     from genfast.diffusion.pipelines import call_kwargs
     from genfast.diffusion.recipe import apply_recipe, recipe_for_step
-    from genfast.hardware import resolve_device
+    from genfast.hardware import low_precision_dtype, resolve_device
 
     width, height = parse_size(args.size)
     output = Path(args.output).expanduser()
     images.check_outputs([output], args.force)  # fail before the slow part
     device = resolve_device(args.device)
-    recipe = recipe_for_step(args.recipe)
+    recipe = recipe_for_step(args.recipe, low_precision_dtype(args.dtype, device))
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     if args.random_weights:
         print(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}", file=sys.stderr)
     start = time.perf_counter()
     pipe, description = load(args, recipe.dtype, device)
     apply_recipe(pipe, recipe)
-    print(f"genfast: {description} | recipe {args.recipe} | {width}x{height}, {args.steps} steps, seed {seed} "
-          f"on {device}" + (" (the first call compiles: minutes on a CPU)" if recipe.compile != "none" else ""),
+    dtype_name = str(recipe.dtype).removeprefix("torch.")
+    print(f"genfast: {description} | recipe {args.recipe} in {dtype_name} | {width}x{height}, "
+          f"{args.steps} steps, seed {seed} on {device}" + (" (the first call compiles: minutes on a CPU)" if recipe.compile != "none" else ""),
           file=sys.stderr, flush=True)
     pipe.set_progress_bar_config(desc="denoising", file=sys.stderr)
     loaded = time.perf_counter()

@@ -2,10 +2,11 @@
 
 A UNet's or VAE decoder's GroupNorm at high resolution is memory-bound work that inductor and
 ATen both run several times slower than the memory allows on channels-last tensors (see
-genfast/kernels/group_norm_avx512.cpp). `ChannelsLastGroupNorm` keeps nn.GroupNorm's parameters and
-state-dict names, and runs `torch.ops.genfast.group_norm_nhwc` (an ordinary custom op: torch.compile calls it
-without a graph break) when the input is channels-last fp32/bf16 with channels a multiple of 16 on a
-CPU with AVX512; otherwise `F.group_norm`, so it is always safe to swap in.
+genfast/kernels/group_norm_avx512.cpp; an AVX2 variant does the same). `ChannelsLastGroupNorm`
+keeps nn.GroupNorm's parameters and state-dict names, and runs `torch.ops.genfast.group_norm_nhwc`
+(an ordinary custom op: torch.compile calls it without a graph break) when the input is
+channels-last fp32/bf16 with channels a multiple of 16 on a CPU with AVX-512 or AVX2; otherwise
+`F.group_norm`, so it is always safe to swap in.
 """
 
 from __future__ import annotations

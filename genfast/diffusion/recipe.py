@@ -11,10 +11,13 @@
 | compile | torch.compile (fullgraph) of the denoiser and the VAE decoder | as bf16 (fp32: max abs diff <= 1e-3) |
 | dynamic-int8 | int8 activations x int8 weights in the linears `int8_keep` leaves (shape rule) | PSNR >= 35 dB (tiny models, every linear quantized: 45-53) |
 | int8-conv | uint8 activations x int8 weights in the denoiser's and VAE decoder's convolutions `int8_conv_keep` leaves (CPU with oneDNN; skipped with a warning elsewhere) | PSNR >= 35 dB (tiny models, every conv quantized) |
-| group-norm-kernel | GroupNorm of channels-last activations by genfast's native CPU kernel (`group_norm.py`; a no-op, with a warning, without AVX512 or off the CPU) | fp32 max abs diff <= 1e-4; cumulative: as int8-conv |
+| group-norm-kernel | GroupNorm of channels-last activations by genfast's native CPU kernel (`group_norm.py`; a no-op, with a warning, without AVX-512 or AVX2 or off the CPU) | fp32 max abs diff <= 1e-4; cumulative: as int8-conv |
 | regional-compile | instead of whole-model compile: each repeated (transformer) block compiled | as dynamic-int8 |
 | dynamic-shapes | the compiled regions and VAE decoder take symbolic sizes: a new resolution does not recompile | as dynamic-int8 |
 | feature-cache | DeepCache: UNet deep features reused every other step (`feature_cache_interval=2`) | not accuracy-preserving: PSNR >= 30 dB vs the same recipe uncached on tiny models (measured ~50) |
+
+On a CPU without native bf16 arithmetic (no AVX512-BF16 or AMX: bf16 is emulated and slower than
+fp32) `--dtype auto` leaves the bf16 step out and every later step computes in fp32.
 
 "Scheduler state on the host, no device syncs in the loop" is not a step: diffusers' pipelines
 and schedulers keep step indices as Python ints and sigmas on the CPU, and nothing genfast puts
@@ -86,12 +89,14 @@ class DiffusionRecipe:
     feature_cache_interval: int = 0  # 0: off; N: full UNet every N steps
 
 
-def recipe_for_step(step: str) -> DiffusionRecipe:
-    """The recipe with every step up to and including `step`."""
+def recipe_for_step(step: str, low_precision: torch.dtype | None = torch.bfloat16) -> DiffusionRecipe:
+    """The recipe with every step up to and including `step`. `low_precision` is the dtype the
+    "bf16" step switches to; None leaves that step out, so every later step computes in fp32 (what
+    a CPU without native bf16 arithmetic should do: genfast.hardware.low_precision_dtype)."""
     if step not in DIFFUSION_STEPS:
         raise ValueError(f"unknown diffusion step {step!r}; choose one of {', '.join(DIFFUSION_STEPS)}")
     changes: dict[str, dict[str, Any]] = {
-        "bf16": {"dtype": torch.bfloat16},
+        "bf16": {"dtype": low_precision} if low_precision is not None else {},
         "sdpa": {"attention": "sdpa"},
         "channels_last": {"channels_last": True},
         "fused-qkv": {"fuse_qkv": True},

@@ -100,9 +100,11 @@ LINEAR_FEW_ROWS = Kernel("linear_few_rows", "few-row bf16 linear kernel", (
 REL_POS_ATTENTION = Kernel("rel_pos_attention", "fused SAM attention kernel", (
     Variant("avx512", "rel_pos_attention_avx512.cpp", ("avx512f", "avx512bw", "avx512_bf16"),
             _AVX512 + ("-mavx512bf16",)),
+    Variant("avx2", "rel_pos_attention_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
 ))
 GROUP_NORM = Kernel("group_norm", "GroupNorm CPU kernel", (
     Variant("avx512", "group_norm_avx512.cpp", ("avx512f", "avx512bw"), _AVX512),
+    Variant("avx2", "group_norm_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
 ))
 KERNELS = (QLINEAR, LINEAR_FEW_ROWS, REL_POS_ATTENTION, GROUP_NORM)
 

@@ -30,6 +30,8 @@ namespace {
 using namespace genfast_qlinear;
 
 constexpr int64_t kPrefetchBlocks = 2;
+// The loops over a register tile's accumulators are unrolled explicitly: GCC 12 otherwise keeps
+// the accumulator arrays in memory and stores every one of them on each pass of the inner loop.
 
 // 8 activations as fp32.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -160,9 +162,11 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
     const float* xs_row = a.xs + m * blocks;
     const float* xsum_row = a.xsum + m * blocks;
     __m256 out[kHalves];
+#pragma GCC unroll 8
     for (int i = 0; i < kHalves; ++i) out[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < a.k / w.group_size; ++g) {
       __m256 acc[kHalves];
+#pragma GCC unroll 8
       for (int i = 0; i < kHalves; ++i) acc[i] = _mm256_setzero_ps();
       float group_sum = 0.f;
       for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
@@ -174,6 +178,7 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
           }
         }
         const __m256 xscale = _mm256_set1_ps(xs_row[b]);
+#pragma GCC unroll 8
         for (int i = 0; i < NT; ++i) {
           __m256i dot0, dot1;
           tile_block_dots<Bits>(base + (b * NT + i) * block_bytes, xrow + b * kBlock, dot0, dot1);
@@ -183,6 +188,7 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
         group_sum += xsum_row[b];
       }
       const __m256 sum = _mm256_set1_ps(group_sum);
+#pragma GCC unroll 8
       for (int i = 0; i < kHalves; ++i) {
         const int64_t offset = g * w.n_padded + t0 * kTileRows + i * 8;
         const __m256 scale = load_half8(w.scales + offset);
@@ -191,6 +197,7 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
       }
     }
     alignas(32) float result[kHalves * 8];
+#pragma GCC unroll 8
     for (int i = 0; i < kHalves; ++i) _mm256_store_ps(result + 8 * i, out[i]);
     const int64_t first = t0 * kTileRows;
     store_rows(y + m * w.n + first, result, std::min<int64_t>(kHalves * 8, w.n - first));
@@ -237,6 +244,7 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[R][2];
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* block = tile + b * block_stride;
@@ -245,6 +253,7 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
       const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * 64)), flip);
       const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * 64 + 32)), flip);
       const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m256i x4 = broadcast4(xq + (m0 + r) * k + b * kBlock + 4 * c);
         acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(x4, w0)), ones));
@@ -256,6 +265,7 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
   for (int h = 0; h < 2; ++h) {
     const __m256 scale = load_half8(w.scales + first + 8 * h);
     const __m256 minimum = effective_min<8>(load_half8(w.mins + first + 8 * h), scale);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const __m256 dot = _mm256_fmadd_ps(minimum, _mm256_set1_ps(static_cast<float>(xsum[m])),

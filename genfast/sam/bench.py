@@ -110,11 +110,12 @@ def _run_original(config: SamConfig, model: torch.nn.Module, images: list[np.nda
     return run
 
 
-def _run_genfast(config: SamConfig, model, step: str, images: list[np.ndarray], prompts: list[dict]):
+def _run_genfast(config: SamConfig, model, step: str, low_precision: torch.dtype | None, images: list[np.ndarray],
+                 prompts: list[dict]):
     from genfast.sam.predictor import SamPredictor
     from genfast.sam.recipe import apply_recipe, recipe_for_step
 
-    recipe = recipe_for_step(step)
+    recipe = recipe_for_step(step, low_precision)
     apply_recipe(model, recipe)
     predictor = SamPredictor(model, encoder_batch_size=len(images) if recipe.compile else None)
 
@@ -130,16 +131,23 @@ def _run_genfast(config: SamConfig, model, step: str, images: list[np.ndarray], 
     return run
 
 
-def _step_note(step: str, device: torch.device) -> str | None:
+def _step_note(step: str, device: torch.device, low_precision: torch.dtype | None) -> str | None:
     """Why a step is skipped (prefixed 'skipped:') or runs a fallback here; None if it runs as named."""
+    from genfast.hardware import low_precision_note
     from genfast.quant import packing as quant_kernels
     from genfast.sam import fused_attention as sam_kernels
     from genfast.sam.recipe import sparse_2_4_unavailable
 
+    if step == "bf16" and low_precision is None:
+        return f"skipped: {low_precision_note(device)}"
     if step == "sparse-2:4" and (reason := sparse_2_4_unavailable(device)):
         return f"skipped: {reason}"
     if step == "fused-attention" and device.type == "cpu" and (reason := sam_kernels.unavailable_reason()):
         return f"fused kernel unavailable ({reason}): SDPA"
+    if (step == "fused-attention" and device.type == "cpu"
+            and (low_precision or torch.float32) not in sam_kernels.DTYPES.get(sam_kernels.loaded_isa(), ())):
+        dtype = str(low_precision or torch.float32).removeprefix("torch.")
+        return f"the {sam_kernels.loaded_isa()} kernel takes no {dtype}: SDPA"
     if step == "fused-attention" and device.type != "cpu":
         return "no fused kernel for this device yet: SDPA"
     if step == "dynamic-int8" and device.type == "cpu" and (reason := quant_kernels.unavailable_reason()):
@@ -181,12 +189,12 @@ def agreement(outputs: list[tuple[np.ndarray, np.ndarray]], baseline: list[tuple
 
 
 def run_step(step: str, config: SamConfig, batch_size: int, repeats: int, device: torch.device,
-             baseline_file: Path) -> dict[str, Any]:
+             baseline_file: Path, low_precision: torch.dtype | None = torch.bfloat16) -> dict[str, Any]:
     """One row of the ladder, in this process. The baseline step saves its outputs to
     baseline_file; the others compare against them."""
     from genfast.sam.build import build_random_sam
 
-    row: dict[str, Any] = {"step": step, "batch_size": batch_size, "note": _step_note(step, device)}
+    row: dict[str, Any] = {"step": step, "batch_size": batch_size, "note": _step_note(step, device, low_precision)}
     need, available = attention_scores_bytes(step, config, batch_size), available_memory_bytes()
     if device.type == "cpu" and available is not None and need > 0.95 * available:
         row["note"] = (f"skipped: its attention scores need ~{need / 1e9:.0f} GB, "
@@ -199,7 +207,7 @@ def run_step(step: str, config: SamConfig, batch_size: int, repeats: int, device
     model.reset_pixel_stats()
     with torch.inference_mode():
         run = (_run_original(config, model, images, prompts) if step == BASELINE
-               else _run_genfast(config, model, step, images, prompts))
+               else _run_genfast(config, model, step, low_precision, images, prompts))
         start = time.perf_counter()
         outputs = run()  # warm-up (and compilation)
         first_s = time.perf_counter() - start
@@ -222,14 +230,16 @@ def run_step(step: str, config: SamConfig, batch_size: int, repeats: int, device
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from genfast.hardware import resolve_device
+    from genfast.hardware import low_precision_dtype, resolve_device
 
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     config = _config(args)
+    low_precision = low_precision_dtype(args.dtype, device)
     if args.one_step:
-        row = run_step(args.one_step, config, int(args.batch_size), args.repeats, device, Path(args.baseline_file))
+        row = run_step(args.one_step, config, int(args.batch_size), args.repeats, device, Path(args.baseline_file),
+                       low_precision)
         write_json_atomic(args.json_path, row)
         return 0
     if args.json_path:
@@ -253,7 +263,8 @@ def bench_command(args: argparse.Namespace) -> int:
     steps.sort(key=STEPS.index)
     info = machine_info(device)
     print(f"genfast bench sam: {config.name} with RANDOM weights (speed only) on {describe_machine(info)}; "
-          f"one point prompt per image, median of {args.repeats}", file=sys.stderr)
+          f"one point prompt per image, median of {args.repeats}; steps from bf16 on in "
+          f"{str(low_precision or torch.float32).removeprefix('torch.')}", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory(prefix="genfast-bench-sam-") as tmp:
         for batch_size in batch_sizes:
@@ -273,7 +284,7 @@ def bench_command(args: argparse.Namespace) -> int:
 
 def _run_isolated(step: str, batch_size: int, args: argparse.Namespace, baseline_file: Path) -> dict:
     argv = ["bench", "sam", "--one-step", step, "--batch-size", str(batch_size), "--device", args.device,
-            "--repeats", str(args.repeats), "--baseline-file", str(baseline_file)]
+            "--dtype", args.dtype, "--repeats", str(args.repeats), "--baseline-file", str(baseline_file)]
     argv += ["--config", args.config] if args.config else ["--model", args.model]
     if args.threads:
         argv += ["--threads", str(args.threads)]

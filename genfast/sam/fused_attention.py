@@ -1,6 +1,8 @@
 """The native fused relative-position attention for SAM's image encoder (`genfast.kernels.
-REL_POS_ATTENTION`). genfast/kernels/rel_pos_attention_avx512.cpp explains the kernel; it registers
-`torch.ops.genfast.rel_pos_attention`, which torch.compile calls without a graph break."""
+REL_POS_ATTENTION`). genfast/kernels/rel_pos_attention_avx512.cpp explains the kernel; both
+variants register `torch.ops.genfast.rel_pos_attention`, which torch.compile calls without a graph
+break. The AVX-512 variant computes on bf16 inputs (`vdpbf16ps`); the AVX2 one in fp32, on float32
+or bfloat16 inputs (CPUs without AVX512-BF16 run SAM in fp32)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from torch import Tensor
 from genfast.kernels import REL_POS_ATTENTION
 
 MAX_HEAD_DIM = 128
+DTYPES = {"avx512": (torch.bfloat16,), "avx2": (torch.float32, torch.bfloat16)}  # per variant (ISA level)
 
 
 def unavailable_reason() -> str | None:
@@ -18,14 +21,18 @@ def unavailable_reason() -> str | None:
 
 
 @torch.compiler.assume_constant_result  # torch.compile calls it once instead of tracing the build
-def available() -> bool:
-    return unavailable_reason() is None
+def loaded_isa() -> str:
+    """The ISA level of the loaded variant, "" when none is loaded."""
+    return REL_POS_ATTENTION.loaded_isa() or ""
 
 
 def supports(q: Tensor) -> bool:
-    """Whether the kernel takes these queries ([..., N, C]): bf16 on a CPU, C a multiple of 16."""
+    """Whether the loaded kernel takes these queries ([..., N, C]): on a CPU, a dtype its variant
+    computes in (DTYPES), C a multiple of 16 up to MAX_HEAD_DIM."""
     c = q.shape[-1]
-    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and c % 16 == 0 and c <= MAX_HEAD_DIM and available()
+    if q.device.type != "cpu" or c % 16 or c > MAX_HEAD_DIM:
+        return False
+    return q.dtype in DTYPES.get(loaded_isa(), ())
 
 
 torch.library.define("genfast::rel_pos_attention",
@@ -39,7 +46,7 @@ def _rel_pos_attention_fake(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_
 
 
 def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float) -> Tensor:
-    """q, k, v: bf16 [B, heads, N, C] (any strides with unit channel stride); rel_h [B, heads, N, H]
+    """q, k, v: [B, heads, N, C] (any strides with unit channel stride) in a dtype `supports`; rel_h [B, heads, N, H]
     and rel_w [B, heads, N, W] with H * W = N. Returns [B, heads, N, C], a view of a
     [B, N, heads, C] tensor (see the C++ file)."""
     if any(t.stride(-1) != 1 or any(s % 2 for s in t.stride()) for t in (q, k, v)):

@@ -5,11 +5,15 @@
 | fp32 | genfast's model, attention computed like the original (explicit softmax) | identical to the original package (1e-5) |
 | bf16 | weights and activations in bfloat16 | mask-logit error <= 5% of the logit range, mask IoU >= 0.95 |
 | sdpa | `scaled_dot_product_attention` with the bias as a float mask | as bf16 |
-| fused-attention | relative-position bias inside a native kernel (CPU, bf16); SDPA elsewhere | as bf16 |
+| fused-attention | relative-position bias inside a native kernel (CPU; FlexAttention on CUDA) | as bf16 |
 | compile | torch.compile of the image encoder (fullgraph, static shapes, freezing) | as bf16 |
 | batched-prompts | one mask-decoder call for the prompts of all images (predict_batch) | as bf16 |
 | dynamic-int8 | int8 activations x int8 weights in the encoder's linears (`encoder_int8_filter`) | logit error <= 10%, IoU >= 0.9 |
 | sparse-2:4 | instead of dynamic-int8: 2:4 magnitude pruning of the encoder's linears + sparse kernels (CUDA only) | not an accuracy-preserving step: pruning random weights changes the model; measured, not bounded |
+
+On a CPU without native bf16 arithmetic (no AVX512-BF16 or AMX: bf16 is emulated and slower than
+fp32) the bf16 step is left out and every later step computes in fp32 (`recipe_for_step(step,
+low_precision=None)`; `genfast bench sam --dtype auto` does so there).
 
 "GPU-sync-free prompt handling" is not a step: the predictor's torch path never reads device
 values (genfast/sam/predictor.py), in every step.
@@ -41,12 +45,14 @@ class SamRecipe:
     sparse_2_4: bool = False
 
 
-def recipe_for_step(step: str) -> SamRecipe:
-    """The recipe with every step up to and including `step`."""
+def recipe_for_step(step: str, low_precision: torch.dtype | None = torch.bfloat16) -> SamRecipe:
+    """The recipe with every step up to and including `step`. `low_precision` is the dtype the
+    "bf16" step switches to; None leaves that step out, so every later step computes in fp32 (what
+    a CPU without native bf16 arithmetic should do: genfast.hardware.auto_dtype)."""
     if step not in SAM_STEPS:
         raise ValueError(f"unknown SAM step {step!r}; choose one of {', '.join(SAM_STEPS)}")
     changes = {
-        "bf16": {"dtype": torch.bfloat16},
+        "bf16": {"dtype": low_precision} if low_precision is not None else {},
         "sdpa": {"attention": "sdpa"},
         "fused-attention": {"attention": "fused"},
         "compile": {"compile": True},

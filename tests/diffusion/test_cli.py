@@ -56,6 +56,13 @@ def test_imagine_loads_a_pipeline_directory(tmp_path, capsys):
         assert np.array_equal(np.asarray(img), np.asarray(expected))
 
 
+def test_imagine_says_the_dtype_its_recipe_computes_in(tmp_path, capsys):
+    out = tmp_path / "out.png"
+    assert cli.main(["imagine", "x", "--model", "tiny-sd15", "--random-weights", "--size", "32x32", "--steps", "1",
+                     "--recipe", "sdpa", "--dtype", "float32", "-o", str(out)]) == 0
+    assert "recipe sdpa in float32" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "tiny-sd15", "--random-weights", "--size", "32x"], "WIDTHxHEIGHT"),
     (["--model", "tiny-sd15", "--random-weights", "--size", "30x32"], "multiples of 8"),

@@ -48,6 +48,28 @@ def test_fused_kernel_matches_fp32_reference(b, h, w, c, bias_scale):
     assert (actual.float() - expected).abs().max().item() < 1e-2
 
 
+@needs_kernel
+@pytest.mark.parametrize("b, h, w, c", [(3, 8, 8, 32), (5, 3, 3, 16), (2, 14, 14, 64), (1, 5, 7, 80), (1, 64, 64, 64)])
+def test_fused_kernel_in_fp32_matches_math(b, h, w, c):
+    """Where the loaded variant computes in fp32 (AVX2), fp32 inputs take the kernel, and it agrees
+    with the explicit softmax to fp32 rounding (1e-5: sums of up to 4096 terms in another order)."""
+    if torch.float32 not in kernels.DTYPES[kernels.loaded_isa()]:
+        pytest.skip(f"the {kernels.loaded_isa()} variant takes bf16 only")
+    q, k, v, rel_h, rel_w = _inputs(b, h, w, c)
+    assert kernels.supports(q)
+    expected = rel_pos_attention(q, k, v, rel_h, rel_w, impl="math")
+    actual = rel_pos_attention(q, k, v, rel_h, rel_w, impl="fused")
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_fused_kernel_rejects_mixed_dtypes():
+    q, k, v, rel_h, rel_w = _inputs(1, 3, 3, 16)
+    with pytest.raises(RuntimeError, match="rel_pos_attention"):
+        torch.ops.genfast.rel_pos_attention(q.bfloat16(), k, v, rel_h, rel_w, 0.25)
+
+
 def test_sdpa_matches_math_in_fp32():
     q, k, v, rel_h, rel_w = _inputs(2, 5, 7, 8)
     torch.testing.assert_close(rel_pos_attention(q, k, v, rel_h, rel_w, "sdpa"),

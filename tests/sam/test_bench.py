@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from genfast import cli
-from genfast.sam.bench import agreement, bench_images, config_json
+from genfast.sam.bench import agreement, bench_images, config_json, run_step
+from tests.cpus import ZEN3, pretend_cpu
 from tests.sam.test_attention import FUSABLE
 
 
@@ -77,3 +79,9 @@ def test_attention_memory_estimate_matches_the_measured_peak():
     assert 18e9 < attention_scores_bytes("fp32", vit_b, 8) < 21.2e9
     assert attention_scores_bytes("fused-attention", vit_b, 8) == 0
     assert attention_scores_bytes("original-fp32", vit_b, 8) == attention_scores_bytes("fp32", vit_b, 1)
+
+
+def test_the_bf16_row_says_why_it_is_left_out(monkeypatch, tmp_path):
+    pretend_cpu(monkeypatch, ZEN3)
+    row = run_step("bf16", FUSABLE, 1, 1, torch.device("cpu"), tmp_path / "baseline.pt", low_precision=None)
+    assert row["note"].startswith("skipped: this CPU has no native bf16") and "img_s" not in row

@@ -77,6 +77,14 @@ def test_steps_are_cumulative():
     assert SAM_STEPS[0] == "fp32"
 
 
+def test_the_bf16_step_can_be_left_out():
+    """Where bf16 is emulated the ladder keeps fp32 and takes every other step."""
+    full = recipe_for_step("dynamic-int8", low_precision=None)
+    assert (full.dtype, full.attention, full.compile, full.batched_prompts, full.dynamic_int8) == (
+        torch.float32, "fused", True, True, True)
+    assert recipe_for_step("bf16", low_precision=None) == SamRecipe()
+
+
 @pytest.mark.parametrize("step", list(BUDGETS))
 def test_step_stays_within_its_budget(step, baseline):
     max_err, min_iou = BUDGETS[step]

@@ -1,0 +1,268 @@
+// Attention with SAM's decomposed relative-position bias, fused, for AVX2 + FMA CPUs:
+//
+//   out[b, i] = sum_j softmax_j(scale * q[b, i] . k[b, j] + rel_h[b, i, j / W] + rel_w[b, i, j % W]) v[b, j]
+//
+// the same op as rel_pos_attention_avx512.cpp (which explains why it is fused), computed in fp32
+// throughout: CPUs without AVX-512 have no bf16 dot-product instruction, so SAM runs in fp32 there
+// and the inputs may be float32 or bfloat16 (widened on load; the output has the input's dtype).
+//
+// Each task takes kQueryBlock query rows of one head. Their scaled queries (16 x C) stay in L1,
+// their scores (16 x N fp32: 256 KB at N = 4096) in L2, where the bias is added, the softmax
+// taken (the scores are overwritten by unnormalized probabilities) and P @ V accumulated.
+// Operands are re-laid out once per head so every inner-loop load is one contiguous 8-lane vector:
+//   K as blocks of 8 keys, [N_pad/8][C][8], for S = Q K^T (lane = key);
+//   V row by row,          [N_pad][C],      for O = P V   (lane = channel).
+// N is padded to a multiple of 8 with zero keys whose probabilities are set to 0. Both products
+// keep their K or V slice in L1 across the block's rows: keys tile-by-tile for S, and chunks of
+// kKeyChunk keys for O (whose accumulators are reloaded from L1 per chunk).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryBlock = 16;  // query rows per task
+constexpr int kRows = 4;             // query rows per register tile (divides kQueryBlock)
+constexpr int kKeyVectors = 3;       // 8-key vectors per register tile of S: 4 x 3 accumulators
+constexpr int kChannelVectors = 2;   // 8-channel vectors per register tile of O: 4 x 2 accumulators
+constexpr int64_t kKeyChunk = 64;    // keys per chunk of O = P V (64 x C fp32 of V: 16 KB at C = 64)
+
+inline float hmax(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp(x) for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor
+// polynomial (relative error < 2e-7). x is clamped at -87 so 2^n stays a normal float.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// S[r, 8 * (kb + t) + l] = q[r] . k[8 * (kb + t) + l] for R rows and KV blocks of 8 keys.
+// q: R rows of C floats; kp: [N_pad/8][C][8].
+template <int R, int KV>
+inline void scores_tile(const float* q, int64_t c, const float* kp, int64_t kb, float* s, int64_t s_stride) {
+  __m256 acc[R][KV];
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int t = 0; t < KV; ++t) acc[r][t] = _mm256_setzero_ps();
+  const float* keys = kp + kb * c * 8;
+  for (int64_t ch = 0; ch < c; ++ch) {
+    __m256 key[KV];
+    #pragma GCC unroll 8
+    for (int t = 0; t < KV; ++t) key[t] = _mm256_loadu_ps(keys + (t * c + ch) * 8);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 query = _mm256_broadcast_ss(q + r * c + ch);
+      #pragma GCC unroll 8
+      for (int t = 0; t < KV; ++t) acc[r][t] = _mm256_fmadd_ps(query, key[t], acc[r][t]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int t = 0; t < KV; ++t) _mm256_storeu_ps(s + r * s_stride + 8 * (kb + t), acc[r][t]);
+}
+
+// S for `rows` rows (a multiple of R) against all n_pad keys; each key tile is reused by every row tile.
+template <int R>
+void score_rows(const float* q, int64_t rows, int64_t c, const float* kp, int64_t n_pad, float* s) {
+  const int64_t key_blocks = n_pad / 8;
+  int64_t kb = 0;
+  for (; kb + kKeyVectors <= key_blocks; kb += kKeyVectors)
+    for (int64_t r = 0; r < rows; r += R) scores_tile<R, kKeyVectors>(q + r * c, c, kp, kb, s + r * n_pad, n_pad);
+  for (; kb < key_blocks; ++kb)
+    for (int64_t r = 0; r < rows; r += R) scores_tile<R, 1>(q + r * c, c, kp, kb, s + r * n_pad, n_pad);
+}
+
+// O[r, ch0 : ch0 + 8 CV] += P[r, j0 : j1] @ V[j0 : j1, ch0 : ch0 + 8 CV] for R rows.
+template <int R, int CV>
+inline void output_tile(const float* p, int64_t p_stride, const float* vp, int64_t c, int64_t j0, int64_t j1,
+                        int64_t ch0, float* o) {
+  __m256 acc[R][CV];
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int t = 0; t < CV; ++t) acc[r][t] = _mm256_loadu_ps(o + r * c + ch0 + 8 * t);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256 value[CV];
+    #pragma GCC unroll 8
+    for (int t = 0; t < CV; ++t) value[t] = _mm256_loadu_ps(vp + j * c + ch0 + 8 * t);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 prob = _mm256_broadcast_ss(p + r * p_stride + j);
+      #pragma GCC unroll 8
+      for (int t = 0; t < CV; ++t) acc[r][t] = _mm256_fmadd_ps(prob, value[t], acc[r][t]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int t = 0; t < CV; ++t) _mm256_storeu_ps(o + r * c + ch0 + 8 * t, acc[r][t]);
+}
+
+// O = P V for `rows` rows (a multiple of R), V in chunks of kKeyChunk keys that every row tile reuses.
+template <int R>
+void output_rows(const float* p, int64_t rows, int64_t n_pad, const float* vp, int64_t c, float* o) {
+  std::fill(o, o + rows * c, 0.0f);
+  for (int64_t j0 = 0; j0 < n_pad; j0 += kKeyChunk) {
+    const int64_t j1 = std::min(j0 + kKeyChunk, n_pad);
+    for (int64_t r = 0; r < rows; r += R) {
+      int64_t ch = 0;
+      for (; ch + 8 * kChannelVectors <= c; ch += 8 * kChannelVectors)
+        output_tile<R, kChannelVectors>(p + r * n_pad, n_pad, vp, c, j0, j1, ch, o + r * c);
+      for (; ch < c; ch += 8) output_tile<R, 1>(p + r * n_pad, n_pad, vp, c, j0, j1, ch, o + r * c);
+    }
+  }
+}
+
+// Bias, softmax numerator and 1 / denominator of one score row, in place: row[j] becomes
+// exp(row[j] + bias_h[j / W] + bias_w[j % W] - max), zero for the padding keys j >= n.
+float softmax_row(float* row, const float* bias_h, const float* bias_w, int64_t grid_h, int64_t grid_w,
+                  int64_t n, int64_t n_pad) {
+  for (int64_t kh = 0; kh < grid_h; ++kh) {
+    float* seg = row + kh * grid_w;
+    const float h_term = bias_h[kh];
+    for (int64_t kw = 0; kw < grid_w; ++kw) seg[kw] += h_term + bias_w[kw];
+  }
+  for (int64_t j = n; j < n_pad; ++j) row[j] = -INFINITY;
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n_pad; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + j));
+  const __m256 row_max = _mm256_set1_ps(hmax(vmax));
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n_pad; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + j), row_max));
+    _mm256_storeu_ps(row + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float padding = 0.0f;  // exp of the clamped -inf: tiny but not zero
+  for (int64_t j = n; j < n_pad; ++j) {
+    padding += row[j];
+    row[j] = 0.0f;
+  }
+  return 1.0f / (hsum(vsum) - padding);
+}
+
+template <typename T>
+at::Tensor rel_pos_attention_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& rel_h, const at::Tensor& rel_w, double scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), n = q.size(2), c = q.size(3);
+  const int64_t grid_h = rel_h.size(3), grid_w = rel_w.size(3);
+  const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
+  const int64_t bh_count = batch * heads, n_pad = (n + 7) / 8 * 8;
+  // Element (bh, row, ch) of a [B, heads, N, C] view, any strides.
+  auto at_ = [heads](const at::Tensor& t, const T* data, int64_t bh, int64_t row, int64_t ch) {
+    return static_cast<float>(
+        data[(bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + row * t.stride(2) + ch * t.stride(3)]);
+  };
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = k.data_ptr<T>();
+  const T* v_data = v.data_ptr<T>();
+
+  // One-time re-layout per head (see the header); padding keys are zero.
+  at::Tensor kp = at::zeros({bh_count, n_pad / 8, c, 8}, q.options().dtype(at::kFloat));
+  at::Tensor vp = at::zeros({bh_count, n_pad, c}, q.options().dtype(at::kFloat));
+  float* kp_data = kp.data_ptr<float>();
+  float* vp_data = vp.data_ptr<float>();
+  at::parallel_for(0, bh_count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      float* kpb = kp_data + bh * n_pad * c;
+      float* vpb = vp_data + bh * n_pad * c;
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t ch = 0; ch < c; ++ch) {
+          kpb[((j / 8) * c + ch) * 8 + j % 8] = at_(k, k_data, bh, j, ch);
+          vpb[j * c + ch] = at_(v, v_data, bh, j, ch);
+        }
+    }
+  });
+
+  at::Tensor out = at::empty({batch, n, heads, c}, q.options());
+  T* out_data = out.data_ptr<T>();
+  const float* bh_ptr = bias_h.data_ptr<float>();
+  const float* bw_ptr = bias_w.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale);
+  const int64_t blocks = (n + kQueryBlock - 1) / kQueryBlock;
+
+  at::parallel_for(0, bh_count * blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> queries, scores, outputs;
+    queries.resize(kQueryBlock * c);
+    scores.resize(kQueryBlock * n_pad);
+    outputs.resize(kQueryBlock * c);
+    float inv_sum[kQueryBlock];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / blocks, i0 = (task % blocks) * kQueryBlock;
+      const int64_t rows = std::min(kQueryBlock, n - i0);
+      // Whole register tiles: rows past the end are zero queries whose results are dropped.
+      const int64_t tiled_rows = (rows + kRows - 1) / kRows * kRows;
+      std::fill(queries.begin(), queries.end(), 0.0f);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t ch = 0; ch < c; ++ch) queries[r * c + ch] = at_(q, q_data, bh, i0 + r, ch) * scale_f;
+      const float* kpb = kp_data + bh * n_pad * c;
+      float* s = scores.data();
+      score_rows<kRows>(queries.data(), tiled_rows, c, kpb, n_pad, s);
+      for (int64_t r = 0; r < rows; ++r)
+        inv_sum[r] = softmax_row(s + r * n_pad, bh_ptr + (bh * n + i0 + r) * grid_h,
+                                 bw_ptr + (bh * n + i0 + r) * grid_w, grid_h, grid_w, n, n_pad);
+      for (int64_t r = rows; r < tiled_rows; ++r) std::fill(s + r * n_pad, s + (r + 1) * n_pad, 0.0f);
+      output_rows<kRows>(s, tiled_rows, n_pad, vp_data + bh * n_pad * c, c, outputs.data());
+      const int64_t b = bh / heads, h = bh % heads;
+      for (int64_t r = 0; r < rows; ++r) {
+        T* dst = out_data + ((b * n + i0 + r) * heads + h) * c;
+        for (int64_t ch = 0; ch < c; ++ch) dst[ch] = static_cast<T>(outputs[r * c + ch] * inv_sum[r]);
+      }
+    }
+  });
+  return out;
+}
+
+// q, k, v: [B, heads, N, C] views, any strides (e.g. straight out of the qkv projection);
+// rel_h [B, heads, N, H], rel_w [B, heads, N, W]. Returns [B, N, heads, C] in q's dtype: the
+// layout the output projection reads.
+at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& rel_h, const at::Tensor& rel_w, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+              "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "rel_pos_attention: q, k, v must all be float32 or all bfloat16");
+  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) <= 128, "rel_pos_attention: head dim must be 16..128 in steps of 16");
+  TORCH_CHECK(rel_h.dim() == 4 && rel_w.dim() == 4 && rel_h.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
+                  rel_w.sizes().slice(0, 3) == q.sizes().slice(0, 3) && rel_h.size(3) * rel_w.size(3) == q.size(2),
+              "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
+  if (q.scalar_type() == at::kBFloat16) return rel_pos_attention_typed<at::BFloat16>(q, k, v, rel_h, rel_w, scale);
+  return rel_pos_attention_typed<float>(q, k, v, rel_h, rel_w, scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(genfast, CPU, m) {
+  m.impl("rel_pos_attention", &rel_pos_attention);
+}
