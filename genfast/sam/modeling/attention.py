@@ -5,10 +5,10 @@
 - "sdpa": `F.scaled_dot_product_attention`, with the encoder's relative-position bias passed as
   a materialized float mask;
 - "fused": for the encoder, the bias added inside the attention kernel, never materialized: on
-  CPU the native kernel (genfast/sam/fused_attention.py) where it applies (bf16 on an AVX512-BF16 CPU, head
-  dim a multiple of 16), on CUDA FlexAttention with a score_mod (Triton; the library's masking
-  makes every sequence length correct); SDPA everywhere else, and always in the mask decoder,
-  whose attention has no bias;
+  CPU the native kernel (genfast/sam/fused_attention.py) where it applies (bf16 on AVX512-BF16,
+  fp32 or bf16 on AVX2; head dim a multiple of 16), on CUDA FlexAttention with a score_mod
+  (Triton; the library's masking makes every sequence length correct); SDPA everywhere else, and
+  always in the mask decoder, whose attention has no bias;
 - "auto" (the default): "fused".
 """
 
