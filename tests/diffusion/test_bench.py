@@ -13,7 +13,7 @@ from genfast import cli
 def test_bench_diffusion_writes_the_ladder(tmp_path, capsys):
     out = tmp_path / "rows.json"
     code = cli.main(["bench", "diffusion", "--arch", "tiny-sd15", "--size", "32", "--steps", "2", "--repeats", "1",
-                     "--only", "baseline,bf16,sdpa", "--json", str(out)])
+                     "--only", "baseline,bf16,sdpa", "--dtype", "bfloat16", "--json", str(out)])
     assert code == 0
     rows = {row["step"]: row for row in json.loads(out.read_text())}
     assert list(rows) == ["baseline", "bf16", "sdpa"]
@@ -24,6 +24,15 @@ def test_bench_diffusion_writes_the_ladder(tmp_path, capsys):
     # bf16 steps against the fp32 images: within the recipe's 35 dB budget.
     assert rows["bf16"]["psnr_db"] >= 35 and rows["sdpa"]["psnr_vs_sdpa_db"] >= 35
     assert "| baseline |" in capsys.readouterr().out
+
+
+def test_the_bf16_row_says_why_it_is_left_out(tmp_path):
+    """--dtype auto on a CPU that emulates bf16 (or --dtype float32): the row is skipped with the
+    reason, and the later steps compute in fp32 (recipe_for_step(step, None))."""
+    from genfast.diffusion.bench import run_step
+
+    row = run_step("bf16", "tiny-sd15", 32, 1, 1, torch.device("cpu"), tmp_path, low_precision=None)
+    assert row["note"].startswith("skipped:") and "fp32" in row["note"] and "s_per_image" not in row
 
 
 @pytest.mark.slow
