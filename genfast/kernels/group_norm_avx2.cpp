@@ -9,26 +9,14 @@
 
 #include <immintrin.h>
 
+#include "avx2_vectors.h"
 #include "group_norm.h"
 
 namespace {
 
+using namespace genfast_avx2;
+
 constexpr int64_t kChannelBlock = 32;  // 4 vectors: 8 accumulators and 4 shifts in registers
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline void store8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
-inline void store8(at::BFloat16* dst, __m256 v) {  // round to nearest even, as c10::BFloat16
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
-}
 
 // Per-channel shifted sums over pixels [p0, p1) of V vectors of channels starting at c0.
 template <int V, typename T>

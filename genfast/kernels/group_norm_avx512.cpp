@@ -12,17 +12,14 @@
 
 #include <immintrin.h>
 
+#include "avx512_vectors.h"
 #include "group_norm.h"
 
 namespace {
 
-constexpr int64_t kChannelBlock = 64;  // 4 vectors: 8 accumulators in registers
+using namespace genfast_avx512;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+constexpr int64_t kChannelBlock = 64;  // 4 vectors: 8 accumulators in registers
 
 inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
 inline void store16(at::BFloat16* dst, __m512 v) {

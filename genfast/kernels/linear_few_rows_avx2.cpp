@@ -21,21 +21,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "avx2_vectors.h"
 #include "linear_few_rows.h"
 
 namespace {
 
-inline __m256 widen_bf16x8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using namespace genfast_avx2;
 
 // Output rows [n0, n1) (a multiple of R apart), R at a time, for the M input rows (fp32, [M, K]).
 template <int M, int R>
@@ -48,7 +39,7 @@ void tiles(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t 
     for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * K;
     for (int64_t k = 0; k < K; k += 8) {
       __m256 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = widen_bf16x8(rows[r] + k);
+      for (int r = 0; r < R; ++r) wv[r] = load8(rows[r] + k);
       for (int m = 0; m < M; ++m) {
         const __m256 xv = _mm256_loadu_ps(x + m * K + k);
         for (int r = 0; r < R; ++r) acc[r * M + m] = _mm256_fmadd_ps(wv[r], xv, acc[r * M + m]);

@@ -23,36 +23,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "avx2_vectors.h"
 #include "qlinear.h"
 
 namespace {
 
+using namespace genfast_avx2;
 using namespace genfast_qlinear;
 
 constexpr int64_t kPrefetchBlocks = 2;
 // The loops over a register tile's accumulators are unrolled explicitly: GCC 12 otherwise keeps
 // the accumulator arrays in memory and stores every one of them on each pass of the inner loop.
-
-// 8 activations as fp32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(s);
-}
 
 inline __m256 abs8(__m256 v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
 
@@ -203,7 +184,6 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
     store_rows(y + m * w.n + first, result, std::min<int64_t>(kHalves * 8, w.n - first));
   }
 }
-
 
 // ---- dynamic int8: per-token activations, per-channel int8 weights ---------------------------
 //

@@ -24,20 +24,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include "avx512_vectors.h"
 #include "qlinear.h"
 
 namespace {
 
+using namespace genfast_avx512;
 using namespace genfast_qlinear;
 
 constexpr int64_t kPrefetchBlocks = 2;
-
-// 16 activations as fp32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, float* xsum) {
@@ -155,7 +150,6 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
     }
   }
 }
-
 
 // ---- dynamic int8: per-token activations, per-channel int8 weights ---------------------------
 //

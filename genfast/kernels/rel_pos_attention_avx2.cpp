@@ -26,25 +26,17 @@
 #include <cstdint>
 #include <vector>
 
+#include "avx2_vectors.h"
+
 namespace {
+
+using namespace genfast_avx2;
 
 constexpr int64_t kQueryBlock = 16;  // query rows per task
 constexpr int kRows = 4;             // query rows per register tile (divides kQueryBlock)
 constexpr int kKeyVectors = 3;       // 8-key vectors per register tile of S: 4 x 3 accumulators
 constexpr int kChannelVectors = 2;   // 8-channel vectors per register tile of O: 4 x 2 accumulators
 constexpr int64_t kKeyChunk = 64;    // keys per chunk of O = P V (64 x C fp32 of V: 16 KB at C = 64)
-
-inline float hmax(__m256 x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hsum(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // exp(x) for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor
 // polynomial (relative error < 2e-7). x is clamped at -87 so 2^n stays a normal float.
