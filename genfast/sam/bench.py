@@ -144,10 +144,9 @@ def _step_note(step: str, device: torch.device, low_precision: torch.dtype | Non
         return f"skipped: {reason}"
     if step == "fused-attention" and device.type == "cpu" and (reason := sam_kernels.unavailable_reason()):
         return f"fused kernel unavailable ({reason}): SDPA"
-    if (step == "fused-attention" and device.type == "cpu"
-            and (low_precision or torch.float32) not in sam_kernels.DTYPES.get(sam_kernels.loaded_isa(), ())):
-        dtype = str(low_precision or torch.float32).removeprefix("torch.")
-        return f"the {sam_kernels.loaded_isa()} kernel takes no {dtype}: SDPA"
+    dtype = low_precision or torch.float32
+    if step == "fused-attention" and device.type == "cpu" and not sam_kernels.takes(dtype):
+        return f"the {sam_kernels.loaded_isa()} kernel takes no {str(dtype).removeprefix('torch.')}: SDPA"
     if step == "fused-attention" and device.type != "cpu":
         return "no fused kernel for this device yet: SDPA"
     if step == "dynamic-int8" and device.type == "cpu" and (reason := quant_kernels.unavailable_reason()):

@@ -26,13 +26,16 @@ def loaded_isa() -> str:
     return REL_POS_ATTENTION.loaded_isa() or ""
 
 
+def takes(dtype: torch.dtype) -> bool:
+    """Whether the loaded variant computes on inputs of `dtype` (DTYPES); False when none is loaded."""
+    return dtype in DTYPES.get(loaded_isa(), ())
+
+
 def supports(q: Tensor) -> bool:
     """Whether the loaded kernel takes these queries ([..., N, C]): on a CPU, a dtype its variant
-    computes in (DTYPES), C a multiple of 16 up to MAX_HEAD_DIM."""
+    computes in, C a multiple of 16 up to MAX_HEAD_DIM."""
     c = q.shape[-1]
-    if q.device.type != "cpu" or c % 16 or c > MAX_HEAD_DIM:
-        return False
-    return q.dtype in DTYPES.get(loaded_isa(), ())
+    return q.device.type == "cpu" and not c % 16 and c <= MAX_HEAD_DIM and takes(q.dtype)
 
 
 torch.library.define("genfast::rel_pos_attention",

@@ -53,7 +53,7 @@ def test_fused_kernel_matches_fp32_reference(b, h, w, c, bias_scale):
 def test_fused_kernel_in_fp32_matches_math(b, h, w, c):
     """Where the loaded variant computes in fp32 (AVX2), fp32 inputs take the kernel, and it agrees
     with the explicit softmax to fp32 rounding (1e-5: sums of up to 4096 terms in another order)."""
-    if torch.float32 not in kernels.DTYPES[kernels.loaded_isa()]:
+    if not kernels.takes(torch.float32):
         pytest.skip(f"the {kernels.loaded_isa()} variant takes bf16 only")
     q, k, v, rel_h, rel_w = _inputs(b, h, w, c)
     assert kernels.supports(q)
