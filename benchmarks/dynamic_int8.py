@@ -18,8 +18,14 @@ from genfast.bench.timing import median_seconds
 from genfast.quant import packing as kernels
 from genfast.quant.grids import quantize
 
-SHAPES = [(4096, 768, 2304), (4096, 768, 3072), (4096, 3072, 768), (32768, 768, 2304), (1024, 320, 1280),
-          (128, 576, 1536)]
+SHAPES = [
+    (4096, 768, 2304),
+    (4096, 768, 3072),
+    (4096, 3072, 768),
+    (32768, 768, 2304),
+    (1024, 320, 1280),
+    (128, 576, 1536),
+]
 
 
 def gflops(fn: Callable[[], object], flops: float, repeats: int = 5) -> float:
@@ -29,8 +35,10 @@ def gflops(fn: Callable[[], object], flops: float, repeats: int = 5) -> float:
 def main() -> None:
     native = kernels.unavailable_reason() is None
     print(f"{device_name(torch.device('cpu'))}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| M x K x N | fp32 mm | bf16 mm | torch._int_mm | native qlinear | native qlinear_dynamic |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        "| M x K x N | fp32 mm | bf16 mm | torch._int_mm | native qlinear | native qlinear_dynamic |\n"
+        "|---|---|---|---|---|---|"
+    )
     with torch.inference_mode():
         for m, k, n in SHAPES:
             x, w = torch.randn(m, k), torch.randn(n, k)
@@ -38,8 +46,11 @@ def main() -> None:
             xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
             wq = torch.randint(-127, 128, (k, n), dtype=torch.int8)
             flops = 2 * m * k * n
-            row = [gflops(lambda: x @ w.t(), flops), gflops(lambda: xb @ wb.t(), flops),
-                   gflops(lambda: torch._int_mm(xq, wq), flops)]
+            row = [
+                gflops(lambda: x @ w.t(), flops),
+                gflops(lambda: xb @ wb.t(), flops),
+                gflops(lambda: torch._int_mm(xq, wq), flops),
+            ]
             if native:
                 qw = quantize(w, 8)
                 rows = -(-n // kernels.ROW_GROUP) * kernels.ROW_GROUP

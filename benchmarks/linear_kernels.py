@@ -48,11 +48,16 @@ def few_rows(counts: list[int]) -> None:
         "compiled F.linear (aten)": torch.compile(lambda a, b: step(F.linear, a, b), dynamic=False),
         "compiled few-row kernel": torch.compile(lambda a, b: step(few_rows_linear, a, b), dynamic=False),
         "compiled one-row reduction, row by row": torch.compile(
-            lambda a, b: [step(row_linear, a[i:i + 1], b[i:i + 1]) for i in range(a.shape[0])], dynamic=False),
+            lambda a, b: [step(row_linear, a[i : i + 1], b[i : i + 1]) for i in range(a.shape[0])], dynamic=False
+        ),
     }
     print(f"{device_name('cpu')}, torch {torch.__version__}; {total / 1e6:.0f} MB of bf16 weights per step\n")
-    print("| rows | " + " | ".join(f"{name} ms (GB/s)" for name in formulations) + " |\n|---|"
-          + "---|" * len(formulations))
+    print(
+        "| rows | "
+        + " | ".join(f"{name} ms (GB/s)" for name in formulations)
+        + " |\n|---|"
+        + "---|" * len(formulations)
+    )
     for rows in counts:
         x576, x1536 = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 1536).bfloat16()
         cells = []
@@ -75,8 +80,9 @@ def main() -> None:
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
 
     def onednn_packed():
-        return [torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
-                for w, p in zip(weights, packed)]
+        return [
+            torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)
+        ]
 
     def step_linear(x576, x1536):
         return [F.linear(x576 if w.shape[1] == 576 else x1536, w) for w in weights]
@@ -105,8 +111,10 @@ def main() -> None:
         ("compiled multiply-sum reduction, dependent chain", lambda: compiled_chain(x[576])),
     ]
     peak = measure_read_bandwidth("cpu")
-    print(f"{device_name('cpu')}, torch {torch.__version__}; {total / 1e6:.0f} MB of bf16 weights per step; "
-          f"measured read bandwidth {peak / 1e9:.1f} GB/s\n")
+    print(
+        f"{device_name('cpu')}, torch {torch.__version__}; {total / 1e6:.0f} MB of bf16 weights per step; "
+        f"measured read bandwidth {peak / 1e9:.1f} GB/s\n"
+    )
     print("| formulation | ms / step | GB/s |\n|---|---|---|")
     for name, fn in rows:
         with torch.inference_mode():

@@ -8,7 +8,8 @@ dequantized source weights, which is what genfast's unquantized and --quant path
 then times, per type: a `--prompt-tokens` prompt (the pydoc text `genfast bench llm` uses) in one
 batch, and `--new-tokens` greedy single-token steps. Medians of `--repeats`. Run genfast on the
 F16 file: `genfast bench llm --model <dir>/F16.gguf --threads 2 --prompt-tokens 512 --steps
-compiled-auto,compiled-fp32-int8,compiled-fp32-int4`.
+compile,int8,int4` (with `--dtype float32` on a CPU without native bf16, where the quantized
+kernels are fastest with fp32 activations).
 """
 
 from __future__ import annotations
@@ -43,13 +44,20 @@ def last_argmax(llm) -> int:
     return int(np.argmax(logits))
 
 
-def measure(path: Path, threads: int, prompt_text: str, prompt_tokens: int, new_tokens: int,
-            repeats: int) -> tuple[float, float]:
+def measure(
+    path: Path, threads: int, prompt_text: str, prompt_tokens: int, new_tokens: int, repeats: int
+) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s), medians."""
     from llama_cpp import Llama
 
-    llm = Llama(str(path), n_ctx=prompt_tokens + new_tokens + 8, n_batch=prompt_tokens, n_threads=threads,
-                n_threads_batch=threads, verbose=False)
+    llm = Llama(
+        str(path),
+        n_ctx=prompt_tokens + new_tokens + 8,
+        n_batch=prompt_tokens,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
     prompt = llm.tokenize(prompt_text.encode(), add_bos=False)[:prompt_tokens]
     prefill, decode = [], []
     for _ in range(repeats + 1):  # the first round warms up
@@ -83,8 +91,10 @@ def main() -> None:
     workdir = args.workdir or args.gguf.parent
     workdir.mkdir(parents=True, exist_ok=True)
     text = pydoc_text()[: args.prompt_tokens * 8]
-    print(f"llama.cpp on {cpu_model()}, ISA {describe_isa()}, {args.threads} threads; "
-          f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, median of {args.repeats}")
+    print(
+        f"llama.cpp on {cpu_model()}, ISA {describe_isa()}, {args.threads} threads; "
+        f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, median of {args.repeats}"
+    )
     print("| type | prefill tok/s | decode tok/s |\n|---|---|---|")
     source = convert(args.gguf, workdir / "F16.gguf", "F16")  # every type from the same F16 weights
     for name in args.types.split(","):

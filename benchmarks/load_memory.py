@@ -49,11 +49,18 @@ def measure(args: argparse.Namespace) -> None:
     loaded = load(args.model, "cpu", args.dtype, quant=args.quant, tp=args.tp)
     time.sleep(0.05)  # one more sample
     if current_rank() == 0:
-        print(f"genfast from {Path(genfast.__file__).parent.parent} | {args.model} | {loaded.dtype} "
-              f"quant={loaded.quant} tp={args.tp} | {os.cpu_count()} CPUs", flush=True)
+        print(
+            f"genfast from {Path(genfast.__file__).parent.parent} | {args.model} | {loaded.dtype} "
+            f"quant={loaded.quant} tp={args.tp} | {os.cpu_count()} CPUs",
+            flush=True,
+        )
     time.sleep(0.1 * current_rank())  # ranks print in order
-    print(f"rank {current_rank()}: RssAnon before load {before:.2f} GiB, after {rss_anon_gib():.2f} GiB, "
-          f"peak {sampler.peak:.2f} GiB", file=sys.stderr, flush=True)  # other ranks' stdout is silenced
+    print(
+        f"rank {current_rank()}: RssAnon before load {before:.2f} GiB, after {rss_anon_gib():.2f} GiB, "
+        f"peak {sampler.peak:.2f} GiB",
+        file=sys.stderr,
+        flush=True,
+    )  # other ranks' stdout is silenced
 
 
 def main() -> None:
@@ -64,8 +71,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     if args.tp > 1 and "RANK" not in os.environ:
-        run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}",
-               __file__, *sys.argv[1:]]
+        run = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.tp}",
+            __file__,
+            *sys.argv[1:],
+        ]
         sys.exit(subprocess.run(run, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode)
     measure(args)
 

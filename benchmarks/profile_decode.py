@@ -1,13 +1,14 @@
 """Where a compiled decode step's time goes: torch profiler table over 32 greedy tokens.
 
-    python benchmarks/profile_decode.py [--model PATH] [--dtype bfloat16] [--quant int4 [--group-size 32]]
+python benchmarks/profile_decode.py [--model PATH] [--dtype bfloat16] [--quant int4 [--group-size 32]]
 """
 
 import argparse
 
 from torch.profiler import ProfilerActivity, profile
 
-from genfast.llm.session import load, make_generator
+from genfast.llm.session import load
+from genfast.llm.speculative import make_generator
 
 
 def main() -> None:

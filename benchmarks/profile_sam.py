@@ -11,20 +11,22 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
+from genfast.recipe import Target
 from genfast.sam.bench import _centre_prompt, bench_images
 from genfast.sam.build import build_random_sam
 from genfast.sam.predictor import SamPredictor
-from genfast.sam.recipe import SAM_STEPS, apply_recipe, recipe_for_step
+from genfast.sam.recipe import RECIPE, apply_recipe
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--step", default="dynamic-int8", choices=SAM_STEPS)
+    parser.add_argument("--step", default="dynamic-int8", choices=RECIPE.names)
+    parser.add_argument("--dtype", default="auto", help="the bf16 step's dtype (as for genfast bench sam)")
     args = parser.parse_args()
     inductor_config.cpp.enable_kernel_profile = True  # this script only: inductor's kernels by name
     images, _ = bench_images(1)
     prompt = _centre_prompt(images[0])
-    recipe = recipe_for_step(args.step)
+    recipe = RECIPE.plan(args.step, Target(torch.device("cpu"), args.dtype)).settings
     model = apply_recipe(build_random_sam("vit_b"), recipe)
     predictor = SamPredictor(model, encoder_batch_size=1 if recipe.compile else None)
 

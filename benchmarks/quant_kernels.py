@@ -62,8 +62,10 @@ def aten_int4(weights: list[torch.Tensor], group_size: int) -> Variant:
 
 
 def aten_int8(weights: list[torch.Tensor]) -> Variant:
-    layers = [(torch.randint(-127, 128, w.shape, dtype=torch.int8), torch.rand(w.shape[0], dtype=torch.bfloat16))
-              for w in weights]
+    layers = [
+        (torch.randint(-127, 128, w.shape, dtype=torch.int8), torch.rand(w.shape[0], dtype=torch.bfloat16))
+        for w in weights
+    ]
     x = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in (576, 1536)}
 
     def run():
@@ -81,15 +83,21 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
-    variants = {"bf16 F.linear": bf16_linear(weights),
-                "torch._weight_int8pack_mm (bf16 in)": aten_int8(weights),
-                "aten int4pack_mm_for_cpu g32": aten_int4(weights, 32),
-                "aten int4pack_mm_for_cpu g64": aten_int4(weights, 64)}
+    variants = {
+        "bf16 F.linear": bf16_linear(weights),
+        "torch._weight_int8pack_mm (bf16 in)": aten_int8(weights),
+        "aten int4pack_mm_for_cpu g32": aten_int4(weights, 32),
+        "aten int4pack_mm_for_cpu g64": aten_int4(weights, 64),
+    }
     reason = kernels.unavailable_reason()
     if reason is None:
-        variants.update({"genfast native int8": native(weights, 8, None),
-                         "genfast native int4 g32": native(weights, 4, 32),
-                         "genfast native int4 g64": native(weights, 4, 64)})
+        variants.update(
+            {
+                "genfast native int8": native(weights, 8, None),
+                "genfast native int4 g32": native(weights, 4, 32),
+                "genfast native int4 g64": native(weights, 4, 64),
+            }
+        )
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.inference_mode():
         for _ in range(args.rounds):

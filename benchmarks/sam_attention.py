@@ -16,8 +16,10 @@ from genfast.bench.timing import median_seconds
 from genfast.sam import fused_attention as kernels
 from genfast.sam.modeling.attention import rel_pos_attention
 
-SHAPES = {"global block (12 heads, 64x64 grid)": (1, 12, 64, 64),
-          "windowed block (25 windows x 12 heads, 14x14)": (25, 12, 14, 14)}
+SHAPES = {
+    "global block (12 heads, 64x64 grid)": (1, 12, 64, 64),
+    "windowed block (25 windows x 12 heads, 14x14)": (25, 12, 14, 14),
+}
 IMPLS = ("math", "sdpa", "fused")
 
 
@@ -47,11 +49,15 @@ def main() -> None:
             rel_w = torch.randn(b, heads, n, w, generator=gen).to(dtype)
             reference = rel_pos_attention(*(t.float() for t in (q, k, v, rel_h, rel_w)), "math")
             ms = {impl: median_ms(lambda: rel_pos_attention(q, k, v, rel_h, rel_w, impl)) for impl in IMPLS}
-            errors = {impl: (rel_pos_attention(q, k, v, rel_h, rel_w, impl).float() - reference).abs().max().item()
-                      for impl in ("sdpa", "fused")}
+            errors = {
+                impl: (rel_pos_attention(q, k, v, rel_h, rel_w, impl).float() - reference).abs().max().item()
+                for impl in ("sdpa", "fused")
+            }
             gflop_s = 4 * b * heads * n * n * c / (ms["fused"] / 1000) / 1e9
-            print(f"| {name} | {ms['math']:.1f} | {ms['sdpa']:.1f} | {ms['fused']:.1f} | {gflop_s:.0f} | "
-                  f"{errors['sdpa']:.2e} | {errors['fused']:.2e} |")
+            print(
+                f"| {name} | {ms['math']:.1f} | {ms['sdpa']:.1f} | {ms['fused']:.1f} | {gflop_s:.0f} | "
+                f"{errors['sdpa']:.2e} | {errors['fused']:.2e} |"
+            )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,16 @@ from genfast.bench.machine import machine_info
 from genfast.llm.session import load
 from genfast.serve.engine import Engine, GenerationRequest
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time", "The three primary colors are",
-           "import numpy as np\n", "In 1969, the first", "My favourite food is", "Water boils at"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time",
+    "The three primary colors are",
+    "import numpy as np\n",
+    "In 1969, the first",
+    "My favourite food is",
+    "Water boils at",
+]
 
 
 def run_clients(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, list[float], list[float]]:
@@ -36,8 +44,9 @@ def run_clients(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[
 
     def client(i: int) -> None:
         first: list[float] = []
-        result = engine.generate(GenerationRequest(tuple(prompts[i]), tokens),
-                                 on_text=lambda _: first or first.append(time.perf_counter()))
+        result = engine.generate(
+            GenerationRequest(tuple(prompts[i]), tokens), on_text=lambda _: first or first.append(time.perf_counter())
+        )
         end = time.perf_counter()
         assert result.completion_tokens == tokens, f"client {i} got {result.completion_tokens} of {tokens} tokens"
         ttft[i] = first[0] - start
@@ -66,24 +75,39 @@ def main() -> None:
 
     loaded = load(args.model, "auto", args.dtype, args.threads)
     loaded.tokenizer.stop_ids = set()  # exactly --tokens per client
-    prompts = [loaded.tokenizer.encode(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)))
-               for i in range(args.clients)]
+    prompts = [
+        loaded.tokenizer.encode(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))) for i in range(args.clients)
+    ]
     info = machine_info(loaded.device)
-    print(f"# {info['device']} | torch {info['torch']} | {loaded.path.name} {args.dtype} | "
-          f"{'compiled' if args.compile else 'eager'} | {args.clients} clients x {args.tokens} tokens")
+    print(
+        f"# {info['device']} | torch {info['torch']} | {loaded.path.name} {args.dtype} | "
+        f"{'compiled' if args.compile else 'eager'} | {args.clients} clients x {args.tokens} tokens"
+    )
     print("| max batch | aggregate tok/s | per-client tok/s | median TTFT ms | decode steps | warm-up s |")
     print("|---:|---:|---:|---:|---:|---:|")
     batches = [int(b) for b in (args.batches or f"1,{args.clients}").split(",")]
     for batch in batches:
-        engine = Engine(loaded.model, loaded.tokenizer, max_batch=batch, max_queue=args.clients,
-                        max_seq_len=args.max_seq_len, compile=args.compile).start()
+        engine = Engine(
+            loaded.model,
+            loaded.tokenizer,
+            max_batch=batch,
+            max_queue=args.clients,
+            max_seq_len=args.max_seq_len,
+            compile=args.compile,
+        ).start()
         warmup_s = engine.warmup()
         runs = []
         for _ in range(args.repeats):
             steps = engine.stats().decode_steps
             wall, ttft, rates = run_clients(engine, prompts, args.tokens)
-            runs.append((args.clients * args.tokens / wall, statistics.median(rates), statistics.median(ttft),
-                         engine.stats().decode_steps - steps))
+            runs.append(
+                (
+                    args.clients * args.tokens / wall,
+                    statistics.median(rates),
+                    statistics.median(ttft),
+                    engine.stats().decode_steps - steps,
+                )
+            )
         engine.shutdown()
         agg, rate, ttft, steps = sorted(runs)[len(runs) // 2]
         print(f"| {batch} | {agg:.1f} | {rate:.1f} | {ttft * 1000:.0f} | {steps} | {warmup_s:.0f} |", flush=True)

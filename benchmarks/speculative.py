@@ -21,9 +21,10 @@ import torch
 
 from genfast.bench.machine import machine_info
 from genfast.llm.bench import benchmark_prompt
+from genfast.llm.generate import positions
 from genfast.llm.sampling import SamplingParams
-from genfast.llm.session import load, make_generator
-from genfast.llm.speculative import positions
+from genfast.llm.session import load
+from genfast.llm.speculative import make_generator
 
 
 @torch.inference_mode()  # as in generate(): the compiled graphs were made for it
@@ -55,8 +56,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     info = machine_info(torch.device("cpu"))
-    print(f"{info['device']}, torch {info['torch']}; k={args.k}, {args.new_tokens} new tokens, "
-          f"median of {args.repeats}", flush=True)
+    print(
+        f"{info['device']}, torch {info['torch']}; k={args.k}, {args.new_tokens} new tokens, median of {args.repeats}",
+        flush=True,
+    )
 
     loaded = load(args.model, "cpu", "bfloat16")
     max_seq = args.prompt_tokens + args.new_tokens + 64
@@ -76,27 +79,36 @@ def main() -> None:
         base = statistics.median(r.decode_tok_s for r in runs["plain"])
         want = runs["plain"][0].token_ids[0]
         print(f"\nprompt {kind} ({len(prompt)} tokens)\n")
-        print("| decoding | decode tok/s | vs plain | drafts accepted | tokens/target pass | drafting share "
-              "| same tokens as plain |")
+        print(
+            "| decoding | decode tok/s | vs plain | drafts accepted | tokens/target pass | drafting share "
+            "| same tokens as plain |"
+        )
         print("|---|---|---|---|---|---|---|")
         for name, results in runs.items():
             rate = statistics.median(r.decode_tok_s for r in results)
             r = results[0]
             same = next((i for i, (a, b) in enumerate(zip(r.token_ids[0], want)) if a != b), len(want))
             spec = name != "plain"
-            print(f"| {name} | {rate:.1f} | {rate / base:.2f} | "
-                  f"{f'{r.acceptance_rate:.0%}' if spec else '-'} | {f'{r.tokens_per_pass:.2f}' if spec else '-'} | "
-                  f"{f'{r.draft_s / r.decode_s:.0%}' if spec else '-'} | {same}/{len(want)} |", flush=True)
+            print(
+                f"| {name} | {rate:.1f} | {rate / base:.2f} | "
+                f"{f'{r.acceptance_rate:.0%}' if spec else '-'} | {f'{r.tokens_per_pass:.2f}' if spec else '-'} | "
+                f"{f'{r.draft_s / r.decode_s:.0%}' if spec else '-'} | {same}/{len(want)} |",
+                flush=True,
+            )
 
-    fallbacks = {name: g.guard_fallbacks + getattr(getattr(g, "drafter", None), "steps", g).guard_fallbacks * (g is not plain)
-                 for name, g in gens.items()}
+    fallbacks = {
+        name: g.guard_fallbacks + getattr(getattr(g, "drafter", None), "steps", g).guard_fallbacks * (g is not plain)
+        for name, g in gens.items()
+    }
     print(f"\nsteady steps retried with all guards: {fallbacks}")
     spec = next((g for name, g in gens.items() if name != "plain"), None)  # any: verify ignores the drafter
     if spec is not None:
         pos = args.prompt_tokens + args.new_tokens // 2
         one, many = step_costs(spec, plain, args.k, pos)
-        print(f"\nat {pos} cached tokens: plain step {one:.1f} ms, verify of {args.k + 1} tokens {many:.1f} ms "
-              f"({many / one:.2f}x)")
+        print(
+            f"\nat {pos} cached tokens: plain step {one:.1f} ms, verify of {args.k + 1} tokens {many:.1f} ms "
+            f"({many / one:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

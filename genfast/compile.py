@@ -39,8 +39,9 @@ def compile_fn(fn: Callable, device: torch.device | str, *, decode: bool, model:
     from genfast.quant.linear import uses_native_kernels
 
     native = model is not None and uses_native_kernels(model)
-    return torch.compile(fn, fullgraph=True, dynamic=False,
-                         options=inductor_options(device, decode=decode, native_kernels=native))
+    return torch.compile(
+        fn, fullgraph=True, dynamic=False, options=inductor_options(device, decode=decode, native_kernels=native)
+    )
 
 
 def use_persistent_cache() -> None:

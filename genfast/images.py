@@ -32,14 +32,22 @@ def load_image(path: str | Path) -> np.ndarray:
             img = ImageOps.exif_transpose(img)
             return _to_rgb(img)
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError) as e:
-        raise UserError(f"cannot read {str(path)!r} as an image (Pillow: {e}); give a PNG, JPEG, "
-                        "WebP or another format Pillow reads") from e
+        raise UserError(
+            f"cannot read {str(path)!r} as an image (Pillow: {e}); give a PNG, JPEG, "
+            "WebP or another format Pillow reads"
+        ) from e
 
 
 def _to_rgb(img: Image.Image) -> np.ndarray:
     if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):  # 16/32-bit grayscale: scale to 8 bits
         values = np.asarray(img, dtype=np.float64)
-        top = 1.0 if img.mode == "F" and values.max(initial=0) <= 1 else 255.0 if values.max(initial=0) <= 255 else 65535.0
+        top = (
+            1.0
+            if img.mode == "F" and values.max(initial=0) <= 1
+            else 255.0
+            if values.max(initial=0) <= 255
+            else 65535.0
+        )
         gray = np.clip(np.round(values * (255.0 / top)), 0, 255).astype(np.uint8)
         return np.repeat(gray[..., None], 3, axis=2)
     if img.mode == "P" and "transparency" in img.info:

@@ -23,11 +23,18 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
         ("ISA", hardware.describe_isa()),
     ]
     if measure_bandwidth:
-        lines.append(("read bandwidth", f"{peak_read_bandwidth(cpu) / 1e9:.1f} GB/s (measured, "
-                                        f"{torch.get_num_threads()} threads)"))
+        lines.append(
+            (
+                "read bandwidth",
+                f"{peak_read_bandwidth(cpu) / 1e9:.1f} GB/s (measured, {torch.get_num_threads()} threads)",
+            )
+        )
     auto = hardware.auto_dtype(cpu)
-    why = ("native bf16 dot products" if auto == torch.bfloat16
-           else "no native bf16 dot products here: bf16 arithmetic would be emulated")
+    why = (
+        "native bf16 dot products"
+        if auto == torch.bfloat16
+        else "no native bf16 dot products here: bf16 arithmetic would be emulated"
+    )
     lines.append(("--dtype auto", f"{str(auto).removeprefix('torch.')} on the CPU ({why})"))
     for kernel in kernels.KERNELS:
         variant, why = kernel.choose()
@@ -36,8 +43,11 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
             lines.append((kernel.what, f"native {variant.isa} ({why})"))
         else:
             lines.append((kernel.what, f"PyTorch path ({reason})"))
-    quant = ("native kernel: faster than unquantized decode" if kernels.QLINEAR.available()
-             else "dequantize path: saves memory, but decode is slower than unquantized")
+    quant = (
+        "native kernel: faster than unquantized decode"
+        if kernels.QLINEAR.available()
+        else "dequantize path: saves memory, but decode is slower than unquantized"
+    )
     lines.append(("--quant int8/int4", quant))
     cuda = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none visible"
     lines.append(("CUDA", cuda))

@@ -59,9 +59,15 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
 def _few_rows_apply(x: Tensor, weight: Tensor) -> bool:
     rows = x.numel() // x.shape[-1]
     # A dynamic row count (a prefill's length) keeps aten's GEMM: testing it would add a guard.
-    return (weight.dtype == torch.bfloat16 and x.dtype in (torch.bfloat16, torch.float32)
-            and x.device.type == "cpu" and weight.shape[1] % 32 == 0 and few_rows_kernel_available()
-            and statically_known_true(rows >= few_rows_min_rows()) and statically_known_true(rows <= MAX_FEW_ROWS))
+    return (
+        weight.dtype == torch.bfloat16
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and x.device.type == "cpu"
+        and weight.shape[1] % 32 == 0
+        and few_rows_kernel_available()
+        and statically_known_true(rows >= few_rows_min_rows())
+        and statically_known_true(rows <= MAX_FEW_ROWS)
+    )
 
 
 @torch.compiler.assume_constant_result  # run (and build the kernel) while tracing, not traced

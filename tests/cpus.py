@@ -4,10 +4,12 @@ import pytest
 
 from genfast import hardware
 
-ZEN4 = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16".split())
-ZEN3 = frozenset("avx2 fma f16c".split())
-OLD_X86 = frozenset("sse4_2 avx".split())
-SKYLAKE_X = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512dq".split())  # AVX-512 without VNNI/BF16
+ZEN4 = frozenset(["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"])
+ZEN3 = frozenset(["avx2", "fma", "f16c"])
+OLD_X86 = frozenset(["sse4_2", "avx"])
+SKYLAKE_X = frozenset(
+    ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"]
+)  # AVX-512 without VNNI/BF16
 
 
 def pretend_cpu(monkeypatch: pytest.MonkeyPatch, flags: frozenset[str], isa_cap: str | None = None) -> None:

@@ -10,13 +10,23 @@ from genfast.cli import main
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "genfast", *args], capture_output=True, text=True,
-                          input=stdin, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "genfast", *args], capture_output=True, text=True, input=stdin, timeout=600
+    )
 
 
 def test_generate_streams_completion_to_stdout_and_stats_to_stderr(smollm2_gguf):
-    done = run_cli("generate", "The capital of France is", "--model", str(smollm2_gguf),
-                   "--no-compile", "--dtype", "float32", "-n", "8")
+    done = run_cli(
+        "generate",
+        "The capital of France is",
+        "--model",
+        str(smollm2_gguf),
+        "--no-compile",
+        "--dtype",
+        "float32",
+        "-n",
+        "8",
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith("Paris")
     assert "decode" in done.stderr and "MBU" in done.stderr and "time to first token" in done.stderr
@@ -24,8 +34,18 @@ def test_generate_streams_completion_to_stdout_and_stats_to_stderr(smollm2_gguf)
 
 
 def test_generate_batch_and_stdin_prompt(smollm2_gguf):
-    done = run_cli("generate", "-", "The capital of Italy is", "--model", str(smollm2_gguf), "--no-compile",
-                   "-n", "4", "-q", stdin="The capital of France is")
+    done = run_cli(
+        "generate",
+        "-",
+        "The capital of Italy is",
+        "--model",
+        str(smollm2_gguf),
+        "--no-compile",
+        "-n",
+        "4",
+        "-q",
+        stdin="The capital of France is",
+    )
     assert done.returncode == 0, done.stderr
     france, italy = [json.loads(line) for line in done.stdout.splitlines()]
     assert france["prompt"] == "The capital of France is" and "Paris" in france["completion"]
@@ -34,25 +54,35 @@ def test_generate_batch_and_stdin_prompt(smollm2_gguf):
 
 
 def test_chat_answers_on_stdin(smollm2_gguf):
-    done = run_cli("chat", "--model", str(smollm2_gguf), "--no-compile", "-n", "24",
-                   stdin="What is the capital of France?\n/exit\n")
+    done = run_cli(
+        "chat",
+        "--model",
+        str(smollm2_gguf),
+        "--no-compile",
+        "-n",
+        "24",
+        stdin="What is the capital of France?\n/exit\n",
+    )
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["generate", "hi", "--model", "/no/such/model.gguf"], "does not exist"),
-    (["generate", "hi", "--model", "no-such-model"], "model not found"),
-    (["generate", "hi"], "genfast pull"),
-    (["generate", "hi", "--temperature", "-1", "--model", "x"], "--temperature must be >= 0"),
-    (["generate", "hi", "--top-p", "2", "--model", "x"], "--top-p must be in (0, 1]"),
-    (["generate", "--model", "x"], "no prompt given"),
-    (["generate", "--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
-    (["generate", "hi", "--device", "tpu"], "device"),
-    (["generate", "hi", "--dtype", "int3"], "unknown dtype"),
-    (["bench", "llm", "--steps", "warp-speed", "--model", "x"], "unknown step"),
-    (["pull", "not-a-model"], "unknown model"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "hi", "--model", "/no/such/model.gguf"], "does not exist"),
+        (["generate", "hi", "--model", "no-such-model"], "model not found"),
+        (["generate", "hi"], "genfast pull"),
+        (["generate", "hi", "--temperature", "-1", "--model", "x"], "--temperature must be >= 0"),
+        (["generate", "hi", "--top-p", "2", "--model", "x"], "--top-p must be in (0, 1]"),
+        (["generate", "--model", "x"], "no prompt given"),
+        (["generate", "--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
+        (["generate", "hi", "--device", "tpu"], "device"),
+        (["generate", "hi", "--dtype", "int3"], "unknown dtype"),
+        (["bench", "llm", "--steps", "warp-speed", "--model", "x"], "unknown step"),
+        (["pull", "not-a-model"], "unknown model"),
+    ],
+)
 def test_user_errors_are_one_line_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -89,13 +119,106 @@ def test_bench_json_refuses_to_overwrite(tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_llm_writes_json_rows(smollm2_gguf, tmp_path):
     out = tmp_path / "rows.json"
-    done = run_cli("bench", "llm", "--model", str(smollm2_gguf), "--steps", "eager-fp32,eager-bf16",
-                   "--prompt-tokens", "16", "--new-tokens", "8", "--repeats", "1", "--json", str(out))
+    done = run_cli(
+        "bench",
+        "llm",
+        "--model",
+        str(smollm2_gguf),
+        "--steps",
+        "baseline,bf16",
+        "--dtype",
+        "bfloat16",
+        "--prompt-tokens",
+        "16",
+        "--new-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())
-    assert [r["step"] for r in rows] == ["eager-fp32", "eager-bf16"]
+    assert [r["step"] for r in rows] == ["baseline", "bf16"]
     for row in rows:
         for key in ("decode_tok_s", "prefill_tok_s", "mbu", "peak_mem_gb", "greedy_match"):
             assert row[key] > 0, key
     assert rows[0]["greedy_match"] == 1.0
-    assert "| eager-bf16 |" in done.stdout
+    assert "| bf16 |" in done.stdout
+
+
+def _subparsers(parser) -> dict:
+    import argparse
+
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(actions[0].choices) if actions else {}
+
+
+def _all_parsers(parser, prefix=()):
+    yield prefix, parser
+    for name, sub in _subparsers(parser).items():
+        yield from _all_parsers(sub, (*prefix, name))
+
+
+def test_every_command_that_runs_a_model_takes_recipe():
+    from genfast.cli import build_parser
+
+    parsers = dict(_all_parsers(build_parser()))
+    for command in (("generate",), ("chat",), ("serve",), ("segment",), ("imagine",), ("eval", "ppl")):
+        help_text = parsers[command].format_help()
+        assert "--recipe STEP" in help_text and "baseline" in help_text, command
+
+
+def test_help_is_public_and_flags_mean_one_thing():
+    """No internal flag in any help; --steps is a ladder's rows in every bench, denoising steps are
+    --denoising-steps; every bench takes the shared ladder flags."""
+    from genfast.cli import build_parser
+
+    for path, parser in _all_parsers(build_parser()):
+        text = parser.format_help()
+        for internal in ("--one-step", "--baseline-file", "--reference-dir", "--only"):
+            assert internal not in text, (path, internal)
+        if path[:1] == ("bench",) and len(path) == 2:
+            for flag in (
+                "--steps STEP,STEP",
+                "--list-steps",
+                "--repeats",
+                "--device",
+                "--dtype",
+                "--threads",
+                "--json",
+            ):
+                assert flag in text, (path, flag)
+        if path in (("imagine",), ("bench", "diffusion")):
+            assert "--denoising-steps" in text
+    assert "--steps" not in dict(_all_parsers(build_parser()))[("imagine",)].format_help()
+
+
+def test_parsing_the_command_line_does_not_import_torch():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from genfast.cli import build_parser; build_parser(); "
+            "print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_recipe_baseline_is_eager_fp32(smollm2_gguf):
+    """--recipe baseline runs what --no-compile --dtype float32 does (the same tokens), and says so."""
+    common = ["generate", "The capital of France is", "--model", str(smollm2_gguf), "-n", "6"]
+    baseline = run_cli(*common, "--recipe", "baseline")
+    flags = run_cli(*common, "--no-compile", "--dtype", "float32")
+    assert baseline.returncode == 0 and flags.returncode == 0, baseline.stderr + flags.stderr
+    assert baseline.stdout == flags.stdout and "| float32 on cpu" in baseline.stderr
+    assert "compiling" not in baseline.stderr
+
+
+def test_unknown_recipe_step_is_refused_before_anything_loads():
+    done = run_cli("generate", "hi", "--recipe", "warp-speed")
+    assert done.returncode == 2 and "invalid choice: 'warp-speed'" in done.stderr

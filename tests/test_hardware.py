@@ -8,8 +8,9 @@ from genfast.errors import UserError
 from tests.cpus import OLD_X86, SKYLAKE_X, ZEN3, ZEN4, pretend_cpu
 
 
-@pytest.mark.parametrize("flags,level", [(ZEN4, "avx512"), (SKYLAKE_X, "avx512"), (ZEN3, "avx2"),
-                                         (OLD_X86, "none"), (frozenset(), "none")])
+@pytest.mark.parametrize(
+    "flags,level", [(ZEN4, "avx512"), (SKYLAKE_X, "avx512"), (ZEN3, "avx2"), (OLD_X86, "none"), (frozenset(), "none")]
+)
 def test_detected_level(monkeypatch, flags, level):
     pretend_cpu(monkeypatch, flags)
     assert hardware.detected_isa() == level == hardware.isa()
@@ -33,13 +34,16 @@ def test_an_unknown_override_is_a_user_error(monkeypatch):
         hardware.isa()
 
 
-@pytest.mark.parametrize("flags,cap,expected", [
-    (ZEN4, None, torch.bfloat16),  # native bf16 dot products: bf16 reads half the bytes
-    (ZEN4, "avx2", torch.float32),  # the AVX2 paths have no native bf16
-    (ZEN3, None, torch.float32),  # emulated bf16: fp32 is several times faster
-    (SKYLAKE_X, None, torch.float32),
-    (OLD_X86, None, torch.float32),
-])
+@pytest.mark.parametrize(
+    "flags,cap,expected",
+    [
+        (ZEN4, None, torch.bfloat16),  # native bf16 dot products: bf16 reads half the bytes
+        (ZEN4, "avx2", torch.float32),  # the AVX2 paths have no native bf16
+        (ZEN3, None, torch.float32),  # emulated bf16: fp32 is several times faster
+        (SKYLAKE_X, None, torch.float32),
+        (OLD_X86, None, torch.float32),
+    ],
+)
 def test_auto_dtype_per_isa(monkeypatch, flags, cap, expected):
     pretend_cpu(monkeypatch, flags, cap)
     assert hardware.auto_dtype(torch.device("cpu")) == expected
@@ -56,8 +60,10 @@ def test_the_recipes_bf16_step_follows_the_cpu(monkeypatch, flags, auto):
     assert hardware.low_precision_dtype("auto", cpu) == auto
     assert hardware.low_precision_dtype("bfloat16", cpu) == torch.bfloat16
     assert hardware.low_precision_dtype("float32", cpu) is None
-    with pytest.raises(UserError, match="--dtype takes"):
+    with pytest.raises(UserError, match="float16 is slow"):  # float16: CUDA only
         hardware.low_precision_dtype("float16", cpu)
+    with pytest.raises(UserError, match="unknown dtype"):
+        hardware.low_precision_dtype("int3", cpu)
     assert hardware.low_precision_note(cpu).startswith("this CPU has no native bf16" if auto is None else "--dtype")
 
 

@@ -105,13 +105,16 @@ def test_pull_rejects_unknown_names():
 
 # ---- SAM checkpoints over HTTPS (served from local files: tests never touch the network) --------
 
+
 def test_sam_checkpoints_are_the_official_files():
     assert {name: (c.filename, c.sha256_prefix) for name, c in hub.SAM_CHECKPOINTS.items()} == {
         "sam-vit-b": ("sam_vit_b_01ec64.pth", "01ec64"),
         "sam-vit-l": ("sam_vit_l_0b3195.pth", "0b3195"),
         "sam-vit-h": ("sam_vit_h_4b8939.pth", "4b8939"),
     }
-    assert all(c.url.startswith("https://dl.fbaipublicfiles.com/segment_anything/") for c in hub.SAM_CHECKPOINTS.values())
+    assert all(
+        c.url.startswith("https://dl.fbaipublicfiles.com/segment_anything/") for c in hub.SAM_CHECKPOINTS.values()
+    )
     for spec in ("sam-vit-b", "vit_b", "SAM_VIT_B", "vit-b", "sam_vit_b"):
         assert hub.sam_model_name(spec) == "sam-vit-b"
     assert hub.sam_model_name("vit_q") is None and hub.sam_model_name("org/name") is None
@@ -138,8 +141,7 @@ def tiny_sam_checkpoint(tmp_path, monkeypatch) -> tuple[Path, str]:
     torch.save(build_sam(TINY).state_dict(), staging)
     digest = hashlib.sha256(staging.read_bytes()).hexdigest()
     source = staging.rename(tmp_path / f"sam_tiny_{digest[:6]}.pth")
-    monkeypatch.setitem(hub.SAM_CHECKPOINTS, "sam-vit-b",
-                        hub.SamCheckpoint(source.as_uri(), "tiny stand-in", 1))
+    monkeypatch.setitem(hub.SAM_CHECKPOINTS, "sam-vit-b", hub.SamCheckpoint(source.as_uri(), "tiny stand-in", 1))
     return source, digest
 
 
@@ -168,8 +170,9 @@ def test_pull_sam_downloads_verifies_and_caches(tiny_sam_checkpoint, capsys):
 def test_pull_sam_refuses_a_file_with_the_wrong_hash(tiny_sam_checkpoint, monkeypatch):
     source, digest = tiny_sam_checkpoint
     wrong = "000000" if not digest.startswith("000000") else "ffffff"
-    monkeypatch.setitem(hub.SAM_CHECKPOINTS, "sam-vit-b",
-                        hub.SamCheckpoint(source.as_uri().replace(digest[:6], wrong), "tampered", 1))
+    monkeypatch.setitem(
+        hub.SAM_CHECKPOINTS, "sam-vit-b", hub.SamCheckpoint(source.as_uri().replace(digest[:6], wrong), "tampered", 1)
+    )
     wrong_named = source.rename(source.with_name(source.name.replace(digest[:6], wrong)))
     with pytest.raises(UserError, match=f"SHA-256 {digest[:16]}.*not the expected {wrong}"):
         hub.pull("sam-vit-b", log=lambda m: None)
@@ -190,7 +193,7 @@ def test_pull_sam_offline_or_truncated_leaves_nothing(tiny_sam_checkpoint):
     def offline(url):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
-    with pytest.raises(UserError, match="cannot download .* \\(offline\\?\\)"):
+    with pytest.raises(UserError, match=r"cannot download .* \(offline\?\)"):
         hub.pull("sam-vit-b", opener=offline, log=lambda m: None)
     assert not any(cache.iterdir())
 

@@ -16,8 +16,9 @@ from genfast.nn import (
     store_linear_weights,
 )
 
-needs_few_rows_kernel = pytest.mark.skipif(few_rows_unavailable_reason() is not None,
-                                           reason=f"few-row kernel: {few_rows_unavailable_reason()}")
+needs_few_rows_kernel = pytest.mark.skipif(
+    few_rows_unavailable_reason() is not None, reason=f"few-row kernel: {few_rows_unavailable_reason()}"
+)
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -63,7 +64,7 @@ def test_few_rows_kernel_sums_in_fp32(x_dtype, rows, n, k):
     multiplied = x.bfloat16() if LINEAR_FEW_ROWS.loaded_isa() == "avx512" else x
     want = multiplied.double() @ w.double().t()
     assert got.dtype == torch.float32 and got.shape == (rows, n)
-    torch.testing.assert_close(got.double(), want, atol=1e-5 * k ** 0.5, rtol=1e-6)
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * k**0.5, rtol=1e-6)
 
 
 @needs_few_rows_kernel
@@ -118,8 +119,14 @@ def test_bf16_stored_weights_without_the_kernel_upcast(monkeypatch):
 
 
 def test_store_linear_weights_keeps_tied_tables_tied_and_the_rest_as_is():
-    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 32), "head": Linear(32, 10, bias=False),
-                                 "norm": torch.nn.LayerNorm(32), "plain": torch.nn.Linear(32, 32)})
+    model = torch.nn.ModuleDict(
+        {
+            "emb": torch.nn.Embedding(10, 32),
+            "head": Linear(32, 10, bias=False),
+            "norm": torch.nn.LayerNorm(32),
+            "plain": torch.nn.Linear(32, 32),
+        }
+    )
     model["head"].weight = model["emb"].weight
     assert store_linear_weights(model, torch.bfloat16) == 1
     assert model["head"].weight is model["emb"].weight and model["emb"].weight.dtype == torch.bfloat16

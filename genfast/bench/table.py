@@ -18,22 +18,28 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+def markdown_table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
     """columns: (key, header, format spec); a missing value prints as '-'."""
+
     def cell(row: dict[str, Any], key: str, spec: str) -> str:
         value = row.get(key)
         if value is None:
             return "-"
         return format(value, spec) if spec else str(value)
 
-    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
-             "|" + "|".join("---" for _ in columns) + "|"]
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(r, k, s) for k, _, s in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def report(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]], info: dict[str, Any], model: str,
-           footnote: str, json_path: str | Path | None) -> None:
+def report(
+    rows: list[dict[str, Any]],
+    columns: Sequence[tuple[str, str, str]],
+    info: dict[str, Any],
+    model: str,
+    footnote: str,
+    json_path: str | Path | None,
+) -> None:
     """The end of every `genfast bench`: tag the rows with the machine and model, print the table
     and its footnote (followed by the machine), write the rows as JSON when asked."""
     for row in rows:

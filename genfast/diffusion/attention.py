@@ -34,8 +34,10 @@ def set_attention(model: nn.Module, attention: str) -> None:
     known = (AttnProcessor, AttnProcessor2_0, FusedAttnProcessor2_0)
     other = sorted({type(p).__name__ for p in processors.values() if not isinstance(p, known)})
     if other:
-        raise ValueError(f"{type(model).__name__} uses attention processors {', '.join(other)}: "
-                         "genfast's math/sdpa steps only replace AttnProcessor / AttnProcessor2_0")
+        raise ValueError(
+            f"{type(model).__name__} uses attention processors {', '.join(other)}: "
+            "genfast's math/sdpa steps only replace AttnProcessor / AttnProcessor2_0"
+        )
     if any(getattr(m, "fused_projections", False) for m in _attention_modules(model)):
         raise ValueError("set the attention before fusing QKV projections (the fused processor is SDPA)")
     model.set_attn_processor(AttnProcessor() if attention == "math" else AttnProcessor2_0())

@@ -13,34 +13,25 @@ with symbolic sizes also generate one image at a second resolution and report th
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from genfast.bench.isolated import run_row
-from genfast.bench.machine import describe_machine, machine_info
-from genfast.bench.table import check_writable, median, report, write_json_atomic
-from genfast.diffusion import DIFFUSION_STEPS
+from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, SPEEDUP, STEP, Case, Ladder, Options, Row
+from genfast.bench.table import median
 from genfast.diffusion.pipelines import DenoiserWrapper
+from genfast.diffusion.recipe import RECIPE
 from genfast.errors import UserError
-from genfast.hardware import peak_memory_bytes, synchronize
+from genfast.hardware import synchronize
+from genfast.recipe import Plan, Target
 
 ARCHS = ("sd15", "sdxl", "tiny-sd15", "tiny-sdxl")
 PROMPT = "a photograph of a lighthouse on a rocky coast at dusk"
 # Reference images and the row keys of the PSNR against them; both come from the baseline's process
 # (fp32-sdpa: the baseline pipeline switched to SDPA attention, the issue's quality reference).
 REFERENCES = {"baseline": "psnr_db", "fp32-sdpa": "psnr_vs_sdpa_db"}
-COLUMNS = [
-    ("step", "step", ""), ("s_per_image", "s/image", ".2f"), ("speedup", "vs baseline", ".2f"),
-    ("s_per_denoiser_step", "s/denoiser step", ".3f"), ("compile_s", "compile s", ".0f"),
-    ("peak_mem_gb", "peak mem GB", ".2f"), ("psnr_db", "PSNR vs baseline dB", ".1f"),
-    ("psnr_vs_sdpa_db", "PSNR vs fp32 SDPA dB", ".1f"), ("new_size_graphs", "graphs at new size", "d"),
-    ("note", "note", ""),
-]
 
 
 def _pipeline(arch: str) -> Any:
@@ -66,107 +57,118 @@ class _TimedDenoiser(DenoiserWrapper):
         return out
 
 
-def run_step(step: str, arch: str, size: int, steps: int, repeats: int, device: torch.device,
-             reference_dir: Path, low_precision: torch.dtype | None = torch.bfloat16) -> dict[str, Any]:
-    """One row, in this process; the reference steps save their images to reference_dir."""
-    from genfast.diffusion.pipelines import denoiser_name, denoiser_of
-    from genfast.diffusion.quality import psnr
-    from genfast.diffusion.recipe import apply_recipe, recipe_for_step
-    from genfast.hardware import low_precision_note
+class DiffusionLadder(Ladder):
+    workload = "diffusion"
+    recipe = RECIPE
+    speed_key = "s_per_image"
+    higher_is_faster = False
+    # fmt: off
+    columns = (
+        STEP, ("s_per_image", "s/image", ".2f"), SPEEDUP, ("s_per_denoiser_step", "s/denoiser step", ".3f"),
+        COMPILE_TIME, PEAK_MEMORY, ("psnr_db", "PSNR vs baseline dB", ".1f"),
+        ("psnr_vs_sdpa_db", "PSNR vs fp32 SDPA dB", ".1f"), ("new_size_graphs", "graphs at new size", "d"), NOTE,
+    )
+    # fmt: on
 
-    if step == "bf16" and low_precision is None:
-        return {"step": step, "note": f"skipped: {low_precision_note(device)}"}
-    recipe = recipe_for_step(step, low_precision)
-    pipe = _pipeline(arch).to(device)
-    apply_recipe(pipe, recipe)
-    timer = _TimedDenoiser(denoiser_of(pipe), device)  # around the feature cache too: what the loop calls
-    setattr(pipe, denoiser_name(pipe), timer)
+    def options(self, args: argparse.Namespace) -> Options:
+        if args.arch not in ARCHS:
+            raise UserError(f"unknown --arch {args.arch!r}; choose one of {', '.join(ARCHS)}")
+        if args.size % 8 or not 8 <= args.size <= 4096:
+            raise UserError(f"--size {args.size}: must be a multiple of 8 between 8 and 4096")
+        return {**super().options(args), "arch": args.arch, "size": args.size, "denoising_steps": args.denoising_steps}
 
-    def generate(height: int = size, width: int = size) -> torch.Tensor:
-        generator = torch.Generator("cpu").manual_seed(0)
-        with torch.inference_mode():
-            return pipe(PROMPT, height=height, width=width, num_inference_steps=steps, generator=generator,
-                        output_type="pt").images.float().cpu()
+    def header(self, options: Options, machine: str) -> str:
+        from genfast import steps
+        from genfast.hardware import resolve_device
 
-    start = time.perf_counter()
-    image = generate()  # warm-up (and compilation)
-    first_s = time.perf_counter() - start
-    times, denoiser_times = [], []
-    for _ in range(repeats):
-        timer.seconds = 0.0
-        start = time.perf_counter()
-        image = generate()
-        times.append(time.perf_counter() - start)
-        denoiser_times.append(timer.seconds / steps)
-    seconds = median(times)
-    row: dict[str, Any] = {"step": step, "s_per_image": seconds, "s_per_denoiser_step": median(denoiser_times),
-                           "peak_mem_gb": peak_memory_bytes(device) / 1e9, "arch": arch, "size": size,
-                           "denoising_steps": steps}
-    if recipe.compile != "none":
-        row["compile_s"] = max(first_s - seconds, 0.0)
-    if recipe.dynamic_shapes:  # a smaller, non-square second size: cheaper than the timed one
-        from torch._dynamo.utils import counters
+        dtype = steps.low_precision_name(Target(resolve_device(options["device"]), options["dtype"])) or "float32"
+        return (
+            f"genfast bench diffusion: {options['arch']} with RANDOM weights (speed only), {options['size']}x"
+            f"{options['size']}, {options['denoising_steps']} denoising steps, on {machine}; median of "
+            f"{options['repeats']}; steps from bf16 on in {dtype}"
+        )
 
-        graphs = counters["stats"]["unique_graphs"]
-        generate(height=max(size - 64, 64), width=max(size - 128, 64))
-        row["new_size_graphs"] = counters["stats"]["unique_graphs"] - graphs
-    if step == "baseline":
+    def model(self, options: Options) -> str:
+        return f"{options['arch']} (random weights)"
+
+    def footnote(self, options: Options, rows: list[dict[str, Any]]) -> str:
+        return (
+            f"s/image: prompt encoding + {options['denoising_steps']} denoising steps (classifier-free guidance) + "
+            f"VAE decode, median of {options['repeats']} after a warm-up. PSNR: same seed and prompt, images in "
+            "[0, 1]."
+        )
+
+    def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
         from genfast.diffusion.attention import set_attention
+        from genfast.diffusion.pipelines import denoiser_name, denoiser_of
+        from genfast.diffusion.recipe import apply_recipe
 
-        torch.save(image, reference_dir / "baseline.pt")
-        for model in (timer.denoiser, pipe.vae):
-            set_attention(model, "sdpa")
-        torch.save(generate(), reference_dir / "fp32-sdpa.pt")
-    for reference, key in REFERENCES.items():
-        path = reference_dir / f"{reference}.pt"
-        if path.exists() and step != "baseline":
-            row[key] = psnr(image, torch.load(path))
-    return row
+        assert plan is not None  # every row is a recipe step
+        settings, size, steps = plan.settings, options["size"], options["denoising_steps"]
+        pipe = _pipeline(options["arch"]).to(target.device)
+        apply_recipe(pipe, settings)
+        timer = _TimedDenoiser(denoiser_of(pipe), target.device)  # around the feature cache too: what the loop calls
+        setattr(pipe, denoiser_name(pipe), timer)
+
+        def generate(height: int = size, width: int = size) -> torch.Tensor:
+            generator = torch.Generator("cpu").manual_seed(0)
+            with torch.inference_mode():
+                return (
+                    pipe(
+                        PROMPT,
+                        height=height,
+                        width=width,
+                        num_inference_steps=steps,
+                        generator=generator,
+                        output_type="pt",
+                    )
+                    .images.float()
+                    .cpu()
+                )
+
+        denoiser_times: list[float] = []
+
+        def run() -> torch.Tensor:
+            timer.seconds = 0.0
+            image = generate()
+            denoiser_times.append(timer.seconds / steps)
+            return image
+
+        def measure(images: list[torch.Tensor], seconds: list[float]) -> dict[str, Any]:
+            result: dict[str, Any] = {
+                "s_per_image": median(seconds),
+                "s_per_denoiser_step": median(denoiser_times[1:]),
+                "arch": options["arch"],
+                "size": size,
+                "denoising_steps": steps,
+            }
+            if settings.dynamic_shapes:  # a smaller, non-square second size: cheaper than the timed one
+                from torch._dynamo.utils import counters
+
+                graphs = counters["stats"]["unique_graphs"]
+                generate(height=max(size - 64, 64), width=max(size - 128, 64))
+                result["new_size_graphs"] = counters["stats"]["unique_graphs"] - graphs
+            if row.step == self.recipe.baseline:  # the references: this image, and SDPA's in fp32
+                torch.save(images[-1], workdir / "baseline.pt")
+                for model in (timer.denoiser, pipe.vae):
+                    set_attention(model, "sdpa")
+                torch.save(generate(), workdir / "fp32-sdpa.pt")
+            return result
+
+        return Case(run, measure, compiled=settings.compile != "none")
+
+    def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
+        from genfast.diffusion.quality import psnr
+
+        result = {}
+        for reference, key in REFERENCES.items():
+            path = workdir / f"{reference}.pt"
+            if path.exists() and row.step != self.recipe.baseline:
+                result[key] = psnr(output, torch.load(path))
+        return result
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from genfast.hardware import low_precision_dtype, resolve_device
+    from genfast.bench.ladder import run
 
-    if args.arch not in ARCHS:
-        raise UserError(f"unknown --arch {args.arch!r}; choose one of {', '.join(ARCHS)}")
-    if args.size % 8 or not 8 <= args.size <= 4096:
-        raise UserError(f"--size {args.size}: must be a multiple of 8 between 8 and 4096")
-    device = resolve_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    low_precision = low_precision_dtype(args.dtype, device)
-    if args.one_step:
-        row = run_step(args.one_step, args.arch, args.size, args.steps, args.repeats, device, Path(args.reference_dir),
-                       low_precision)
-        write_json_atomic(args.json_path, row)
-        return 0
-    if args.json_path:
-        check_writable(args.json_path, args.force)
-    ladder = args.only.split(",") if args.only else list(DIFFUSION_STEPS)
-    unknown = [s for s in ladder if s not in DIFFUSION_STEPS]
-    if unknown:
-        raise UserError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(DIFFUSION_STEPS)}")
-    ladder.sort(key=DIFFUSION_STEPS.index)
-    info = machine_info(device)
-    print(f"genfast bench diffusion: {args.arch} with RANDOM weights (speed only), {args.size}x{args.size}, "
-          f"{args.steps} steps, on {describe_machine(info)}; median of {args.repeats}; steps from bf16 on in "
-          f"{str(low_precision or torch.float32).removeprefix('torch.')}", file=sys.stderr)
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="genfast-bench-diffusion-") as reference_dir:
-        for step in ladder:
-            print(f"  {step} ...", file=sys.stderr, flush=True)
-            argv = ["bench", "diffusion", "--one-step", step, "--arch", args.arch, "--size", str(args.size),
-                    "--steps", str(args.steps), "--repeats", str(args.repeats), "--device", args.device,
-                    "--dtype", args.dtype,
-                    "--reference-dir", reference_dir]
-            if args.threads:
-                argv += ["--threads", str(args.threads)]
-            rows.append(run_row(argv, f"step {step}"))
-    base = next((r for r in rows if r["step"] == "baseline"), None)
-    for row in rows:
-        if base is not None and row.get("s_per_image"):
-            row["speedup"] = base["s_per_image"] / row["s_per_image"]
-    report(rows, COLUMNS, info, f"{args.arch} (random weights)",
-           f"s/image: prompt encoding + {args.steps} denoising steps (classifier-free guidance) + VAE decode, "
-           f"median of {args.repeats} after a warm-up. PSNR: same seed and prompt, images in [0, 1].", args.json_path)
-    return 0
+    return run(DiffusionLadder(), args)

@@ -1,7 +1,7 @@
 """`genfast imagine`: text to image with a diffusers pipeline and genfast's recipe.
 
     genfast imagine "a lighthouse at dusk" --model ./stable-diffusion-v1-5 -o out.png
-    genfast imagine "a lighthouse at dusk" --model stabilityai/sdxl-turbo --steps 4 --size 512x512 -o out.png
+    genfast imagine "a lighthouse at dusk" --model stabilityai/sdxl-turbo --denoising-steps 4 --size 512x512 -o out.png
     genfast imagine "test" --model tiny-sd15 --random-weights --size 64x64 -o smoke.png   # no weights needed
 
 The PNG carries the prompt, seed, steps, size, model and recipe as text metadata; it is written
@@ -45,8 +45,10 @@ def load(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
 
     if args.random_weights:
         if args.model not in RANDOM_ARCHS:
-            raise UserError(f"--random-weights builds one of {', '.join(RANDOM_ARCHS)}, not {args.model!r} "
-                            "(real-size random architectures come with `genfast bench diffusion`)")
+            raise UserError(
+                f"--random-weights builds one of {', '.join(RANDOM_ARCHS)}, not {args.model!r} "
+                "(real-size random architectures come with `genfast bench diffusion`)"
+            )
         return tiny_pipeline(RANDOM_ARCHS[args.model]).to(device), f"{args.model} with RANDOM weights"
     if args.model in RANDOM_ARCHS:
         raise UserError(f"{args.model} exists only with random weights: add --random-weights")
@@ -55,40 +57,64 @@ def load(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
 
 def imagine_command(args: argparse.Namespace) -> int:
     from genfast.diffusion.pipelines import call_kwargs
-    from genfast.diffusion.recipe import apply_recipe, recipe_for_step
-    from genfast.hardware import low_precision_dtype, resolve_device
+    from genfast.diffusion.recipe import RECIPE, apply_recipe
+    from genfast.hardware import DTYPES, dtype_name, resolve_device
+    from genfast.recipe import Target
 
     width, height = parse_size(args.size)
     output = Path(args.output).expanduser()
     images.check_outputs([output], args.force)  # fail before the slow part
     device = resolve_device(args.device)
-    recipe = recipe_for_step(args.recipe, low_precision_dtype(args.dtype, device))
+    plan = RECIPE.plan(args.recipe, Target(device, dtype_name(args.dtype)))
+    recipe = plan.settings
+    for message in plan.messages():
+        print(f"genfast: {message}", file=sys.stderr)
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     if args.random_weights:
         print(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}", file=sys.stderr)
     start = time.perf_counter()
-    pipe, description = load(args, recipe.dtype, device)
+    pipe, description = load(args, DTYPES[recipe.dtype], device)
     apply_recipe(pipe, recipe)
-    dtype_name = str(recipe.dtype).removeprefix("torch.")
-    print(f"genfast: {description} | recipe {args.recipe} in {dtype_name} | {width}x{height}, "
-          f"{args.steps} steps, seed {seed} on {device}" + (" (the first call compiles: minutes on a CPU)" if recipe.compile != "none" else ""),
-          file=sys.stderr, flush=True)
+    print(
+        f"genfast: {description} | recipe {args.recipe} in {recipe.dtype} | {width}x{height}, "
+        f"{args.denoising_steps} steps, seed {seed} on {device}"
+        + (" (the first call compiles: minutes on a CPU)" if recipe.compile != "none" else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     pipe.set_progress_bar_config(desc="denoising", file=sys.stderr)
     loaded = time.perf_counter()
     generator = torch.Generator("cpu").manual_seed(seed)
     with torch.inference_mode():
         # Only a given negative prompt is passed: pipelines differ in their default (PixArt's is "").
         negative = {} if args.negative is None else {"negative_prompt": args.negative}
-        image = pipe(args.prompt, height=height, width=width, num_inference_steps=args.steps,
-                     guidance_scale=args.guidance, generator=generator, **negative, **call_kwargs(pipe)).images[0]
+        image = pipe(
+            args.prompt,
+            height=height,
+            width=width,
+            num_inference_steps=args.denoising_steps,
+            guidance_scale=args.guidance,
+            generator=generator,
+            **negative,
+            **call_kwargs(pipe),
+        ).images[0]
     done = time.perf_counter()
-    text = {"genfast:prompt": args.prompt, "genfast:seed": str(seed), "genfast:steps": str(args.steps),
-            "genfast:size": f"{width}x{height}", "genfast:model": description, "genfast:recipe": args.recipe,
-            "genfast:random-weights": str(bool(args.random_weights)).lower()}
+    text = {
+        "genfast:prompt": args.prompt,
+        "genfast:seed": str(seed),
+        "genfast:steps": str(args.denoising_steps),
+        "genfast:size": f"{width}x{height}",
+        "genfast:model": description,
+        "genfast:recipe": args.recipe,
+        "genfast:random-weights": str(bool(args.random_weights)).lower(),
+    }
     if args.random_weights:
         text["Warning"] = RANDOM_WEIGHTS_WARNING
     images.write_files({output: images.png_bytes(image, text)}, args.force)
-    print(f"genfast: wrote {output} | load {loaded - start:.1f} s, generate {done - loaded:.1f} s "
-          f"({(done - loaded) / args.steps:.2f} s/step incl. text encoding and decoding)"
-          + (f" | WARNING: {RANDOM_WEIGHTS_WARNING}" if args.random_weights else ""), file=sys.stderr)
+    print(
+        f"genfast: wrote {output} | load {loaded - start:.1f} s, generate {done - loaded:.1f} s "
+        f"({(done - loaded) / args.denoising_steps:.2f} s/step incl. text encoding and decoding)"
+        + (f" | WARNING: {RANDOM_WEIGHTS_WARNING}" if args.random_weights else ""),
+        file=sys.stderr,
+    )
     return 0

@@ -22,13 +22,19 @@ import torch.fx.experimental._config as fx_config
 from torch import nn
 
 
-def diffusion_inductor_options(device: torch.device | str, *, whole_model: bool = True,
-                               dynamic: bool = False) -> dict[str, Any]:
+def diffusion_inductor_options(
+    device: torch.device | str, *, whole_model: bool = True, dynamic: bool = False
+) -> dict[str, Any]:
     device = torch.device(device)
     if device.type == "cuda":
-        return {"conv_1x1_as_mm": True, "coordinate_descent_tuning": True, "epilogue_fusion": False,
-                "coordinate_descent_check_all_directions": True, "max_autotune": True,
-                "triton.cudagraphs": whole_model and not dynamic}
+        return {
+            "conv_1x1_as_mm": True,
+            "coordinate_descent_tuning": True,
+            "epilogue_fusion": False,
+            "coordinate_descent_check_all_directions": True,
+            "max_autotune": True,
+            "triton.cudagraphs": whole_model and not dynamic,
+        }
     return {"freezing": True}
 
 
@@ -45,6 +51,7 @@ def _traced_with(compiled: Callable[..., Any], *, duck_sizing: bool, graphs: int
     - graphs: how many graphs one code object may hold. Dynamo's default (8) is per function, not
       per module: all of a UNet's residual blocks share `ResnetBlock2D.forward`, and their
       parameter shapes (static by design) need one graph each."""
+
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
         with fx_config.patch(use_duck_shape=duck_sizing), dynamo_config.patch(recompile_limit=graphs):
@@ -53,8 +60,9 @@ def _traced_with(compiled: Callable[..., Any], *, duck_sizing: bool, graphs: int
     return call
 
 
-def compile_module(module: nn.Module, *, dynamic: bool = False, whole_model: bool = True,
-                   graphs: int | None = None) -> nn.Module:
+def compile_module(
+    module: nn.Module, *, dynamic: bool = False, whole_model: bool = True, graphs: int | None = None
+) -> nn.Module:
     """Compile `module`'s forward in place (fullgraph: a graph break is an error, not a slowdown).
     With `dynamic`, sizes are symbolic and independent of each other; `graphs`: the most graphs
     its forward's code may compile (see _traced_with)."""
@@ -64,8 +72,9 @@ def compile_module(module: nn.Module, *, dynamic: bool = False, whole_model: boo
         return module
     # An instance attribute: nn.Module.__call__ runs it; parameters and state dict are untouched.
     compiled = torch.compile(module.forward, fullgraph=True, dynamic=dynamic, options=options)
-    module.forward = _traced_with(compiled, duck_sizing=not dynamic,
-                                  graphs=max(graphs or 0, dynamo_config.recompile_limit))
+    module.forward = _traced_with(
+        compiled, duck_sizing=not dynamic, graphs=max(graphs or 0, dynamo_config.recompile_limit)
+    )
     return module
 
 

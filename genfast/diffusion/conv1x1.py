@@ -16,8 +16,14 @@ from torch import Tensor, nn
 
 def is_pointwise_conv(module: nn.Module) -> bool:
     """True for the Conv2d layers that are exactly a per-pixel matmul."""
-    return (isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1) and module.stride == (1, 1)
-            and module.padding == (0, 0) and module.dilation == (1, 1) and module.groups == 1)
+    return (
+        isinstance(module, nn.Conv2d)
+        and module.kernel_size == (1, 1)
+        and module.stride == (1, 1)
+        and module.padding == (0, 0)
+        and module.dilation == (1, 1)
+        and module.groups == 1
+    )
 
 
 class Conv1x1AsLinear(nn.Module):
@@ -28,10 +34,11 @@ class Conv1x1AsLinear(nn.Module):
         self.linear = linear
 
     @classmethod
-    def from_conv(cls, conv: nn.Conv2d) -> "Conv1x1AsLinear":
+    def from_conv(cls, conv: nn.Conv2d) -> Conv1x1AsLinear:
         weight = conv.weight
-        linear = nn.Linear(conv.in_channels, conv.out_channels, bias=conv.bias is not None,
-                           device=weight.device, dtype=weight.dtype)
+        linear = nn.Linear(
+            conv.in_channels, conv.out_channels, bias=conv.bias is not None, device=weight.device, dtype=weight.dtype
+        )
         with torch.no_grad():
             linear.weight.copy_(weight.reshape(conv.out_channels, conv.in_channels))
             if conv.bias is not None:
@@ -42,8 +49,14 @@ class Conv1x1AsLinear(nn.Module):
         linear = self.linear
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"cannot turn {type(linear).__name__} back into a convolution (quantized?)")
-        conv = nn.Conv2d(linear.in_features, linear.out_features, 1, bias=linear.bias is not None,
-                         device=linear.weight.device, dtype=linear.weight.dtype)
+        conv = nn.Conv2d(
+            linear.in_features,
+            linear.out_features,
+            1,
+            bias=linear.bias is not None,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+        )
         with torch.no_grad():
             conv.weight.copy_(linear.weight.reshape(conv.weight.shape))
             if linear.bias is not None:

@@ -22,8 +22,14 @@ from torch import Tensor, nn
 from genfast.diffusion.pipelines import DenoiserWrapper
 
 # UNet inputs the cached path does not implement (ControlNet/T2I-adapter residuals, masks, class labels).
-_UNSUPPORTED = ("class_labels", "attention_mask", "encoder_attention_mask", "down_block_additional_residuals",
-                "mid_block_additional_residual", "down_intrablock_additional_residuals")
+_UNSUPPORTED = (
+    "class_labels",
+    "attention_mask",
+    "encoder_attention_mask",
+    "down_block_additional_residuals",
+    "mid_block_additional_residual",
+    "down_intrablock_additional_residuals",
+)
 
 
 class DeepCacheUNet(DenoiserWrapper):
@@ -44,8 +50,14 @@ class DeepCacheUNet(DenoiserWrapper):
         self._deep: Tensor | None = None
         self._deep_key: tuple | None = None  # (input shape, dtype) the cached features belong to
 
-    def _embeddings(self, sample: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
-                    timestep_cond: Tensor | None, added_cond_kwargs: dict | None) -> tuple[Tensor, Tensor]:
+    def _embeddings(
+        self,
+        sample: Tensor,
+        timestep: Tensor,
+        encoder_hidden_states: Tensor,
+        timestep_cond: Tensor | None,
+        added_cond_kwargs: dict | None,
+    ) -> tuple[Tensor, Tensor]:
         """The time (+ class, + SDXL text/time-id) embedding and the processed text states, as in
         UNet2DConditionModel.forward."""
         unet = self.denoiser
@@ -53,26 +65,36 @@ class DeepCacheUNet(DenoiserWrapper):
         class_emb = unet.get_class_embed(sample=sample, class_labels=None)
         if class_emb is not None:
             emb = torch.cat([emb, class_emb], dim=-1) if unet.config.class_embeddings_concat else emb + class_emb
-        aug_emb = unet.get_aug_embed(emb=emb, encoder_hidden_states=encoder_hidden_states,
-                                     added_cond_kwargs=added_cond_kwargs)
+        aug_emb = unet.get_aug_embed(
+            emb=emb, encoder_hidden_states=encoder_hidden_states, added_cond_kwargs=added_cond_kwargs
+        )
         emb = emb + aug_emb if aug_emb is not None else emb
         if unet.time_embed_act is not None:
             emb = unet.time_embed_act(emb)
         encoder_hidden_states = unet.process_encoder_hidden_states(
-            encoder_hidden_states=encoder_hidden_states, added_cond_kwargs=added_cond_kwargs)
+            encoder_hidden_states=encoder_hidden_states, added_cond_kwargs=added_cond_kwargs
+        )
         return emb, encoder_hidden_states
 
     @staticmethod
-    def _block(block: nn.Module, hidden: Tensor, emb: Tensor, text: Tensor, kwargs: dict | None,
-               **extra: Any) -> Any:
+    def _block(block: nn.Module, hidden: Tensor, emb: Tensor, text: Tensor, kwargs: dict | None, **extra: Any) -> Any:
         if getattr(block, "has_cross_attention", False):
-            return block(hidden_states=hidden, temb=emb, encoder_hidden_states=text, cross_attention_kwargs=kwargs,
-                         **extra)
+            return block(
+                hidden_states=hidden, temb=emb, encoder_hidden_states=text, cross_attention_kwargs=kwargs, **extra
+            )
         return block(hidden_states=hidden, temb=emb, **extra)
 
-    def forward(self, sample: Tensor, timestep: Tensor | float | int, encoder_hidden_states: Tensor,
-                timestep_cond: Tensor | None = None, cross_attention_kwargs: dict | None = None,
-                added_cond_kwargs: dict | None = None, return_dict: bool = True, **others: Any) -> Any:
+    def forward(
+        self,
+        sample: Tensor,
+        timestep: Tensor | float | int,
+        encoder_hidden_states: Tensor,
+        timestep_cond: Tensor | None = None,
+        cross_attention_kwargs: dict | None = None,
+        added_cond_kwargs: dict | None = None,
+        return_dict: bool = True,
+        **others: Any,
+    ) -> Any:
         used = [name for name in _UNSUPPORTED if others.get(name) is not None]
         unknown = sorted(set(others) - set(_UNSUPPORTED))
         if used or unknown:
@@ -81,7 +103,7 @@ class DeepCacheUNet(DenoiserWrapper):
         if timesteps is not self._run:  # a new run: set_timesteps made a new tensor
             self._run, self._calls, self._deep = timesteps, 0, None
         unet = self.denoiser
-        up_factor = 2 ** unet.num_upsamplers
+        up_factor = 2**unet.num_upsamplers
         forward_upsample_size = any(dim % up_factor for dim in sample.shape[-2:])
         if unet.config.center_input_sample:
             sample = 2 * sample - 1.0
@@ -99,22 +121,37 @@ class DeepCacheUNet(DenoiserWrapper):
         if full:
             if unet.mid_block is not None:
                 if getattr(unet.mid_block, "has_cross_attention", False):
-                    hidden = unet.mid_block(hidden, emb, encoder_hidden_states=text,
-                                            cross_attention_kwargs=cross_attention_kwargs)
+                    hidden = unet.mid_block(
+                        hidden, emb, encoder_hidden_states=text, cross_attention_kwargs=cross_attention_kwargs
+                    )
                 else:
                     hidden = unet.mid_block(hidden, emb)
             for block in unet.up_blocks[:-1]:
-                res = res_samples[-len(block.resnets):]
+                res = res_samples[-len(block.resnets) :]
                 res_samples = res_samples[: -len(block.resnets)]
                 upsample_size = res_samples[-1].shape[2:] if forward_upsample_size else None
-                hidden = self._block(block, hidden, emb, text, cross_attention_kwargs,
-                                     res_hidden_states_tuple=res, upsample_size=upsample_size)
+                hidden = self._block(
+                    block,
+                    hidden,
+                    emb,
+                    text,
+                    cross_attention_kwargs,
+                    res_hidden_states_tuple=res,
+                    upsample_size=upsample_size,
+                )
             self._deep, self._deep_key = hidden, key
         else:
             hidden = self._deep
             res_samples = res_samples[: len(last.resnets)]
-        hidden = self._block(last, hidden, emb, text, cross_attention_kwargs,
-                             res_hidden_states_tuple=res_samples[-len(last.resnets):], upsample_size=None)
+        hidden = self._block(
+            last,
+            hidden,
+            emb,
+            text,
+            cross_attention_kwargs,
+            res_hidden_states_tuple=res_samples[-len(last.resnets) :],
+            upsample_size=None,
+        )
         if unet.conv_norm_out:
             hidden = unet.conv_act(unet.conv_norm_out(hidden))
         out = unet.conv_out(hidden)

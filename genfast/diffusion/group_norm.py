@@ -17,7 +17,9 @@ from torch import Tensor, nn
 
 from genfast.kernels import GROUP_NORM
 
-torch.library.define("genfast::group_norm_nhwc", "(Tensor x, int groups, Tensor weight, Tensor bias, float eps) -> Tensor")
+torch.library.define(
+    "genfast::group_norm_nhwc", "(Tensor x, int groups, Tensor weight, Tensor bias, float eps) -> Tensor"
+)
 
 
 @torch.library.register_fake("genfast::group_norm_nhwc")
@@ -38,12 +40,19 @@ class ChannelsLastGroupNorm(nn.Module):
         self.num_groups, self.num_channels, self.eps = norm.num_groups, norm.num_channels, norm.eps
         self.affine = norm.affine
         self.weight, self.bias = norm.weight, norm.bias
-        self.native = (norm.num_channels % 16 == 0 and next(iter(norm.parameters()), torch.empty(0)).device.type == "cpu"
-                       and unavailable_reason() is None)
+        self.native = (
+            norm.num_channels % 16 == 0
+            and next(iter(norm.parameters()), torch.empty(0)).device.type == "cpu"
+            and unavailable_reason() is None
+        )
 
     def forward(self, x: Tensor) -> Tensor:
-        if (self.native and x.dim() == 4 and x.dtype in (torch.float32, torch.bfloat16)
-                and x.is_contiguous(memory_format=torch.channels_last)):
+        if (
+            self.native
+            and x.dim() == 4
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and x.is_contiguous(memory_format=torch.channels_last)
+        ):
             weight = self.weight if self.affine else x.new_ones(self.num_channels)
             bias = self.bias if self.affine else x.new_zeros(self.num_channels)
             return torch.ops.genfast.group_norm_nhwc(x, self.num_groups, weight, bias, self.eps)

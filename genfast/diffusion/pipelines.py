@@ -66,7 +66,9 @@ def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: torch.
     looks_local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
     if looks_local:
         if not path.is_dir():
-            raise UserError(f"{model} is not a directory: pass a diffusers pipeline directory (with model_index.json) or a hub id")
+            raise UserError(
+                f"{model} is not a directory: pass a diffusers pipeline directory (with model_index.json) or a hub id"
+            )
         if not (path / "model_index.json").is_file():
             raise UserError(f"{path} has no model_index.json: it is not a diffusers pipeline directory")
         source = str(path)
@@ -104,10 +106,19 @@ def _tiny_tokenizer(directory: Path) -> Any:
 def _tiny_text_encoder(projection: bool, hidden_size: int, seed: int) -> torch.nn.Module:
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    config = CLIPTextConfig(bos_token_id=512, eos_token_id=513, pad_token_id=513, hidden_size=hidden_size,
-                            intermediate_size=2 * hidden_size, num_attention_heads=4, num_hidden_layers=2,
-                            projection_dim=hidden_size, vocab_size=514, max_position_embeddings=77,
-                            hidden_act="gelu")
+    config = CLIPTextConfig(
+        bos_token_id=512,
+        eos_token_id=513,
+        pad_token_id=513,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        projection_dim=hidden_size,
+        vocab_size=514,
+        max_position_embeddings=77,
+        hidden_act="gelu",
+    )
     torch.manual_seed(seed)
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
@@ -116,8 +127,14 @@ def _tiny_vae(seed: int) -> torch.nn.Module:
     diffusers = _import_diffusers()
     torch.manual_seed(seed)
     return diffusers.AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32), layers_per_block=1,
-        norm_num_groups=8, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
         sample_size=32,
     ).eval()
 
@@ -129,13 +146,30 @@ def _tiny_pixart(seed: int, tokenizer: Any) -> Any:
     diffusers = _import_diffusers()
     torch.manual_seed(seed)
     transformer = diffusers.PixArtTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
-        cross_attention_dim=16, sample_size=16, patch_size=2, caption_channels=32, norm_num_groups=8).eval()
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=8,
+        num_layers=2,
+        cross_attention_dim=16,
+        sample_size=16,
+        patch_size=2,
+        caption_channels=32,
+        norm_num_groups=8,
+    ).eval()
     torch.manual_seed(seed + 2)
-    text_encoder = T5EncoderModel(T5Config(vocab_size=514, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                           pad_token_id=513, eos_token_id=513)).eval()
-    return diffusers.PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=_tiny_vae(seed + 1),
-                                         transformer=transformer, scheduler=diffusers.DPMSolverMultistepScheduler())
+    text_encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=514, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, pad_token_id=513, eos_token_id=513
+        )
+    ).eval()
+    return diffusers.PixArtAlphaPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=_tiny_vae(seed + 1),
+        transformer=transformer,
+        scheduler=diffusers.DPMSolverMultistepScheduler(),
+    )
 
 
 # PixArt pipelines snap the requested size to an aspect-ratio table chosen by the transformer's
@@ -145,9 +179,9 @@ RESOLUTION_BIN_SAMPLE_SIZES = (32, 64, 128)
 
 def call_kwargs(pipe: Any) -> dict[str, Any]:
     """Pipeline-specific call arguments: resolution binning off where the pipeline has no table."""
-    if "use_resolution_binning" in inspect.signature(pipe.__call__).parameters:
-        if denoiser_of(pipe).config.sample_size not in RESOLUTION_BIN_SAMPLE_SIZES:
-            return {"use_resolution_binning": False}
+    binning = "use_resolution_binning" in inspect.signature(pipe.__call__).parameters
+    if binning and denoiser_of(pipe).config.sample_size not in RESOLUTION_BIN_SAMPLE_SIZES:
+        return {"use_resolution_binning": False}
     return {}
 
 
@@ -173,21 +207,32 @@ def _tiny_stable_diffusion(sdxl: bool, seed: int, tokenizer: Any) -> Any:
     diffusers = _import_diffusers()
     torch.manual_seed(seed)
     unet = diffusers.UNet2DConditionModel(
-        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(16, 32), norm_num_groups=8,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        norm_num_groups=8,
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=64 if sdxl else 32, attention_head_dim=4 if sdxl else 8,
+        cross_attention_dim=64 if sdxl else 32,
+        attention_head_dim=4 if sdxl else 8,
         use_linear_projection=sdxl,
         addition_embed_type="text_time" if sdxl else None,
         addition_time_embed_dim=8 if sdxl else None,
         projection_class_embeddings_input_dim=32 + 6 * 8 if sdxl else None,
     ).eval()
     vae = _tiny_vae(seed + 1)
-    scheduler = diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                                 timestep_spacing="leading", steps_offset=1)
-    components: dict[str, Any] = dict(unet=unet, vae=vae, scheduler=scheduler, tokenizer=tokenizer,
-                                      text_encoder=_tiny_text_encoder(False, 32, seed + 2))
+    scheduler = diffusers.EulerDiscreteScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", timestep_spacing="leading", steps_offset=1
+    )
+    components: dict[str, Any] = dict(
+        unet=unet,
+        vae=vae,
+        scheduler=scheduler,
+        tokenizer=tokenizer,
+        text_encoder=_tiny_text_encoder(False, 32, seed + 2),
+    )
     if sdxl:
         components.update(tokenizer_2=tokenizer, text_encoder_2=_tiny_text_encoder(True, 32, seed + 3))
     return _stable_diffusion_pipeline(sdxl, components)
@@ -198,29 +243,65 @@ def _stable_diffusion_pipeline(sdxl: bool, components: dict[str, Any]) -> Any:
     diffusers = _import_diffusers()
     if sdxl:
         return diffusers.StableDiffusionXLPipeline(**components)
-    return diffusers.StableDiffusionPipeline(**components, safety_checker=None, feature_extractor=None,
-                                             requires_safety_checker=False)
+    return diffusers.StableDiffusionPipeline(
+        **components, safety_checker=None, feature_extractor=None, requires_safety_checker=False
+    )
 
 
 # Published component configs (diffusers' config.json of runwayml/stable-diffusion-v1-5 and
 # stabilityai/stable-diffusion-xl-base-1.0), the fields that fix the architecture and its cost.
-_SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
-                  block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768, attention_head_dim=8,
-                  down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-                  up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
-_SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
-                  block_out_channels=(320, 640, 1280), cross_attention_dim=2048, attention_head_dim=(5, 10, 20),
-                  transformer_layers_per_block=(1, 2, 10), use_linear_projection=True,
-                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-                  up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-                  addition_embed_type="text_time", addition_time_embed_dim=256,
-                  projection_class_embeddings_input_dim=2816)
-_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
-            layers_per_block=2, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
-_CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
-               projection_dim=768, hidden_act="quick_gelu")
-_CLIP_BIGG = dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=32,
-                  projection_dim=1280, hidden_act="gelu")
+_SD15_UNET = dict(
+    sample_size=64,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
+    block_out_channels=(320, 640, 1280, 1280),
+    cross_attention_dim=768,
+    attention_head_dim=8,
+    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+)
+_SDXL_UNET = dict(
+    sample_size=128,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
+    block_out_channels=(320, 640, 1280),
+    cross_attention_dim=2048,
+    attention_head_dim=(5, 10, 20),
+    transformer_layers_per_block=(1, 2, 10),
+    use_linear_projection=True,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    addition_embed_type="text_time",
+    addition_time_embed_dim=256,
+    projection_class_embeddings_input_dim=2816,
+)
+_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+)
+_CLIP_L = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_attention_heads=12,
+    num_hidden_layers=12,
+    projection_dim=768,
+    hidden_act="quick_gelu",
+)
+_CLIP_BIGG = dict(
+    hidden_size=1280,
+    intermediate_size=5120,
+    num_attention_heads=20,
+    num_hidden_layers=32,
+    projection_dim=1280,
+    hidden_act="gelu",
+)
 REAL_ARCHS = ("sd15", "sdxl")
 
 
@@ -228,8 +309,9 @@ def _text_encoder(fields: dict, projection: bool) -> torch.nn.Module:
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     # The real vocabulary has 49408 tokens; the tiny byte tokenizer's ids are a valid subset.
-    config = CLIPTextConfig(vocab_size=49408, max_position_embeddings=77, bos_token_id=512, eos_token_id=513,
-                            pad_token_id=513, **fields)
+    config = CLIPTextConfig(
+        vocab_size=49408, max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513, **fields
+    )
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
 
@@ -247,11 +329,13 @@ def random_pipeline(arch: str, seed: int = 0) -> Any:
         vae = diffusers.AutoencoderKL(**_VAE, sample_size=1024 if sdxl else 512).eval()
         text_encoder = _text_encoder(_CLIP_L, projection=False)
         text_encoder_2 = _text_encoder(_CLIP_BIGG, projection=True) if sdxl else None
-    scheduler = diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                                 timestep_spacing="leading", steps_offset=1)
+    scheduler = diffusers.EulerDiscreteScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", timestep_spacing="leading", steps_offset=1
+    )
     tokenizer = _tiny_tokenizer(Path(tempfile.mkdtemp(prefix="genfast-tokenizer-")))
-    components: dict[str, Any] = dict(unet=unet, vae=vae, scheduler=scheduler, tokenizer=tokenizer,
-                                      text_encoder=text_encoder)
+    components: dict[str, Any] = dict(
+        unet=unet, vae=vae, scheduler=scheduler, tokenizer=tokenizer, text_encoder=text_encoder
+    )
     if sdxl:
         components.update(tokenizer_2=tokenizer, text_encoder_2=text_encoder_2)
     pipe = _stable_diffusion_pipeline(sdxl, components)

@@ -88,24 +88,50 @@ class Kernel:
         return self.choose()[0].isa if self.available() else None
 
 
-QLINEAR = Kernel("qlinear", "int8/int4 linear kernel", (
-    Variant("avx512", "qlinear_avx512.cpp", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"),
-            _AVX512 + ("-mavx512vnni",)),
-    Variant("avx2", "qlinear_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
-))
-LINEAR_FEW_ROWS = Kernel("linear_few_rows", "few-row bf16 linear kernel", (
-    Variant("avx512", "linear_few_rows_avx512.cpp", ("avx512f", "avx512bw", "avx512_bf16"), _AVX512 + ("-mavx512bf16",)),
-    Variant("avx2", "linear_few_rows_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
-))
-REL_POS_ATTENTION = Kernel("rel_pos_attention", "fused SAM attention kernel", (
-    Variant("avx512", "rel_pos_attention_avx512.cpp", ("avx512f", "avx512bw", "avx512_bf16"),
-            _AVX512 + ("-mavx512bf16",)),
-    Variant("avx2", "rel_pos_attention_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
-))
-GROUP_NORM = Kernel("group_norm", "GroupNorm CPU kernel", (
-    Variant("avx512", "group_norm_avx512.cpp", ("avx512f", "avx512bw"), _AVX512),
-    Variant("avx2", "group_norm_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
-))
+QLINEAR = Kernel(
+    "qlinear",
+    "int8/int4 linear kernel",
+    (
+        Variant(
+            "avx512",
+            "qlinear_avx512.cpp",
+            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"),
+            _AVX512 + ("-mavx512vnni",),
+        ),
+        Variant("avx2", "qlinear_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
+    ),
+)
+LINEAR_FEW_ROWS = Kernel(
+    "linear_few_rows",
+    "few-row bf16 linear kernel",
+    (
+        Variant(
+            "avx512", "linear_few_rows_avx512.cpp", ("avx512f", "avx512bw", "avx512_bf16"), _AVX512 + ("-mavx512bf16",)
+        ),
+        Variant("avx2", "linear_few_rows_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
+    ),
+)
+REL_POS_ATTENTION = Kernel(
+    "rel_pos_attention",
+    "fused SAM attention kernel",
+    (
+        Variant(
+            "avx512",
+            "rel_pos_attention_avx512.cpp",
+            ("avx512f", "avx512bw", "avx512_bf16"),
+            _AVX512 + ("-mavx512bf16",),
+        ),
+        Variant("avx2", "rel_pos_attention_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
+    ),
+)
+GROUP_NORM = Kernel(
+    "group_norm",
+    "GroupNorm CPU kernel",
+    (
+        Variant("avx512", "group_norm_avx512.cpp", ("avx512f", "avx512bw"), _AVX512),
+        Variant("avx2", "group_norm_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
+    ),
+)
 KERNELS = (QLINEAR, LINEAR_FEW_ROWS, REL_POS_ATTENTION, GROUP_NORM)
 
 
@@ -135,12 +161,21 @@ def _build(name: str, variant: Variant, what: str) -> str | None:
     with open(kernel_dir() / f"{full_name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (build_dir / f"{full_name}.so").exists():
-            print(f"genfast: building the native {what} ({variant.isa}) into {build_dir} (once; ~10-60 s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"genfast: building the native {what} ({variant.isa}) into {build_dir} (once; ~10-60 s)",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
-            cpp_extension.load(name=full_name, sources=[str(variant.path)], extra_cflags=list(variant.cflags),
-                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                               is_python_module=False, verbose=False)
+            cpp_extension.load(
+                name=full_name,
+                sources=[str(variant.path)],
+                extra_cflags=list(variant.cflags),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
         except (OSError, RuntimeError) as exc:  # no compiler, no ninja, build error
             log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
             return f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"

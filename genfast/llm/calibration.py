@@ -17,17 +17,25 @@ from genfast.quant.grids import QuantizedWeight
 
 def _collect_inputs(hessian: HessianAccumulator) -> Callable[[nn.Module, tuple[Tensor, ...]], None]:
     """A forward pre-hook adding a module's input to `hessian`."""
+
     def hook(module: nn.Module, args: tuple[Tensor, ...]) -> None:
         hessian.add(args[0])
+
     return hook
 
 
 @torch.no_grad()
-def calibrate_gptq(model: Transformer, windows: Tensor, bits: int = 4, group_size: int = 128,
-                   block_size: int = 128, damp: float = 0.01,
-                   progress: Callable[[str], None] | None = None,
-                   skip: Callable[[str, nn.Linear], bool] | None = None,
-                   batch_size: int = 8) -> dict[str, QuantizedWeight]:
+def calibrate_gptq(
+    model: Transformer,
+    windows: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    block_size: int = 128,
+    damp: float = 0.01,
+    progress: Callable[[str], None] | None = None,
+    skip: Callable[[str, nn.Linear], bool] | None = None,
+    batch_size: int = 8,
+) -> dict[str, QuantizedWeight]:
     """GPTQ-quantize every nn.Linear of `model` on calibration token `windows` [S, T].
 
     Blocks are quantized in order, each on the hidden states the already-quantized blocks before
@@ -70,7 +78,7 @@ def calibrate_gptq(model: Transformer, windows: Tensor, bits: int = 4, group_siz
         if linear.weight is not model.tok_embeddings.weight:
             linear.weight.data.copy_(qw.dequantize(linear.weight.dtype))
 
-    hidden = [model.tok_embeddings(windows[i:i + batch_size]) for i in range(0, len(windows), batch_size)]
+    hidden = [model.tok_embeddings(windows[i : i + batch_size]) for i in range(0, len(windows), batch_size)]
     for layer in model.layers:
         hessians = {m: HessianAccumulator(m.in_features, device=device) for m in layer.modules() if wanted(m)}
         hooks = [m.register_forward_pre_hook(_collect_inputs(acc)) for m, acc in hessians.items()]

@@ -91,8 +91,12 @@ def gguf_path(path: Path) -> Path:
 BlockHook = Callable[[str, TransformerBlock], None]
 
 
-def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               prepare_block: BlockHook | None = None) -> Transformer:
+def load_model(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    prepare_block: BlockHook | None = None,
+) -> Transformer:
     """Build the model described by the checkpoint at `path` and fill it with its weights.
 
     Transformer blocks are allocated and filled one at a time. `prepare_block(prefix, block)`
@@ -222,15 +226,27 @@ def gguf_quantized_linears(path: Path, bits: int, only: set[str] | None = None) 
             qw = gguf.quantized(source)
             suffix = source.split(".", 2)[-1]
             if suffix in permuted:
-                qw = QuantizedWeight(*(unpermute_rope_rows(t, permuted[suffix]) for t in (qw.codes, qw.scales, qw.mins)),
-                                     qw.bits, qw.group_size, qw.in_features)
+                qw = QuantizedWeight(
+                    *(unpermute_rope_rows(t, permuted[suffix]) for t in (qw.codes, qw.scales, qw.mins)),
+                    qw.bits,
+                    qw.group_size,
+                    qw.in_features,
+                )
             parts.append(qw)
-        return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                               torch.cat([p.mins for p in parts]), bits, parts[0].group_size, parts[0].in_features)
+        return QuantizedWeight(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat([p.mins for p in parts]),
+            bits,
+            parts[0].group_size,
+            parts[0].in_features,
+        )
 
-    sources = {f"layers.{i}.{module}": [f"blk.{i}.{s}" for s in _GGUF_LAYER[f"{module}.weight"]]
-               for i in range(args.n_layers)
-               for module in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")}
+    sources = {
+        f"layers.{i}.{module}": [f"blk.{i}.{s}" for s in _GGUF_LAYER[f"{module}.weight"]]
+        for i in range(args.n_layers)
+        for module in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
+    }
     sources["output"] = ["output.weight" if "output.weight" in gguf.tensor_names else "token_embd.weight"]
     for name, parts in sources.items():
         if only is None or name in only:
@@ -258,8 +274,14 @@ def _hf_source(path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
         files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
-            hint = (f" (found {pickles[0]}: pickle checkpoints are not loaded, as they can run code; "
-                    "convert them to safetensors)") if pickles else ""
+            hint = (
+                (
+                    f" (found {pickles[0]}: pickle checkpoints are not loaded, as they can run code; "
+                    "convert them to safetensors)"
+                )
+                if pickles
+                else ""
+            )
             raise UserError(f"{path}: no .safetensors weights found{hint}")
         weight_map = {}
     handles = {}
@@ -269,7 +291,7 @@ def _hf_source(path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
         except (OSError, SafetensorError) as e:
             raise UserError(f"cannot read {path / name} (missing, truncated or corrupt): {e}") from e
         if not index.is_file():
-            weight_map.update({k: name for k in handles[name].keys()})
+            weight_map.update(dict.fromkeys(handles[name].keys(), name))
 
     def get(name: str) -> torch.Tensor:
         return handles[weight_map[name]].get_tensor(name)

@@ -1,19 +1,31 @@
-"""`genfast generate` and `genfast chat`: text to stdout, progress and stats to stderr."""
+"""The LLM commands: `genfast generate` and `genfast chat` (text to stdout, progress and stats to
+stderr) and `genfast quantize` (a quantized copy of a model in a directory)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+from genfast import __version__
 from genfast.bench.machine import peak_read_bandwidth
 from genfast.errors import UserError
+from genfast.hardware import DTYPES
+from genfast.hub import publish_directory, resolve_model
+from genfast.llm.checkpoint import QUANTIZED_FILE, checkpoint_format, read_model_args
 from genfast.llm.generate import Generator
+from genfast.llm.quantize import HEAD, describe_quantization, quantize_loaded
+from genfast.llm.recipe import RECIPE, LlmSettings
 from genfast.llm.sampling import SamplingParams
-from genfast.llm.session import LoadedModel, load, make_generator
+from genfast.llm.session import LoadedModel, load, plan
+from genfast.llm.speculative import make_generator
 from genfast.llm.stats import format_stats
 from genfast.llm.tensor_parallel import check_same_tokens, from_main_rank, is_main_rank
+from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
+from genfast.recipe import Target
 
 
 def _log(message: str) -> None:
@@ -42,20 +54,20 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, Generator, SamplingParams]:
+def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, LlmSettings, Generator, SamplingParams]:
     params = _sampling(args)  # validate flags before the slow load
     draft = _draft(args)
-    loaded = load_announced(args)
-    generator = make_generator(loaded, args.max_seq_len, batch_size, args.compile, draft, args.speculate_k)
+    loaded, settings = load_announced(args)
+    generator = make_generator(loaded, args.max_seq_len, batch_size, settings.compile, draft, args.speculate_k)
     if draft is not None:
         _log(f"genfast: speculative decoding: {generator.drafter.name} drafts {generator.k} tokens per target pass")
-    return loaded, generator, params
+    return loaded, settings, generator, params
 
 
 def _draft(args: argparse.Namespace) -> str | None:
     """The draft (genfast.llm.speculative.parse_draft) that --draft, --self-draft or
     --prompt-lookup ask for, validated before the slow load."""
-    from genfast.llm.speculative import parse_draft
+    from genfast.llm.drafters import parse_draft
 
     if args.self_draft is not None and parse_draft(args.self_draft)[0] not in ("int4", "int8", "layers"):
         raise UserError(f"--self-draft takes int4, int8 or layers:N, got {args.self_draft!r}")
@@ -65,32 +77,35 @@ def _draft(args: argparse.Namespace) -> str | None:
     return spec
 
 
-def load_announced(args: argparse.Namespace) -> LoadedModel:
-    """Load the model the model flags name and say on stderr what was loaded (and how it runs)."""
-    loaded = load(args.model, args.device, args.dtype, args.threads, args.quant, args.group_size, args.tp)
+def load_announced(args: argparse.Namespace) -> tuple[LoadedModel, LlmSettings]:
+    """Load the model the model flags name, run as the recipe flags say (--recipe, with --dtype,
+    --quant and --no-compile on top), and say on stderr what was loaded and how it runs."""
+    recipe = plan(args.recipe, args.device, args.dtype, args.quant, args.compile)
+    settings = recipe.settings
+    loaded = load(args.model, args.device, settings.dtype, args.threads, settings.quant, args.group_size, args.tp)
     dtype = loaded.dtype_label()
     quant = "" if loaded.quant == "none" else f", {loaded.quant} weights"
     ranks = "" if loaded.tp == 1 else f" | tensor parallel over {loaded.tp} ranks"
-    _log(f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
-         f"{dtype}{quant} on {loaded.device}{ranks}")
-    if loaded.quant != "none":
-        from genfast.kernels import QLINEAR
-
-        reason = QLINEAR.unavailable_reason() if loaded.device.type == "cpu" else "not on CPU"
-        if reason:
-            _log(f"genfast: note: quantized weights use the slow dequantize path ({reason}); "
-                 "they save memory, but decode is slower than unquantized here (`genfast info` says why)")
-    return loaded
+    _log(
+        f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
+        f"{dtype}{quant} on {loaded.device}{ranks}"
+    )
+    notes = [note for step, note in recipe.notes if step not in ("int8", "int4")]
+    if loaded.quant != "none":  # quantized on load, or a quantized checkpoint
+        notes.append(RECIPE.step("int8").fallback(Target(loaded.device, args.dtype)))
+    for note in filter(None, notes):
+        _log(f"genfast: note: {note}")
+    return loaded, settings
 
 
 def generate_command(args: argparse.Namespace) -> int:
     prompts = from_main_rank(lambda: _read_prompts(args))
-    loaded, generator, params = _prepare(args, len(prompts))
+    loaded, settings, generator, params = _prepare(args, len(prompts))
     if args.chat:
         prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     ids = [generator.encode_prompt(p) for p in prompts]
     compile_s = None
-    if args.compile:
+    if settings.compile:
         _log("genfast: compiling prefill and decode (fast after the first run: the result is cached)...")
         compile_s = generator.warmup(params)
 
@@ -117,11 +132,11 @@ def generate_command(args: argparse.Namespace) -> int:
 
 
 def chat_command(args: argparse.Namespace) -> int:
-    loaded, generator, params = _prepare(args, 1)
+    loaded, settings, generator, params = _prepare(args, 1)
     tokenizer = loaded.tokenizer
     if not tokenizer.chat_template:
         raise UserError(f"{loaded.path} has no chat template; use `genfast generate` instead")
-    if args.compile:
+    if settings.compile:
         _log("genfast: compiling prefill and decode (fast after the first run: the result is cached)...")
         generator.warmup(params)
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -160,8 +175,9 @@ def chat_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_conversation(generator: Generator, system: list[dict[str, str]], history: list[dict[str, str]],
-                      max_new_tokens: int) -> list[int]:
+def _fit_conversation(
+    generator: Generator, system: list[dict[str, str]], history: list[dict[str, str]], max_new_tokens: int
+) -> list[int]:
     """Token ids of the conversation, dropping the oldest turns until it fits the context."""
     tokenizer = generator.tokenizer
     while True:
@@ -170,3 +186,119 @@ def _fit_conversation(generator: Generator, system: list[dict[str, str]], histor
             return ids
         del history[:2]  # the oldest user/assistant pair
         _log("(oldest turn dropped to fit the context)")
+
+
+# ---- genfast quantize ----------------------------------------------------------------------------
+
+
+def check_output_dir(out: Path, force: bool) -> None:
+    """Refuse to touch anything but an empty directory or, with --force, an earlier output."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise UserError(f"{out} is not empty; pass --force to replace an earlier `genfast quantize` output")
+        if not _is_quantize_output(out):
+            raise UserError(f"refusing to replace {out}: it is not a `genfast quantize` output")
+    if not out.parent.is_dir():
+        raise UserError(f"directory {out.parent} does not exist")
+
+
+def _is_quantize_output(directory: Path) -> bool:
+    from genfast.quant.checkpoint import QuantizedCheckpoint
+
+    if (directory / "config.json").exists() or not (directory / QUANTIZED_FILE).is_file():
+        return False
+    try:
+        QuantizedCheckpoint(directory / QUANTIZED_FILE)
+    except UserError:
+        return False
+    return True
+
+
+def gptq_quantize_model(
+    loaded: LoadedModel, group_size: int, calibration: Path | None, n_windows: int, window: int
+) -> str:
+    """Replace the model's linears by GPTQ int4 layers; returns a description of the calibration."""
+    from genfast.llm.calibration import calibrate_gptq, calibration_windows
+    from genfast.llm.corpus import calibration_text
+
+    if calibration is not None:
+        if not calibration.is_file():
+            raise UserError(f"calibration file not found: {calibration}")
+        try:
+            text, source = calibration.read_text(), str(calibration)
+        except UnicodeDecodeError as e:
+            raise UserError(f"calibration file {calibration} is not UTF-8 text") from e
+    else:
+        text, source = calibration_text(), "pydoc_data.topics (calibration half)"
+    window = min(window, loaded.model.args.max_seq_len)
+    try:
+        windows = calibration_windows(loaded.tokenizer, text, n_windows, window)
+    except ValueError as e:
+        raise UserError(f"calibration text too short: {e}") from e
+    start = time.perf_counter()
+    # The head is not GPTQ'd: int4 models keep it in int8 (genfast.llm.quantize.INT4_HEAD_BITS).
+    weights = calibrate_gptq(
+        loaded.model, windows, bits=4, group_size=group_size, progress=_log, skip=lambda name, _: name == HEAD
+    )
+    _log(f"genfast: GPTQ done in {time.perf_counter() - start:.0f} s")
+    quantize_loaded(loaded.path, loaded.model, 4, group_size, precomputed=weights)
+    return f"{source}: {windows.shape[0]} windows x {windows.shape[1]} tokens"
+
+
+def quantize_command(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    check_output_dir(out, args.force)
+    if args.dtype not in DTYPES:
+        raise UserError(f"unknown --dtype {args.dtype!r}; use bfloat16 or float32")
+    bits = 8 if args.mode == "int8" else 4
+    group_size = args.group_size
+    if bits == 4:
+        group_size = group_size or DEFAULT_INT4_GROUP_SIZE
+        if group_size not in INT4_GROUP_SIZES:
+            raise UserError(f"--group-size for int4 must be one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+    elif group_size is not None and group_size % 32:
+        raise UserError("--group-size for int8 must be a multiple of 32")
+    if args.calibration is not None and args.mode != "int4-gptq":
+        raise UserError("--calibration only applies to --mode int4-gptq")
+    path = resolve_model(args.model)
+    if checkpoint_format(path) == "genfast":
+        raise UserError(f"{path} is already quantized; quantize the original model instead")
+    _log(f"genfast: quantizing {path} ({read_model_args(path).n_params / 1e6:.0f}M parameters) to {args.mode}")
+    # Quantization arithmetic runs in fp32; unquantized tensors are stored in --dtype.
+    calibration = None
+    if args.mode == "int4-gptq":  # calibrates on the whole float model
+        loaded = load(str(path), "cpu", "float32", args.threads)
+        calibration = gptq_quantize_model(
+            loaded, group_size, args.calibration, args.calibration_windows, args.calibration_window
+        )
+    else:  # round-to-nearest, block by block as the model is read: the float model never exists whole
+        loaded = load(str(path), "cpu", "float32", args.threads, quant=args.mode, group_size=group_size)
+    scheme = describe_quantization(loaded.model)
+    metadata = {
+        "model_args": json.dumps(loaded.model.args.to_dict()),
+        "mode": args.mode,
+        "scheme": scheme,
+        "source": str(loaded.path),
+        "genfast_version": __version__,
+    }
+    if calibration:
+        metadata["calibration"] = calibration
+    from genfast.quant.checkpoint import save_quantized
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would make the published directory private
+    try:
+        save_quantized(loaded.model, staging / QUANTIZED_FILE, metadata, float_dtype=DTYPES[args.dtype])
+        loaded.tokenizer.save(staging)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish_directory(staging, out)
+    size = (out / QUANTIZED_FILE).stat().st_size
+    print(f"wrote {out} ({scheme}, {size / 1e6:.1f} MB); use it with --model {out}")
+    return 0

@@ -60,7 +60,7 @@ class ModelArgs:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, fields_: dict[str, Any]) -> "ModelArgs":
+    def from_dict(cls, fields_: dict[str, Any]) -> ModelArgs:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(fields_) - known)
         if unknown:
@@ -90,7 +90,7 @@ class ModelArgs:
         return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + head
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         """From a Hugging Face config.json (transformers 4.x and 5.x spellings)."""
         model_type = cfg.get("model_type")
         if model_type not in HF_MODEL_TYPES:
@@ -126,13 +126,11 @@ class ModelArgs:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ModelArgs":
+    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> ModelArgs:
         """From GGUF key/values; tied embeddings and biases are read off which tensors exist."""
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
-            raise UserError(
-                f"unsupported GGUF architecture {arch!r}; genfast loads {', '.join(GGUF_ARCHITECTURES)}"
-            )
+            raise UserError(f"unsupported GGUF architecture {arch!r}; genfast loads {', '.join(GGUF_ARCHITECTURES)}")
 
         def key(name: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{name}", default)

@@ -25,4 +25,4 @@ def calibration_text() -> str:
 
 def evaluation_text() -> str:
     text = pydoc_text()
-    return text[len(text) // 2:]
+    return text[len(text) // 2 :]

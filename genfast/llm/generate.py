@@ -69,8 +69,14 @@ class GenerationResult:
 class Completions:
     """Per-sequence generated ids, streamed text and stop reasons of one generate() call."""
 
-    def __init__(self, tokenizer: Tokenizer, batch: int, stop_strings: Sequence[str],
-                 stop_at_eos: bool, on_text: TextCallback | None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        batch: int,
+        stop_strings: Sequence[str],
+        stop_at_eos: bool,
+        on_text: TextCallback | None,
+    ) -> None:
         self.streams = [TextStream(tokenizer, tuple(stop_strings)) for _ in range(batch)]
         self.generated: list[list[int]] = [[] for _ in range(batch)]
         self.reasons = ["length"] * batch
@@ -94,7 +100,7 @@ class Completions:
 
     def push_step(self, next_tokens: Tensor) -> None:
         """One token per sequence (rows past the batch are filler)."""
-        for i, tok in enumerate(next_tokens.tolist()[:len(self.done)]):
+        for i, tok in enumerate(next_tokens.tolist()[: len(self.done)]):
             self.push(i, tok)
 
     def finish(self, **stats: Any) -> GenerationResult:
@@ -103,9 +109,21 @@ class Completions:
             tail = stream.finish()
             if tail and self.on_text:
                 self.on_text(i, tail)
-        return GenerationResult(texts=[s.text for s in self.streams], token_ids=self.generated,
-                                new_tokens=sum(len(g) for g in self.generated), batch_size=len(self.done),
-                                stop_reasons=self.reasons, **stats)
+        return GenerationResult(
+            texts=[s.text for s in self.streams],
+            token_ids=self.generated,
+            new_tokens=sum(len(g) for g in self.generated),
+            batch_size=len(self.done),
+            stop_reasons=self.reasons,
+            **stats,
+        )
+
+
+def positions(gen: Generator, start: int, n: int) -> tuple[Tensor, Tensor]:
+    """Slots [start, start+n) and their causal mask over the valid cache (on CUDA the whole
+    cache, so shapes stay static for CUDA graphs)."""
+    input_pos = torch.arange(start, start + n, device=gen.device)
+    return input_pos, attention_mask(input_pos, gen.max_seq_len if gen.static_kv else start + n)
 
 
 def cache_length(model: Transformer, max_seq_len: int | None) -> int:
@@ -126,8 +144,14 @@ class Generator:
     cache is read instead, so shapes are static and CUDA graphs can replay).
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, max_seq_len: int | None = None,
-                 max_batch_size: int = 1, compile: bool = True) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        max_seq_len: int | None = None,
+        max_batch_size: int = 1,
+        compile: bool = True,
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = model.norm.weight.device
         self.max_seq_len = cache_length(model, max_seq_len)
@@ -156,10 +180,16 @@ class Generator:
         return ids
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 params: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = (),
-                 seed: int | None = None, on_text: TextCallback | None = None,
-                 stop_at_eos: bool = True) -> GenerationResult:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        params: SamplingParams = SamplingParams(),
+        stop_strings: Sequence[str] = (),
+        seed: int | None = None,
+        on_text: TextCallback | None = None,
+        stop_at_eos: bool = True,
+    ) -> GenerationResult:
         """Generate up to `max_new_tokens` for each prompt (token ids); stream text via `on_text`."""
         lengths = self._check_request(prompts, max_new_tokens)
         prompt_len = max(lengths)
@@ -182,16 +212,22 @@ class Generator:
             # CUDA: static shapes over the whole cache (CUDA graphs); CPU: only the valid prefix.
             step_mask = decode_row & (slots < kv_len) if self.static_kv else decode_row[..., :kv_len].contiguous()
             t0 = time.perf_counter()
-            next_tokens = self._step(next_tokens.view(-1, 1), torch.tensor([pos], device=self.device),
-                                     step_mask, params, steady=steps > 0)
+            next_tokens = self._step(
+                next_tokens.view(-1, 1), torch.tensor([pos], device=self.device), step_mask, params, steady=steps > 0
+            )
             synchronize(self.device)
             decode_s += time.perf_counter() - t0
             steps += 1
             kv_total += kv_len
             out.push_step(next_tokens)
 
-        return out.finish(prompt_tokens=sum(lengths), prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps,
-                          mean_kv_len=kv_total / steps if steps else 0.0)
+        return out.finish(
+            prompt_tokens=sum(lengths),
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            decode_steps=steps,
+            mean_kv_len=kv_total / steps if steps else 0.0,
+        )
 
     def _check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
         """Validate a generate() request; return the prompt lengths."""
@@ -212,8 +248,9 @@ class Generator:
             )
         return lengths
 
-    def _prefill_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams
-                         ) -> tuple[Tensor, Tensor, float]:
+    def _prefill_prompts(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> tuple[Tensor, Tensor, float]:
         """Prefill the whole (left-padded) prompt batch at once; return the first new tokens
         [max_batch_size], each row's first real slot [max_batch_size] and the seconds taken."""
         batch, lengths = len(prompts), [len(p) for p in prompts]
@@ -236,8 +273,15 @@ class Generator:
         synchronize(self.device)
         return next_tokens, pad_start, time.perf_counter() - t0
 
-    def _step(self, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams,
-              prefill: bool = False, steady: bool = False) -> Tensor:
+    def _step(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        mask: Tensor,
+        params: SamplingParams,
+        prefill: bool = False,
+        steady: bool = False,
+    ) -> Tensor:
         """Run one compiled (or eager) forward + sample.
 
         steady: a decode step after the first one of this generate() call. That first step ran

@@ -34,8 +34,15 @@ class RMSNorm(nn.Module):
 class KVCache(nn.Module):
     """Static per-layer key/value buffers of shape [batch, kv_heads, max_len, head_dim]."""
 
-    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -80,8 +87,9 @@ class Attention(nn.Module):
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor,
-                cache_rows: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor, cache_rows: Tensor | None = None
+    ) -> Tensor:
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -101,7 +109,6 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, q_size))
-
 
     def _decode_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """One query per sequence, grouped by KV head (no KV repeat), in fp32, as multiply-sums.
@@ -142,8 +149,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor,
-                cache_rows: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor, cache_rows: Tensor | None = None
+    ) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask, cache_rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -179,8 +187,9 @@ class Transformer(nn.Module):
         dtype = self.norm.weight.dtype  # the compute dtype (linears may store theirs in bf16, or codes)
         device = self.norm.weight.device
         for layer in self.layers:  # the layer's own kv heads: a tensor-parallel shard holds a slice
-            layer.attention.kv_cache = KVCache(batch_size, max_seq_len, layer.attention.n_kv_heads,
-                                               self.args.head_dim, dtype, device)
+            layer.attention.kv_cache = KVCache(
+                batch_size, max_seq_len, layer.attention.n_kv_heads, self.args.head_dim, dtype, device
+            )
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
 
     def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
@@ -196,9 +205,15 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = None
         self.max_batch_size = self.max_seq_len = 0
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
-                all_logits: bool = False, cache_rows: Tensor | None = None,
-                n_layers: int | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        mask: Tensor | None = None,
+        all_logits: bool = False,
+        cache_rows: Tensor | None = None,
+        n_layers: int | None = None,
+    ) -> Tensor:
         """Run `tokens` [B, S] at cache slots `input_pos` [S]; return fp32 logits.
 
         input_pos may also be [B, S]: each row at its own positions (continuous batching).

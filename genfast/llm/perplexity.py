@@ -70,8 +70,9 @@ def window_bos(tokenizer: Tokenizer) -> int | None:
     return tokenizer.bos_id if tokenizer.add_bos and tokenizer.bos_id is not None else None
 
 
-def make_windows(token_ids: list[int] | Tensor, window: int, max_windows: int | None = None,
-                 bos_id: int | None = None) -> Tensor:
+def make_windows(
+    token_ids: list[int] | Tensor, window: int, max_windows: int | None = None, bos_id: int | None = None
+) -> Tensor:
     """[N, window] int64 windows over `token_ids` (protocol step 3)."""
     if window < 2:
         raise UserError(f"--window must be at least 2 (one context token and one scored), got {window}")
@@ -83,8 +84,9 @@ def make_windows(token_ids: list[int] | Tensor, window: int, max_windows: int | 
     if max_windows is not None:
         n = min(n, max_windows)
     if n == 0:
-        raise UserError(f"the text has only {len(ids)} tokens, too few for one window of {window}; "
-                        "use a smaller --window")
+        raise UserError(
+            f"the text has only {len(ids)} tokens, too few for one window of {window}; use a smaller --window"
+        )
     windows = ids[: n * step].view(n, step)
     if bos_id is not None:
         windows = torch.cat([torch.full((n, 1), bos_id, dtype=torch.long), windows], dim=1)
@@ -110,16 +112,22 @@ def _summed_nll(logits: Tensor, targets: Tensor) -> float:
     """Sum over rows of -log p(target) in fp64, from fp32 logits [R, V], a few rows at a time."""
     total = torch.zeros((), dtype=torch.float64, device=logits.device)
     for start in range(0, logits.shape[0], _NLL_ROWS):
-        rows = logits[start:start + _NLL_ROWS]
-        t = targets[start:start + _NLL_ROWS, None]
+        rows = logits[start : start + _NLL_ROWS]
+        t = targets[start : start + _NLL_ROWS, None]
         logp = torch.log_softmax(rows, dim=-1).gather(1, t)
         total -= logp.double().sum()
     return total.item()
 
 
-def perplexity(model: Transformer, token_ids: list[int] | Tensor, window: int = 512,
-               max_windows: int | None = None, batch_size: int = 4, bos_id: int | None = None,
-               on_progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
+def perplexity(
+    model: Transformer,
+    token_ids: list[int] | Tensor,
+    window: int = 512,
+    max_windows: int | None = None,
+    batch_size: int = 4,
+    bos_id: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> PerplexityResult:
     """Perplexity of `model` on `token_ids` by the protocol in this module's docstring.
 
     token_ids: text tokens without BOS; bos_id: prepend it to every window (see `window_bos`).
@@ -129,8 +137,9 @@ def perplexity(model: Transformer, token_ids: list[int] | Tensor, window: int = 
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     context = model.args.max_seq_len
     if window > context:
-        raise UserError(f"--window {window} is longer than the model's context of {context} tokens; "
-                        f"use --window {context} or less")
+        raise UserError(
+            f"--window {window} is longer than the model's context of {context} tokens; use --window {context} or less"
+        )
     windows = make_windows(token_ids, window, max_windows, bos_id)
     n = windows.shape[0]
     device = model.norm.weight.device
@@ -138,7 +147,7 @@ def perplexity(model: Transformer, token_ids: list[int] | Tensor, window: int = 
     total = 0.0
     with torch.inference_mode(), _without_kv_caches(model):
         for start in range(0, n, batch_size):
-            batch = windows[start:start + batch_size].to(device)
+            batch = windows[start : start + batch_size].to(device)
             logits = model(batch, input_pos, all_logits=True)  # [B, T, V] fp32
             scored = logits[:, :-1].reshape(-1, logits.shape[-1])  # position t predicts t + 1
             total += _summed_nll(scored, batch[:, 1:].reshape(-1))
@@ -157,14 +166,16 @@ def _log(message: str, end: str = "\n") -> None:
 def eval_ppl_command(args: argparse.Namespace) -> int:
     """`genfast eval ppl`: one summary line on stdout, optional JSON (never over a file unasked)."""
     from genfast.bench.table import check_writable, write_json_atomic
-    from genfast.llm.session import load
+    from genfast.llm.session import load, plan
 
     json_path = check_writable(args.json_path, args.force) if args.json_path else None
-    loaded = load(args.model, args.device, args.dtype, args.threads, args.quant,
-                  getattr(args, "group_size", None))
+    settings = plan(args.recipe, args.device, args.dtype, args.quant, compile=False).settings  # scored eagerly
+    loaded = load(args.model, args.device, settings.dtype, args.threads, settings.quant, args.group_size)
     dtype = loaded.dtype_label()
-    _log(f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
-         f"{dtype}{'' if loaded.quant == 'none' else ', ' + loaded.quant + ' weights'} on {loaded.device}")
+    _log(
+        f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
+        f"{dtype}{'' if loaded.quant == 'none' else ', ' + loaded.quant + ' weights'} on {loaded.device}"
+    )
     ids = evaluation_token_ids(loaded.tokenizer)
     bos = window_bos(loaded.tokenizer)
     interactive = sys.stderr.isatty()
@@ -177,13 +188,27 @@ def eval_ppl_command(args: argparse.Namespace) -> int:
     result = perplexity(loaded.model, ids, args.window, args.max_windows, args.batch_size, bos, progress)
     seconds = time.perf_counter() - started
     model_name = loaded.path.name
-    print(f"{model_name} | quant {loaded.quant} | {dtype} | {result.windows} windows x {args.window} "
-          f"tokens{' (BOS first)' if bos is not None else ''} | {result.tokens:,} tokens scored | "
-          f"ppl {result.ppl:.4f} (nll {result.nll:.5f}) | {seconds:.1f} s")
+    print(
+        f"{model_name} | quant {loaded.quant} | {dtype} | {result.windows} windows x {args.window} "
+        f"tokens{' (BOS first)' if bos is not None else ''} | {result.tokens:,} tokens scored | "
+        f"ppl {result.ppl:.4f} (nll {result.nll:.5f}) | {seconds:.1f} s"
+    )
     if json_path is not None:
-        write_json_atomic(json_path, {
-            "ppl": result.ppl, "nll": result.nll, "tokens": result.tokens, "windows": result.windows,
-            "window": args.window, "bos": bos is not None, "model": model_name, "quant": loaded.quant,
-            "dtype": dtype, "device": str(loaded.device), "corpus": CORPUS_NAME, "seconds": round(seconds, 2),
-        })
+        write_json_atomic(
+            json_path,
+            {
+                "ppl": result.ppl,
+                "nll": result.nll,
+                "tokens": result.tokens,
+                "windows": result.windows,
+                "window": args.window,
+                "bos": bos is not None,
+                "model": model_name,
+                "quant": loaded.quant,
+                "dtype": dtype,
+                "device": str(loaded.device),
+                "corpus": CORPUS_NAME,
+                "seconds": round(seconds, 2),
+            },
+        )
     return 0

@@ -61,24 +61,29 @@ def decode_traffic(model: Transformer, result: GenerationResult) -> DecodeTraffi
     return DecodeTraffic(weight_bytes_per_step(model), kv, result.decode_tok_s)
 
 
-def format_stats(model: Transformer, result: GenerationResult, peak_bw: float, compile_s: float | None,
-                 device: torch.device) -> str:
+def format_stats(
+    model: Transformer, result: GenerationResult, peak_bw: float, compile_s: float | None, device: torch.device
+) -> str:
     t = decode_traffic(model, result)
     lines = [
         f"prompt {result.prompt_tokens} tokens | prefill {result.prefill_tok_s:.1f} tok/s | "
         f"time to first token {result.ttft_s * 1000:.0f} ms",
-        f"decode {result.decode_tok_s:.1f} tok/s per sequence ({result.new_tokens} new tokens, batch {result.batch_size})",
+        f"decode {result.decode_tok_s:.1f} tok/s per sequence ({result.new_tokens} new tokens, "
+        f"batch {result.batch_size})",
     ]
     if result.speculate_k:  # a target pass yields several tokens: bytes per token and MBU do not apply
-        lines.append(f"speculative (k={result.speculate_k}): {100 * result.acceptance_rate:.0f}% of "
-                     f"{result.drafted_tokens} drafted tokens accepted | {result.tokens_per_pass:.2f} tokens "
-                     f"per target pass ({result.target_passes} passes) | drafting "
-                     f"{100 * result.draft_s / max(result.decode_s, 1e-9):.0f}% of decode time")
+        lines.append(
+            f"speculative (k={result.speculate_k}): {100 * result.acceptance_rate:.0f}% of "
+            f"{result.drafted_tokens} drafted tokens accepted | {result.tokens_per_pass:.2f} tokens "
+            f"per target pass ({result.target_passes} passes) | drafting "
+            f"{100 * result.draft_s / max(result.decode_s, 1e-9):.0f}% of decode time"
+        )
     else:
         lines.append(
             f"bytes/step {t.bytes_per_step / 1e6:.1f} MB (weights {t.weight_bytes / 1e6:.1f} MB + KV "
             f"{t.kv_bytes / 1e6:.1f} MB) | {t.bytes_per_s / 1e9:.1f} GB/s | MBU {100 * t.mbu(peak_bw):.0f}% of "
-            f"{peak_bw / 1e9:.1f} GB/s measured")
+            f"{peak_bw / 1e9:.1f} GB/s measured"
+        )
     lines.append(f"peak memory {peak_memory_bytes(device) / 1e9:.2f} GB")
     if compile_s is not None:
         lines.append(f"compile + warm-up {compile_s:.1f} s (not in the rates above; compiled code is cached)")

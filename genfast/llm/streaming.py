@@ -46,21 +46,22 @@ class TextStream:
     def finish(self) -> str:
         """Everything still held back (generation ended)."""
         if not self.stopped and self._read < len(self.ids):
-            self.text += self.tokenizer.decode(self.ids[self._prefix:])[
-                len(self.tokenizer.decode(self.ids[self._prefix:self._read])):]
+            self.text += self.tokenizer.decode(self.ids[self._prefix :])[
+                len(self.tokenizer.decode(self.ids[self._prefix : self._read])) :
+            ]
         return self._release(final=True)
 
     def _decode_new(self) -> str | None:
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        after = self.tokenizer.decode(self.ids[self._prefix:])
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix :])
         if after.endswith("\ufffd"):
             return None
         self._prefix, self._read = self._read, len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
     def _release(self, final: bool) -> str:
         end = len(self.text) if final else len(self.text) - self._held_back()
-        new = self.text[self._released:end]
+        new = self.text[self._released : end]
         self._released = max(self._released, end)
         return new
 

@@ -55,6 +55,7 @@ T = TypeVar("T")
 
 # ---- the process group ---------------------------------------------------------------------
 
+
 def launched() -> bool:
     """True in a process started by torchrun or `launch_tp` (the launcher sets these variables)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -80,12 +81,16 @@ def join(tp: int) -> None:
     each rank, and they must draw the same ones) and silences the followers' stdout.
     """
     if not launched():
-        raise UserError(f"--tp {tp} runs {tp} processes: start it as `genfast ... --tp {tp}` (which "
-                        "launches them) or under torchrun")
+        raise UserError(
+            f"--tp {tp} runs {tp} processes: start it as `genfast ... --tp {tp}` (which "
+            "launches them) or under torchrun"
+        )
     started = int(os.environ["WORLD_SIZE"])
     if started != tp:
-        raise UserError(f"--tp {tp} was asked for, but the launcher started {started} processes; "
-                        f"make them equal (torchrun --nproc-per-node {tp})")
+        raise UserError(
+            f"--tp {tp} was asked for, but the launcher started {started} processes; "
+            f"make them equal (torchrun --nproc-per-node {tp})"
+        )
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -96,7 +101,7 @@ def join(tp: int) -> None:
         atexit.register(leave)
     torch.manual_seed(from_main_rank(torch.seed))
     if not is_main_rank():  # every rank produces the same text: rank 0 prints it (errors still show)
-        sys.stdout = open(os.devnull, "w")
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (open for the rest of the process)
 
 
 def leave() -> None:
@@ -150,15 +155,16 @@ def check_same_tokens(token_ids: list[list[int]]) -> None:
 
 # ---- launching -----------------------------------------------------------------------------
 
+
 def default_threads(ranks: int) -> int:
     """CPU threads per rank: this process's cores shared evenly."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // ranks)
 
 
-def launch_tp(argv: Sequence[str], n: int, grace_s: float = 30.0) -> int:
-    """Run `genfast *argv` as `n` ranks on this machine and return their exit code (0, or the
-    first failing rank's). The ranks see the launcher's environment (RANK, WORLD_SIZE, ...), so
+def launch_tp(argv: Sequence[str], n: int, grace_s: float = 30.0, module: str = "genfast") -> int:
+    """Run `python -m <module> *argv` as `n` ranks on this machine and return their exit code (0,
+    or the first failing rank's). The ranks see the launcher's environment (RANK, WORLD_SIZE, ...), so
     the same command line joins instead of launching again.
 
     Ctrl-C or SIGTERM is passed on to the ranks, which get `grace_s` seconds to finish (e.g. a
@@ -171,11 +177,18 @@ def launch_tp(argv: Sequence[str], n: int, grace_s: float = 30.0) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(n)))
     # The ranks print their own errors; the agent's log lines would only repeat them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          shutdown_timeout=math.ceil(grace_s))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        shutdown_timeout=math.ceil(grace_s),
+    )
     try:
-        elastic_launch(config, sys.executable)("-m", "genfast", *argv)
+        elastic_launch(config, sys.executable)("-m", module, *argv)
     except SignalException as e:
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
@@ -187,8 +200,10 @@ def launch_tp(argv: Sequence[str], n: int, grace_s: float = 30.0) -> int:
         if failure.exitcode > 0:
             return failure.exitcode
         # Killed by a signal (e.g. out of memory): the rank could not say so itself.
-        print(f"genfast: error: tensor-parallel rank {failed_rank} was killed by signal {-failure.exitcode}",
-              file=sys.stderr)
+        print(
+            f"genfast: error: tensor-parallel rank {failed_rank} was killed by signal {-failure.exitcode}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -209,17 +224,23 @@ def launch_or_join(tp: int, model: str | None, argv: Sequence[str], grace_s: flo
 
 # ---- sharding ------------------------------------------------------------------------------
 
+
 def check_shardable(args: ModelArgs, world: int) -> None:
     """Heads (q and kv) and the feed-forward width must split evenly over `world` ranks."""
-    sizes = {"attention heads": args.n_heads, "key/value heads": args.n_kv_heads,
-             "feed-forward width": args.intermediate_size}
+    sizes = {
+        "attention heads": args.n_heads,
+        "key/value heads": args.n_kv_heads,
+        "feed-forward width": args.intermediate_size,
+    }
     bad = [f"{n} {what}" for what, n in sizes.items() if n % world]
     if bad:
         common = math.gcd(*sizes.values())
         fits = [str(d) for d in range(2, common + 1) if common % d == 0]
         hint = f"--tp {' or '.join(fits)}" if fits else "no --tp above 1"
-        raise UserError(f"--tp {world} needs the model's heads and feed-forward width to divide by {world}, but it "
-                        f"has {' and '.join(bad)}; this model supports {hint}")
+        raise UserError(
+            f"--tp {world} needs the model's heads and feed-forward width to divide by {world}, but it "
+            f"has {' and '.join(bad)}; this model supports {hint}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -237,8 +258,7 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
-def shard_model(model: Transformer, rank: int, world_size: int,
-                group: dist.ProcessGroup | None = None) -> Transformer:
+def shard_model(model: Transformer, rank: int, world_size: int, group: dist.ProcessGroup | None = None) -> Transformer:
     """Keep rank `rank`'s share of every block (see the module docstring), in place. The model
     must be loaded (and quantized, if it is to be) and have no KV caches yet. `group`: the ranks
     to all-reduce over (default: the joined world, which must have `world_size` ranks). Everything
@@ -255,21 +275,25 @@ def shard_model(model: Transformer, rank: int, world_size: int,
     return model
 
 
-def shard_block(block: TransformerBlock, rank: int, world_size: int, prefix: str = "",
-                group: dist.ProcessGroup | None = None) -> None:
+def shard_block(
+    block: TransformerBlock, rank: int, world_size: int, prefix: str = "", group: dist.ProcessGroup | None = None
+) -> None:
     """Keep rank `rank`'s share of one transformer block, in place (`shard_model`, a block at a
     time: the loader shards each block as it reads it). `prefix`: the block's name, for errors."""
     _check_block_split(block, world_size, prefix)
     if group is None:
         if current_world_size() != world_size:
-            raise ValueError(f"sharding for {world_size} ranks needs a process group of {world_size} "
-                             "(tensor_parallel.join, or pass `group`)")
+            raise ValueError(
+                f"sharding for {world_size} ranks needs a process group of {world_size} "
+                "(tensor_parallel.join, or pass `group`)"
+            )
         group = dist.group.WORLD
     attn, ff = block.attention, block.feed_forward
     hd, heads, kv_heads = attn.head_dim, attn.n_heads // world_size, attn.n_kv_heads // world_size
     q_rows, kv_rows = _block(rank, heads * hd), _block(rank, kv_heads * hd)
-    attn.wqkv = _rows(attn.wqkv, torch.cat([q_rows, attn.n_heads * hd + kv_rows,
-                                            (attn.n_heads + attn.n_kv_heads) * hd + kv_rows]))
+    attn.wqkv = _rows(
+        attn.wqkv, torch.cat([q_rows, attn.n_heads * hd + kv_rows, (attn.n_heads + attn.n_kv_heads) * hd + kv_rows])
+    )
     attn.wo = _row_parallel(attn.wo, rank, heads * hd, group)
     attn.n_heads, attn.n_kv_heads = heads, kv_heads
 
@@ -298,8 +322,9 @@ def _rows(layer: nn.Module, index: Tensor) -> nn.Module:
     bias = None if layer.bias is None else layer.bias[index].clone()
     if isinstance(layer, QuantLinear):
         qw = layer.quantized_weight()
-        rows = QuantizedWeight(qw.codes[index], qw.scales[index], qw.mins[index], qw.bits, qw.group_size,
-                               qw.in_features)
+        rows = QuantizedWeight(
+            qw.codes[index], qw.scales[index], qw.mins[index], qw.bits, qw.group_size, qw.in_features
+        )
         return QuantLinear(rows, bias, layer.dynamic)
     return _linear(layer.weight[index], bias)
 
@@ -320,9 +345,11 @@ def _check_column_split(layer: nn.Module, columns: int, name: str) -> None:
     qw = layer.quantized_weight()
     group_size, _ = _column_slice(qw, 0, columns)
     if qw.codes.shape[1] != qw.in_features or columns % group_size or group_size % 32:
-        raise UserError(f"{name} has {qw.in_features} input features quantized in groups of {qw.group_size}; "
-                        f"split over the ranks, each gets {columns} columns, which must be whole groups and a "
-                        "multiple of 32; use another --tp or --group-size")
+        raise UserError(
+            f"{name} has {qw.in_features} input features quantized in groups of {qw.group_size}; "
+            f"split over the ranks, each gets {columns} columns, which must be whole groups and a "
+            "multiple of 32; use another --tp or --group-size"
+        )
 
 
 def _row_parallel(layer: nn.Module, rank: int, columns: int, group: dist.ProcessGroup) -> RowParallelLinear:
@@ -333,8 +360,14 @@ def _row_parallel(layer: nn.Module, rank: int, columns: int, group: dist.Process
         return RowParallelLinear(_linear(layer.weight[:, start:stop], None), bias, group)
     qw = layer.quantized_weight()
     group_size, groups = _column_slice(qw, start, stop)
-    local = QuantizedWeight(qw.codes[:, start:stop].contiguous(), qw.scales[:, groups].contiguous(),
-                            qw.mins[:, groups].contiguous(), qw.bits, group_size, columns)
+    local = QuantizedWeight(
+        qw.codes[:, start:stop].contiguous(),
+        qw.scales[:, groups].contiguous(),
+        qw.mins[:, groups].contiguous(),
+        qw.bits,
+        group_size,
+        columns,
+    )
     return RowParallelLinear(QuantLinear(local, None, layer.dynamic), bias, group)
 
 

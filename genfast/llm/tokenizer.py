@@ -18,8 +18,10 @@ from genfast.errors import UserError
 
 # GPT-2's pre-tokenizer regex (with the trailing `\s+` branch llama.cpp's splitter also applies).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
 # `tokenizer.ggml.pre` -> (regexes applied in turn, whole pieces kept as-is when in the vocab).
 _GGUF_PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
@@ -77,8 +79,12 @@ class Tokenizer:
     def save(self, directory: Path) -> None:
         """Write tokenizer.json and the configs `load_tokenizer` reads back into an equal Tokenizer."""
         self.backend.save(str(directory / "tokenizer.json"))
-        config = {"bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos,
-                  "chat_template": self.chat_template}
+        config = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        }
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False))
         generation = {"bos_token_id": self.bos_id, "eos_token_id": sorted(self.stop_ids)}
         (directory / "generation_config.json").write_text(json.dumps(generation, indent=1))
@@ -87,12 +93,14 @@ class Tokenizer:
         """Render a conversation with the model's own (jinja) template."""
         if not self.chat_template:
             raise UserError("this model has no chat template; use `genfast generate` with a plain prompt")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    bos_token=self.bos_token, eos_token=self.eos_token)
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt, bos_token=self.bos_token, eos_token=self.eos_token
+        )
 
 
-def render_chat_template(template: str, messages: list[dict[str, str]], add_generation_prompt: bool,
-                         **special_tokens: str) -> str:
+def render_chat_template(
+    template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **special_tokens: str
+) -> str:
     """Render with the same jinja settings transformers uses, in a sandbox."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -181,30 +189,51 @@ def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         add_bos_default = pre in _GGUF_BOS_BY_DEFAULT
     elif kind == "llama":
         scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        backend = Backend(models.BPE(vocab, _merges_from_scores(tokens, scores), byte_fallback=True,
-                                     fuse_unk=True, unk_token=tokens[int(meta.get("tokenizer.ggml.unknown_token_id", 0))]))
+        backend = Backend(
+            models.BPE(
+                vocab,
+                _merges_from_scores(tokens, scores),
+                byte_fallback=True,
+                fuse_unk=True,
+                unk_token=tokens[int(meta.get("tokenizer.ggml.unknown_token_id", 0))],
+            )
+        )
         steps = [normalizers.Replace(" ", "\u2581")]
         if meta.get("tokenizer.ggml.add_space_prefix", True):
             steps.insert(0, normalizers.Prepend("\u2581"))
         backend.normalizer = normalizers.Sequence(steps)
-        backend.decoder = decoders.Sequence([
-            decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ])
+        backend.decoder = decoders.Sequence(
+            [
+                decoders.Replace("\u2581", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
         add_bos_default = True
     else:
-        raise UserError(f"unsupported GGUF tokenizer model {kind!r}; genfast reads 'gpt2' (BPE) and 'llama' (SentencePiece)")
+        raise UserError(
+            f"unsupported GGUF tokenizer model {kind!r}; genfast reads 'gpt2' (BPE) and 'llama' (SentencePiece)"
+        )
 
-    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                for i, t in enumerate(types) if t == _CONTROL])
-    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                        for i, t in enumerate(types) if t == _USER_DEFINED])
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+    )
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    stop_ids = {meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                  "tokenizer.ggml.eom_token_id") if k in meta}
+    stop_ids = {
+        meta[k]
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if k in meta
+    }
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     return Tokenizer(
-        backend, bos_id, add_bos and bos_id is not None, stop_ids | _end_of_turn_ids(backend),
+        backend,
+        bos_id,
+        add_bos and bos_id is not None,
+        stop_ids | _end_of_turn_ids(backend),
         meta.get("tokenizer.chat_template"),
         tokens[bos_id] if bos_id is not None else "",
         tokens[meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else "",

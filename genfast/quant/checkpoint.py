@@ -30,15 +30,19 @@ VERSION = "1"
 
 def _storage_tensors(name: str, layer: QuantLinear) -> dict[str, Tensor]:
     qw = layer.quantized_weight()
-    tensors = {f"{name}.codes": pack_nibbles(qw.codes) if qw.bits == 4 else qw.codes,
-               f"{name}.scales": qw.scales, f"{name}.mins": qw.mins}
+    tensors = {
+        f"{name}.codes": pack_nibbles(qw.codes) if qw.bits == 4 else qw.codes,
+        f"{name}.scales": qw.scales,
+        f"{name}.mins": qw.mins,
+    }
     if layer.bias is not None:
         tensors[f"{name}.bias"] = layer.bias
     return tensors
 
 
-def save_quantized(model: nn.Module, path: Path, metadata: dict[str, str] | None = None,
-                   float_dtype: torch.dtype | None = None) -> None:
+def save_quantized(
+    model: nn.Module, path: Path, metadata: dict[str, str] | None = None, float_dtype: torch.dtype | None = None
+) -> None:
     """Write `model` (with QuantLinear layers) to `path`, atomically (a reader never sees half a file).
     Unquantized floating-point tensors are stored in `float_dtype` (default: as they are)."""
     from safetensors.torch import save_file
@@ -48,9 +52,13 @@ def save_quantized(model: nn.Module, path: Path, metadata: dict[str, str] | None
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             tensors.update(_storage_tensors(name, module))
-            layers[name] = {"bits": module.bits, "group_size": module.group_size,
-                            "in_features": module.in_features, "out_features": module.out_features,
-                            "bias": module.bias is not None}
+            layers[name] = {
+                "bits": module.bits,
+                "group_size": module.group_size,
+                "in_features": module.in_features,
+                "out_features": module.out_features,
+                "bias": module.bias is not None,
+            }
     quantized_prefixes = tuple(f"{name}." for name in layers)
     for name, tensor in model.state_dict().items():
         if not name.startswith(quantized_prefixes) and ".kv_cache." not in name:
@@ -78,8 +86,10 @@ class QuantizedCheckpoint:
         if self.metadata.get("format") != FORMAT:
             raise UserError(f"{path} is not a genfast quantized checkpoint (no format={FORMAT!r} in its header)")
         if self.metadata.get("version") != VERSION:
-            raise UserError(f"{path}: quantized checkpoint version {self.metadata.get('version')!r} is not "
-                            f"supported (this genfast reads version {VERSION})")
+            raise UserError(
+                f"{path}: quantized checkpoint version {self.metadata.get('version')!r} is not "
+                f"supported (this genfast reads version {VERSION})"
+            )
         try:
             self.layers: dict[str, dict[str, Any]] = json.loads(self.metadata["layers"])
         except (KeyError, json.JSONDecodeError) as e:
@@ -101,23 +111,34 @@ class QuantizedCheckpoint:
             raise UserError(f"{self.path}: layer {name} has an invalid quantization entry {spec}: {e}") from e
         codes, scales, mins = (self.get(f"{name}.{part}") for part in ("codes", "scales", "mins"))
         k_padded = -(-k // group_size) * group_size
-        want = {"codes": (n, k_padded // 2 if bits == 4 else k_padded), "scales": (n, k_padded // group_size),
-                "mins": (n, k_padded // group_size)}
+        want = {
+            "codes": (n, k_padded // 2 if bits == 4 else k_padded),
+            "scales": (n, k_padded // group_size),
+            "mins": (n, k_padded // group_size),
+        }
         for part, tensor in (("codes", codes), ("scales", scales), ("mins", mins)):
             if tuple(tensor.shape) != want[part]:
-                raise UserError(f"{self.path}: {name}.{part} has shape {tuple(tensor.shape)}, but the header "
-                                f"({bits}-bit, group {group_size}, {n}x{k}) implies {want[part]}")
+                raise UserError(
+                    f"{self.path}: {name}.{part} has shape {tuple(tensor.shape)}, but the header "
+                    f"({bits}-bit, group {group_size}, {n}x{k}) implies {want[part]}"
+                )
         if codes.dtype != torch.uint8 or scales.dtype != torch.float16 or mins.dtype != torch.float16:
-            raise UserError(f"{self.path}: layer {name} has tensors of unexpected dtypes "
-                            f"({codes.dtype}, {scales.dtype}, {mins.dtype})")
+            raise UserError(
+                f"{self.path}: layer {name} has tensors of unexpected dtypes "
+                f"({codes.dtype}, {scales.dtype}, {mins.dtype})"
+            )
         if bits == 4:
             codes = unpack_nibbles(codes)
         return QuantizedWeight(codes, scales, mins, bits, group_size, k)
 
 
-def load_quantized_into(model: nn.Module, checkpoint: QuantizedCheckpoint,
-                        convert: Callable[[str, Tensor], Tensor] | None = None, prefix: str = "",
-                        layers: Collection[str] | None = None) -> None:
+def load_quantized_into(
+    model: nn.Module,
+    checkpoint: QuantizedCheckpoint,
+    convert: Callable[[str, Tensor], Tensor] | None = None,
+    prefix: str = "",
+    layers: Collection[str] | None = None,
+) -> None:
     """Replace the linears named in the header by QuantLinear layers and fill every other tensor.
 
     `model` is built from the same config (on the target device, any floating dtype); `convert`
@@ -127,21 +148,23 @@ def load_quantized_into(model: nn.Module, checkpoint: QuantizedCheckpoint,
     layers = list(checkpoint.layers if layers is None else layers)
     modules = dict(model.named_modules())
     for name in layers:
-        if not (name.startswith(prefix) and isinstance(modules.get(name[len(prefix):]), nn.Linear)):
+        if not (name.startswith(prefix) and isinstance(modules.get(name[len(prefix) :]), nn.Linear)):
             raise UserError(f"{checkpoint.path}: header lists layer {name}, which this model has no linear for")
 
     def make(local: str, linear: nn.Linear) -> QuantLinear:
         name = prefix + local
         qw = checkpoint.quantized_weight(name)
         if (qw.out_features, qw.in_features) != tuple(linear.weight.shape):
-            raise UserError(f"{checkpoint.path}: layer {name} is {qw.out_features}x{qw.in_features} in the "
-                            f"checkpoint but {tuple(linear.weight.shape)} in the model config")
+            raise UserError(
+                f"{checkpoint.path}: layer {name} is {qw.out_features}x{qw.in_features} in the "
+                f"checkpoint but {tuple(linear.weight.shape)} in the model config"
+            )
         device = linear.weight.device
         qw = qw.to(device)
         bias = checkpoint.get(f"{name}.bias").to(device) if checkpoint.layers[name].get("bias") else None
         return QuantLinear(qw, bias)
 
-    local_layers = {name[len(prefix):] for name in layers}
+    local_layers = {name[len(prefix) :] for name in layers}
     replace_linears(model, make, keep=lambda local, _: local not in local_layers)
     state = model.state_dict()
     quantized_prefixes = tuple(f"{local}." for local in local_layers)
@@ -152,6 +175,8 @@ def load_quantized_into(model: nn.Module, checkpoint: QuantizedCheckpoint,
             name = prefix + local
             tensor = checkpoint.get(name)
             if tensor.shape != target.shape:
-                raise UserError(f"{checkpoint.path}: tensor {name} has shape {tuple(tensor.shape)}, the model "
-                                f"config implies {tuple(target.shape)}")
+                raise UserError(
+                    f"{checkpoint.path}: tensor {name} has shape {tuple(tensor.shape)}, the model "
+                    f"config implies {tuple(target.shape)}"
+                )
             target.copy_(convert(name, tensor) if convert else tensor)

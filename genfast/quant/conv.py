@@ -36,6 +36,16 @@ from genfast import hardware
 ConvFilter = Callable[[str, nn.Conv2d], bool]  # (name, conv) -> True to keep it in floating point
 
 
+def fewer_channels_than(min_channels: int) -> ConvFilter:
+    """The int8-conv shape rule: a convolution stays in floating point when min(in_channels,
+    out_channels) < `min_channels` (image and latent layers: little to gain, most of the error)."""
+
+    def keep(name: str, conv: nn.Conv2d) -> bool:
+        return min(conv.in_channels, conv.out_channels) < min_channels
+
+    return keep
+
+
 def supports(conv: nn.Conv2d) -> bool:
     """Whether DynamicInt8Conv2d can compute `conv`: groups 1 and numeric zero padding."""
     return conv.groups == 1 and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
@@ -78,8 +88,9 @@ class DynamicInt8Conv2d(nn.Module):
         self.register_buffer("weight_zero_point", torch.zeros_like(scale, dtype=torch.int32))
         self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().float())
         # x_scale/x_zero_point given to prepack do not affect the result: the real ones come per call.
-        self.packed_weight = torch.ops.onednn.qconv_prepack(self.qweight, scale, 1.0, 0, self.stride, self.padding,
-                                                            self.dilation, 1, None)
+        self.packed_weight = torch.ops.onednn.qconv_prepack(
+            self.qweight, scale, 1.0, 0, self.stride, self.padding, self.dilation, 1, None
+        )
 
     @staticmethod
     def quantize_activation(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -95,8 +106,24 @@ class DynamicInt8Conv2d(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         q, scale, zero_point = self.quantize_activation(x, self.activation_levels)
         return torch.ops.onednn.qconv_pointwise.tensor(
-            q, scale, zero_point, self.packed_weight, self.weight_scale, self.weight_zero_point, self.bias,
-            self.stride, self.padding, self.dilation, 1, 1.0, 0, x.dtype, "none", [], "")
+            q,
+            scale,
+            zero_point,
+            self.packed_weight,
+            self.weight_scale,
+            self.weight_zero_point,
+            self.bias,
+            self.stride,
+            self.padding,
+            self.dilation,
+            1,
+            1.0,
+            0,
+            x.dtype,
+            "none",
+            [],
+            "",
+        )
 
     def reference_forward(self, x: Tensor) -> Tensor:
         """The same quantized computation as fp32 arithmetic on the dequantized operands."""
@@ -106,15 +133,21 @@ class DynamicInt8Conv2d(nn.Module):
         return F.conv2d(xd, wd, self.bias, self.stride, self.padding, self.dilation).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return (f"{self.in_channels}, {self.out_channels}, kernel_size={tuple(self.kernel_size)}, "
-                f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, int8 x uint{8 if self.activation_levels == 255 else 7}")
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={tuple(self.kernel_size)}, "
+            f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, "
+            f"int8 x uint{8 if self.activation_levels == 255 else 7}"
+        )
 
 
 def quantize_dynamic_int8_convs(model: nn.Module, keep: ConvFilter | None = None) -> list[str]:
     """Replace every nn.Conv2d of `model` that `keep` does not keep (and that DynamicInt8Conv2d
     supports) with a DynamicInt8Conv2d, in place; returns the names replaced."""
-    targets = [(name, conv) for name, conv in model.named_modules()
-               if type(conv) is nn.Conv2d and supports(conv) and not (keep is not None and keep(name, conv))]
+    targets = [
+        (name, conv)
+        for name, conv in model.named_modules()
+        if type(conv) is nn.Conv2d and supports(conv) and not (keep is not None and keep(name, conv))
+    ]
     for name, conv in targets:
         model.set_submodule(name, DynamicInt8Conv2d(conv))
     return [name for name, _ in targets]

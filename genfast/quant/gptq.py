@@ -35,8 +35,9 @@ class HessianAccumulator:
     tens of thousands of tokens lose nothing that dampening does not swamp.
     """
 
-    def __init__(self, in_features: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, in_features: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> None:
         self.sum = torch.zeros(in_features, in_features, dtype=dtype, device=device)
         self.count = 0
 
@@ -76,8 +77,15 @@ def _block_size(block_size: int, group_size: int) -> int:
     return block_size if group_size % block_size == 0 else group_size
 
 
-def gptq_quantize(weight: Tensor, hessian: Tensor, bits: int = 4, group_size: int = 128,
-                  block_size: int = 128, damp: float = 0.01, act_order: bool = False) -> QuantizedWeight:
+def gptq_quantize(
+    weight: Tensor,
+    hessian: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    block_size: int = 128,
+    damp: float = 0.01,
+    act_order: bool = False,
+) -> QuantizedWeight:
     """GPTQ-quantize `weight` [N, K] for inputs with Hessian `hessian` [K, K] (see HessianAccumulator).
 
     Returns a `QuantizedWeight` laid out exactly as `grids.quantize(weight, bits, group_size)`.
@@ -118,8 +126,10 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, bits: int = 4, group_size: in
     if hinv is None:
         hinv = _inverse_hessian_factor(h, 10 * damp * mean_diagonal)
     if hinv is None:
-        raise ValueError(f"the Hessian is not positive definite even with dampening {10 * damp:g} x "
-                         "mean(diag H) (too few or degenerate calibration inputs?)")
+        raise ValueError(
+            f"the Hessian is not positive definite even with dampening {10 * damp:g} x "
+            "mean(diag H) (too few or degenerate calibration inputs?)"
+        )
 
     block_size = _block_size(block_size, group_size)
     for start in range(0, k_padded, block_size):
@@ -136,7 +146,7 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, bits: int = 4, group_size: in
                 if col % group_size == 0:
                     group_end = col + group_size
                     current = torch.cat([block[:, i:], w[:, end:group_end]], dim=1)[:, :group_size]
-                    scales[:, group:group + 1], mins[:, group:group + 1] = group_grid(current, bits, group_size)
+                    scales[:, group : group + 1], mins[:, group : group + 1] = group_grid(current, bits, group_size)
             scale, minimum = scales[:, group], mins[:, group]
             column = block[:, i]
             code = quantize_to_grid(column, scale, minimum, bits)

@@ -43,9 +43,15 @@ class QuantizedWeight:
     def out_features(self) -> int:
         return self.codes.shape[0]
 
-    def to(self, device: torch.device | str) -> "QuantizedWeight":
-        return QuantizedWeight(self.codes.to(device), self.scales.to(device), self.mins.to(device),
-                               self.bits, self.group_size, self.in_features)
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return QuantizedWeight(
+            self.codes.to(device),
+            self.scales.to(device),
+            self.mins.to(device),
+            self.bits,
+            self.group_size,
+            self.in_features,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """[N, in_features] weight in `dtype` (computed in fp32)."""
@@ -111,11 +117,11 @@ def quantize(weight: Tensor, bits: int, group_size: int | None = None) -> Quanti
     mins = torch.empty_like(scales)
     rows = max(1, QUANTIZE_CHUNK_ELEMENTS // k_padded)
     for start in range(0, n, rows):  # rows are independent: chunking changes no result
-        w = _pad_columns(weight[start:start + rows].detach().float(), k_padded)
+        w = _pad_columns(weight[start : start + rows].detach().float(), k_padded)
         s, m = group_grid(w, bits, group_size)
         expand = lambda t: t.repeat_interleave(group_size, dim=1)  # noqa: E731
-        codes[start:start + rows] = quantize_to_grid(w, expand(s), expand(m), bits)
-        scales[start:start + rows], mins[start:start + rows] = s, m
+        codes[start : start + rows] = quantize_to_grid(w, expand(s), expand(m), bits)
+        scales[start : start + rows], mins[start : start + rows] = s, m
     return QuantizedWeight(codes, scales, mins, bits, group_size, k)
 
 

@@ -57,8 +57,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None = None,
-                    dynamic: bool = False) -> "QuantLinear":
+    def from_linear(
+        cls, linear: nn.Linear, bits: int, group_size: int | None = None, dynamic: bool = False
+    ) -> QuantLinear:
         from genfast.quant.grids import quantize
 
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -68,13 +69,15 @@ class QuantLinear(nn.Module):
         """The canonical (storage) form of this layer's weight."""
         n, k = self.out_features, self.padded_in_features
         if self.native:
-            codes, scales, mins = (t[:n] for t in packing.unpack(self.packed, self.bits, self.padded_out_features,
-                                                                  k, self.group_size))
+            codes, scales, mins = (
+                t[:n] for t in packing.unpack(self.packed, self.bits, self.padded_out_features, k, self.group_size)
+            )
         else:
             codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
             scales, mins = self.scales, self.mins
-        return QuantizedWeight(codes.contiguous(), scales.contiguous(), mins.contiguous(),
-                               self.bits, self.group_size, self.in_features)
+        return QuantizedWeight(
+            codes.contiguous(), scales.contiguous(), mins.contiguous(), self.bits, self.group_size, self.in_features
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return self.quantized_weight().dequantize(dtype)
@@ -116,8 +119,10 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = f"native-{QLINEAR.loaded_isa()}" if self.native else ("int_mm" if self.dynamic else "dequantize")
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group_size={self.group_size}, bias={self.bias is not None}, kernel={kernel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"group_size={self.group_size}, bias={self.bias is not None}, kernel={kernel}"
+        )
 
 
 def uses_native_kernels(model: nn.Module) -> bool:
@@ -125,25 +130,39 @@ def uses_native_kernels(model: nn.Module) -> bool:
     return any(isinstance(m, QuantLinear) and m.native for m in model.modules())
 
 
-LinearFilter = Callable[[str, nn.Linear], bool]
+LinearFilter = Callable[[str, nn.Linear], bool]  # (name, linear) -> True to keep it in floating point
 
 
-def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module],
-                    keep: LinearFilter | None = None) -> list[str]:
+def narrower_than(min_features: int) -> LinearFilter:
+    """The dynamic-int8 shape rule of every workload: a linear stays in floating point when
+    min(in_features, out_features) < `min_features` (narrow layers gain little from int8, where
+    the rescaling dominates, and carry most of its error)."""
+
+    def keep(name: str, linear: nn.Linear) -> bool:
+        return min(linear.in_features, linear.out_features) < min_features
+
+    return keep
+
+
+def replace_linears(
+    model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], keep: LinearFilter | None = None
+) -> list[str]:
     """Swap every nn.Linear for which `keep(name, linear)` is not True by `make(name, linear)`.
 
     Returns the names replaced. A weight tied to another module (e.g. an output head sharing the
     embedding table) is untied: the other module keeps its floating-point tensor.
     """
-    targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and not (keep and keep(name, m))]
+    targets = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and not (keep and keep(name, m))
+    ]
     for name, linear in targets:
         model.set_submodule(name, make(name, linear))
     return [name for name, _ in targets]
 
 
-def quantize_linears(model: nn.Module, bits: int, group_size: int | None = None,
-                     keep: LinearFilter | None = None) -> list[str]:
+def quantize_linears(
+    model: nn.Module, bits: int, group_size: int | None = None, keep: LinearFilter | None = None
+) -> list[str]:
     """Round-to-nearest weight-only quantization of a model's linears, in place."""
     return replace_linears(model, lambda _, linear: QuantLinear.from_linear(linear, bits, group_size), keep)
 

@@ -29,7 +29,9 @@ def available() -> bool:
 
 # The schema lives here, not in C++, so the op (and its shape function for torch.compile) exists
 # whether or not the native library could be built.
-torch.library.define("genfast::qlinear", "(Tensor x, Tensor packed, int bits, int group_size, int out_features) -> Tensor")
+torch.library.define(
+    "genfast::qlinear", "(Tensor x, Tensor packed, int bits, int group_size, int out_features) -> Tensor"
+)
 
 
 torch.library.define("genfast::qlinear_dynamic", "(Tensor x, Tensor packed, int out_features) -> Tensor")

@@ -1,3 +1,2 @@
-"""Segment Anything (SAM ViT-B/L/H): model, official checkpoints and image transforms."""
-
-from genfast.sam.automatic import SamAutomaticMaskGenerator as SamAutomaticMaskGenerator
+"""Segment Anything (SAM ViT-B/L/H): model, official checkpoints, predictor and automatic mask
+generator (genfast.sam.predictor.SamPredictor, genfast.sam.automatic.SamAutomaticMaskGenerator)."""

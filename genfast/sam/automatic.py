@@ -65,18 +65,34 @@ class MaskData:
 
     def select(self, index: Tensor) -> MaskData:
         host = index.cpu()
-        return MaskData([self.rles[i] for i in host.tolist()], self.boxes[index], self.iou_preds[index],
-                        self.stability_scores[index], self.points[host], self.crop_boxes[index])
+        return MaskData(
+            [self.rles[i] for i in host.tolist()],
+            self.boxes[index],
+            self.iou_preds[index],
+            self.stability_scores[index],
+            self.points[host],
+            self.crop_boxes[index],
+        )
 
     @staticmethod
     def cat(parts: list[MaskData]) -> MaskData:
-        return MaskData([rle for part in parts for rle in part.rles],
-                        *(torch.cat([getattr(part, name) for part in parts])
-                          for name in ("boxes", "iou_preds", "stability_scores", "points", "crop_boxes")))
+        return MaskData(
+            [rle for part in parts for rle in part.rles],
+            *(
+                torch.cat([getattr(part, name) for part in parts])
+                for name in ("boxes", "iou_preds", "stability_scores", "points", "crop_boxes")
+            ),
+        )
 
     def cpu(self) -> MaskData:
-        return MaskData(self.rles, self.boxes.cpu(), self.iou_preds.cpu(), self.stability_scores.cpu(),
-                        self.points, self.crop_boxes.cpu())
+        return MaskData(
+            self.rles,
+            self.boxes.cpu(),
+            self.iou_preds.cpu(),
+            self.stability_scores.cpu(),
+            self.points,
+            self.crop_boxes.cpu(),
+        )
 
 
 class _Batch(NamedTuple):
@@ -102,7 +118,7 @@ def _number(name: str, value: Any, minimum: float = -math.inf) -> float:
 
 
 def _fraction(name: str, value: Any, upper_open: bool = False) -> float:
-    ok = isinstance(value, numbers.Real) and 0 <= value and (value < 1 if upper_open else value <= 1)
+    ok = isinstance(value, numbers.Real) and value >= 0 and (value < 1 if upper_open else value <= 1)
     if not ok:
         raise UserError(f"{name} must be a number in [0, 1{')' if upper_open else ']'}, got {value!r}")
     return float(value)
@@ -142,24 +158,32 @@ class SamAutomaticMaskGenerator:
         ("uncompressed_rle", column-major counts) or COCO RLEs ("coco_rle", needs pycocotools).
         """
         if not isinstance(model, Sam):
-            raise UserError(f"model must be a genfast SAM model (genfast.sam.build_sam or load_sam_checkpoint), "
-                            f"got {type(model).__name__}")
+            raise UserError(
+                f"model must be a genfast SAM model (genfast.sam.build_sam or load_sam_checkpoint), "
+                f"got {type(model).__name__}"
+            )
         if (points_per_side is None) == (point_grids is None):
-            raise UserError("pass exactly one of points_per_side (a regular grid of prompts) or point_grids "
-                            "(explicit normalized points per crop layer), "
-                            f"got {'both' if point_grids is not None else 'neither'}")
+            raise UserError(
+                "pass exactly one of points_per_side (a regular grid of prompts) or point_grids "
+                "(explicit normalized points per crop layer), "
+                f"got {'both' if point_grids is not None else 'neither'}"
+            )
         self.crop_n_layers = _integer("crop_n_layers", crop_n_layers, 0)
-        self.crop_n_points_downscale_factor = _integer("crop_n_points_downscale_factor",
-                                                       crop_n_points_downscale_factor, 1)
+        self.crop_n_points_downscale_factor = _integer(
+            "crop_n_points_downscale_factor", crop_n_points_downscale_factor, 1
+        )
         if points_per_side is not None:
             points_per_side = _integer("points_per_side", points_per_side, 1)
             last = int(points_per_side / self.crop_n_points_downscale_factor**self.crop_n_layers)
             if last < 1:
-                raise UserError(f"points_per_side {points_per_side} leaves crop layer {self.crop_n_layers} with no "
-                                f"points after downscaling by {self.crop_n_points_downscale_factor} a layer; "
-                                "use more points, fewer crop layers or a smaller downscale factor")
-            self.point_grids = build_all_layer_point_grids(points_per_side, self.crop_n_layers,
-                                                           self.crop_n_points_downscale_factor)
+                raise UserError(
+                    f"points_per_side {points_per_side} leaves crop layer {self.crop_n_layers} with no "
+                    f"points after downscaling by {self.crop_n_points_downscale_factor} a layer; "
+                    "use more points, fewer crop layers or a smaller downscale factor"
+                )
+            self.point_grids = build_all_layer_point_grids(
+                points_per_side, self.crop_n_layers, self.crop_n_points_downscale_factor
+            )
         else:
             self.point_grids = self._check_point_grids(point_grids)
         if output_mode not in OUTPUT_MODES:
@@ -179,17 +203,21 @@ class SamAutomaticMaskGenerator:
 
     def _check_point_grids(self, point_grids: Any) -> list[Tensor]:
         if not isinstance(point_grids, (list, tuple)) or len(point_grids) < self.crop_n_layers + 1:
-            raise UserError(f"point_grids must be a list of crop_n_layers + 1 = {self.crop_n_layers + 1} "
-                            "arrays of normalized (x, y) points, one per crop layer")
+            raise UserError(
+                f"point_grids must be a list of crop_n_layers + 1 = {self.crop_n_layers + 1} "
+                "arrays of normalized (x, y) points, one per crop layer"
+            )
         grids = []
         for i, grid in enumerate(point_grids):
             grid = torch.as_tensor(np.asarray(grid, dtype=np.float64))
             if grid.dim() != 2 or grid.shape[1] != 2 or grid.shape[0] == 0:
-                raise UserError(f"point_grids[{i}] must be [N, 2] (x, y) points with N >= 1, "
-                                f"got shape {list(grid.shape)}")
+                raise UserError(
+                    f"point_grids[{i}] must be [N, 2] (x, y) points with N >= 1, got shape {list(grid.shape)}"
+                )
             if not bool(((grid >= 0) & (grid <= 1)).all()):
-                raise UserError(f"point_grids[{i}] must hold points normalized to [0, 1] "
-                                "(fractions of the crop's width and height)")
+                raise UserError(
+                    f"point_grids[{i}] must hold points normalized to [0, 1] (fractions of the crop's width and height)"
+                )
             grids.append(grid)
         return grids
 
@@ -205,8 +233,9 @@ class SamAutomaticMaskGenerator:
         check_image(image)
         data = self._generate_masks(image).cpu()
         if self.min_mask_region_area > 0:
-            data = self.postprocess_small_regions(data, self.min_mask_region_area,
-                                                  max(self.box_nms_thresh, self.crop_nms_thresh))
+            data = self.postprocess_small_regions(
+                data, self.min_mask_region_area, max(self.box_nms_thresh, self.crop_nms_thresh)
+            )
         if self.output_mode == "coco_rle":
             segmentations = [coco_encode_rle(rle) for rle in data.rles]
         elif self.output_mode == "binary_mask":
@@ -219,24 +248,32 @@ class SamAutomaticMaskGenerator:
         stabilities = data.stability_scores.float().tolist()
         points = data.points.tolist()
         return [
-            {"segmentation": segmentations[i], "area": area_from_rle(data.rles[i]), "bbox": boxes[i],
-             "predicted_iou": ious[i], "point_coords": [points[i]], "stability_score": stabilities[i],
-             "crop_box": crop_boxes[i]}
+            {
+                "segmentation": segmentations[i],
+                "area": area_from_rle(data.rles[i]),
+                "bbox": boxes[i],
+                "predicted_iou": ious[i],
+                "point_coords": [points[i]],
+                "stability_score": stabilities[i],
+                "crop_box": crop_boxes[i],
+            }
             for i in range(len(data.rles))
         ]
 
     def _generate_masks(self, image: np.ndarray) -> MaskData:
         image_size = (image.shape[0], image.shape[1])
         crop_boxes, layers = generate_crop_boxes(image_size, self.crop_n_layers, self.crop_overlap_ratio)
-        data = MaskData.cat([self._process_crop(image, box, layer, image_size)
-                             for box, layer in zip(crop_boxes, layers)])
+        data = MaskData.cat(
+            [self._process_crop(image, box, layer, image_size) for box, layer in zip(crop_boxes, layers)]
+        )
         if len(crop_boxes) > 1:  # duplicates between crops: prefer the mask from the smaller crop
             scores = 1 / box_area(data.crop_boxes).float()
             data = data.select(nms(data.boxes, scores, self.crop_nms_thresh))
         return data
 
-    def _process_crop(self, image: np.ndarray, crop_box: list[int], layer: int,
-                      image_size: tuple[int, int]) -> MaskData:
+    def _process_crop(
+        self, image: np.ndarray, crop_box: list[int], layer: int, image_size: tuple[int, int]
+    ) -> MaskData:
         x0, y0, x1, y1 = crop_box
         crop = image[y0:y1, x0:x1]
         crop_size = (crop.shape[0], crop.shape[1])
@@ -244,13 +281,13 @@ class SamAutomaticMaskGenerator:
         device = self.predictor.device
         # Prompts in the crop's pixels (float64, kept for the records) and in the model's frame.
         points = self.point_grids[layer] * torch.tensor(crop_size[::-1], dtype=torch.float64)
-        prompts = torch.as_tensor(self.predictor.transform.apply_coords(points.numpy(), crop_size),
-                                  dtype=torch.float32, device=device)
+        prompts = torch.as_tensor(
+            self.predictor.transform.apply_coords(points.numpy(), crop_size), dtype=torch.float32, device=device
+        )
         # Made once per crop: a tensor built from host values in the loop would wait for the device.
-        crop_edges = torch.tensor([crop_box, [0, 0, image_size[1], image_size[0]]], dtype=torch.float32,
-                                  device=device)
+        crop_edges = torch.tensor([crop_box, [0, 0, image_size[1], image_size[0]]], dtype=torch.float32, device=device)
         step = self.points_per_batch
-        batches = [self._process_batch(prompts[i:i + step], i, crop_edges) for i in range(0, len(prompts), step)]
+        batches = [self._process_batch(prompts[i : i + step], i, crop_edges) for i in range(0, len(prompts), step)]
         self.predictor.reset_image()
 
         point_index, iou_preds, stability, boxes = (torch.cat(parts) for parts in zip(*(b[:4] for b in batches)))
@@ -258,8 +295,10 @@ class SamAutomaticMaskGenerator:
 
         # Runs -> RLEs of the kept rows, in the image's frame (column-major flat positions).
         first_row = np.cumsum([0] + [len(b.iou_preds) for b in batches]).tolist()
-        row, cols, starts, ends = (torch.cat(parts) for parts in zip(*(
-            (b.runs[0] + first, *b.runs[1:]) for b, first in zip(batches, first_row))))
+        row, cols, starts, ends = (
+            torch.cat(parts)
+            for parts in zip(*((b.runs[0] + first, *b.runs[1:]) for b, first in zip(batches, first_row)))
+        )
         flat = (cols + x0) * image_size[0] + y0
         rles = runs_to_rles(row, flat + starts, flat + ends, kept.tolist(), image_size)
         return MaskData(
@@ -301,8 +340,13 @@ class SamAutomaticMaskGenerator:
         if self.stability_score_thresh > 0:
             keep &= stability >= self.stability_score_thresh
         kept = keep.nonzero().squeeze(1)
-        return _Batch(first_point + rows[kept] // per_point, iou_preds[kept], stability[kept], boxes[kept],
-                      column_runs(masks[kept]))
+        return _Batch(
+            first_point + rows[kept] // per_point,
+            iou_preds[kept],
+            stability[kept],
+            boxes[kept],
+            column_runs(masks[kept]),
+        )
 
     @staticmethod
     def postprocess_small_regions(data: MaskData, min_area: int, nms_thresh: float) -> MaskData:
@@ -325,5 +369,6 @@ class SamAutomaticMaskGenerator:
             if i in changed:
                 rles[i] = mask_to_rle(changed[i][None])[0]
                 data_boxes[i] = new_boxes[i]
-        return MaskData(rles, data_boxes, data.iou_preds, data.stability_scores, data.points,
-                        data.crop_boxes).select(keep)
+        return MaskData(rles, data_boxes, data.iou_preds, data.stability_scores, data.points, data.crop_boxes).select(
+            keep
+        )

@@ -56,8 +56,10 @@ def config_from_state_dict(state_dict: dict[str, Tensor], decoder_num_heads: int
     indistinguishable from global attention: such configs need to be passed explicitly.
     """
     if _PATCH_KEY not in state_dict:
-        raise UserError(f"not a Segment Anything checkpoint: it has no {_PATCH_KEY!r} tensor "
-                        "(expected a state dict like the official sam_vit_*.pth files)")
+        raise UserError(
+            f"not a Segment Anything checkpoint: it has no {_PATCH_KEY!r} tensor "
+            "(expected a state dict like the official sam_vit_*.pth files)"
+        )
     try:
         dim, _, patch, _ = state_dict[_PATCH_KEY].shape
         grid = state_dict["image_encoder.pos_embed"].shape[1]
@@ -82,7 +84,8 @@ def config_from_state_dict(state_dict: dict[str, Tensor], decoder_num_heads: int
             decoder_depth=_count(state_dict, f"{decoder}.layers"),
             decoder_num_heads=decoder_num_heads,
             decoder_mlp_dim=state_dict[f"{decoder}.layers.0.mlp.lin1.weight"].shape[0],
-            decoder_attn_downsample=prompt_dim // state_dict[f"{decoder}.final_attn_token_to_image.q_proj.weight"].shape[0],
+            decoder_attn_downsample=prompt_dim
+            // state_dict[f"{decoder}.final_attn_token_to_image.q_proj.weight"].shape[0],
             iou_head_depth=_count(state_dict, "mask_decoder.iou_prediction_head.layers"),
             iou_head_hidden_dim=state_dict["mask_decoder.iou_prediction_head.layers.0.weight"].shape[0],
             num_multimask_outputs=state_dict["mask_decoder.mask_tokens.weight"].shape[0] - 1,
@@ -99,15 +102,18 @@ def load_sam_state_dict(path: str | Path) -> dict[str, Tensor]:
     """Read a checkpoint file safely (weights only: no code in the pickle runs)."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"SAM checkpoint {str(path)!r} does not exist (or is not a file); "
-                        "download one of the official sam_vit_*.pth files or pass the right path")
+        raise UserError(
+            f"SAM checkpoint {str(path)!r} does not exist (or is not a file); "
+            "download one of the official sam_vit_*.pth files or pass the right path"
+        )
     try:
         state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt zip, pickle with code, truncated file: all the user's to fix
         raise UserError(f"cannot read SAM checkpoint {str(path)!r}: {e}") from e
     if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
-        raise UserError(f"{str(path)!r} is not a SAM checkpoint: expected a state dict of tensors, "
-                        f"got {type(state_dict).__name__}")
+        raise UserError(
+            f"{str(path)!r} is not a SAM checkpoint: expected a state dict of tensors, got {type(state_dict).__name__}"
+        )
     return state_dict
 
 
@@ -124,7 +130,8 @@ def load_sam_checkpoint(path: str | Path, config: SamConfig | None = None) -> Sa
         model.load_state_dict(state_dict, strict=True, assign=True)
     except RuntimeError as e:
         detail = str(e).split("\n", 1)[-1].strip()
-        raise UserError(f"SAM checkpoint {str(path)!r} does not match the {config.name} architecture: "
-                        f"{detail[:800]}") from e
+        raise UserError(
+            f"SAM checkpoint {str(path)!r} does not match the {config.name} architecture: {detail[:800]}"
+        ) from e
     model.reset_pixel_stats()
     return model.eval()

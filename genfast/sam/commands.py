@@ -43,8 +43,7 @@ from genfast.sam import images
 from genfast.sam.masks import box_xyxy_to_xywh, mask_to_rle, masks_to_boxes
 from genfast.sam.modeling import Sam
 
-RANDOM_WEIGHTS_WARNING = ("random weights (--random-weights): for benchmarking only; "
-                          "these masks are meaningless")
+RANDOM_WEIGHTS_WARNING = "random weights (--random-weights): for benchmarking only; these masks are meaningless"
 
 
 def _log(message: str) -> None:
@@ -52,6 +51,7 @@ def _log(message: str) -> None:
 
 
 # ---- prompts -------------------------------------------------------------------------------------
+
 
 @dataclass
 class Prompt:
@@ -61,9 +61,11 @@ class Prompt:
     texts: dict[str, list[str]] = field(default_factory=dict)  # as typed, for error messages
 
     def as_json(self) -> dict[str, Any]:
-        return {"points": None if self.points is None else self.points.tolist(),
-                "labels": None if self.labels is None else self.labels.tolist(),
-                "box": None if self.box is None else self.box.tolist()}
+        return {
+            "points": None if self.points is None else self.points.tolist(),
+            "labels": None if self.labels is None else self.labels.tolist(),
+            "box": None if self.box is None else self.box.tolist(),
+        }
 
 
 def _numbers(text: str, count: int, flag: str, form: str) -> list[float]:
@@ -87,11 +89,14 @@ def parse_prompt(args: argparse.Namespace) -> Prompt:
             raise UserError("--multimask applies to --point/--box prompts, not to --auto")
         return Prompt()
     if not points and not boxes:
-        raise UserError("no prompt given: pass --point X,Y (repeatable) and/or --box X0,Y0,X1,Y1, "
-                        "or --auto to segment everything")
+        raise UserError(
+            "no prompt given: pass --point X,Y (repeatable) and/or --box X0,Y0,X1,Y1, or --auto to segment everything"
+        )
     if labels and len(labels) != len(points):
-        raise UserError(f"got {len(labels)} --label for {len(points)} --point; give one label per point "
-                        "(1 foreground, 0 background) or none (all foreground)")
+        raise UserError(
+            f"got {len(labels)} --label for {len(points)} --point; give one label per point "
+            "(1 foreground, 0 background) or none (all foreground)"
+        )
     if len(boxes) > 1:
         raise UserError(f"got {len(boxes)} --box; SAM takes one box per prompt")
     for text in labels:
@@ -104,7 +109,9 @@ def parse_prompt(args: argparse.Namespace) -> Prompt:
     if boxes:
         box = _numbers(boxes[0], 4, "--box", "X0,Y0,X1,Y1")
         if not (box[0] < box[2] and box[1] < box[3]):
-            raise UserError(f"--box {boxes[0]} must be X0,Y0,X1,Y1 with X0 < X1 and Y0 < Y1 (top-left, then bottom-right)")
+            raise UserError(
+                f"--box {boxes[0]} must be X0,Y0,X1,Y1 with X0 < X1 and Y0 < Y1 (top-left, then bottom-right)"
+            )
         prompt.box = np.array(box, dtype=np.float64)
     return prompt
 
@@ -117,19 +124,11 @@ def check_prompt_inside(prompt: Prompt, height: int, width: int) -> None:
                 raise UserError(f"--point {text} is outside the image ({where})")
     if prompt.box is not None:
         x0, y0, x1, y1 = prompt.box
-        if not (0 <= x0 and x1 <= width and 0 <= y0 and y1 <= height):
+        if not (x0 >= 0 and x1 <= width and y0 >= 0 and y1 <= height):
             raise UserError(f"--box {prompt.texts['--box'][0]} is outside the image ({where})")
 
 
 # ---- model ---------------------------------------------------------------------------------------
-
-def resolve_device_dtype(device_name: str, dtype_name: str) -> tuple[torch.device, torch.dtype]:
-    """'auto' device: CUDA when present; 'auto' dtype: bfloat16 on CUDA, float32 on CPU (SAM's
-    masks are checked against fp32 there; bf16 is a recipe step)."""
-    from genfast.hardware import resolve_device, resolve_dtype
-
-    device = resolve_device(device_name)
-    return device, resolve_dtype(dtype_name, device, auto=torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 @dataclass
@@ -140,7 +139,8 @@ class LoadedSam:
     random_weights: bool
 
 
-def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> LoadedSam:
+def load_model(args: argparse.Namespace, device: torch.device) -> LoadedSam:
+    """The model --checkpoint, --model and --random-weights name, in float32 on `device`."""
     from genfast.hub import DEFAULT_SAM_MODEL, SAM_CHECKPOINTS, resolve_sam_checkpoint, sam_model_name
     from genfast.sam.build import build_random_sam, config_from_state_dict, load_sam_checkpoint, load_sam_state_dict
     from genfast.sam.config import sam_preset
@@ -155,8 +155,9 @@ def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
         else:
             name = sam_model_name(args.model or DEFAULT_SAM_MODEL)
             if name is None:
-                raise UserError(f"unknown SAM model {args.model!r} for --random-weights; use one of "
-                                f"{', '.join(SAM_CHECKPOINTS)}")
+                raise UserError(
+                    f"unknown SAM model {args.model!r} for --random-weights; use one of {', '.join(SAM_CHECKPOINTS)}"
+                )
             config = sam_preset(name.removeprefix("sam-").replace("-", "_"))
             source = name
         model = build_random_sam(config)
@@ -165,12 +166,13 @@ def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
         checkpoint = Path(args.checkpoint).expanduser() if args.checkpoint else resolve_sam_checkpoint(args.model)
         model = load_sam_checkpoint(checkpoint)
         description = f"{model.config.name} from {checkpoint}"
-    model = model.to(device=device, dtype=dtype)
+    model = model.to(device=device)
     model.reset_pixel_stats()  # keep the (non-persistent) pixel statistics in float32
     return LoadedSam(model, description, checkpoint, bool(args.random_weights))
 
 
 # ---- masks ---------------------------------------------------------------------------------------
+
 
 @dataclass
 class Segmentation:
@@ -194,8 +196,10 @@ def segment_prompt(model: Sam, image: np.ndarray, prompt: Prompt, multimask: boo
     order = np.argsort(-scores, kind="stable")[: len(scores) if multimask else 1]
     kept = [masks[i] for i in order]
     boxes = box_xyxy_to_xywh(masks_to_boxes(torch.from_numpy(masks[order]))).tolist()  # the original's XYWH
-    records = [{"rank": rank + 1, "predicted_iou": float(scores[i]), "area": int(masks[i].sum()), "bbox": box}
-               for rank, (i, box) in enumerate(zip(order, boxes))]
+    records = [
+        {"rank": rank + 1, "predicted_iou": float(scores[i]), "area": int(masks[i].sum()), "bbox": box}
+        for rank, (i, box) in enumerate(zip(order, boxes))
+    ]
     return Segmentation(kept, records, encoded - start, decoded - encoded)
 
 
@@ -204,17 +208,22 @@ def segment_auto(model: Sam, image: np.ndarray, args: argparse.Namespace) -> Seg
     from genfast.sam.automatic import SamAutomaticMaskGenerator
 
     generator = SamAutomaticMaskGenerator(
-        model, points_per_side=args.points_per_side, points_per_batch=args.points_per_batch,
-        pred_iou_thresh=args.pred_iou_thresh, stability_score_thresh=args.stability_score_thresh,
-        output_mode="binary_mask")
+        model,
+        points_per_side=args.points_per_side,
+        points_per_batch=args.points_per_batch,
+        pred_iou_thresh=args.pred_iou_thresh,
+        stability_score_thresh=args.stability_score_thresh,
+        output_mode="binary_mask",
+    )
     start = time.perf_counter()
     found = generator.generate(image)
     synchronize(model.device)
     elapsed = time.perf_counter() - start
     found = sorted(found, key=lambda r: r["area"], reverse=True)
     masks = [np.asarray(r["segmentation"], dtype=bool) for r in found]
-    records = [{"label": i + 1, **{k: _plain(v) for k, v in r.items() if k != "segmentation"}}
-               for i, r in enumerate(found)]
+    records = [
+        {"label": i + 1, **{k: _plain(v) for k, v in r.items() if k != "segmentation"}} for i, r in enumerate(found)
+    ]
     return Segmentation(masks, records, 0.0, elapsed)
 
 
@@ -230,6 +239,7 @@ def _plain(value: Any) -> Any:
 
 
 # ---- the command ---------------------------------------------------------------------------------
+
 
 @dataclass
 class OutputPaths:
@@ -262,8 +272,13 @@ def _output_paths(args: argparse.Namespace, multimask_outputs: int) -> OutputPat
 
 
 def segment_command(args: argparse.Namespace) -> int:
+    from genfast.hardware import dtype_name, resolve_device
+    from genfast.recipe import Target
+    from genfast.sam.recipe import RECIPE, apply_recipe
+
     prompt = parse_prompt(args)
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    device = resolve_device(args.device)
+    plan = RECIPE.plan(args.recipe, Target(device, dtype_name(args.dtype)))
     multimask_outputs = 3 if args.multimask else 1  # every SAM checkpoint makes 3 (checked below)
     paths = _output_paths(args, multimask_outputs)
     image_files.check_outputs(paths.files(), args.force)  # fail before the slow part
@@ -271,10 +286,16 @@ def segment_command(args: argparse.Namespace) -> int:
     height, width = image.shape[:2]
     check_prompt_inside(prompt, height, width)
 
-    loaded = load_model(args, device, dtype)
+    loaded = load_model(args, device)
+    apply_recipe(loaded.model, plan.settings)
     if loaded.random_weights:
         _log(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}")
-    _log(f"genfast: SAM {loaded.description} | {str(dtype).removeprefix('torch.')} on {device}")
+    _log(
+        f"genfast: SAM {loaded.description} | recipe {args.recipe} in {plan.settings.dtype} on {device}"
+        + (" (the first image compiles: minutes on a CPU)" if plan.settings.compile else "")
+    )
+    for message in plan.messages():
+        _log(f"genfast: {message}")
     if args.multimask and loaded.model.config.num_multimask_outputs != multimask_outputs:
         paths = _output_paths(args, loaded.model.config.num_multimask_outputs)
 
@@ -311,32 +332,44 @@ def segment_command(args: argparse.Namespace) -> int:
 
 
 def _png_text(args: argparse.Namespace, loaded: LoadedSam) -> dict[str, str]:
-    text = {"Software": f"genfast {__version__}", "genfast:model": loaded.description,
-            "genfast:image": str(args.image), "genfast:random-weights": str(loaded.random_weights).lower()}
+    text = {
+        "Software": f"genfast {__version__}",
+        "genfast:model": loaded.description,
+        "genfast:image": str(args.image),
+        "genfast:random-weights": str(loaded.random_weights).lower(),
+    }
     if loaded.random_weights:
         text["Warning"] = RANDOM_WEIGHTS_WARNING
     return text
 
 
-def _json_document(args: argparse.Namespace, loaded: LoadedSam, prompt: Prompt, result: Segmentation,
-                   size: tuple[int, int], paths: OutputPaths) -> dict[str, Any]:
+def _json_document(
+    args: argparse.Namespace,
+    loaded: LoadedSam,
+    prompt: Prompt,
+    result: Segmentation,
+    size: tuple[int, int],
+    paths: OutputPaths,
+) -> dict[str, Any]:
     document: dict[str, Any] = {
         "genfast_version": __version__,
         "random_weights": loaded.random_weights,
     }
     if loaded.random_weights:
         document["warning"] = RANDOM_WEIGHTS_WARNING
-    document.update({
-        "image": str(args.image),
-        "image_size": list(size),  # [height, width]
-        "model": loaded.description,
-        "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None,
-        "mode": "auto" if args.auto else "prompt",
-        "prompt": None if args.auto else prompt.as_json(),
-        "mask_files": [str(p) for p in paths.masks],  # --auto: the label map
-        "overlay_file": str(paths.overlay) if paths.overlay else None,
-        "masks": [{**record, "segmentation": rle} for record, rle in zip(result.records, _rles(result.masks))],
-    })
+    document.update(
+        {
+            "image": str(args.image),
+            "image_size": list(size),  # [height, width]
+            "model": loaded.description,
+            "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None,
+            "mode": "auto" if args.auto else "prompt",
+            "prompt": None if args.auto else prompt.as_json(),
+            "mask_files": [str(p) for p in paths.masks],  # --auto: the label map
+            "overlay_file": str(paths.overlay) if paths.overlay else None,
+            "masks": [{**record, "segmentation": rle} for record, rle in zip(result.records, _rles(result.masks))],
+        }
+    )
     return document
 
 
@@ -350,11 +383,15 @@ def _summary(args: argparse.Namespace, result: Segmentation, size: tuple[int, in
     if args.auto:
         timing = f"{n} mask{'s' * (n != 1)} in {result.decode_s:.2f} s (automatic, {args.points_per_side}^2 points)"
         if n == 0:
-            timing += (f"; none passed --pred-iou-thresh {args.pred_iou_thresh} and "
-                       f"--stability-score-thresh {args.stability_score_thresh}")
+            timing += (
+                f"; none passed --pred-iou-thresh {args.pred_iou_thresh} and "
+                f"--stability-score-thresh {args.stability_score_thresh}"
+            )
     else:
         best = result.records[0]
-        timing = (f"encoder {result.encode_s:.2f} s, decoder {result.decode_s * 1e3:.0f} ms | best mask: "
-                  f"predicted IoU {best['predicted_iou']:.3f}, {best['area']} px")
+        timing = (
+            f"encoder {result.encode_s:.2f} s, decoder {result.decode_s * 1e3:.0f} ms | best mask: "
+            f"predicted IoU {best['predicted_iou']:.3f}, {best['area']} px"
+        )
     outputs = ", ".join(str(p) for p in written) + (", JSON on stdout" if args.json_path == "-" else "")
     return f"genfast: {width}x{height} image | {timing}\ngenfast: wrote {outputs}"

@@ -41,16 +41,18 @@ class SamConfig:
         if self.image_size % self.patch_size:
             problems.append(f"image size {self.image_size} is not a multiple of patch size {self.patch_size}")
         if self.encoder_embed_dim % self.encoder_num_heads:
-            problems.append(f"encoder dim {self.encoder_embed_dim} is not a multiple of "
-                            f"{self.encoder_num_heads} heads")
+            problems.append(f"encoder dim {self.encoder_embed_dim} is not a multiple of {self.encoder_num_heads} heads")
         if (self.prompt_embed_dim // self.decoder_attn_downsample) % self.decoder_num_heads:
-            problems.append(f"decoder cross-attention dim {self.prompt_embed_dim // self.decoder_attn_downsample} "
-                            f"is not a multiple of {self.decoder_num_heads} heads")
+            problems.append(
+                f"decoder cross-attention dim {self.prompt_embed_dim // self.decoder_attn_downsample} "
+                f"is not a multiple of {self.decoder_num_heads} heads"
+            )
         if self.prompt_embed_dim % 8 or self.mask_in_chans % 4:
             problems.append("prompt_embed_dim must be a multiple of 8 and mask_in_chans of 4")
         if any(not 0 <= i < self.encoder_depth for i in self.encoder_global_attn_indexes):
-            problems.append(f"global attention indexes {self.encoder_global_attn_indexes} are outside "
-                            f"0..{self.encoder_depth - 1}")
+            problems.append(
+                f"global attention indexes {self.encoder_global_attn_indexes} are outside 0..{self.encoder_depth - 1}"
+            )
         if problems:
             raise UserError(f"invalid SAM config: {'; '.join(problems)}")
 

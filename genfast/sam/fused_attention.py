@@ -38,8 +38,9 @@ def supports(q: Tensor) -> bool:
     return q.device.type == "cpu" and not c % 16 and c <= MAX_HEAD_DIM and takes(q.dtype)
 
 
-torch.library.define("genfast::rel_pos_attention",
-                     "(Tensor q, Tensor k, Tensor v, Tensor rel_h, Tensor rel_w, float scale) -> Tensor")
+torch.library.define(
+    "genfast::rel_pos_attention", "(Tensor q, Tensor k, Tensor v, Tensor rel_h, Tensor rel_w, float scale) -> Tensor"
+)
 
 
 @torch.library.register_fake("genfast::rel_pos_attention")

@@ -36,9 +36,14 @@ def label_image(masks: Sequence[np.ndarray], shape: tuple[int, int]) -> Image.Im
     return Image.fromarray(labels)
 
 
-def overlay_image(image: np.ndarray, masks: Sequence[np.ndarray], colours: Sequence[tuple[int, int, int]],
-                  points: np.ndarray | None = None, labels: np.ndarray | None = None,
-                  box: Sequence[float] | None = None) -> Image.Image:
+def overlay_image(
+    image: np.ndarray,
+    masks: Sequence[np.ndarray],
+    colours: Sequence[tuple[int, int, int]],
+    points: np.ndarray | None = None,
+    labels: np.ndarray | None = None,
+    box: Sequence[float] | None = None,
+) -> Image.Image:
     """The image with each mask tinted in its colour (later masks on top) and outlined, and the
     prompt drawn: foreground points green, background points red, the box green."""
     out = image.astype(np.float32)

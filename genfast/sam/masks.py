@@ -58,8 +58,9 @@ def _largest_float32_at_most(value: float) -> float:
     return float(t32)
 
 
-def batched_nms(boxes: Tensor, scores: Tensor, categories: Tensor | None, iou_threshold: float,
-                block: int = 1024) -> Tensor:
+def batched_nms(
+    boxes: Tensor, scores: Tensor, categories: Tensor | None, iou_threshold: float, block: int = 1024
+) -> Tensor:
     """Greedy non-maximum suppression: indices of the kept boxes, by decreasing score.
 
     A box is dropped when its IoU with a kept, higher-scoring box of the same category exceeds
@@ -105,8 +106,15 @@ def masks_to_boxes(masks: Tensor) -> Tensor:
     rows, cols = masks.any(-1), masks.any(-2)
     ys = torch.arange(h, device=masks.device)
     xs = torch.arange(w, device=masks.device)
-    box = torch.stack([torch.where(cols, xs, w).amin(-1), torch.where(rows, ys, h).amin(-1),
-                       torch.where(cols, xs, -1).amax(-1), torch.where(rows, ys, -1).amax(-1)], dim=-1)
+    box = torch.stack(
+        [
+            torch.where(cols, xs, w).amin(-1),
+            torch.where(rows, ys, h).amin(-1),
+            torch.where(cols, xs, -1).amax(-1),
+            torch.where(rows, ys, -1).amax(-1),
+        ],
+        dim=-1,
+    )
     return torch.where(rows.any(-1, keepdim=True), box, 0)
 
 
@@ -144,8 +152,9 @@ def build_all_layer_point_grids(n_per_side: int, n_layers: int, scale_per_layer:
     return [build_point_grid(int(n_per_side / scale_per_layer**i)) for i in range(n_layers + 1)]
 
 
-def generate_crop_boxes(image_size: tuple[int, int], n_layers: int,
-                        overlap_ratio: float) -> tuple[list[list[int]], list[int]]:
+def generate_crop_boxes(
+    image_size: tuple[int, int], n_layers: int, overlap_ratio: float
+) -> tuple[list[list[int]], list[int]]:
     """XYXY crop boxes and their layer: the whole image (layer 0), then for layer i >= 1 a
     2**i x 2**i grid of overlapping crops (overlap_ratio of the short side in layer 1, shrinking
     with the crops), in column-major order of their corners."""
@@ -181,8 +190,9 @@ def uncrop_masks(masks: Tensor, crop_box: Sequence[int], image_h: int, image_w: 
     return F.pad(masks, (x0, image_w - x1, y0, image_h - y1))
 
 
-def is_box_near_crop_edge(boxes: Tensor, crop_box: Sequence[int] | Tensor, image_box: Sequence[int] | Tensor,
-                          atol: float = 20.0) -> Tensor:
+def is_box_near_crop_edge(
+    boxes: Tensor, crop_box: Sequence[int] | Tensor, image_box: Sequence[int] | Tensor, atol: float = 20.0
+) -> Tensor:
     """[N] True for boxes (in the crop's frame) within atol pixels of an edge of the crop that is
     not an edge of the image: such masks are likely cut off by the crop.
 
@@ -213,8 +223,9 @@ def column_runs(masks: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return starts[:, 0], starts[:, 1], starts[:, 2], ends[:, 2]
 
 
-def runs_to_rles(mask_index: Tensor, starts: Tensor, ends: Tensor, wanted: Sequence[int],
-                 size: tuple[int, int]) -> list[RLE]:
+def runs_to_rles(
+    mask_index: Tensor, starts: Tensor, ends: Tensor, wanted: Sequence[int], size: tuple[int, int]
+) -> list[RLE]:
     """Uncompressed RLEs of the masks `wanted`, from their foreground runs given as column-major
     flat positions [start, end) in an image of `size` (H, W), sorted by mask and position.
 
@@ -234,7 +245,7 @@ def runs_to_rles(mask_index: Tensor, starts: Tensor, ends: Tensor, wanted: Seque
     last = np.searchsorted(index, wanted_np, side="right")
     rles = []
     for a, b in zip(first.tolist(), last.tolist()):
-        counts = np.diff(edges[2 * a:2 * b], prepend=0, append=total)
+        counts = np.diff(edges[2 * a : 2 * b], prepend=0, append=total)
         if len(counts) > 1 and counts[-1] == 0:  # foreground up to the last pixel
             counts = counts[:-1]
         rles.append({"size": [h, w], "counts": counts.tolist()})
@@ -253,8 +264,10 @@ def rle_to_mask(rle: RLE) -> Tensor:
     h, w = rle["size"]
     counts = torch.as_tensor(rle["counts"], dtype=torch.int64)
     if int(counts.sum()) != h * w or bool((counts < 0).any()):
-        raise UserError(f"RLE counts must be non-negative and sum to h * w = {h * w} for size {[h, w]}; "
-                        f"got a sum of {int(counts.sum())}")
+        raise UserError(
+            f"RLE counts must be non-negative and sum to h * w = {h * w} for size {[h, w]}; "
+            f"got a sum of {int(counts.sum())}"
+        )
     values = torch.arange(len(counts)) % 2 == 1  # runs alternate, background first
     return values.repeat_interleave(counts).reshape(w, h).t()
 
@@ -269,8 +282,9 @@ def coco_encode_rle(rle: RLE) -> RLE:
     try:
         from pycocotools import mask as mask_utils
     except ImportError:
-        raise UserError("output_mode 'coco_rle' needs pycocotools: pip install pycocotools, "
-                        "or use 'uncompressed_rle'") from None
+        raise UserError(
+            "output_mode 'coco_rle' needs pycocotools: pip install pycocotools, or use 'uncompressed_rle'"
+        ) from None
     h, w = rle["size"]
     coco = mask_utils.frPyObjects(rle, h, w)
     coco["counts"] = coco["counts"].decode("utf-8")  # a str, so the record serializes to JSON
@@ -350,8 +364,7 @@ def connected_components(mask: Tensor, connectivity: int = 8) -> tuple[Tensor, T
     return _paint(cols, starts, ends, labels, tuple(mask.shape)), sizes
 
 
-def remove_small_regions(mask: Tensor, area_thresh: float, mode: str,
-                         connectivity: int = 8) -> tuple[Tensor, bool]:
+def remove_small_regions(mask: Tensor, area_thresh: float, mode: str, connectivity: int = 8) -> tuple[Tensor, bool]:
     """Fill holes ("holes") or drop islands ("islands") of fewer than area_thresh pixels in a
     boolean mask [H, W]; returns the mask and whether anything was small. When every island is
     small the largest (first in raster order among equals) is kept, so a mask never vanishes."""

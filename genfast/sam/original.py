@@ -20,13 +20,21 @@ import torch
 
 from genfast.sam.config import SamConfig
 
-_STUBBED = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
-            "torchvision.ops", "torchvision.ops.boxes")
+_STUBBED = (
+    "torchvision",
+    "torchvision.transforms",
+    "torchvision.transforms.functional",
+    "torchvision.ops",
+    "torchvision.ops.boxes",
+)
 
 
 def _unavailable(name: str) -> Callable:
     def stub(*args, **kwargs):
-        raise NotImplementedError(f"torchvision.{name} is stubbed out: genfast imports segment-anything without torchvision")
+        raise NotImplementedError(
+            f"torchvision.{name} is stubbed out: genfast imports segment-anything without torchvision"
+        )
+
     return stub
 
 
@@ -46,8 +54,13 @@ def import_segment_anything(stubs: Mapping[str, Callable] | None = None) -> type
             module = types.ModuleType(name)
             module.__spec__ = importlib.machinery.ModuleSpec(name, None)
             sys.modules[name] = module
-        functions = {"transforms.functional.resize": None, "transforms.functional.to_pil_image": None,
-                     "ops.boxes.batched_nms": None, "ops.boxes.box_area": None, **(stubs or {})}
+        functions = {
+            "transforms.functional.resize": None,
+            "transforms.functional.to_pil_image": None,
+            "ops.boxes.batched_nms": None,
+            "ops.boxes.box_area": None,
+            **(stubs or {}),
+        }
         for path, fn in functions.items():
             module_name, _, attr = f"torchvision.{path}".rpartition(".")
             setattr(sys.modules[module_name], attr, fn or _unavailable(path))
@@ -69,24 +82,36 @@ def build_original_sam(config: SamConfig) -> torch.nn.Module:
     grid = config.image_embedding_size
     sam = Sam(
         image_encoder=ImageEncoderViT(
-            img_size=config.image_size, patch_size=config.patch_size, embed_dim=config.encoder_embed_dim,
-            depth=config.encoder_depth, num_heads=config.encoder_num_heads, mlp_ratio=config.mlp_ratio,
-            out_chans=config.prompt_embed_dim, qkv_bias=True, norm_layer=partial(torch.nn.LayerNorm, eps=1e-6),
-            use_rel_pos=True, window_size=config.window_size,
+            img_size=config.image_size,
+            patch_size=config.patch_size,
+            embed_dim=config.encoder_embed_dim,
+            depth=config.encoder_depth,
+            num_heads=config.encoder_num_heads,
+            mlp_ratio=config.mlp_ratio,
+            out_chans=config.prompt_embed_dim,
+            qkv_bias=True,
+            norm_layer=partial(torch.nn.LayerNorm, eps=1e-6),
+            use_rel_pos=True,
+            window_size=config.window_size,
             global_attn_indexes=config.encoder_global_attn_indexes,
         ),
         prompt_encoder=PromptEncoder(
-            embed_dim=config.prompt_embed_dim, image_embedding_size=(grid, grid),
-            input_image_size=(config.image_size, config.image_size), mask_in_chans=config.mask_in_chans,
+            embed_dim=config.prompt_embed_dim,
+            image_embedding_size=(grid, grid),
+            input_image_size=(config.image_size, config.image_size),
+            mask_in_chans=config.mask_in_chans,
         ),
         mask_decoder=MaskDecoder(
             transformer_dim=config.prompt_embed_dim,
             transformer=TwoWayTransformer(
-                depth=config.decoder_depth, embedding_dim=config.prompt_embed_dim,
-                num_heads=config.decoder_num_heads, mlp_dim=config.decoder_mlp_dim,
+                depth=config.decoder_depth,
+                embedding_dim=config.prompt_embed_dim,
+                num_heads=config.decoder_num_heads,
+                mlp_dim=config.decoder_mlp_dim,
                 attention_downsample_rate=config.decoder_attn_downsample,
             ),
-            num_multimask_outputs=config.num_multimask_outputs, iou_head_depth=config.iou_head_depth,
+            num_multimask_outputs=config.num_multimask_outputs,
+            iou_head_depth=config.iou_head_depth,
             iou_head_hidden_dim=config.iou_head_hidden_dim,
         ),
     )

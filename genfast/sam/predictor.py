@@ -85,8 +85,7 @@ class SamPredictor:
         """Encode several HxWx3 uint8 images (any sizes) in one encoder call."""
         if len(images) == 0:
             raise UserError("set_images needs at least one image")
-        resized = [self._resize(image, image_format, i if len(images) > 1 else None)
-                   for i, image in enumerate(images)]
+        resized = [self._resize(image, image_format, i if len(images) > 1 else None) for i, image in enumerate(images)]
         self._encode(resized, [tuple(image.shape[:2]) for image in images])
 
     def set_torch_image(self, transformed_image: Tensor, original_image_size: Sequence[int]) -> None:
@@ -95,8 +94,10 @@ class SamPredictor:
         shape = tuple(transformed_image.shape)
         size = self.model.image_encoder.img_size
         if len(shape) != 4 or shape[0] != 1 or shape[1] != 3 or max(shape[2:]) != size:
-            raise UserError(f"set_torch_image expects a [1, 3, h, w] image whose long side is {size} "
-                            f"(resize it with predictor.transform.apply_image_torch); got shape {list(shape)}")
+            raise UserError(
+                f"set_torch_image expects a [1, 3, h, w] image whose long side is {size} "
+                f"(resize it with predictor.transform.apply_image_torch); got shape {list(shape)}"
+            )
         if len(original_image_size) != 2 or min(original_image_size) <= 0:
             raise UserError(f"original_image_size must be (H, W) with positive sides, got {original_image_size!r}")
         self._encode([transformed_image], [tuple(int(s) for s in original_image_size)])
@@ -144,10 +145,16 @@ class SamPredictor:
 
     # ---- prompts -----------------------------------------------------------------------------
 
-    def predict(self, point_coords: np.ndarray | None = None, point_labels: np.ndarray | None = None,
-                box: np.ndarray | None = None, mask_input: np.ndarray | None = None,
-                multimask_output: bool = True, return_logits: bool = False,
-                image_index: int | None = None) -> NumpyResult:
+    def predict(
+        self,
+        point_coords: np.ndarray | None = None,
+        point_labels: np.ndarray | None = None,
+        box: np.ndarray | None = None,
+        mask_input: np.ndarray | None = None,
+        multimask_output: bool = True,
+        return_logits: bool = False,
+        image_index: int | None = None,
+    ) -> NumpyResult:
         """Masks for one prompt on the set image.
 
         point_coords [N, 2] (x, y) pixels of the original image with point_labels [N] (1
@@ -161,8 +168,14 @@ class SamPredictor:
         out = self.predict_torch(*prompt, multimask_output, return_logits, image_index=index)
         return tuple(_to_numpy(t[0]) for t in out)
 
-    def _torch_prompt(self, index: int, point_coords: np.ndarray | None = None, point_labels: np.ndarray | None = None,
-                      box: np.ndarray | None = None, mask_input: np.ndarray | None = None) -> TorchPrompt:
+    def _torch_prompt(
+        self,
+        index: int,
+        point_coords: np.ndarray | None = None,
+        point_labels: np.ndarray | None = None,
+        box: np.ndarray | None = None,
+        mask_input: np.ndarray | None = None,
+    ) -> TorchPrompt:
         """predict's numpy prompt for image `index` as predict_torch's batch-of-one tensors."""
         original_size = self.original_sizes[index]
         coords = labels = boxes = masks = None
@@ -173,8 +186,9 @@ class SamPredictor:
             if coords_np.ndim != 2 or coords_np.shape[1] != 2:
                 raise UserError(f"point_coords must be [N, 2] (x, y) pixels, got shape {coords_np.shape}")
             if labels_np.shape != (coords_np.shape[0],):
-                raise UserError(f"point_labels must be [N] with N = {coords_np.shape[0]} points, "
-                                f"got shape {labels_np.shape}")
+                raise UserError(
+                    f"point_labels must be [N] with N = {coords_np.shape[0]} points, got shape {labels_np.shape}"
+                )
             coords_np = self.transform.apply_coords(coords_np, original_size)
             coords = torch.as_tensor(coords_np, dtype=torch.float32, device=self.device)[None]
             labels = torch.as_tensor(labels_np, dtype=torch.int32, device=self.device)[None]
@@ -188,26 +202,29 @@ class SamPredictor:
             mask_np = np.asarray(mask_input)
             expected = (1, *self.model.prompt_encoder.mask_input_size)
             if mask_np.shape != expected:
-                raise UserError(f"mask_input must be {list(expected)} low-res logits (one of a previous "
-                                f"call's low_res_masks, e.g. low_res[i:i+1]), got shape {list(mask_np.shape)}")
+                raise UserError(
+                    f"mask_input must be {list(expected)} low-res logits (one of a previous "
+                    f"call's low_res_masks, e.g. low_res[i:i+1]), got shape {list(mask_np.shape)}"
+                )
             masks = torch.as_tensor(mask_np, dtype=torch.float32, device=self.device)[None]
         return coords, labels, boxes, masks
 
     @torch.no_grad()
-    def predict_batch(self, prompts: Sequence[Mapping[str, Any]], multimask_output: bool = True,
-                      return_logits: bool = False) -> list[NumpyResult]:
+    def predict_batch(
+        self, prompts: Sequence[Mapping[str, Any]], multimask_output: bool = True, return_logits: bool = False
+    ) -> list[NumpyResult]:
         """`predict` for every set image: prompts[i] holds predict's prompt arguments
         (point_coords, point_labels, box, mask_input) for image i."""
         self._require_image()
         if len(prompts) != self.num_images:
-            raise UserError(f"predict_batch needs one prompt dict per set image: got {len(prompts)} "
-                            f"for {self.num_images} images")
+            raise UserError(
+                f"predict_batch needs one prompt dict per set image: got {len(prompts)} for {self.num_images} images"
+            )
         groups: dict[tuple, list[tuple[int, TorchPrompt]]] = {}
         for i, prompt in enumerate(prompts):
             unknown = set(prompt) - set(_PROMPT_KEYS)
             if unknown:
-                raise UserError(f"unknown prompt keys {sorted(unknown)} for image {i}; "
-                                f"use {', '.join(_PROMPT_KEYS)}")
+                raise UserError(f"unknown prompt keys {sorted(unknown)} for image {i}; use {', '.join(_PROMPT_KEYS)}")
             torch_prompt = self._torch_prompt(i, **prompt)
             shape = tuple(None if t is None else tuple(t.shape) for t in torch_prompt)
             groups.setdefault(shape, []).append((i, torch_prompt))
@@ -217,29 +234,42 @@ class SamPredictor:
             parts = [None if t[0] is None else torch.cat(t) for t in zip(*(p for _, p in members))]
             low_res, iou = self._decode(indices, *parts, multimask_output)
             for row, i in enumerate(indices):
-                masks = self._postprocess(low_res[row:row + 1], i, return_logits)
+                masks = self._postprocess(low_res[row : row + 1], i, return_logits)
                 results[i] = (_to_numpy(masks[0]), _to_numpy(iou[row]), _to_numpy(low_res[row]))
         return results
 
     @torch.no_grad()
-    def predict_torch(self, point_coords: Tensor | None, point_labels: Tensor | None,
-                      boxes: Tensor | None = None, mask_input: Tensor | None = None,
-                      multimask_output: bool = True, return_logits: bool = False,
-                      image_index: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def predict_torch(
+        self,
+        point_coords: Tensor | None,
+        point_labels: Tensor | None,
+        boxes: Tensor | None = None,
+        mask_input: Tensor | None = None,
+        multimask_output: bool = True,
+        return_logits: bool = False,
+        image_index: int | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Masks for B prompts on the set image, prompts already in the resized frame.
 
         point_coords [B, N, 2] with point_labels [B, N]; boxes [B, 4]; mask_input [B, 1, 256, 256].
         Returns masks [B, C, H, W] (bool, or logits), IoU predictions [B, C] and low-res logits
         [B, C, 256, 256].
         """
-        low_res, iou = self.predict_low_res_torch(point_coords, point_labels, boxes, mask_input, multimask_output,
-                                                  image_index)
+        low_res, iou = self.predict_low_res_torch(
+            point_coords, point_labels, boxes, mask_input, multimask_output, image_index
+        )
         return self.upscale_masks(low_res, image_index, return_logits), iou, low_res
 
     @torch.no_grad()
-    def predict_low_res_torch(self, point_coords: Tensor | None, point_labels: Tensor | None,
-                              boxes: Tensor | None = None, mask_input: Tensor | None = None,
-                              multimask_output: bool = True, image_index: int | None = None) -> tuple[Tensor, Tensor]:
+    def predict_low_res_torch(
+        self,
+        point_coords: Tensor | None,
+        point_labels: Tensor | None,
+        boxes: Tensor | None = None,
+        mask_input: Tensor | None = None,
+        multimask_output: bool = True,
+        image_index: int | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """predict_torch without the upscaling: low-res logits [B, C, 256, 256] and IoU predictions
         [B, C] (e.g. to filter by IoU before paying for full-resolution masks: upscale_masks)."""
         index = self._image_index(image_index)
@@ -251,8 +281,15 @@ class SamPredictor:
         or logits with return_logits). Each mask is upscaled on its own."""
         return self._postprocess(low_res, self._image_index(image_index), return_logits)
 
-    def _decode(self, image_indices: list[int], point_coords: Tensor | None, point_labels: Tensor | None,
-                boxes: Tensor | None, mask_input: Tensor | None, multimask_output: bool) -> tuple[Tensor, Tensor]:
+    def _decode(
+        self,
+        image_indices: list[int],
+        point_coords: Tensor | None,
+        point_labels: Tensor | None,
+        boxes: Tensor | None,
+        mask_input: Tensor | None,
+        multimask_output: bool,
+    ) -> tuple[Tensor, Tensor]:
         """Low-res masks and IoUs for a batch of prompts; prompt p reads image image_indices[p]'s
         embedding (one index: all prompts share it)."""
         encoder = self.model.prompt_encoder
@@ -261,7 +298,7 @@ class SamPredictor:
             mask_input = mask_input.to(self.features.dtype)  # the mask downscaler runs in the model's dtype
         sparse, dense = encoder(points, boxes, mask_input)
         if len(image_indices) == 1:
-            features = self.features[image_indices[0]:image_indices[0] + 1]
+            features = self.features[image_indices[0] : image_indices[0] + 1]
         else:  # one device index tensor, copied without waiting for the GPU: no per-prompt slicing
             index = torch.tensor(image_indices)
             if self.device.type == "cuda":
@@ -273,8 +310,9 @@ class SamPredictor:
         masks = self.model.postprocess_masks(low_res, self.input_sizes[index], self.original_sizes[index])
         return masks if return_logits else masks > self.model.mask_threshold
 
-    def _check_torch_prompts(self, coords: Tensor | None, labels: Tensor | None, boxes: Tensor | None,
-                             mask_input: Tensor | None) -> None:
+    def _check_torch_prompts(
+        self, coords: Tensor | None, labels: Tensor | None, boxes: Tensor | None, mask_input: Tensor | None
+    ) -> None:
         """Shape checks only: reading values would make the host wait for the device."""
         sizes = {}
         if (coords is None) != (labels is None):
@@ -283,8 +321,10 @@ class SamPredictor:
             if coords.dim() != 3 or coords.shape[2] != 2:
                 raise UserError(f"point_coords must be [B, N, 2], got shape {list(coords.shape)}")
             if tuple(labels.shape) != tuple(coords.shape[:2]):
-                raise UserError(f"point_labels must be [B, N] = {list(coords.shape[:2])} to match "
-                                f"point_coords, got shape {list(labels.shape)}")
+                raise UserError(
+                    f"point_labels must be [B, N] = {list(coords.shape[:2])} to match "
+                    f"point_coords, got shape {list(labels.shape)}"
+                )
             sizes["point_coords"] = coords.shape[0]
         if boxes is not None:
             if boxes.dim() != 2 or boxes.shape[1] != 4:
@@ -293,8 +333,9 @@ class SamPredictor:
         if mask_input is not None:
             expected = (1, *self.model.prompt_encoder.mask_input_size)
             if mask_input.dim() != 4 or tuple(mask_input.shape[1:]) != expected:
-                raise UserError(f"mask_input must be [B, {', '.join(map(str, expected))}], "
-                                f"got shape {list(mask_input.shape)}")
+                raise UserError(
+                    f"mask_input must be [B, {', '.join(map(str, expected))}], got shape {list(mask_input.shape)}"
+                )
             sizes["mask_input"] = mask_input.shape[0]
         if len(set(sizes.values())) > 1:
             raise UserError(f"prompt batch sizes differ: {sizes}; every prompt tensor needs the same B")
@@ -308,8 +349,10 @@ def check_image(image: Any, what: str = "image", channels: str = "RGB") -> None:
     if image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
         raise UserError(f"{what} must be HxWx3 (height, width, {channels} channels), got shape {image.shape}")
     if image.dtype != np.uint8:
-        raise UserError(f"{what} must be uint8 with values 0-255, got {image.dtype}; "
-                        "convert it, e.g. (image * 255).round().astype(np.uint8) for 0-1 floats")
+        raise UserError(
+            f"{what} must be uint8 with values 0-255, got {image.dtype}; "
+            "convert it, e.g. (image * 255).round().astype(np.uint8) for 0-1 floats"
+        )
 
 
 def _to_numpy(t: Tensor) -> np.ndarray:

@@ -10,6 +10,7 @@ request, which frees its slot at the next decode step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -49,14 +50,12 @@ class _Bridge:
     def __call__(self, event: Event) -> None:  # called on the engine thread
         if self.only_final and isinstance(event, Delta):
             return
-        try:
+        # RuntimeError: the loop is closed (server gone): nobody is waiting for this event.
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the loop is closed (server gone): nobody is waiting for this event
-            pass
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None,
-               shutdown_timeout: float = 0.0) -> FastAPI:
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, shutdown_timeout: float = 0.0) -> FastAPI:
     """An app serving `engine` as `model_name`; with `api_key`, /v1/* needs `Authorization: Bearer KEY`.
 
     The engine must be started (and warmed up) by the caller; the app shuts it down when the
@@ -77,8 +76,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
             return
         given = request.headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -91,8 +89,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception) -> JSONResponse:  # a bug; uvicorn logs the traceback
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", "server_error").body(),
-                            status_code=500)
+        return JSONResponse(
+            APIError(500, f"internal error: {type(e).__name__}", "server_error").body(), status_code=500
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405, ...
@@ -108,8 +107,18 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "genfast", "max_model_len": engine.max_seq_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "genfast",
+                    "max_model_len": engine.max_seq_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)], response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
@@ -128,14 +137,20 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
 
     def check_model(body: GenerationBody) -> None:
         if body.model != model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
-                           code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                code="model_not_found",
+                param="model",
+            )
 
-    async def serve(body: GenerationBody, ids: list[int], max_tokens: int, header: ResponseHeader,
-                    request: Request) -> JSONResponse | StreamingResponse:
+    async def serve(
+        body: GenerationBody, ids: list[int], max_tokens: int, header: ResponseHeader, request: Request
+    ) -> JSONResponse | StreamingResponse:
         check_model(body)
-        gen = GenerationRequest(tuple(ids), max_tokens, SamplingParams(body.temperature, top_p=body.top_p),
-                                body.stop_strings, body.seed)
+        gen = GenerationRequest(
+            tuple(ids), max_tokens, SamplingParams(body.temperature, top_p=body.top_p), body.stop_strings, body.seed
+        )
         bridge = _Bridge(only_final=not body.stream)
         try:
             ticket = engine.submit(gen, bridge)
@@ -147,8 +162,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
             raise APIError(503, str(e), "server_error", code="shutting_down") from e
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_sse(ticket, bridge, header, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                _sse(ticket, bridge, header, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         finished = await _wait(ticket, bridge, request)
         if finished.finish_reason == "error":
             raise APIError(500, f"generation failed: {finished.error}", "server_error")
@@ -211,7 +229,9 @@ def _validation_error(e: RequestValidationError) -> APIError:
     for err in e.errors():
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
-            return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}".rstrip(": "))
+            return APIError(
+                400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}".rstrip(": ")
+            )
         field = ".".join(loc)
         param = param or field or None
         messages.append(f"{field}: {err.get('msg')}" if field else str(err.get("msg")))

@@ -24,8 +24,9 @@ def require_serve_extra() -> None:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise UserError(f"`genfast serve` needs FastAPI and uvicorn ({e.name} is missing): "
-                        "pip install 'genfast[serve]'") from e
+        raise UserError(
+            f"`genfast serve` needs FastAPI and uvicorn ({e.name} is missing): pip install 'genfast[serve]'"
+        ) from e
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -49,25 +50,36 @@ def serve_command(args: argparse.Namespace) -> int:
         # Ctrl-C and SIGTERM reach every rank, and a follower that died first would cut them off.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    loaded = load_announced(args)
-    engine = Engine(loaded.model, loaded.tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
-                    max_seq_len=args.max_seq_len, compile=args.compile)
+    loaded, settings = load_announced(args)
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_seq_len=args.max_seq_len,
+        compile=settings.compile,
+    )
     if not is_main_rank():
         engine.follow()
         return 0
     engine.start()
     api_key = args.api_key or os.environ.get("GENFAST_API_KEY") or None
     if args.host not in LOCAL_HOSTS and api_key is None:
-        _log(f"genfast: warning: serving on {args.host} without an API key: anyone who can reach it can use it "
-             "(set --api-key or GENFAST_API_KEY)")
-    if args.compile:
+        _log(
+            f"genfast: warning: serving on {args.host} without an API key: anyone who can reach it can use it "
+            "(set --api-key or GENFAST_API_KEY)"
+        )
+    if settings.compile:
         _log("genfast: compiling prefill and decode (fast after the first run: the result is cached)...")
     warmup_s = engine.warmup()
-    _log(f"genfast: ready in {warmup_s:.1f} s: {args.max_batch} slots of {engine.max_seq_len} tokens, "
-         f"queue of {args.max_queue}")
+    _log(
+        f"genfast: ready in {warmup_s:.1f} s: {args.max_batch} slots of {engine.max_seq_len} tokens, "
+        f"queue of {args.max_queue}"
+    )
     app = create_app(engine, served_model_name(args), api_key, args.shutdown_timeout)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout
+    )
     try:
         uvicorn.Server(config).run()
     finally:  # also when uvicorn could not start (port taken): tensor-parallel followers must stop too

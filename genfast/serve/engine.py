@@ -155,8 +155,16 @@ class Engine:
     (back-pressure: memory stays bounded however many clients connect).
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, max_batch: int = 8, max_queue: int = 64,
-                 max_seq_len: int | None = None, compile: bool = True) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        max_seq_len: int | None = None,
+        compile: bool = True,
+    ) -> None:
         if max_batch < 1 or max_queue < 0:
             raise UserError(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
         self.model, self.tokenizer = model, tokenizer
@@ -245,8 +253,9 @@ class Engine:
                 raise EngineStopped("the server is shutting down")
             waiting = len(self._pending) - self._slots.count(None)  # those not about to get a slot
             if waiting >= self.max_queue:
-                raise QueueFull(f"all {self.max_batch} slots are busy and {len(self._pending)} requests are "
-                                "waiting; retry later")
+                raise QueueFull(
+                    f"all {self.max_batch} slots are busy and {len(self._pending)} requests are waiting; retry later"
+                )
             ticket = Ticket(self, request, sink, next(self._ids))
             self._pending.append(ticket)
             self._cond.notify_all()
@@ -262,7 +271,8 @@ class Engine:
             raise UserError(
                 f"this model's context holds {self.max_seq_len} tokens, but {n + request.max_tokens} were "
                 f"requested ({n} in the prompt, {request.max_tokens} to generate); shorten the prompt or "
-                "lower max_tokens")
+                "lower max_tokens"
+            )
         vocab = self.model.args.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise UserError(f"prompt token ids must be in [0, {vocab})")
@@ -298,8 +308,15 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._cond:
             active = sum(s is not None for s in self._slots)
-            return EngineStats(self.max_batch, active, len(self._pending), self.decode_steps,
-                               self.generated_tokens, self.cancelled, self.max_seq_len)
+            return EngineStats(
+                self.max_batch,
+                active,
+                len(self._pending),
+                self.decode_steps,
+                self.generated_tokens,
+                self.cancelled,
+                self.max_seq_len,
+            )
 
     def shutdown(self, timeout: float = 0.0) -> None:
         """Take no new requests; let running and queued ones finish for up to `timeout` seconds,
@@ -419,7 +436,7 @@ class Engine:
         tokens = logits.argmax(dim=-1)
         for i, seq in enumerate(seqs):
             if seq is not None and not seq.ticket.request.params.greedy:
-                row = probabilities(logits[i:i + 1], seq.ticket.request.params)
+                row = probabilities(logits[i : i + 1], seq.ticket.request.params)
                 tokens[i] = draw(row, seq.generator)[0]
         return tokens.tolist()
 
@@ -463,5 +480,8 @@ class Engine:
             for slot, seq in enumerate(self._slots):
                 if seq is not None:
                     self._slots[slot] = None
-                    seq.ticket.sink(Finished(seq.stream.text, seq.generated, "error",
-                                             len(seq.ticket.request.prompt_ids), error=message))
+                    seq.ticket.sink(
+                        Finished(
+                            seq.stream.text, seq.generated, "error", len(seq.ticket.request.prompt_ids), error=message
+                        )
+                    )

@@ -23,8 +23,14 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "err
 class APIError(Exception):
     """An error answered as OpenAI does: HTTP status + {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
 
@@ -42,9 +48,17 @@ class StreamOptions(_Body):
 
 # Fields of OpenAI's API that genfast accepts only at these neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -93,8 +107,9 @@ class CompletionRequest(GenerationBody):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
             if len(p) != 1:
-                raise APIError(400, f"prompt holds {len(p)} prompts; genfast serve takes one prompt per request",
-                               param="prompt")
+                raise APIError(
+                    400, f"prompt holds {len(p)} prompts; genfast serve takes one prompt per request", param="prompt"
+                )
             return p[0]
         return p
 
@@ -139,8 +154,11 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, finished: Finished) -> Usage:
-        return cls(prompt_tokens=finished.prompt_tokens, completion_tokens=finished.completion_tokens,
-                   total_tokens=finished.prompt_tokens + finished.completion_tokens)
+        return cls(
+            prompt_tokens=finished.prompt_tokens,
+            completion_tokens=finished.completion_tokens,
+            total_tokens=finished.prompt_tokens + finished.completion_tokens,
+        )
 
 
 class ResponseHeader:
@@ -152,8 +170,13 @@ class ResponseHeader:
         self.created = int(time.time())
 
     def _object(self, object_name: str, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                                "choices": choices}
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if usage is not None:
             body["usage"] = usage.model_dump()
         return body
@@ -164,8 +187,12 @@ class ResponseHeader:
         if self.kind == "completion":
             choice = {"index": 0, "text": finished.text, "logprobs": None, "finish_reason": reason}
             return self._object("text_completion", [choice], Usage.of(finished))
-        choice = {"index": 0, "message": {"role": "assistant", "content": finished.text}, "logprobs": None,
-                  "finish_reason": reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": finished.text},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
         return self._object("chat.completion", [choice], Usage.of(finished))
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
@@ -182,5 +209,6 @@ class ResponseHeader:
 
     def usage_chunk(self, finished: Finished) -> dict[str, Any]:
         """The extra last chunk sent with stream_options.include_usage (no choices, as OpenAI)."""
-        return self._object("text_completion" if self.kind == "completion" else "chat.completion.chunk", [],
-                            Usage.of(finished))
+        return self._object(
+            "text_completion" if self.kind == "completion" else "chat.completion.chunk", [], Usage.of(finished)
+        )

@@ -12,8 +12,26 @@ from genfast import cli
 
 def test_bench_diffusion_writes_the_ladder(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    code = cli.main(["bench", "diffusion", "--arch", "tiny-sd15", "--size", "32", "--steps", "2", "--repeats", "1",
-                     "--only", "baseline,bf16,sdpa", "--dtype", "bfloat16", "--json", str(out)])
+    code = cli.main(
+        [
+            "bench",
+            "diffusion",
+            "--arch",
+            "tiny-sd15",
+            "--size",
+            "32",
+            "--denoising-steps",
+            "2",
+            "--repeats",
+            "1",
+            "--steps",
+            "baseline,bf16,sdpa",
+            "--dtype",
+            "bfloat16",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = {row["step"]: row for row in json.loads(out.read_text())}
     assert list(rows) == ["baseline", "bf16", "sdpa"]
@@ -28,28 +46,65 @@ def test_bench_diffusion_writes_the_ladder(tmp_path, capsys):
 
 def test_the_bf16_row_says_why_it_is_left_out(tmp_path):
     """--dtype auto on a CPU that emulates bf16 (or --dtype float32): the row is skipped with the
-    reason, and the later steps compute in fp32 (recipe_for_step(step, None))."""
-    from genfast.diffusion.bench import run_step
+    reason, and the later steps compute in fp32."""
+    from genfast.bench.ladder import measure_row
 
-    row = run_step("bf16", "tiny-sd15", 32, 1, 1, torch.device("cpu"), tmp_path, low_precision=None)
+    row = measure_row(
+        {
+            "ladder": "genfast.diffusion.bench:DiffusionLadder",
+            "row": {"step": "bf16", "group": {}},
+            "options": {
+                "device": "cpu",
+                "dtype": "float32",
+                "repeats": 1,
+                "threads": None,
+                "arch": "tiny-sd15",
+                "size": 32,
+                "denoising_steps": 1,
+            },
+            "workdir": str(tmp_path),
+        }
+    )
     assert row["note"].startswith("skipped:") and "fp32" in row["note"] and "s_per_image" not in row
 
 
 @pytest.mark.slow
 def test_bench_dynamic_shapes_row_reports_no_recompile_at_a_new_size(tmp_path):
     out = tmp_path / "rows.json"
-    assert cli.main(["bench", "diffusion", "--arch", "tiny-sd15", "--size", "128", "--steps", "1", "--repeats", "1",
-                     "--only", "dynamic-shapes", "--json", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "diffusion",
+                "--arch",
+                "tiny-sd15",
+                "--size",
+                "128",
+                "--denoising-steps",
+                "1",
+                "--repeats",
+                "1",
+                "--steps",
+                "dynamic-shapes",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(out.read_text())
     assert row["step"] == "dynamic-shapes" and row["compile_s"] > 0
     assert row["new_size_graphs"] == 0  # 64x64 after 128x128: the graphs were reused
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--arch", "sd3"], "unknown --arch"),
-    (["--arch", "tiny-sd15", "--size", "30"], "multiple of 8"),
-    (["--arch", "tiny-sd15", "--only", "baseline,warp"], "unknown step"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--arch", "sd3"], "unknown --arch"),
+        (["--arch", "tiny-sd15", "--size", "30"], "multiple of 8"),
+        (["--arch", "tiny-sd15", "--steps", "baseline,warp"], "unknown step"),
+    ],
+)
 def test_bench_diffusion_user_errors(argv, message, capsys):
     assert cli.main(["bench", "diffusion", *argv]) == 2
     assert message in capsys.readouterr().err

@@ -8,7 +8,7 @@ from PIL import Image
 
 from genfast import cli
 
-SMOKE = ["--model", "tiny-sd15", "--random-weights", "--size", "32x32", "--steps", "2", "--seed", "3"]
+SMOKE = ["--model", "tiny-sd15", "--random-weights", "--size", "32x32", "--denoising-steps", "2", "--seed", "3"]
 
 
 def test_imagine_writes_a_labelled_png_reproducibly(tmp_path, capsys):
@@ -40,17 +40,43 @@ def test_imagine_loads_a_pipeline_directory(tmp_path, capsys):
     import torch
 
     from genfast.diffusion.pipelines import call_kwargs, tiny_pipeline
-    from genfast.diffusion.recipe import apply_recipe, recipe_for_step
+    from genfast.diffusion.recipe import DiffusionSettings, apply_recipe
 
     pipe = tiny_pipeline("pixart")
     pipe.save_pretrained(tmp_path / "pixart")
-    apply_recipe(pipe, recipe_for_step("baseline"))
+    apply_recipe(pipe, DiffusionSettings())
     out = tmp_path / "out.png"
-    assert cli.main(["imagine", "a red square", "--model", str(tmp_path / "pixart"), "--size", "48x32",
-                     "--steps", "2", "--seed", "5", "--recipe", "baseline", "-o", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "imagine",
+                "a red square",
+                "--model",
+                str(tmp_path / "pixart"),
+                "--size",
+                "48x32",
+                "--denoising-steps",
+                "2",
+                "--seed",
+                "5",
+                "--recipe",
+                "baseline",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "RANDOM" not in capsys.readouterr().err
-    expected = pipe("a red square", height=32, width=48, num_inference_steps=2, guidance_scale=7.5,
-                    generator=torch.Generator().manual_seed(5), **call_kwargs(pipe)).images[0]
+    expected = pipe(
+        "a red square",
+        height=32,
+        width=48,
+        num_inference_steps=2,
+        guidance_scale=7.5,
+        generator=torch.Generator().manual_seed(5),
+        **call_kwargs(pipe),
+    ).images[0]
     with Image.open(out) as img:
         assert img.size == (48, 32) and img.text["genfast:random-weights"] == "false"
         assert np.array_equal(np.asarray(img), np.asarray(expected))
@@ -58,18 +84,41 @@ def test_imagine_loads_a_pipeline_directory(tmp_path, capsys):
 
 def test_imagine_says_the_dtype_its_recipe_computes_in(tmp_path, capsys):
     out = tmp_path / "out.png"
-    assert cli.main(["imagine", "x", "--model", "tiny-sd15", "--random-weights", "--size", "32x32", "--steps", "1",
-                     "--recipe", "sdpa", "--dtype", "float32", "-o", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "imagine",
+                "x",
+                "--model",
+                "tiny-sd15",
+                "--random-weights",
+                "--size",
+                "32x32",
+                "--denoising-steps",
+                "1",
+                "--recipe",
+                "sdpa",
+                "--dtype",
+                "float32",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "recipe sdpa in float32" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "tiny-sd15", "--random-weights", "--size", "32x"], "WIDTHxHEIGHT"),
-    (["--model", "tiny-sd15", "--random-weights", "--size", "30x32"], "multiples of 8"),
-    (["--model", "sd15", "--random-weights"], "--random-weights builds one of"),
-    (["--model", "tiny-sd15"], "only with random weights"),
-    (["--model", "./no/such/pipeline"], "is not a directory"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "tiny-sd15", "--random-weights", "--size", "32x"], "WIDTHxHEIGHT"),
+        (["--model", "tiny-sd15", "--random-weights", "--size", "30x32"], "multiples of 8"),
+        (["--model", "sd15", "--random-weights"], "--random-weights builds one of"),
+        (["--model", "tiny-sd15"], "only with random weights"),
+        (["--model", "./no/such/pipeline"], "is not a directory"),
+    ],
+)
 def test_imagine_user_errors(argv, message, tmp_path, capsys):
     out = tmp_path / "out.png"
     assert cli.main(["imagine", "x", *argv, "-o", str(out)]) == 2
@@ -80,3 +129,30 @@ def test_imagine_rejects_a_directory_without_model_index(tmp_path, capsys):
     (tmp_path / "pipe").mkdir()
     assert cli.main(["imagine", "x", "--model", str(tmp_path / "pipe"), "-o", str(tmp_path / "o.png")]) == 2
     assert "model_index.json" in capsys.readouterr().err
+
+
+def test_a_recipe_step_the_pipeline_cannot_take_is_one_line(tmp_path, capsys):
+    """The feature cache needs a UNet: on a transformer (PixArt) pipeline it is refused without a traceback."""
+    out = tmp_path / "out.png"
+    assert (
+        cli.main(
+            [
+                "imagine",
+                "x",
+                "--model",
+                "tiny-pixart",
+                "--random-weights",
+                "--size",
+                "32x32",
+                "--denoising-steps",
+                "1",
+                "--recipe",
+                "feature-cache",
+                "-o",
+                str(out),
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "UNet2DConditionModel" in err and "Traceback" not in err and not out.exists()

@@ -10,12 +10,15 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from torch._dynamo.utils import counters  # noqa: E402
+from torch._dynamo.utils import counters
 
-from genfast.diffusion.compiling import compile_regions, repeated_blocks  # noqa: E402
-from genfast.diffusion.pipelines import call_kwargs, tiny_pipeline  # noqa: E402
-from genfast.diffusion.quality import psnr  # noqa: E402
-from genfast.diffusion.recipe import DiffusionRecipe, apply_recipe, recipe_for_step  # noqa: E402
+from genfast.diffusion.compiling import compile_regions, repeated_blocks
+from genfast.diffusion.pipelines import call_kwargs, tiny_pipeline
+from genfast.diffusion.quality import psnr
+from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe
+from genfast.recipe import Target
+
+CPU_BF16 = Target(torch.device("cpu"), "bfloat16")
 
 COMPILED_FP32 = 1e-4  # max abs pixel difference of compiled vs eager fp32
 COMPILED_BF16_PSNR = 35.0  # dB, compiled vs eager bf16 (the recipe's bf16 budget)
@@ -23,15 +26,22 @@ COMPILED_BF16_PSNR = 35.0  # dB, compiled vs eager bf16 (the recipe's bf16 budge
 
 def generate(pipe, size: int | tuple[int, int]) -> torch.Tensor:
     height, width = size if isinstance(size, tuple) else (size, size)
-    return pipe("a red cat", num_inference_steps=2, height=height, width=width, **call_kwargs(pipe),
-                generator=torch.Generator().manual_seed(0), output_type="pt").images.float()
+    return pipe(
+        "a red cat",
+        num_inference_steps=2,
+        height=height,
+        width=width,
+        **call_kwargs(pipe),
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+    ).images.float()
 
 
 @pytest.mark.slow
 def test_full_compile_no_graph_break_no_recompile():
     """Denoiser + VAE decoder compiled whole (fullgraph: a graph break raises): two graphs, reused
     by a second call."""
-    recipe = replace(recipe_for_step("compile"), dtype=torch.float32)
+    recipe = replace(RECIPE.plan("compile", CPU_BF16).settings, dtype="float32")
     eager = apply_recipe(tiny_pipeline("sd15"), replace(recipe, compile="none"))
     pipe = apply_recipe(tiny_pipeline("sd15"), recipe)
     graphs = counters["stats"]["unique_graphs"]
@@ -46,7 +56,7 @@ def test_full_compile_no_graph_break_no_recompile():
 def test_regional_compile_matches_eager():
     """Repeated blocks (transformer and residual) compiled one by one: one graph per distinct
     block shape, shared by the blocks of that shape, not one per block."""
-    pipe = apply_recipe(tiny_pipeline("sdxl"), DiffusionRecipe(attention="sdpa"))
+    pipe = apply_recipe(tiny_pipeline("sdxl"), DiffusionSettings(attention="sdpa"))
     unet = pipe.unet
     torch.manual_seed(0)
     sample = torch.randn(2, 4, 16, 16)
@@ -74,7 +84,7 @@ def test_dynamic_shapes_reuse_graphs_at_new_sizes(arch):
     resolutions add no graph after the first call, and each matches the eager recipe at that size.
     (bf16, as the recipe runs: in fp32, ATen picks its native convolution over oneDNN for batch-1
     inputs under 20480 elements, a size guard that recompiles once when a size crosses it.)"""
-    recipe = replace(recipe_for_step("dynamic-shapes"), dynamic_int8=False)
+    recipe = replace(RECIPE.plan("dynamic-shapes", CPU_BF16).settings, dynamic_int8=False)
     eager = apply_recipe(tiny_pipeline(arch), replace(recipe, compile="none", dynamic_shapes=False))
     pipe = apply_recipe(tiny_pipeline(arch), recipe)
     generate(pipe, (128, 128))  # latents 16x16; then 20x12 (not square: no duck sizing) and 12x12

@@ -29,8 +29,9 @@ def reference(gn: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
 
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch,groups,channels,hw", [(2, 16, 32, (8, 8)), (1, 32, 320, (13, 7)),
-                                                      (2, 32, 128, (37, 37)), (1, 4, 80, (1, 3))])
+@pytest.mark.parametrize(
+    "batch,groups,channels,hw", [(2, 16, 32, (8, 8)), (1, 32, 320, (13, 7)), (2, 32, 128, (37, 37)), (1, 4, 80, (1, 3))]
+)
 def test_native_matches_float64_as_well_as_aten(dtype, batch, groups, channels, hw):
     torch.manual_seed(0)
     gn = norm(groups, channels, dtype)
@@ -45,14 +46,16 @@ def test_native_matches_float64_as_well_as_aten(dtype, batch, groups, channels, 
     if dtype == torch.float32:
         assert ours <= 1e-4
     else:  # bf16 output: within one rounding of the exact value, as ATen's
-        assert ours <= max(aten, want.abs().max().item() * 2 ** -8) * 1.01
+        assert ours <= max(aten, want.abs().max().item() * 2**-8) * 1.01
 
 
 def test_fallbacks_are_aten_exactly():
     """Contiguous (NCHW) inputs, channels not a multiple of 16 and non-affine norms take F.group_norm."""
     torch.manual_seed(0)
-    for gn, x in [(norm(4, 32, torch.float32), torch.randn(2, 32, 5, 5)),
-                  (norm(3, 24, torch.float32), torch.randn(1, 24, 5, 5).to(memory_format=torch.channels_last))]:
+    for gn, x in [
+        (norm(4, 32, torch.float32), torch.randn(2, 32, 5, 5)),
+        (norm(3, 24, torch.float32), torch.randn(1, 24, 5, 5).to(memory_format=torch.channels_last)),
+    ]:
         assert torch.equal(ChannelsLastGroupNorm(gn)(x), gn(x))
 
 

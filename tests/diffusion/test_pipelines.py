@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-from genfast.diffusion.pipelines import load_pipeline  # noqa: E402
-from genfast.errors import UserError  # noqa: E402
+from genfast.diffusion.pipelines import load_pipeline
+from genfast.errors import UserError
 
 
 def test_missing_directory(tmp_path):
@@ -16,11 +16,13 @@ def test_missing_directory(tmp_path):
 
 
 def test_directory_without_model_index(tmp_path):
-    with pytest.raises(UserError, match="no model_index.json"):
+    with pytest.raises(UserError, match=r"no model_index\.json"):
         load_pipeline(str(tmp_path))
 
 
 def test_broken_pipeline_directory(tmp_path):
-    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}')
+    (tmp_path / "model_index.json").write_text(
+        '{"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}'
+    )
     with pytest.raises(UserError, match="could not load a diffusers pipeline"):
         load_pipeline(str(tmp_path))

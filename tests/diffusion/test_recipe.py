@@ -10,18 +10,19 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from genfast.diffusion.attention import fuse_qkv, unfuse_qkv  # noqa: E402
-from genfast.diffusion.compiling import repeated_blocks  # noqa: E402
-from genfast.diffusion.conv1x1 import Conv1x1AsLinear, conv1x1_to_linear, linears_to_conv1x1  # noqa: E402
-from genfast.diffusion.feature_cache import DeepCacheUNet  # noqa: E402
-from genfast.diffusion.group_norm import ChannelsLastGroupNorm  # noqa: E402
-from genfast.diffusion.group_norm import unavailable_reason as group_norm_unavailable  # noqa: E402
-from genfast.diffusion.pipelines import denoiser_of, call_kwargs, tiny_pipeline  # noqa: E402
-from genfast.diffusion.quality import psnr  # noqa: E402
-from genfast.diffusion.recipe import (  # noqa: E402
-    DIFFUSION_STEPS, DiffusionRecipe, apply_recipe, int8_conv_keep, int8_keep, recipe_for_step)
-from genfast.quant.conv import DynamicInt8Conv2d  # noqa: E402
-from genfast.quant.linear import QuantLinear  # noqa: E402
+from genfast.diffusion.attention import fuse_qkv, unfuse_qkv
+from genfast.diffusion.compiling import repeated_blocks
+from genfast.diffusion.conv1x1 import Conv1x1AsLinear, conv1x1_to_linear, linears_to_conv1x1
+from genfast.diffusion.feature_cache import DeepCacheUNet
+from genfast.diffusion.group_norm import ChannelsLastGroupNorm
+from genfast.diffusion.group_norm import unavailable_reason as group_norm_unavailable
+from genfast.diffusion.pipelines import call_kwargs, denoiser_of, tiny_pipeline
+from genfast.diffusion.quality import psnr
+from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe
+from genfast.errors import UserError
+from genfast.quant.conv import DynamicInt8Conv2d, fewer_channels_than
+from genfast.quant.linear import QuantLinear, narrower_than
+from genfast.recipe import Target
 
 FP32_EXACT = 1e-4  # max abs pixel difference (images in [0, 1]) for the fp32 rewrites
 BF16_PSNR = 35.0  # dB; tiny models measure ~48-50
@@ -30,13 +31,24 @@ CACHE_PSNR = 30.0  # dB vs the same recipe uncached; measured ~50
 
 
 def generate(pipe, size: int = 32, steps: int = 4) -> torch.Tensor:
-    return pipe("a red cat", num_inference_steps=steps, height=size, width=size, **call_kwargs(pipe),
-                generator=torch.Generator().manual_seed(0), output_type="pt").images.float()
+    return pipe(
+        "a red cat",
+        num_inference_steps=steps,
+        height=size,
+        width=size,
+        **call_kwargs(pipe),
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+    ).images.float()
 
 
-def eager(step: str, **changes) -> DiffusionRecipe:
+def settings_for(step: str, dtype: str = "bfloat16") -> DiffusionSettings:
+    return RECIPE.plan(step, Target(torch.device("cpu"), dtype)).settings
+
+
+def eager(step: str, **changes) -> DiffusionSettings:
     """The cumulative recipe of `step` without compiling (compiles are tested apart: they are slow)."""
-    return replace(recipe_for_step(step), compile="none", dynamic_shapes=False, **changes)
+    return replace(settings_for(step), compile="none", dynamic_shapes=False, **changes)
 
 
 @pytest.fixture(scope="module", params=["sd15", "sdxl", "pixart"])
@@ -53,23 +65,23 @@ def unet_arch(arch):
 
 @pytest.fixture(scope="module")
 def baseline(arch):
-    return generate(apply_recipe(tiny_pipeline(arch), recipe_for_step("baseline")))
+    return generate(apply_recipe(tiny_pipeline(arch), settings_for("baseline")))
 
 
 def test_ladder_is_cumulative():
-    assert recipe_for_step("baseline") == DiffusionRecipe()
-    full = recipe_for_step("feature-cache")
-    assert (full.dtype, full.attention, full.compile) == (torch.bfloat16, "sdpa", "regional")
+    assert settings_for("baseline") == DiffusionSettings()
+    full = settings_for("feature-cache")
+    assert (full.dtype, full.attention, full.compile) == ("bfloat16", "sdpa", "regional")
     assert full.channels_last and full.fuse_qkv and full.conv1x1_linear and full.dynamic_int8
-    assert full.dynamic_shapes and not recipe_for_step("regional-compile").dynamic_shapes
-    assert recipe_for_step("compile").compile == "full" and not recipe_for_step("compile").dynamic_int8
-    with pytest.raises(ValueError, match="unknown diffusion step"):
-        recipe_for_step("turbo")
+    assert full.dynamic_shapes and not settings_for("regional-compile").dynamic_shapes
+    assert settings_for("compile").compile == "full" and not settings_for("compile").dynamic_int8
+    with pytest.raises(UserError, match="unknown step 'turbo' of the diffusion recipe"):
+        settings_for("turbo")
 
 
-@pytest.mark.parametrize("step", ["sdpa", "channels_last", "fused-qkv", "conv1x1-linear"])
+@pytest.mark.parametrize("step", ["sdpa", "channels-last", "fused-qkv", "conv1x1-linear"])
 def test_fp32_rewrites_are_exact(arch, baseline, step):
-    image = generate(apply_recipe(tiny_pipeline(arch), eager(step, dtype=torch.float32)))
+    image = generate(apply_recipe(tiny_pipeline(arch), eager(step, dtype="float32")))
     assert (image - baseline).abs().max().item() <= FP32_EXACT
 
 
@@ -95,26 +107,38 @@ def test_int8_conv_within_budget(arch, baseline):
 
 
 def test_int8_conv_filter_is_a_shape_rule():
-    keep = int8_conv_keep(128)
+    keep = fewer_channels_than(128)
     assert keep("conv_in", torch.nn.Conv2d(4, 320, 3)) and not keep("any", torch.nn.Conv2d(128, 256, 3))
 
 
-def test_cpu_kernel_steps_are_skipped_with_a_warning_where_they_cannot_run(monkeypatch):
-    import genfast.diffusion.recipe as recipe_module
+def test_cpu_kernel_steps_follow_the_recipe_rule_where_they_cannot_run(monkeypatch):
+    """int8-conv and group-norm-kernel where their kernels are missing: left out of a longer recipe,
+    with the reason; refused when asked for by name, and when their settings are applied."""
+    import genfast.diffusion.group_norm as group_norm
+    import genfast.quant.conv as conv
 
-    monkeypatch.setattr(recipe_module, "int8_conv_unavailable_reason", lambda device: "no oneDNN here")
-    monkeypatch.setattr(recipe_module, "use_channels_last_group_norm", lambda model: 0)
-    with pytest.warns(UserWarning) as caught:
-        pipe = apply_recipe(tiny_pipeline("sd15"), eager("group-norm-kernel", int8_conv_min_channels=1))
-    assert {str(w.message).split(":")[0] for w in caught} == {"int8-conv skipped", "group-norm-kernel has no effect here"}
-    assert not any(isinstance(m, DynamicInt8Conv2d) for m in pipe.unet.modules())
+    monkeypatch.setattr(conv, "int8_conv_unavailable_reason", lambda device: "no oneDNN here")
+    monkeypatch.setattr(group_norm, "unavailable_reason", lambda: "no kernel here")
+    plan = RECIPE.plan("regional-compile", Target(torch.device("cpu"), "bfloat16"))
+    assert plan.skipped == (("int8-conv", "no oneDNN here"), ("group-norm-kernel", "no kernel here"))
+    assert not plan.settings.int8_conv and not plan.settings.group_norm_kernel and plan.settings.dynamic_int8
+    assert plan.messages() == [
+        "step int8-conv left out: no oneDNN here",
+        "step group-norm-kernel left out: no kernel here",
+    ]
+    with pytest.raises(UserError, match="step group-norm-kernel cannot run here: no kernel here"):
+        RECIPE.plan("group-norm-kernel", Target(torch.device("cpu"), "bfloat16"))
+    with pytest.raises(UserError, match="step int8-conv cannot run here: no oneDNN here"):
+        apply_recipe(tiny_pipeline("sd15"), DiffusionSettings(int8_conv=True))
 
 
 def test_group_norm_kernel_is_exact_in_fp32(arch, baseline):
-    pipe = apply_recipe(tiny_pipeline(arch), eager("group-norm-kernel", dtype=torch.float32, dynamic_int8=False,
-                                                   int8_conv=False))
-    norms = [m for model in (denoiser_of(pipe), pipe.vae) for m in model.modules()
-             if isinstance(m, ChannelsLastGroupNorm)]
+    pipe = apply_recipe(
+        tiny_pipeline(arch), eager("group-norm-kernel", dtype="float32", dynamic_int8=False, int8_conv=False)
+    )
+    norms = [
+        m for model in (denoiser_of(pipe), pipe.vae) for m in model.modules() if isinstance(m, ChannelsLastGroupNorm)
+    ]
     assert norms and all(type(m) is not torch.nn.GroupNorm for m in pipe.vae.modules())
     if group_norm_unavailable() is None:
         assert any(m.native for m in norms)
@@ -122,7 +146,7 @@ def test_group_norm_kernel_is_exact_in_fp32(arch, baseline):
 
 
 def test_int8_filter_is_a_shape_rule():
-    keep = int8_keep(320)
+    keep = narrower_than(320)
     assert keep("any", torch.nn.Linear(320, 64)) and not keep("any", torch.nn.Linear(320, 1280))
     pipe = apply_recipe(tiny_pipeline("sd15"), eager("dynamic-int8"))  # default threshold: all tiny layers kept
     assert not any(isinstance(m, QuantLinear) for m in pipe.unet.modules())
@@ -130,9 +154,11 @@ def test_int8_filter_is_a_shape_rule():
 
 def test_feature_cache(unet_arch, baseline):
     arch = unet_arch
-    uncached = generate(apply_recipe(tiny_pipeline(arch), eager("conv1x1-linear", dtype=torch.float32)))
-    pipe = apply_recipe(tiny_pipeline(arch), eager("feature-cache", dtype=torch.float32, dynamic_int8=False, int8_conv=False,
-                                                   group_norm_kernel=False))
+    uncached = generate(apply_recipe(tiny_pipeline(arch), eager("conv1x1-linear", dtype="float32")))
+    pipe = apply_recipe(
+        tiny_pipeline(arch),
+        eager("feature-cache", dtype="float32", dynamic_int8=False, int8_conv=False, group_norm_kernel=False),
+    )
     assert isinstance(pipe.unet, DeepCacheUNet)
     cached = generate(pipe)
     assert CACHE_PSNR <= psnr(cached, uncached) < 100  # close, but the cache did skip work
@@ -140,17 +166,25 @@ def test_feature_cache(unet_arch, baseline):
 
 
 def test_feature_cache_needs_a_unet():
-    with pytest.raises(ValueError, match="UNet2DConditionModel"):
+    with pytest.raises(UserError, match="UNet2DConditionModel"):
         apply_recipe(tiny_pipeline("pixart"), eager("feature-cache"))
 
 
 def test_feature_cache_interval_1_is_the_unet(unet_arch):
     """Every step full: the cache's re-implementation of the UNet forward is the UNet's, bit for bit."""
     arch = unet_arch
-    reference = generate(apply_recipe(tiny_pipeline(arch), eager("conv1x1-linear", dtype=torch.float32)))
-    pipe = apply_recipe(tiny_pipeline(arch), eager("feature-cache", dtype=torch.float32, dynamic_int8=False, int8_conv=False,
-                                                   group_norm_kernel=False,
-                                                   feature_cache_interval=1))
+    reference = generate(apply_recipe(tiny_pipeline(arch), eager("conv1x1-linear", dtype="float32")))
+    pipe = apply_recipe(
+        tiny_pipeline(arch),
+        eager(
+            "feature-cache",
+            dtype="float32",
+            dynamic_int8=False,
+            int8_conv=False,
+            group_norm_kernel=False,
+            feature_cache_interval=1,
+        ),
+    )
     assert torch.equal(generate(pipe), reference)
 
 
@@ -192,14 +226,14 @@ def test_conv1x1_swap_exact_and_reversible():
 
 def test_invalid_recipes_raise():
     pipe = tiny_pipeline("sd15")
-    with pytest.raises(ValueError, match="regional"):
-        apply_recipe(pipe, DiffusionRecipe(compile="full", feature_cache_interval=2))
-    with pytest.raises(ValueError, match="fused QKV"):
-        apply_recipe(pipe, DiffusionRecipe(fuse_qkv=True))
-    with pytest.raises(ValueError, match="dynamic_shapes"):
-        apply_recipe(pipe, DiffusionRecipe(dynamic_shapes=True))
+    with pytest.raises(UserError, match="regional"):
+        apply_recipe(pipe, DiffusionSettings(compile="full", feature_cache_interval=2))
+    with pytest.raises(UserError, match="fused QKV"):
+        apply_recipe(pipe, DiffusionSettings(fuse_qkv=True))
+    with pytest.raises(UserError, match="dynamic_shapes"):
+        apply_recipe(pipe, DiffusionSettings(dynamic_shapes=True))
 
 
-def test_every_step_has_a_recipe():
-    for step in DIFFUSION_STEPS:
-        recipe_for_step(step)
+def test_every_step_has_settings():
+    for step in RECIPE.names:
+        settings_for(step)

@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("diffusers")
 
-from genfast.diffusion.pipelines import (  # noqa: E402
-    DenoiserWrapper, call_kwargs, denoiser_name, denoiser_of, tiny_pipeline)
-from genfast.diffusion.recipe import apply_recipe, recipe_for_step  # noqa: E402
+from genfast.diffusion.pipelines import DenoiserWrapper, call_kwargs, denoiser_name, denoiser_of, tiny_pipeline
+from genfast.diffusion.recipe import RECIPE, apply_recipe
+from genfast.recipe import Target
 
 SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
 
@@ -52,10 +52,16 @@ class Watched(DenoiserWrapper):
             self.reads.active = False
 
 
-@pytest.mark.parametrize("arch, step", [("sd15", "feature-cache"), ("sdxl", "feature-cache"),
-                                        ("pixart", "dynamic-int8")])
+@pytest.mark.parametrize(
+    "arch, step", [("sd15", "feature-cache"), ("sdxl", "feature-cache"), ("pixart", "dynamic-int8")]
+)
 def test_no_host_reads_inside_the_denoiser(arch, step):
-    recipe = replace(recipe_for_step(step), compile="none", dynamic_shapes=False, int8_min_features=1)
+    recipe = replace(
+        RECIPE.plan(step, Target(torch.device("cpu"), "bfloat16")).settings,
+        compile="none",
+        dynamic_shapes=False,
+        int8_min_features=1,
+    )
     pipe = apply_recipe(tiny_pipeline(arch), recipe)
     reads = ScalarReads()
     watched = Watched(denoiser_of(pipe), reads)

@@ -22,15 +22,22 @@ AVX2 = {"qlinear": "avx2", "linear_few_rows": "avx2", "rel_pos_attention": "avx2
 NONE = {"qlinear": None, "linear_few_rows": None, "rel_pos_attention": None, "group_norm": None}
 
 
-@pytest.mark.parametrize("flags,cap,expected", [
-    (ZEN4, None, {"qlinear": "avx512", "linear_few_rows": "avx512", "rel_pos_attention": "avx512", "group_norm": "avx512"}),
-    (ZEN4, "avx2", AVX2),
-    (ZEN4, "none", NONE),
-    # AVX-512 without VNNI or BF16: the AVX2 kernels but the plain AVX-512 GroupNorm.
-    (SKYLAKE_X, None, {**AVX2, "group_norm": "avx512"}),
-    (ZEN3, None, AVX2),
-    (OLD_X86, None, NONE),
-])
+@pytest.mark.parametrize(
+    "flags,cap,expected",
+    [
+        (
+            ZEN4,
+            None,
+            {"qlinear": "avx512", "linear_few_rows": "avx512", "rel_pos_attention": "avx512", "group_norm": "avx512"},
+        ),
+        (ZEN4, "avx2", AVX2),
+        (ZEN4, "none", NONE),
+        # AVX-512 without VNNI or BF16: the AVX2 kernels but the plain AVX-512 GroupNorm.
+        (SKYLAKE_X, None, {**AVX2, "group_norm": "avx512"}),
+        (ZEN3, None, AVX2),
+        (OLD_X86, None, NONE),
+    ],
+)
 def test_variant_choice_per_cpu(monkeypatch, flags, cap, expected):
     pretend_cpu(monkeypatch, flags, cap)
     monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
@@ -50,8 +57,16 @@ def test_reasons_name_what_is_missing(monkeypatch):
 
 
 def test_every_variant_has_its_source_and_matching_compiler_flags():
-    needs = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_vnni": "-mavx512vnni",
-             "avx512_bf16": "-mavx512bf16", "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
+    needs = {
+        "avx512f": "-mavx512f",
+        "avx512bw": "-mavx512bw",
+        "avx512vl": "-mavx512vl",
+        "avx512_vnni": "-mavx512vnni",
+        "avx512_bf16": "-mavx512bf16",
+        "avx2": "-mavx2",
+        "fma": "-mfma",
+        "f16c": "-mf16c",
+    }
     for kernel in kernels.KERNELS:
         for variant in kernel.variants:
             assert variant.path.is_file(), variant
@@ -77,10 +92,13 @@ def test_the_chosen_variant_builds_where_the_cpu_supports_it(kernel):
     assert kernel.loaded_isa() == variant.isa
 
 
-LOWER_LEVELS = hardware.ISA_LEVELS[hardware.ISA_LEVELS.index(hardware.isa()) + 1:]
+LOWER_LEVELS = hardware.ISA_LEVELS[hardware.ISA_LEVELS.index(hardware.isa()) + 1 :]
 # The kernels' own tests: each variant against its reference and the portable path.
 VARIANT_TESTS = [
-    "tests/quant/test_linear.py", "tests/test_nn.py", "tests/sam/test_attention.py", "tests/diffusion/test_group_norm.py",
+    "tests/quant/test_linear.py",
+    "tests/test_nn.py",
+    "tests/sam/test_attention.py",
+    "tests/diffusion/test_group_norm.py",
 ]
 
 
@@ -89,9 +107,20 @@ def test_lower_isa_variants_pass_the_kernel_tests(level):
     """With GENFAST_ISA, this machine also tests the variants of every lower ISA level (an AVX-512
     machine runs the AVX2 kernels; every machine the portable paths)."""
     env = {**os.environ, hardware.ISA_ENV: level}
-    probe = subprocess.run([sys.executable, "-c", "from genfast.kernels import QLINEAR; print(QLINEAR.loaded_isa())"],
-                           env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "from genfast.kernels import QLINEAR; print(QLINEAR.loaded_isa())"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert probe.stdout.split()[-1] == ("None" if level == "none" else level)  # qlinear has every level but none
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *VARIANT_TESTS],
-                         env=env, cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *VARIANT_TESTS],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

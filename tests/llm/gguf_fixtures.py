@@ -14,8 +14,14 @@ def permute_for_gguf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def write_gguf_from_hf(hf_model, path: Path, arch: str = "llama", qtype: str = "F32",
-                       vocab: list[str] | None = None, truncate_to: int | None = None) -> Path:
+def write_gguf_from_hf(
+    hf_model,
+    path: Path,
+    arch: str = "llama",
+    qtype: str = "F32",
+    vocab: list[str] | None = None,
+    truncate_to: int | None = None,
+) -> Path:
     """A GGUF of `hf_model`'s weights; 2-D weights other than the embedding stored as `qtype`."""
     import gguf
 
@@ -28,8 +34,11 @@ def write_gguf_from_hf(hf_model, path: Path, arch: str = "llama", qtype: str = "
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]) if hasattr(cfg, "rope_parameters")
-                         and cfg.rope_parameters else float(cfg.rope_theta))
+    w.add_rope_freq_base(
+        float(cfg.rope_parameters["rope_theta"])
+        if hasattr(cfg, "rope_parameters") and cfg.rope_parameters
+        else float(cfg.rope_theta)
+    )
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     w.add_vocab_size(cfg.vocab_size)
@@ -40,12 +49,22 @@ def write_gguf_from_hf(hf_model, path: Path, arch: str = "llama", qtype: str = "
     w.add_token_types([1] * len(tokens))
     w.add_token_merges([])
 
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-                 "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     for name, tensor in sd.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

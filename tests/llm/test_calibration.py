@@ -54,8 +54,9 @@ def test_tied_head_keeps_embeddings_and_skip_keeps_layers(tmp_path):
     embeddings = model.tok_embeddings.weight.detach().clone()
     w2 = model.layers[1].feed_forward.w2.weight.detach().clone()
     windows = torch.randint(0, 300, (3, 32), generator=torch.Generator().manual_seed(0))
-    result = calibrate_gptq(model, windows, group_size=32, batch_size=2,
-                            skip=lambda name, linear: name == "layers.1.feed_forward.w2")
+    result = calibrate_gptq(
+        model, windows, group_size=32, batch_size=2, skip=lambda name, linear: name == "layers.1.feed_forward.w2"
+    )
     assert set(result) == linear_names(model) - {"layers.1.feed_forward.w2"}
     assert "output" in result and result["output"].codes.shape == (300, 64)  # 48 padded to 64
     assert torch.equal(model.tok_embeddings.weight, embeddings)

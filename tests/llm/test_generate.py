@@ -17,9 +17,10 @@ def tiny(tmp_path):
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                      pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_matches_transformers_generate(tiny):

@@ -16,12 +16,14 @@ def test_f32_gguf_reproduces_transformers_logits(name, arch, tmp_path):
     model = load_model(write_gguf_from_hf(hf, tmp_path / "m.gguf", arch=arch))
     tokens = torch.randint(0, hf.config.vocab_size, (1, 20))
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens, torch.arange(20), all_logits=True), hf(tokens).logits,
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            model(tokens, torch.arange(20), all_logits=True), hf(tokens).logits, atol=1e-4, rtol=0
+        )
 
 
-@pytest.mark.parametrize("qtype,max_rel_err", [("Q8_0", 0.01), ("Q4_0", 0.15), ("Q4_1", 0.15),
-                                               ("F16", 1e-3), ("BF16", 1e-2)])
+@pytest.mark.parametrize(
+    "qtype,max_rel_err", [("Q8_0", 0.01), ("Q4_0", 0.15), ("Q4_1", 0.15), ("F16", 1e-3), ("BF16", 1e-2)]
+)
 def test_quantized_gguf_dequantizes_close_to_source(qtype, max_rel_err, tmp_path):
     """Weights come back within the format's rounding error (relative Frobenius error)."""
     hf = make_hf_model("qwen2")  # no q/k permutation: compare tensors directly
@@ -73,7 +75,7 @@ def test_real_smollm2_logits_match_transformers(smollm2_gguf, smollm2_hf):
 
 def test_truncated_gguf_is_a_clear_error(tmp_path):
     path = write_gguf_from_hf(make_hf_model("smollm"), tmp_path / "cut.gguf", truncate_to=30_000)
-    with pytest.raises(UserError, match="truncated|corrupt"):
+    with pytest.raises(UserError, match=r"truncated|corrupt"):
         load_model(path)
 
 

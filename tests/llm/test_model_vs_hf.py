@@ -34,7 +34,7 @@ def test_cached_decode_matches_transformers(name, tmp_path):
         got = [model(tokens[:, :10], pos, attention_mask(pos, 10), all_logits=True)[0]]
         for pos in range(10, 24):
             p = torch.tensor([pos])
-            got.append(model(tokens[:, pos:pos + 1], p, attention_mask(p, pos + 1)))
+            got.append(model(tokens[:, pos : pos + 1], p, attention_mask(p, pos + 1)))
     torch.testing.assert_close(torch.cat(got), expected, atol=ATOL, rtol=0)
 
 

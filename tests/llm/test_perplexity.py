@@ -80,8 +80,22 @@ def byte_level_model_dir(tmp_path):
 def test_cli_writes_json_and_refuses_to_overwrite(tmp_path, capsys):
     directory = byte_level_model_dir(tmp_path)
     out = tmp_path / "out.json"
-    argv = ["eval", "ppl", "--model", str(directory), "--window", "32", "--max-windows", "3",
-            "--batch-size", "2", "--dtype", "float32", "--json", str(out)]
+    argv = [
+        "eval",
+        "ppl",
+        "--model",
+        str(directory),
+        "--window",
+        "32",
+        "--max-windows",
+        "3",
+        "--batch-size",
+        "2",
+        "--dtype",
+        "float32",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     data = json.loads(out.read_text())
@@ -118,7 +132,9 @@ def test_real_model_matches_transformers(smollm2_gguf, smollm2_hf):
     assert window_bos(loaded.tokenizer) is None  # SmolLM2 adds no BOS
     hf, hf_tokenizer = smollm2_hf
     window, n = 512, 3
-    assert ids[: window * n] == hf_tokenizer(evaluation_text()[:20000], add_special_tokens=False).input_ids[: window * n]
+    assert (
+        ids[: window * n] == hf_tokenizer(evaluation_text()[:20000], add_special_tokens=False).input_ids[: window * n]
+    )
     result = perplexity(loaded.model, ids, window=window, max_windows=n, batch_size=2)
     assert result.windows == n and result.tokens == n * (window - 1)
     assert result.ppl == pytest.approx(hf_perplexity(hf, make_windows(ids, window, n)), rel=1e-3)

@@ -20,8 +20,11 @@ def test_gguf_blocks_load_without_requantization(name, arch, qtype, bits, tmp_pa
     path = write_gguf_from_hf(make_hf_model(name), tmp_path / "m.gguf", arch=arch, qtype=qtype)
     direct = gguf_quantized_linears(path, bits)
     model = load_model(path)
-    layers = {f"layers.{i}.{m}" for i in range(2) for m in
-              ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")}
+    layers = {
+        f"layers.{i}.{m}"
+        for i in range(2)
+        for m in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
+    }
     head = {"output"} if name == "llama3" else set()  # the fixture keeps a tied embedding in F32
     assert set(direct) == layers | head
     for module_name, qw in direct.items():
@@ -67,9 +70,13 @@ def greedy(model_spec: str, **load_args) -> list[int]:
 
 
 @pytest.mark.parametrize("mode,flags,scheme", [("int8", [], "int8"), ("int4", ["--group-size", "64"], "int4-g64+int8")])
-def test_quantize_writes_a_directory_that_loads_to_the_same_model(mode, flags, scheme, tiny_model_dir, tmp_path, capsys):
+def test_quantize_writes_a_directory_that_loads_to_the_same_model(
+    mode, flags, scheme, tiny_model_dir, tmp_path, capsys
+):
     out = tmp_path / "q"
-    assert main(["quantize", "-m", str(tiny_model_dir), "--mode", mode, "-o", str(out), "--dtype", "float32", *flags]) == 0
+    assert (
+        main(["quantize", "-m", str(tiny_model_dir), "--mode", mode, "-o", str(out), "--dtype", "float32", *flags]) == 0
+    )
     assert f"({scheme}," in capsys.readouterr().out
     loaded = load(str(out), "cpu", "float32")
     assert loaded.quant == scheme
@@ -99,12 +106,15 @@ def test_quantize_protects_existing_directories(tiny_model_dir, tmp_path, capsys
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--mode", "int4", "--group-size", "48"], "group-size for int4 must be one of"),
-    (["--mode", "int8", "--group-size", "40"], "multiple of 32"),
-    (["--mode", "int8", "--calibration", "x.txt"], "only applies to --mode int4-gptq"),
-    (["--mode", "int4-gptq", "--calibration", "/nonexistent.txt"], "calibration file not found"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--mode", "int4", "--group-size", "48"], "group-size for int4 must be one of"),
+        (["--mode", "int8", "--group-size", "40"], "multiple of 32"),
+        (["--mode", "int8", "--calibration", "x.txt"], "only applies to --mode int4-gptq"),
+        (["--mode", "int4-gptq", "--calibration", "/nonexistent.txt"], "calibration file not found"),
+    ],
+)
 def test_quantize_bad_flags(argv, message, tiny_model_dir, tmp_path, capsys):
     assert main(["quantize", "-m", str(tiny_model_dir), "-o", str(tmp_path / "q"), *argv]) == 2
     assert message in capsys.readouterr().err
@@ -127,8 +137,23 @@ def test_quantize_gptq_writes_a_calibrated_int4_directory(tiny_model_dir, tmp_pa
     text = " ".join(f"w{i}" for i in torch.randint(4, 256, (400,), generator=rng).tolist())
     (tmp_path / "calib.txt").write_text(text)
     out = tmp_path / "q"
-    argv = ["quantize", "-m", str(tiny_model_dir), "--mode", "int4-gptq", "--group-size", "32", "-o", str(out),
-            "--calibration", str(tmp_path / "calib.txt"), "--calibration-windows", "4", "--calibration-window", "64"]
+    argv = [
+        "quantize",
+        "-m",
+        str(tiny_model_dir),
+        "--mode",
+        "int4-gptq",
+        "--group-size",
+        "32",
+        "-o",
+        str(out),
+        "--calibration",
+        str(tmp_path / "calib.txt"),
+        "--calibration-windows",
+        "4",
+        "--calibration-window",
+        "64",
+    ]
     assert main(argv) == 0
     assert "int4-g32" in capsys.readouterr().out
     header = QuantizedCheckpoint(out / "model.safetensors").metadata
@@ -152,7 +177,7 @@ def test_quantizing_while_loading_equals_quantizing_the_loaded_model(fmt, quant,
     """`load --quant` quantizes each block as it is read (the float model never exists whole):
     the result is the model quantized after a whole load, tensor for tensor (GGUF: its own Q4_1
     blocks, taken as they are in both)."""
-    from genfast.llm.session import quantize_loaded
+    from genfast.llm.quantize import quantize_loaded
 
     hf = make_hf_model("qwen2")
     if fmt == "hf":

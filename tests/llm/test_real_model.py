@@ -25,9 +25,15 @@ def test_greedy_continuation_equals_transformers(generator, smollm2_hf, prompt):
     hf_model, hf_tok = smollm2_hf
     ids = hf_tok(prompt).input_ids
     x = torch.tensor([ids])  # explicit mask: the prompt may contain the pad token (<|im_end|>)
-    want = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, min_new_tokens=40,
-                             do_sample=False, pad_token_id=hf_tok.pad_token_id,
-                             eos_token_id=None)[0, len(ids):].tolist()
+    want = hf_model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=40,
+        min_new_tokens=40,
+        do_sample=False,
+        pad_token_id=hf_tok.pad_token_id,
+        eos_token_id=None,
+    )[0, len(ids) :].tolist()
     got = generator.generate([generator.encode_prompt(prompt)], 40, stop_at_eos=False).token_ids[0]
     assert got == want
 
@@ -40,7 +46,8 @@ def test_bf16_logits_stay_close_to_fp32(smollm2_gguf, smollm2_hf):
     fp32 = load_model(smollm2_gguf, torch.float32)
     bf16 = load_model(smollm2_gguf, torch.bfloat16)
     hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.bfloat16).eval()
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.bfloat16
+    ).eval()
     ids = torch.tensor([benchmark_prompt(load_tokenizer(smollm2_gguf), 256)])
     pos = torch.arange(ids.shape[1])
     with torch.no_grad():
@@ -53,9 +60,13 @@ def test_bf16_logits_stay_close_to_fp32(smollm2_gguf, smollm2_hf):
 
 
 def test_int8_weights_keep_the_real_model_close(smollm2_gguf):
-    """int8 weight-only budget on SmolLM2 (bf16 activations): logits cosine vs bf16 >= 0.998 on
-    average and >= 0.975 everywhere (bf16 itself reaches 0.99 vs fp32), top-1 agreement >= 90%.
-    The perplexity bar is measured by `genfast eval ppl` (docs/performance.md)."""
+    """int8 weight-only budget on SmolLM2 (bf16 activations), against the bf16 model: the next-token
+    distributions within KL 0.02 nats on average and 0.15 at worst, logits cosine >= 0.998 on
+    average, top-1 agreement >= 90%. Measured: KL 0.0095 mean / 0.057 max, cosine 0.9988, top-1
+    93% (Intel Xeon with AVX512-BF16). The worst position's logits cosine is not bounded: where
+    the distribution is flat it swings with the bf16 reference's own rounding, which differs
+    between CPUs (0.966 there, above 0.975 on Zen 4) while its KL stays small. The perplexity bar
+    is measured by `genfast eval ppl` (docs/performance.md)."""
     from genfast.quant.linear import quantize_linears
 
     tokenizer = load_tokenizer(smollm2_gguf)
@@ -63,11 +74,14 @@ def test_int8_weights_keep_the_real_model_close(smollm2_gguf):
     pos = torch.arange(ids.shape[1])
     model = load_model(smollm2_gguf, torch.bfloat16)
     with torch.no_grad():
-        want = model(ids, pos, all_logits=True)[0]
+        want = model(ids, pos, all_logits=True)[0].float()
         quantize_linears(model, 8)
-        got = model(ids, pos, all_logits=True)[0]
+        got = model(ids, pos, all_logits=True)[0].float()
+    want_log_p, got_log_p = want.log_softmax(-1), got.log_softmax(-1)
+    kl = (want_log_p.exp() * (want_log_p - got_log_p)).sum(-1)
+    assert kl.mean() <= 0.02 and kl.max() <= 0.15, (kl.mean(), kl.max())
     cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
-    assert cosine.mean() >= 0.998 and cosine.min() >= 0.975, (cosine.mean(), cosine.min())
+    assert cosine.mean() >= 0.998, cosine.mean()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 

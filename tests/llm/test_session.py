@@ -24,8 +24,10 @@ def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens, torch.arange(tokens.shape[1]), all_logits=True)[0]
 
 
-@pytest.mark.skipif(hardware.has_native_bf16() or few_rows_unavailable_reason() is not None,
-                    reason="auto stores bf16 linear weights only where bf16 is emulated and the few-row kernel runs")
+@pytest.mark.skipif(
+    hardware.has_native_bf16() or few_rows_unavailable_reason() is not None,
+    reason="auto stores bf16 linear weights only where bf16 is emulated and the few-row kernel runs",
+)
 def test_auto_computes_in_fp32_on_bf16_stored_linear_weights(tiny_gguf):
     auto, fp32 = load(tiny_gguf, "cpu", "auto"), load(tiny_gguf, "cpu", "float32")
     assert (auto.dtype, auto.weight_dtype) == (torch.float32, torch.bfloat16)

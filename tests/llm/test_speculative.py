@@ -8,11 +8,11 @@ import torch
 
 from genfast.errors import UserError
 from genfast.llm.config import ModelArgs
+from genfast.llm.drafters import LayerDrafter, ModelDrafter, PromptLookupDrafter, parse_draft
 from genfast.llm.generate import Generator
 from genfast.llm.model import Transformer
 from genfast.llm.sampling import SamplingParams, probabilities
-from genfast.llm.speculative import (LayerDrafter, ModelDrafter, PromptLookupDrafter, SpeculativeGenerator,
-                                     accept_drafts, parse_draft)
+from genfast.llm.speculative import SpeculativeGenerator, accept_drafts
 from tests.llm.hf_fixtures import tiny_genfast_model, word_tokenizer
 
 
@@ -62,7 +62,7 @@ def test_acceptance_rule_reproduces_the_target_distribution(one_thread):
             draft = torch.tensor(drafts)
             p = p_table[torch.tensor([prev, *drafts])]  # the target after each prefix
             n, nxt = accept_drafts(p, q_table[torch.tensor([prev, *drafts[:-1]])], draft)
-            out += drafts[:int(n)] + [int(nxt)]
+            out += drafts[: int(n)] + [int(nxt)]
             prev = out[-1]
         counts[out[0] * vocab + out[1]] += 1
     target = (p_table[0][:, None] * p_table).flatten()
@@ -101,8 +101,11 @@ def noisy_copy(model: Transformer, noise: float, seed: int = 1) -> Transformer:
 def test_greedy_equals_plain_decoding_on_a_tiny_model(tiny, kind):
     model, tok = tiny
     plain = Generator(model, tok, max_seq_len=64, compile=False)
-    drafter = {"model": ModelDrafter(noisy_copy(model, 0.1)), "layers": LayerDrafter(1),
-               "lookup": PromptLookupDrafter()}[kind]
+    drafter = {
+        "model": ModelDrafter(noisy_copy(model, 0.1)),
+        "layers": LayerDrafter(1),
+        "lookup": PromptLookupDrafter(),
+    }[kind]
     spec = SpeculativeGenerator(model, tok, drafter, k=3, max_seq_len=64, compile=False)
     prompt = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]  # repeats, so prompt lookup finds matches
     for n in (1, 2, 23):
@@ -115,7 +118,10 @@ def test_greedy_equals_plain_decoding_on_a_tiny_model(tiny, kind):
         assert 0 < got.acceptance_rate < 1, got.acceptance_rate
     # Near the end of the cache there is no room for k+1 slots: plain steps finish the job.
     long = list(range(10, 60))
-    assert spec.generate([long], 14, stop_at_eos=False).token_ids == plain.generate([long], 14, stop_at_eos=False).token_ids
+    assert (
+        spec.generate([long], 14, stop_at_eos=False).token_ids
+        == plain.generate([long], 14, stop_at_eos=False).token_ids
+    )
 
 
 def test_a_perfect_draft_is_always_accepted_and_stops_mid_round(tiny):
@@ -130,12 +136,13 @@ def test_a_perfect_draft_is_always_accepted_and_stops_mid_round(tiny):
     free = result.token_ids[0]
     tok.stop_ids = {free[7]}
     stopped = spec.generate([prompt], 21)
-    assert stopped.token_ids[0] == free[:free.index(free[7])] and stopped.stop_reasons == ["eos"]
+    assert stopped.token_ids[0] == free[: free.index(free[7])] and stopped.stop_reasons == ["eos"]
 
 
 def small_vocab_model(seed: int, n_layers: int = 2) -> Transformer:
-    args = ModelArgs(vocab_size=12, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, intermediate_size=64,
-                     max_seq_len=64)
+    args = ModelArgs(
+        vocab_size=12, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, intermediate_size=64, max_seq_len=64
+    )
     torch.manual_seed(seed)
     model = Transformer(args)
     with torch.no_grad():
@@ -150,8 +157,11 @@ def test_sampled_tokens_follow_the_target_distribution(kind, one_thread):
     distribution: the joint of tokens 1-2 and the marginal of token 3 (drawn within and across
     rounds), Pearson chi-square p > 0.001 at a fixed seed."""
     target = small_vocab_model(0)
-    drafter = {"layers": LayerDrafter(1), "model": ModelDrafter(small_vocab_model(1, 1)),
-               "lookup": PromptLookupDrafter(min_ngram=1)}[kind]
+    drafter = {
+        "layers": LayerDrafter(1),
+        "model": ModelDrafter(small_vocab_model(1, 1)),
+        "lookup": PromptLookupDrafter(min_ngram=1),
+    }[kind]
     params = SamplingParams(temperature=0.8, top_k=8)
     prompt = [1, 2, 3, 1, 2, 4, 1, 2]
     spec = SpeculativeGenerator(target, word_tokenizer(12), drafter, k=2, max_seq_len=16, compile=False)
@@ -235,7 +245,7 @@ def smollm2_fp32(smollm2_gguf):
 def test_greedy_speculative_equals_plain_on_the_real_model(smollm2_fp32, smollm2_gguf, draft):
     """fp32, eager: a k+1-token verify pass rounds differently from a one-token step, but in fp32
     no argmax of these 64 tokens is close enough to a tie to flip (bf16: see docs/performance.md)."""
-    from genfast.llm.session import make_generator
+    from genfast.llm.speculative import make_generator
 
     loaded, prompt, want = smollm2_fp32
     spec = make_generator(loaded, 256, 1, False, f"model:{smollm2_gguf}" if draft == "model" else draft, 4)
@@ -247,8 +257,17 @@ def test_greedy_speculative_equals_plain_on_the_real_model(smollm2_fp32, smollm2
 def test_cli_generate_with_prompt_lookup_prints_the_plain_completion_and_stats(smollm2_gguf, capsys):
     from genfast.cli import main
 
-    base = ["generate", "def add(a, b):\n    return a + b\n\ndef sub(a, b):", "--model", str(smollm2_gguf),
-            "--no-compile", "--dtype", "float32", "-n", "16"]
+    base = [
+        "generate",
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):",
+        "--model",
+        str(smollm2_gguf),
+        "--no-compile",
+        "--dtype",
+        "float32",
+        "-n",
+        "16",
+    ]
     assert main(base) == 0
     plain = capsys.readouterr().out
     assert main([*base, "--prompt-lookup", "--speculate-k", "3"]) == 0
@@ -257,14 +276,17 @@ def test_cli_generate_with_prompt_lookup_prints_the_plain_completion_and_stats(s
     assert "prompt lookup drafts 3 tokens" in captured.err and "speculative (k=3)" in captured.err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--speculate-k", "3"], "--speculate-k needs --draft"),
-    (["--self-draft", "int3"], "unknown draft"),
-    (["--self-draft", "prompt-lookup"], "--self-draft takes int4, int8 or layers:N"),
-    (["--self-draft", "layers:30"], "1 <= N < 30"),
-    (["--prompt-lookup", "--speculate-k", "17"], "between 1 and 16"),
-    (["second prompt", "--prompt-lookup"], "one prompt at a time"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--speculate-k", "3"], "--speculate-k needs --draft"),
+        (["--self-draft", "int3"], "unknown draft"),
+        (["--self-draft", "prompt-lookup"], "--self-draft takes int4, int8 or layers:N"),
+        (["--self-draft", "layers:30"], "1 <= N < 30"),
+        (["--prompt-lookup", "--speculate-k", "17"], "between 1 and 16"),
+        (["second prompt", "--prompt-lookup"], "one prompt at a time"),
+    ],
+)
 def test_cli_speculative_errors_are_one_line(smollm2_gguf, capsys, argv, message):
     from genfast.cli import main
 
@@ -282,14 +304,16 @@ def test_cli_draft_flags_are_mutually_exclusive(capsys):
 
 
 def test_bench_names_speculative_rows_and_prompts(smollm2_gguf):
-    from genfast.llm.bench import _step_named, benchmark_prompt
+    from genfast.llm.bench import LlmLadder, benchmark_prompt, draft_of
     from genfast.llm.tokenizer import load_tokenizer
 
-    step = _step_named("spec-layers:24")
-    assert (step.draft, step.dtype, step.compile) == ("layers:24", "bfloat16", True)
+    assert draft_of("spec-layers:24") == "layers:24" and draft_of("int4") is None
     with pytest.raises(UserError, match="unknown draft"):
-        _step_named("spec-int3")
+        draft_of("spec-int3")
+    ladder = LlmLadder()
+    assert ladder.steps("spec-int4,int4,baseline") == ["baseline", "int4", "spec-int4"]
+    assert ladder.steps("speculative") == ["compile", "spec-int4", "spec-int8", "spec-layers:24", "spec-prompt-lookup"]
     tok = load_tokenizer(smollm2_gguf)
     code = benchmark_prompt(tok, 128, "code")
-    assert len(code) == 128 and tok.decode(code).startswith("__all__ = [\"rgb_to_yiq\"")
+    assert len(code) == 128 and tok.decode(code).startswith('__all__ = ["rgb_to_yiq"')
     assert tok.decode(benchmark_prompt(tok, 64, "chat")).rstrip().endswith("assistant")

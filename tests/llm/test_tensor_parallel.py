@@ -10,6 +10,7 @@ tokens exactly. Both ranks' results are identical bit for bit (same reduced sums
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,10 +25,10 @@ from genfast.cli import main
 from genfast.errors import UserError
 from genfast.llm.checkpoint import load_model, read_model_args
 from genfast.llm.generate import Generator
-from genfast.llm.session import load, quantize_loaded
-from genfast.llm.tensor_parallel import (RowParallelLinear, check_same_tokens, check_shardable, leave,
-                                           shard_model)
-from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
+from genfast.llm.quantize import quantize_loaded
+from genfast.llm.session import load
+from genfast.llm.tensor_parallel import RowParallelLinear, check_same_tokens, check_shardable, leave, shard_model
+from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, word_tokenizer
 
 WORLD = 2
 NEW_TOKENS = 12
@@ -67,8 +68,22 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
         dirs[name] = save_hf_model(hf, root / name)
         word_tokenizer(hf.config.vocab_size).save(dirs[name])
     dirs[QUANTIZED_DIR] = root / QUANTIZED_DIR
-    assert main(["quantize", "-m", str(dirs["qwen2"]), "--mode", "int4", "--dtype", "float32",
-                 "-o", str(dirs[QUANTIZED_DIR])]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                "-m",
+                str(dirs["qwen2"]),
+                "--mode",
+                "int4",
+                "--dtype",
+                "float32",
+                "-o",
+                str(dirs[QUANTIZED_DIR]),
+            ]
+        )
+        == 0
+    )
     return dirs
 
 
@@ -139,8 +154,9 @@ def test_compiled_tp2_equals_tp1(model_dirs, tmp_path):
 
 def test_heads_that_do_not_divide_are_a_clear_error(model_dirs):
     model = load_model(model_dirs["smollm"])  # 3 heads, 1 kv head
-    with pytest.raises(UserError, match="--tp 2 needs .* 3 attention heads and 1 key/value heads; this model "
-                                        "supports no --tp above 1"):
+    with pytest.raises(
+        UserError, match=r"--tp 2 needs .* 3 attention heads and 1 key/value heads; this model supports no --tp above 1"
+    ):
         shard_model(model, 0, 2)
     assert model.layers[0].attention.n_heads == 3  # untouched
 
@@ -156,8 +172,11 @@ def test_quantized_groups_must_not_straddle_ranks(model_dirs):
     path = model_dirs["llama3"]  # feed-forward 160: 80 columns per rank, not whole groups of 32
     model = load_model(path)
     quantize_loaded(path, model, 4, None)
-    with pytest.raises(UserError, match="layers.0.feed_forward.w2 has 160 input features quantized in groups of 32; "
-                                        "split over the ranks, each gets 80 columns"):
+    with pytest.raises(
+        UserError,
+        match=r"layers\.0\.feed_forward\.w2 has 160 input features quantized in groups of 32; "
+        r"split over the ranks, each gets 80 columns",
+    ):
         shard_model(model, 0, 2)
 
 
@@ -166,8 +185,18 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_generate_tp2_prints_the_text_of_tp1(model_dirs):
-    argv = ["generate", "w1 w2 w3", "--model", str(model_dirs["qwen2"]), "--dtype", "float32", "--no-compile",
-            "-n", "8", "--quiet"]
+    argv = [
+        "generate",
+        "w1 w2 w3",
+        "--model",
+        str(model_dirs["qwen2"]),
+        "--dtype",
+        "float32",
+        "--no-compile",
+        "-n",
+        "8",
+        "--quiet",
+    ]
     one, two = run_cli(*argv), run_cli(*argv, "--tp", "2")
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
@@ -179,4 +208,44 @@ def test_cli_tp_error_is_one_line_before_launching(model_dirs):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "genfast: error: --tp 2 needs the model's heads and feed-forward width to divide by 2, but it has "
-        "3 attention heads and 1 key/value heads; this model supports no --tp above 1"]
+        "3 attention heads and 1 key/value heads; this model supports no --tp above 1"
+    ]
+
+
+def test_bench_llm_measures_a_row_on_two_ranks(smollm2_gguf, tmp_path):
+    """`genfast bench llm --tp 2`: each row's process launches its two ranks, rank 0 reports; a
+    speculative row says why it is left out."""
+    import transformers
+
+    from genfast.llm.tokenizer import load_tokenizer
+
+    cfg = dict(TINY_CONFIGS["qwen2"], vocab_size=49152)  # SmolLM2's tokenizer: the bench prompt needs real text
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **cfg))
+    directory = save_hf_model(model.eval(), tmp_path / "model")
+    load_tokenizer(smollm2_gguf).save(directory)
+    out = tmp_path / "rows.json"
+    done = run_cli(
+        "bench",
+        "llm",
+        "--model",
+        str(directory),
+        "--tp",
+        "2",
+        "--steps",
+        "baseline,spec-prompt-lookup",
+        "--repeats",
+        "1",
+        "--prompt-tokens",
+        "8",
+        "--new-tokens",
+        "4",
+        "--json",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    baseline, spec = json.loads(out.read_text())
+    assert baseline["tp"] == 2 and baseline["decode_tok_s"] > 0 and baseline["greedy_match"] == 1.0
+    assert spec["note"] == "skipped: speculative decoding does not combine with --tp yet"

@@ -62,8 +62,38 @@ def _write_spm_gguf(path):
 
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [2, 3, 3] + [6] * 256
-    words = ["▁", "a", "b", "c", "d", "e", "h", "l", "o", "r", "w", "t", "s", "▁t", "he", "▁the", "▁a",
-             "ll", "llo", "▁he", "▁hello", "or", "▁w", "▁wor", "ld", "▁world", "at", "▁c", "▁cat", "s▁"]
+    words = [
+        "▁",
+        "a",
+        "b",
+        "c",
+        "d",
+        "e",
+        "h",
+        "l",
+        "o",
+        "r",
+        "w",
+        "t",
+        "s",
+        "▁t",
+        "he",
+        "▁the",
+        "▁a",
+        "ll",
+        "llo",
+        "▁he",
+        "▁hello",
+        "or",
+        "▁w",
+        "▁wor",
+        "ld",
+        "▁world",
+        "at",
+        "▁c",
+        "▁cat",
+        "s▁",
+    ]
     pieces += words
     types += [1] * len(words)
     scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(words))]

@@ -63,7 +63,7 @@ def rewrite(path, tensors=None, metadata=None):
     from safetensors.torch import save_file
 
     with safe_open(str(path), "pt") as f:
-        data = {k: f.get_tensor(k) for k in f.keys()}
+        data = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         header = dict(f.metadata())
     for key, value in (tensors or {}).items():
         if value is None:
@@ -78,21 +78,44 @@ def rewrite(path, tensors=None, metadata=None):
     save_file(data, str(path), metadata=header)
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(metadata={"format": None}), "not a genfast quantized checkpoint"),
-    (dict(metadata={"version": "99"}), "version '99' is not supported"),
-    (dict(metadata={"layers": "{not json"}), "no valid 'layers'"),
-    (dict(metadata={"layers": json.dumps({"up": {"bits": 3, "group_size": 32, "in_features": 72,
-                                                  "out_features": 40}})}), "invalid quantization entry"),
-    (dict(metadata={"layers": json.dumps({"up": {"bits": 4, "group_size": 64, "in_features": 72,
-                                                  "out_features": 40, "bias": True}})}), "header .* implies"),
-    (dict(tensors={"down.scales": None}), "down.scales is missing"),
-    (dict(tensors={"up.codes": torch.zeros(40, 10, dtype=torch.uint8)}), "up.codes has shape"),
-    (dict(tensors={"up.scales": torch.zeros(40, 3, dtype=torch.float32)}), "unexpected dtypes"),
-    (dict(tensors={"norm.weight": torch.zeros(3)}), "norm.weight has shape"),
-    (dict(metadata={"layers": json.dumps({"nope": {"bits": 8, "group_size": 96, "in_features": 72,
-                                                    "out_features": 40}})}), "no linear for"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(metadata={"format": None}), "not a genfast quantized checkpoint"),
+        (dict(metadata={"version": "99"}), "version '99' is not supported"),
+        (dict(metadata={"layers": "{not json"}), "no valid 'layers'"),
+        (
+            dict(
+                metadata={
+                    "layers": json.dumps({"up": {"bits": 3, "group_size": 32, "in_features": 72, "out_features": 40}})
+                }
+            ),
+            "invalid quantization entry",
+        ),
+        (
+            dict(
+                metadata={
+                    "layers": json.dumps(
+                        {"up": {"bits": 4, "group_size": 64, "in_features": 72, "out_features": 40, "bias": True}}
+                    )
+                }
+            ),
+            "header .* implies",
+        ),
+        (dict(tensors={"down.scales": None}), "down.scales is missing"),
+        (dict(tensors={"up.codes": torch.zeros(40, 10, dtype=torch.uint8)}), "up.codes has shape"),
+        (dict(tensors={"up.scales": torch.zeros(40, 3, dtype=torch.float32)}), "unexpected dtypes"),
+        (dict(tensors={"norm.weight": torch.zeros(3)}), "norm.weight has shape"),
+        (
+            dict(
+                metadata={
+                    "layers": json.dumps({"nope": {"bits": 8, "group_size": 96, "in_features": 72, "out_features": 40}})
+                }
+            ),
+            "no linear for",
+        ),
+    ],
+)
 def test_bad_checkpoints_give_clear_errors(change, message, tmp_path):
     path = tmp_path / "q.safetensors"
     save_quantized(quantized_net(4, 32), path)

@@ -9,8 +9,9 @@ from torch import nn
 
 from genfast.quant.conv import DynamicInt8Conv2d, int8_conv_unavailable_reason, quantize_dynamic_int8_convs
 
-pytestmark = pytest.mark.skipif(int8_conv_unavailable_reason("cpu") is not None,
-                                reason=str(int8_conv_unavailable_reason("cpu")))
+pytestmark = pytest.mark.skipif(
+    int8_conv_unavailable_reason("cpu") is not None, reason=str(int8_conv_unavailable_reason("cpu"))
+)
 
 
 def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -18,16 +19,26 @@ def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [
-    dict(cin=64, cout=96, k=3, stride=1, padding=1, dilation=1, bias=True, hw=(20, 24)),
-    dict(cin=48, cout=32, k=3, stride=2, padding=1, dilation=1, bias=False, hw=(17, 9)),
-    dict(cin=32, cout=40, k=1, stride=1, padding=0, dilation=1, bias=True, hw=(8, 8)),
-    dict(cin=16, cout=24, k=3, stride=1, padding=2, dilation=2, bias=True, hw=(11, 13)),
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(cin=64, cout=96, k=3, stride=1, padding=1, dilation=1, bias=True, hw=(20, 24)),
+        dict(cin=48, cout=32, k=3, stride=2, padding=1, dilation=1, bias=False, hw=(17, 9)),
+        dict(cin=32, cout=40, k=1, stride=1, padding=0, dilation=1, bias=True, hw=(8, 8)),
+        dict(cin=16, cout=24, k=3, stride=1, padding=2, dilation=2, bias=True, hw=(11, 13)),
+    ],
+)
 def test_matches_its_dequantized_reference_and_stays_close_to_float(dtype, shape):
     torch.manual_seed(0)
-    conv = nn.Conv2d(shape["cin"], shape["cout"], shape["k"], stride=shape["stride"], padding=shape["padding"],
-                     dilation=shape["dilation"], bias=shape["bias"]).to(dtype)
+    conv = nn.Conv2d(
+        shape["cin"],
+        shape["cout"],
+        shape["k"],
+        stride=shape["stride"],
+        padding=shape["padding"],
+        dilation=shape["dilation"],
+        bias=shape["bias"],
+    ).to(dtype)
     q = DynamicInt8Conv2d(conv)
     x = torch.randn(2, shape["cin"], *shape["hw"], dtype=dtype)
     for layout in (torch.contiguous_format, torch.channels_last):
@@ -67,8 +78,12 @@ def test_compiled_equals_eager_and_new_sizes_do_not_recompile():
 
 
 def test_replacement_follows_the_filter_and_skips_unsupported_convs():
-    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.Conv2d(64, 64, 3, padding=1),
-                          nn.Conv2d(64, 64, 3, padding=1, groups=4), nn.Conv2d(64, 64, 3, padding="same"))
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.Conv2d(64, 64, 3, padding=1, groups=4),
+        nn.Conv2d(64, 64, 3, padding="same"),
+    )
     replaced = quantize_dynamic_int8_convs(model, keep=lambda name, conv: min(conv.in_channels, conv.out_channels) < 8)
     assert replaced == ["1"]
     assert isinstance(model[1], DynamicInt8Conv2d) and type(model[0]) is nn.Conv2d
@@ -91,5 +106,5 @@ def test_activations_use_seven_bits_where_int16_pair_sums_would_saturate(monkeyp
     assert conv_module.activation_levels() == 255
     pretend_cpu(monkeypatch, ZEN3)
     assert conv_module.activation_levels() == 127
-    q, scale, zero_point = DynamicInt8Conv2d.quantize_activation(torch.randn(1, 4, 8, 8), 127)
+    q, _, zero_point = DynamicInt8Conv2d.quantize_activation(torch.randn(1, 4, 8, 8), 127)
     assert q.max() <= 127 and 0 <= zero_point.item() <= 127

@@ -1,6 +1,5 @@
 """GPTQ: same grid as round-to-nearest, lower layer output error than it (LLM calibration: tests/llm)."""
 
-
 import pytest
 import torch
 
@@ -37,11 +36,11 @@ def naive_gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, group_size: in
     codes = torch.zeros(weight.shape, dtype=torch.uint8)
     for q in range(weight.shape[1]):
         if q % group_size == 0:
-            scale, minimum = group_grid(w[:, q:q + group_size].float(), 4, group_size)
+            scale, minimum = group_grid(w[:, q : q + group_size].float(), 4, group_size)
         codes[:, q] = quantize_to_grid(w[:, q].float(), scale[:, 0], minimum[:, 0], 4)
         error = (w[:, q] - (codes[:, q].double() * scale[:, 0].double() + minimum[:, 0].double())) / hinv[q, q]
         w -= error[:, None] * hinv[q][None, :]
-        hinv -= hinv[:, q:q + 1] @ hinv[q:q + 1, :] / hinv[q, q]
+        hinv -= hinv[:, q : q + 1] @ hinv[q : q + 1, :] / hinv[q, q]
     return codes
 
 

@@ -80,8 +80,7 @@ def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("bits,group_size", SCHEMES)
 @pytest.mark.parametrize("in_features,out_features", [(64, 48), (72, 40)])  # 72/40: padded columns and rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_matches_dequantized_reference(native, bits, group_size, in_features, out_features, dtype,
-                                             monkeypatch):
+def test_layer_matches_dequantized_reference(native, bits, group_size, in_features, out_features, dtype, monkeypatch):
     torch.manual_seed(0)
     layer = make_layer(in_features, out_features, bits, group_size, True, dtype, native, monkeypatch)
     for rows in (1, 7):
@@ -122,7 +121,9 @@ def test_compiled_layer_matches_eager(native, monkeypatch):
             torch.testing.assert_close(compiled(x).float(), step(x).float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("bits,group_size,min_cosine", [(8, None, 0.999), (4, 32, 0.98)])  # int4: 16 levels per group of random weights
+@pytest.mark.parametrize(
+    "bits,group_size,min_cosine", [(8, None, 0.999), (4, 32, 0.98)]
+)  # int4: 16 levels per group of random weights
 def test_quantized_tiny_model_stays_close(bits, group_size, min_cosine, tmp_path):
     from tests.llm.hf_fixtures import tiny_genfast_model
 
@@ -146,8 +147,14 @@ def test_filter_keeps_layers_unquantized(tmp_path):
 
 
 def test_quantized_weight_dequantize_drops_padding():
-    qw = QuantizedWeight(torch.full((2, 64), 3, dtype=torch.uint8), torch.ones(2, 2, dtype=torch.float16),
-                         torch.full((2, 2), -1.0, dtype=torch.float16), 4, 32, 40)
+    qw = QuantizedWeight(
+        torch.full((2, 64), 3, dtype=torch.uint8),
+        torch.ones(2, 2, dtype=torch.float16),
+        torch.full((2, 2), -1.0, dtype=torch.float16),
+        4,
+        32,
+        40,
+    )
     assert torch.equal(qw.dequantize(), torch.full((2, 40), 2.0))
 
 
@@ -176,8 +183,10 @@ def test_native_dynamic_int8_equals_its_integer_math(rows, k, n):
     x = torch.randn(rows, k)
     scale = x.abs().amax(dim=1, keepdim=True) / 127
     xq = torch.round(x / scale)
-    codes, scales, mins = (t.double() for t in (layer.quantized_weight().codes[:, :k], layer.quantized_weight().scales,
-                                                 layer.quantized_weight().mins))
+    codes, scales, mins = (
+        t.double()
+        for t in (layer.quantized_weight().codes[:, :k], layer.quantized_weight().scales, layer.quantized_weight().mins)
+    )
     expected = scale.double() * (xq.double() @ (codes * scales + mins).t())
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -193,7 +202,6 @@ def test_dynamic_int8_filter_hook_and_validation(tmp_path):
     assert all(model.get_submodule(n).dynamic for n in names)
     with pytest.raises(ValueError, match="per output channel"):
         QuantLinear(quantize(torch.randn(8, 64), 4, 32), dynamic=True)
-
 
 
 @needs_native

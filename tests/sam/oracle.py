@@ -32,15 +32,15 @@ def _reference_iou(a: list[float], b: list[float]) -> float:
     return float(inter / union) if union != 0 else float("nan")
 
 
-def reference_batched_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor,
-                          iou_threshold: float) -> torch.Tensor:
+def reference_batched_nms(
+    boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, iou_threshold: float
+) -> torch.Tensor:
     """Greedy NMS, plainly: visit boxes by decreasing score (ties in input order) and keep each one
     whose IoU with every kept box of its category is at most iou_threshold (compared as a double)."""
     box_list, score_list, cats = boxes.tolist(), scores.tolist(), idxs.tolist()
     keep: list[int] = []
     for i in sorted(range(len(box_list)), key=lambda i: -score_list[i]):
-        if all(cats[k] != cats[i] or not _reference_iou(box_list[k], box_list[i]) > iou_threshold
-               for k in keep):
+        if all(cats[k] != cats[i] or not _reference_iou(box_list[k], box_list[i]) > iou_threshold for k in keep):
             keep.append(i)
     return torch.tensor(keep, dtype=torch.int64)
 
@@ -54,7 +54,8 @@ def use_genfast_resize(predictor) -> None:
 def import_segment_anything() -> types.ModuleType:
     """The original package, its torchvision NMS and box area given by the references above."""
     return original.import_segment_anything(
-        {"ops.boxes.batched_nms": reference_batched_nms, "ops.boxes.box_area": reference_box_area})
+        {"ops.boxes.batched_nms": reference_batched_nms, "ops.boxes.box_area": reference_box_area}
+    )
 
 
 def build_original_sam(config: SamConfig) -> torch.nn.Module:

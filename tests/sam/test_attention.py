@@ -13,11 +13,24 @@ from genfast.sam.modeling.attention import rel_pos_attention, set_attention
 from tests.sam.oracle import randomize_
 
 # Head dim 32 (the kernel needs multiples of 16); 8x8 grid, 3x3 windows padded to 9x9.
-FUSABLE = SamConfig(64, 2, 2, (1,), image_size=128, patch_size=16, window_size=3, prompt_embed_dim=32,
-                    mask_in_chans=8, decoder_mlp_dim=64, decoder_num_heads=2, iou_head_hidden_dim=32)
+FUSABLE = SamConfig(
+    64,
+    2,
+    2,
+    (1,),
+    image_size=128,
+    patch_size=16,
+    window_size=3,
+    prompt_embed_dim=32,
+    mask_in_chans=8,
+    decoder_mlp_dim=64,
+    decoder_num_heads=2,
+    iou_head_hidden_dim=32,
+)
 
-needs_kernel = pytest.mark.skipif(kernels.unavailable_reason() is not None,
-                                  reason=f"fused kernel unavailable: {kernels.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(
+    kernels.unavailable_reason() is not None, reason=f"fused kernel unavailable: {kernels.unavailable_reason()}"
+)
 
 
 def _inputs(b: int, h: int, w: int, c: int, bias_scale: float = 1.0, seed: int = 0):
@@ -30,14 +43,17 @@ def _inputs(b: int, h: int, w: int, c: int, bias_scale: float = 1.0, seed: int =
 
 
 @needs_kernel
-@pytest.mark.parametrize("b, h, w, c, bias_scale", [
-    (3, 8, 8, 32, 1.0),     # N = 64: two query blocks
-    (5, 3, 3, 16, 1.0),     # N = 9: keys padded to 16
-    (2, 14, 14, 64, 1.0),   # SAM's windows: N = 196
-    (1, 5, 7, 80, 1.0),     # vit_h's head dim, rectangular grid, N = 35
-    (1, 6, 6, 48, 30.0),    # a bias that dominates the scores: the row max must be subtracted
-    (1, 64, 64, 64, 1.0),   # SAM's global blocks: N = 4096
-])
+@pytest.mark.parametrize(
+    "b, h, w, c, bias_scale",
+    [
+        (3, 8, 8, 32, 1.0),  # N = 64: two query blocks
+        (5, 3, 3, 16, 1.0),  # N = 9: keys padded to 16
+        (2, 14, 14, 64, 1.0),  # SAM's windows: N = 196
+        (1, 5, 7, 80, 1.0),  # vit_h's head dim, rectangular grid, N = 35
+        (1, 6, 6, 48, 30.0),  # a bias that dominates the scores: the row max must be subtracted
+        (1, 64, 64, 64, 1.0),  # SAM's global blocks: N = 4096
+    ],
+)
 def test_fused_kernel_matches_fp32_reference(b, h, w, c, bias_scale):
     """Tolerance: 1e-2 absolute on unit-variance values. The inputs are rounded to bf16 for both;
     the remaining error is P rounded to bf16 before P @ V (~2^-9 relative per term)."""
@@ -72,14 +88,22 @@ def test_fused_kernel_rejects_mixed_dtypes():
 
 def test_sdpa_matches_math_in_fp32():
     q, k, v, rel_h, rel_w = _inputs(2, 5, 7, 8)
-    torch.testing.assert_close(rel_pos_attention(q, k, v, rel_h, rel_w, "sdpa"),
-                               rel_pos_attention(q, k, v, rel_h, rel_w, "math"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        rel_pos_attention(q, k, v, rel_h, rel_w, "sdpa"),
+        rel_pos_attention(q, k, v, rel_h, rel_w, "math"),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_fused_falls_back_to_sdpa_where_the_kernel_does_not_apply():
     q, k, v, rel_h, rel_w = _inputs(2, 5, 7, 8)  # fp32, head dim 8
-    torch.testing.assert_close(rel_pos_attention(q, k, v, rel_h, rel_w, "fused"),
-                               rel_pos_attention(q, k, v, rel_h, rel_w, "sdpa"), rtol=0, atol=0)
+    torch.testing.assert_close(
+        rel_pos_attention(q, k, v, rel_h, rel_w, "fused"),
+        rel_pos_attention(q, k, v, rel_h, rel_w, "sdpa"),
+        rtol=0,
+        atol=0,
+    )
 
 
 def _embeddings(model, image: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:

@@ -39,7 +39,7 @@ def _image(size: tuple[int, int] = IMAGE_SIZE, seed: int = 0, objects: int = 6) 
     for _ in range(objects):
         y, x = rng.integers(0, h - 8), rng.integers(0, w - 8)
         dy, dx = rng.integers(4, 14, 2)
-        image[y:y + dy, x:x + dx] = rng.integers(0, 256, 3)
+        image[y : y + dy, x : x + dx] = rng.integers(0, 256, 3)
     return image
 
 
@@ -128,8 +128,11 @@ def _assert_same_records(ours: list[dict], expected: list[dict], at_least: int) 
     assert len(ours) == len(expected) >= at_least
     key = lambda r: (r["crop_box"], r["point_coords"], r["predicted_iou"])  # noqa: E731
     for a, b in zip(sorted(ours, key=key), sorted(expected, key=key)):
-        assert set(a) == set(b) == {"segmentation", "area", "bbox", "predicted_iou", "point_coords",
-                                    "stability_score", "crop_box"}
+        assert (
+            set(a)
+            == set(b)
+            == {"segmentation", "area", "bbox", "predicted_iou", "point_coords", "stability_score", "crop_box"}
+        )
         assert a["crop_box"] == b["crop_box"]
         np.testing.assert_allclose(a["point_coords"], b["point_coords"], rtol=0, atol=1e-9)
         assert _same_number(a["predicted_iou"], b["predicted_iou"])
@@ -171,8 +174,9 @@ def test_matches_original(models):
 
 
 def test_uncompressed_rle_and_partial_batches(models):
-    kwargs = dict(points_per_side=12, points_per_batch=10, box_nms_thresh=0.8,
-                  **{**SMALL_MODEL, "stability_score_thresh": 0.2})
+    kwargs = dict(
+        points_per_side=12, points_per_batch=10, box_nms_thresh=0.8, **{**SMALL_MODEL, "stability_score_thresh": 0.2}
+    )
     image = _image(seed=1, objects=15)
     ours, expected = _generate_both(models, image, output_mode="uncompressed_rle", **kwargs)
     _assert_same_records(ours, expected, at_least=4)
@@ -183,8 +187,16 @@ def test_uncompressed_rle_and_partial_batches(models):
 
 
 def test_crops_match_original(models):
-    ours, expected = _generate_both(models, _image(), points_per_side=12, crop_n_layers=1, crop_overlap_ratio=0.5,
-                                    box_nms_thresh=0.9, crop_nms_thresh=0.6, **SMALL_MODEL)
+    ours, expected = _generate_both(
+        models,
+        _image(),
+        points_per_side=12,
+        crop_n_layers=1,
+        crop_overlap_ratio=0.5,
+        box_nms_thresh=0.9,
+        crop_nms_thresh=0.6,
+        **SMALL_MODEL,
+    )
     _assert_same_records(ours, expected, at_least=4)
     image_h, image_w = IMAGE_SIZE
     assert any(r["crop_box"] != [0, 0, image_w, image_h] for r in ours), "no mask came from a crop"
@@ -201,22 +213,31 @@ def test_small_regions_match_original(models):
 def test_unfiltered_masks_match_original(models):
     """No IoU or stability filter: empty masks pass, with NaN stability and zero-area boxes that
     never suppress each other."""
-    ours, expected = _generate_both(models, _image(seed=2), points_per_side=6, pred_iou_thresh=0.0,
-                                    stability_score_thresh=0.0)
+    ours, expected = _generate_both(
+        models, _image(seed=2), points_per_side=6, pred_iou_thresh=0.0, stability_score_thresh=0.0
+    )
     _assert_same_records(ours, expected, at_least=5)
     assert any(r["area"] == 0 for r in ours)
 
 
 def test_point_grids_match_original(models):
     grid = np.random.default_rng(3).random((60, 2))
-    ours, expected = _generate_both(models, _image(), points_per_side=None, point_grids=[grid],
-                                    points_per_batch=7, box_nms_thresh=0.9, **SMALL_MODEL)
+    ours, expected = _generate_both(
+        models,
+        _image(),
+        points_per_side=None,
+        point_grids=[grid],
+        points_per_batch=7,
+        box_nms_thresh=0.9,
+        **SMALL_MODEL,
+    )
     _assert_same_records(ours, expected, at_least=2)
 
 
 def test_no_masks(models):
-    generator = SamAutomaticMaskGenerator(models[1], points_per_side=4, pred_iou_thresh=0.99, crop_n_layers=1,
-                                          min_mask_region_area=10)
+    generator = SamAutomaticMaskGenerator(
+        models[1], points_per_side=4, pred_iou_thresh=0.99, crop_n_layers=1, min_mask_region_area=10
+    )
     assert generator.generate(_image()) == []
 
 
@@ -231,7 +252,7 @@ def _random_boxes(n: int, seed: int, integer: bool) -> torch.Tensor:
     if integer:
         boxes = boxes.round()
         boxes[::7, 2:] = boxes[::7, :2]  # zero-area boxes: IoU 0 / 0
-    boxes[1::9] = boxes[::9][:len(boxes[1::9])]  # exact duplicates
+    boxes[1::9] = boxes[::9][: len(boxes[1::9])]  # exact duplicates
     return boxes
 
 
@@ -257,8 +278,9 @@ def test_nms_threshold_compared_as_double():
     boxes = torch.tensor([[0.0, 0.0, 10.0, 1.0], [0.0, 0.0, 7.0, 1.0], [0.0, 0.0, 3.0, 1.0], [0.0, 0.0, 2.0, 1.0]])
     scores = torch.tensor([1.0, 0.9, 0.8, 0.7])
     for threshold in (0.7, 2 / 3, 0.6666666, float(np.float32(2 / 3))):
-        assert torch.equal(M.nms(boxes, scores, threshold),
-                           reference_batched_nms(boxes, scores, torch.zeros(4), threshold)), threshold
+        assert torch.equal(
+            M.nms(boxes, scores, threshold), reference_batched_nms(boxes, scores, torch.zeros(4), threshold)
+        ), threshold
 
 
 def _masks(seed: int) -> torch.Tensor:
@@ -309,8 +331,10 @@ def test_boxes_and_crop_helpers_match_original():
     assert M.masks_to_boxes(masks[:0]).shape == (0, 4)
     boxes = _random_boxes(50, 0, integer=True).long()
     for crop in ([0, 0, 100, 120], [20, 10, 90, 70]):
-        assert torch.equal(M.is_box_near_crop_edge(boxes, crop, [0, 0, 100, 120]),
-                           amg.is_box_near_crop_edge(boxes, crop, [0, 0, 100, 120]))
+        assert torch.equal(
+            M.is_box_near_crop_edge(boxes, crop, [0, 0, 100, 120]),
+            amg.is_box_near_crop_edge(boxes, crop, [0, 0, 100, 120]),
+        )
         assert torch.equal(M.uncrop_boxes_xyxy(boxes, crop), amg.uncrop_boxes_xyxy(boxes, crop))
     assert torch.equal(M.box_xyxy_to_xywh(boxes), torch.stack([amg.box_xyxy_to_xywh(b) for b in boxes]))
     for size, layers, ratio in [((48, 64), 1, 512 / 1500), ((1500, 2250), 2, 512 / 1500), ((77, 31), 3, 0.5)]:
@@ -340,11 +364,11 @@ def _spiral(size: int) -> np.ndarray:
     mask = np.zeros((size, size), bool)
     top, left, bottom, right = 0, 0, size - 1, size - 1
     while top <= bottom and left <= right:
-        mask[top, left:right + 1] = mask[top:bottom + 1, right] = mask[bottom, left:right + 1] = True
-        mask[top + 2:bottom + 1, left] = True
+        mask[top, left : right + 1] = mask[top : bottom + 1, right] = mask[bottom, left : right + 1] = True
+        mask[top + 2 : bottom + 1, left] = True
         top, left, bottom, right = top + 2, left + 2, bottom - 2, right - 2
         if top <= bottom:
-            mask[top, left - 2:left] = True
+            mask[top, left - 2 : left] = True
     return mask
 
 
@@ -385,7 +409,10 @@ def test_errors(models):
         (dict(points_per_side=None), "exactly one of points_per_side"),
         (dict(point_grids=[np.zeros((4, 2))]), "exactly one of points_per_side"),
         (dict(points_per_side=0), "points_per_side must be an integer >= 1"),
-        (dict(points_per_side=4, crop_n_layers=2, crop_n_points_downscale_factor=4), "leaves crop layer 2 with no points"),
+        (
+            dict(points_per_side=4, crop_n_layers=2, crop_n_points_downscale_factor=4),
+            "leaves crop layer 2 with no points",
+        ),
         (dict(points_per_side=None, point_grids=[np.zeros((4, 2))], crop_n_layers=1), "list of crop_n_layers"),
         (dict(points_per_side=None, point_grids=[np.zeros((4, 3))]), r"point_grids\[0\] must be \[N, 2\]"),
         (dict(points_per_side=None, point_grids=[np.full((4, 2), 2.0)]), "normalized to"),

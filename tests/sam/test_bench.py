@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
-import torch
 
 from genfast import cli
-from genfast.sam.bench import agreement, bench_images, config_json, run_step
+from genfast.bench.ladder import measure_row
+from genfast.sam.bench import agreement, bench_images, config_json
 from tests.cpus import ZEN3, pretend_cpu
 from tests.sam.test_attention import FUSABLE
 
@@ -22,29 +23,48 @@ def tiny_config(tmp_path_factory):
 
 def test_bench_sam_writes_the_ladder(tiny_config, tmp_path, capsys):
     out = tmp_path / "rows.json"
-    code = cli.main(["bench", "sam", "--config", str(tiny_config), "--batch-size", "2", "--repeats", "1",
-                     "--steps", "original-fp32,fp32,fused-attention,sparse-2:4", "--json", str(out)])
+    code = cli.main(
+        [
+            "bench",
+            "sam",
+            "--config",
+            str(tiny_config),
+            "--batch-size",
+            "2",
+            "--repeats",
+            "1",
+            "--steps",
+            "original,baseline,fused-attention,sparse-2:4",
+            "--dtype",
+            "bfloat16",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = {row["step"]: row for row in json.loads(out.read_text())}
-    assert list(rows) == ["original-fp32", "fp32", "fused-attention", "sparse-2:4"]
-    for step in ("original-fp32", "fp32", "fused-attention"):
+    assert list(rows) == ["original", "baseline", "fused-attention", "sparse-2:4"]
+    for step in ("original", "baseline", "fused-attention"):
         row = rows[step]
         assert row["batch_size"] == 2 and row["img_s"] > 0 and row["peak_mem_gb"] > 0
         assert row["model"] == "custom (random weights)"
     # genfast's fp32 computes what the original computes; bf16 stays within the step's budget.
-    assert rows["fp32"]["mask_iou"] >= 0.999 and rows["fp32"]["logit_rel_err"] < 1e-4
+    assert rows["baseline"]["mask_iou"] >= 0.999 and rows["baseline"]["logit_rel_err"] < 1e-4
     assert rows["fused-attention"]["mask_iou"] >= 0.9 and rows["fused-attention"]["logit_rel_err"] < 0.05
     assert rows["sparse-2:4"]["note"].startswith("skipped") and rows["sparse-2:4"].get("img_s") is None
     table = capsys.readouterr().out
-    assert "| original-fp32 | 2 |" in table and "skipped" in table
+    assert "| original | 2 |" in table and "skipped" in table
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--steps", "fp32,warp"], "unknown step"),
-    (["--batch-size", "1,x"], "comma-separated whole numbers"),
-    (["--batch-size", "0"], "must be >= 1"),
-    (["--model", "vit_z"], "unknown SAM model"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "baseline,warp"], "unknown step"),
+        (["--batch-size", "1,x"], "comma-separated whole numbers"),
+        (["--batch-size", "0"], "must be >= 1"),
+        (["--model", "vit_z"], "unknown SAM model"),
+    ],
+)
 def test_bench_sam_user_errors(argv, message, capsys):
     assert cli.main(["bench", "sam", *argv]) != 0
     assert message in capsys.readouterr().err
@@ -76,12 +96,26 @@ def test_attention_memory_estimate_matches_the_measured_peak():
     from genfast.sam.config import sam_preset
 
     vit_b = sam_preset("vit_b")
-    assert 18e9 < attention_scores_bytes("fp32", vit_b, 8) < 21.2e9
+    assert 18e9 < attention_scores_bytes("baseline", vit_b, 8) < 21.2e9
     assert attention_scores_bytes("fused-attention", vit_b, 8) == 0
-    assert attention_scores_bytes("original-fp32", vit_b, 8) == attention_scores_bytes("fp32", vit_b, 1)
+    assert attention_scores_bytes("original", vit_b, 8) == attention_scores_bytes("baseline", vit_b, 1)
 
 
 def test_the_bf16_row_says_why_it_is_left_out(monkeypatch, tmp_path):
     pretend_cpu(monkeypatch, ZEN3)
-    row = run_step("bf16", FUSABLE, 1, 1, torch.device("cpu"), tmp_path / "baseline.pt", low_precision=None)
+    row = measure_row(
+        {
+            "ladder": "genfast.sam.bench:SamLadder",
+            "row": {"step": "bf16", "group": {"batch_size": 1}},
+            "options": {
+                "device": "cpu",
+                "dtype": "auto",
+                "repeats": 1,
+                "threads": None,
+                "config": asdict(FUSABLE),
+                "batch_sizes": [1],
+            },
+            "workdir": str(tmp_path),
+        }
+    )
     assert row["note"].startswith("skipped: this CPU has no native bf16") and "img_s" not in row

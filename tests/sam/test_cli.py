@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from genfast.cli import main
 from genfast import images
+from genfast.cli import main
 from genfast.sam.build import build_sam, load_sam_checkpoint
 from genfast.sam.commands import RANDOM_WEIGHTS_WARNING
 from genfast.sam.predictor import SamPredictor
@@ -29,7 +29,7 @@ def rle_decode(rle: dict) -> np.ndarray:
     flat = np.zeros(h * w, dtype=bool)
     position, value = 0, False
     for count in rle["counts"]:
-        flat[position:position + count] = value
+        flat[position : position + count] = value
         position, value = position + count, not value
     assert position == h * w
     return flat.reshape((w, h)).T
@@ -95,8 +95,9 @@ def test_multimask_with_labels_and_box_writes_ranked_masks(files, predictor, tmp
     out, js = tmp_path / "m.png", tmp_path / "m.json"
     args = ["--point", "10,20", "--point", "30,5.5", "--label", "1", "--label", "0", "--box", "2,3,30,45"]
     assert segment(files, *args, "--multimask", "-o", str(out), "--json", str(js), "--no-overlay") == 0
-    masks, scores, _ = predictor.predict(np.array([[10, 20], [30, 5.5]]), np.array([1, 0]),
-                                         np.array([2, 3, 30, 45]), multimask_output=True)
+    masks, scores, _ = predictor.predict(
+        np.array([[10, 20], [30, 5.5]]), np.array([1, 0]), np.array([2, 3, 30, 45]), multimask_output=True
+    )
     order = np.argsort(-scores, kind="stable")
     doc = json.loads(js.read_text())
     assert [m["rank"] for m in doc["masks"]] == [1, 2, 3]
@@ -134,8 +135,23 @@ def test_json_on_stdout(files, capsys):
 def test_auto_writes_label_map_overlay_and_rle(files, tmp_path):
     pytest.importorskip("genfast.sam.automatic")
     out, js = tmp_path / "labels.png", tmp_path / "auto.json"
-    assert segment(files, "--auto", "--points-per-side", "4", "--pred-iou-thresh", "0",
-                   "--stability-score-thresh", "0", "-o", str(out), "--json", str(js)) == 0
+    assert (
+        segment(
+            files,
+            "--auto",
+            "--points-per-side",
+            "4",
+            "--pred-iou-thresh",
+            "0",
+            "--stability-score-thresh",
+            "0",
+            "-o",
+            str(out),
+            "--json",
+            str(js),
+        )
+        == 0
+    )
     doc = json.loads(js.read_text())
     assert doc["mode"] == "auto" and doc["prompt"] is None
     masks = [rle_decode(m["segmentation"]) for m in doc["masks"]]
@@ -154,25 +170,29 @@ def test_auto_writes_label_map_overlay_and_rle(files, tmp_path):
 
 # ---- errors: one line, exit 2, nothing written ------------------------------------------------------
 
-@pytest.mark.parametrize("args,message", [
-    (["--point", "10"], "--point expects X,Y"),
-    (["--point", "a,b"], "--point expects X,Y"),
-    (["--point", "1,2,3"], "--point expects X,Y"),
-    (["--point", "nan,2"], "--point expects X,Y"),
-    (["--box", "1,2,3"], "--box expects X0,Y0,X1,Y1"),
-    (["--box", "30,2,10,20"], "X0 < X1"),
-    (["--box", "1,2,3,4", "--box", "1,2,5,6"], "one box"),
-    (["--point", "10,20", "--label", "2"], "--label must be 1"),
-    (["--point", "10,20", "--label", "1", "--label", "0"], "one label per point"),
-    (["--point", "37.5,10"], "outside the image"),
-    (["--point", "10,51"], "outside the image"),
-    (["--box", "0,0,38,20"], "outside the image"),
-    (["--auto", "--point", "10,20"], "--auto segments everything by itself"),
-    (["--auto", "--multimask"], "--multimask applies to"),
-    ([], "no prompt given"),
-    (["--point", "10,20", "--dtype", "int3"], "unknown dtype"),
-    (["--point", "10,20", "--model", "sam-vit-b"], "not both"),
-])
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--point", "10"], "--point expects X,Y"),
+        (["--point", "a,b"], "--point expects X,Y"),
+        (["--point", "1,2,3"], "--point expects X,Y"),
+        (["--point", "nan,2"], "--point expects X,Y"),
+        (["--box", "1,2,3"], "--box expects X0,Y0,X1,Y1"),
+        (["--box", "30,2,10,20"], "X0 < X1"),
+        (["--box", "1,2,3,4", "--box", "1,2,5,6"], "one box"),
+        (["--point", "10,20", "--label", "2"], "--label must be 1"),
+        (["--point", "10,20", "--label", "1", "--label", "0"], "one label per point"),
+        (["--point", "37.5,10"], "outside the image"),
+        (["--point", "10,51"], "outside the image"),
+        (["--box", "0,0,38,20"], "outside the image"),
+        (["--auto", "--point", "10,20"], "--auto segments everything by itself"),
+        (["--auto", "--multimask"], "--multimask applies to"),
+        ([], "no prompt given"),
+        (["--point", "10,20", "--dtype", "int3"], "unknown dtype"),
+        (["--point", "10,20", "--model", "sam-vit-b"], "not both"),
+    ],
+)
 def test_prompt_and_flag_errors(files, tmp_path, capsys, args, message):
     out = tmp_path / "out.png"
     assert segment(files, *args, "-o", str(out)) == 2
@@ -240,13 +260,16 @@ def test_existing_outputs_need_force_and_stay_untouched(files, tmp_path, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o-overlay.png", "o.png"]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["-o", "{d}/missing-dir/o.png"], "does not exist"),
-    (["-o", "{d}/o.png", "--overlay", "{d}/o.png"], "two different outputs"),
-    (["-o", "{d}"], "is a directory"),
-    (["--no-overlay"], "nothing to write"),
-    (["-o", "{d}/o.png", "--overlay", "{d}/x.png", "--no-overlay"], "not both"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["-o", "{d}/missing-dir/o.png"], "does not exist"),
+        (["-o", "{d}/o.png", "--overlay", "{d}/o.png"], "two different outputs"),
+        (["-o", "{d}"], "is a directory"),
+        (["--no-overlay"], "nothing to write"),
+        (["-o", "{d}/o.png", "--overlay", "{d}/x.png", "--no-overlay"], "not both"),
+    ],
+)
 def test_output_path_errors(files, tmp_path, capsys, args, message):
     assert segment(files, "--point", "1,1", *[a.format(d=tmp_path) for a in args]) == 2
     assert_one_line_error(capsys, message)
@@ -270,6 +293,7 @@ def test_a_failed_write_leaves_nothing_behind(files, tmp_path, capsys, monkeypat
 
 # ---- image loading ---------------------------------------------------------------------------------
 
+
 def test_load_image_converts_modes_and_applies_exif_orientation(tmp_path):
     rgb = np.random.default_rng(0).integers(0, 256, (6, 4, 3), dtype=np.uint8)
     gray = rgb[..., 0]
@@ -288,3 +312,19 @@ def test_load_image_converts_modes_and_applies_exif_orientation(tmp_path):
     Image.fromarray(rgb).save(tmp_path / "rotated.png", exif=exif)
     loaded = images.load_image(tmp_path / "rotated.png")
     assert loaded.shape == (4, 6, 3) and np.array_equal(loaded, np.rot90(rgb, k=-1))
+
+
+def test_recipe_steps_on_the_command_line(files, predictor, tmp_path, capsys):
+    """--recipe names the last step; the exact steps give the predictor's masks; a step that cannot
+    run here, or that --dtype leaves out, is refused in one line with nothing written."""
+    masks, scores, _ = predictor.predict(np.array([[10, 20]]), np.array([1]), multimask_output=True)
+    for step in ("baseline", "sdpa"):
+        out = tmp_path / f"{step}.png"
+        assert segment(files, "--point", "10,20", "-o", str(out), "--no-overlay", "--recipe", step) == 0
+        assert np.array_equal(read_mask(out), masks[int(np.argmax(scores))])
+        assert f"recipe {step} in float32" in capsys.readouterr().err
+    for step, message in (("sparse-2:4", "step sparse-2:4 cannot run here"), ("bf16", "--dtype float32")):
+        out = tmp_path / "refused.png"
+        assert segment(files, "--point", "10,20", "-o", str(out), "--recipe", step) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("genfast: error:") and not out.exists()

@@ -13,11 +13,34 @@ from genfast.sam.transforms import ResizeLongestSide
 from tests.sam.oracle import build_original_sam, import_segment_anything, randomize_
 
 # grid 8 with window 3: windows need padding (8 -> 9); decoder heads 8 as in the official models.
-TINY = SamConfig(32, 2, 4, (1,), image_size=64, patch_size=8, window_size=3, prompt_embed_dim=64,
-                 mask_in_chans=8, decoder_mlp_dim=64, iou_head_hidden_dim=32)
+TINY = SamConfig(
+    32,
+    2,
+    4,
+    (1,),
+    image_size=64,
+    patch_size=8,
+    window_size=3,
+    prompt_embed_dim=64,
+    mask_in_chans=8,
+    decoder_mlp_dim=64,
+    iou_head_hidden_dim=32,
+)
 # grid 8 with window 4: windows tile exactly; a global first block; 3 heads of 16.
-TINY_B = SamConfig(48, 2, 3, (0,), image_size=128, patch_size=16, window_size=4, prompt_embed_dim=32,
-                   mask_in_chans=4, decoder_num_heads=4, decoder_mlp_dim=48, iou_head_hidden_dim=16)
+TINY_B = SamConfig(
+    48,
+    2,
+    3,
+    (0,),
+    image_size=128,
+    patch_size=16,
+    window_size=4,
+    prompt_embed_dim=32,
+    mask_in_chans=4,
+    decoder_num_heads=4,
+    decoder_mlp_dim=48,
+    iou_head_hidden_dim=16,
+)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> float:
@@ -86,8 +109,13 @@ def test_mask_decoder_matches(pair, multimask):
     grid = config.image_embedding_size
     image_embeddings = torch.randn(1, config.prompt_embed_dim, grid, grid, generator=gen)
     sparse, dense = original.prompt_encoder(points=(p["coords"], p["labels"]), boxes=p["boxes"], masks=p["masks"])
-    args = {"image_embeddings": image_embeddings, "image_pe": original.prompt_encoder.get_dense_pe(),
-            "sparse_prompt_embeddings": sparse, "dense_prompt_embeddings": dense, "multimask_output": multimask}
+    args = {
+        "image_embeddings": image_embeddings,
+        "image_pe": original.prompt_encoder.get_dense_pe(),
+        "sparse_prompt_embeddings": sparse,
+        "dense_prompt_embeddings": dense,
+        "multimask_output": multimask,
+    }
     masks_ref, iou_ref = original.mask_decoder(**args)
     masks, iou = ours.mask_decoder(**args)
     n_out = config.num_multimask_outputs if multimask else 1
@@ -108,8 +136,10 @@ def test_pre_and_postprocess_match(pair):
     _close(ours.preprocess(image), original.preprocess(image))
     low_res = torch.randn(2, 3, 4 * config.image_embedding_size, 4 * config.image_embedding_size, generator=gen)
     for input_size, original_size in [((s * 3 // 4, s), (45, 60)), ((s, s // 2), (300, 150))]:
-        _close(ours.postprocess_masks(low_res, input_size, original_size),
-               original.postprocess_masks(low_res, input_size, original_size))
+        _close(
+            ours.postprocess_masks(low_res, input_size, original_size),
+            original.postprocess_masks(low_res, input_size, original_size),
+        )
 
 
 @torch.no_grad()
@@ -119,8 +149,13 @@ def test_end_to_end_matches_original_forward(pair):
     p = _prompts(config)
     s = config.image_size
     image = torch.rand(3, s, s * 3 // 4, generator=torch.Generator().manual_seed(5)) * 255
-    record = {"image": image, "original_size": (100, 75), "point_coords": p["coords"],
-              "point_labels": p["labels"], "boxes": p["boxes"]}
+    record = {
+        "image": image,
+        "original_size": (100, 75),
+        "point_coords": p["coords"],
+        "point_labels": p["labels"],
+        "boxes": p["boxes"],
+    }
     ref = original([record], multimask_output=True)[0]
 
     embedding = ours.image_encoder(ours.preprocess(image)[None])
@@ -218,8 +253,10 @@ def test_vit_b_at_real_size_matches_original():
     original.load_state_dict(ours.state_dict(), strict=True)
     image = torch.rand(3, 1024, 768, generator=torch.Generator().manual_seed(5)) * 255
     point = torch.tensor([[[400.0, 300.0]]])
-    ref = original([{"image": image, "original_size": (1024, 768), "point_coords": point,
-                     "point_labels": torch.tensor([[1]])}], multimask_output=True)[0]
+    ref = original(
+        [{"image": image, "original_size": (1024, 768), "point_coords": point, "point_labels": torch.tensor([[1]])}],
+        multimask_output=True,
+    )[0]
     expected_embedding = original.image_encoder(original.preprocess(image[None]))
     embedding = ours.image_encoder(ours.preprocess(image)[None])
     _close(embedding, expected_embedding, rel=1e-4)

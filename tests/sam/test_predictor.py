@@ -106,7 +106,7 @@ def test_predict_with_previous_low_res_mask(predictors, multimask):
     _, ref, pred, _ = predictors
     first = pred.predict(**_prompt("point"))
     best = int(np.argmax(first[1]))
-    args = {**_prompt("points"), "mask_input": first[2][best:best + 1], "multimask_output": multimask}
+    args = {**_prompt("points"), "mask_input": first[2][best : best + 1], "multimask_output": multimask}
     logits = pred.predict(**args, return_logits=True)[0]
     _assert_same(pred.predict(**args), ref.predict(**args), logits, False)
 
@@ -120,8 +120,9 @@ def test_predict_torch_batch_matches(predictors, with_points):
     boxes = pred.transform.apply_boxes_torch(corners, ORIGINAL_SIZE)
     coords = labels = None
     if with_points:
-        coords = pred.transform.apply_coords_torch(torch.rand(4, 2, 2, generator=gen) * torch.tensor([w, h]),
-                                                   ORIGINAL_SIZE)
+        coords = pred.transform.apply_coords_torch(
+            torch.rand(4, 2, 2, generator=gen) * torch.tensor([w, h]), ORIGINAL_SIZE
+        )
         labels = torch.tensor([[1, 0], [1, 1], [0, 1], [1, -1]], dtype=torch.int32)
     masks, iou, low_res = pred.predict_torch(coords, labels, boxes)
     masks_ref, iou_ref, low_res_ref = ref.predict_torch(coords, labels, boxes)
@@ -175,8 +176,10 @@ def test_batched_images_match_single_calls(predictors):
     _close(pred.get_image_embedding(), torch.cat(embeddings))
     for (single, logits), batched in zip(singles, pred.predict_batch(prompts)):
         _assert_same(batched, single, logits, False)
-    _close(torch.from_numpy(pred.predict(**prompts[1], image_index=1, return_logits=True)[0]),
-           torch.from_numpy(singles[1][1]))
+    _close(
+        torch.from_numpy(pred.predict(**prompts[1], image_index=1, return_logits=True)[0]),
+        torch.from_numpy(singles[1][1]),
+    )
     with pytest.raises(UserError, match="3 images are set"):
         pred.predict(**prompts[0])
     with pytest.raises(UserError, match="one prompt dict per set image"):
@@ -186,14 +189,18 @@ def test_batched_images_match_single_calls(predictors):
     pred.set_image(image)
 
 
-@pytest.mark.parametrize("image, image_format, match", [
-    (np.zeros((10, 12), np.uint8), "RGB", "must be HxWx3"),
-    (np.zeros((10, 12, 4), np.uint8), "RGB", "must be HxWx3"),
-    (np.zeros((3, 10, 12), np.uint8), "RGB", "must be HxWx3"),
-    (np.zeros((10, 12, 3), np.float32), "RGB", "must be uint8"),
-    (torch.zeros(10, 12, 3, dtype=torch.uint8), "RGB", "must be a numpy array"),
-    (np.zeros((10, 12, 3), np.uint8), "rgb", "image_format must be 'RGB' or 'BGR'"),
-], ids=["2d", "4_channels", "chw", "float", "tensor", "format"])
+@pytest.mark.parametrize(
+    "image, image_format, match",
+    [
+        (np.zeros((10, 12), np.uint8), "RGB", "must be HxWx3"),
+        (np.zeros((10, 12, 4), np.uint8), "RGB", "must be HxWx3"),
+        (np.zeros((3, 10, 12), np.uint8), "RGB", "must be HxWx3"),
+        (np.zeros((10, 12, 3), np.float32), "RGB", "must be uint8"),
+        (torch.zeros(10, 12, 3, dtype=torch.uint8), "RGB", "must be a numpy array"),
+        (np.zeros((10, 12, 3), np.uint8), "rgb", "image_format must be 'RGB' or 'BGR'"),
+    ],
+    ids=["2d", "4_channels", "chw", "float", "tensor", "format"],
+)
 def test_set_image_errors(image, image_format, match):
     pred = SamPredictor(build_sam(TINY))
     with pytest.raises(UserError, match=match):
@@ -267,11 +274,15 @@ def test_bf16_model_predicts_close_to_fp32():
 def test_prompts_of_the_same_shape_share_one_decoder_call(predictors):
     """Images 0, 1 and 3 have one-point prompts (one decoder call over three image embeddings),
     image 2 a box (its own call); every answer equals the one-image answer."""
-    config, _, pred, image = predictors
+    _, _, pred, image = predictors
     images = [image, _image((23, 61), 1), _image((40, 40), 2), _image((30, 20), 3)]
     point = {"point_coords": np.array([[5.0, 7.0]]), "point_labels": np.array([1])}
-    prompts = [point, {"point_coords": np.array([[10.0, 3.0]]), "point_labels": np.array([0])},
-               {"box": np.array([1.0, 2.0, 20.0, 30.0])}, point]
+    prompts = [
+        point,
+        {"point_coords": np.array([[10.0, 3.0]]), "point_labels": np.array([0])},
+        {"box": np.array([1.0, 2.0, 20.0, 30.0])},
+        point,
+    ]
     singles = []
     for img, prompt in zip(images, prompts):
         pred.set_image(img)
@@ -291,7 +302,7 @@ def test_prompts_of_the_same_shape_share_one_decoder_call(predictors):
 
 
 def test_static_encoder_batches_pad_and_match(predictors):
-    config, _, pred, image = predictors
+    _, _, pred, image = predictors
     images = [image, _image((23, 61), 1), _image((40, 40), 2)]
     pred.set_images(images)
     expected = pred.get_image_embedding()

@@ -35,8 +35,9 @@ def tiny_dir(tmp_path_factory) -> Path:
     model_type = cfg.pop("model_type")
     cfg.pop("architectures")
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **cfg),
-                                                       dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(model_type, **cfg), dtype=torch.float32
+    )
     directory = save_hf_model(hf.eval(), tmp_path_factory.mktemp("tiny-serve"))
     tok = word_tokenizer(VOCAB)
     tok.chat_template = TINY_CHAT_TEMPLATE
@@ -118,8 +119,9 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
 def start_cli_server(*args: str, timeout: float = 300.0) -> tuple[subprocess.Popen, int]:
     """`genfast serve *args --port 0` as a process; returns it and its port once it listens (the
     caller stops it). Fails with the server's log if it does not start within `timeout`."""
-    proc = subprocess.Popen([sys.executable, "-m", "genfast", "serve", *args, "--port", "0"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genfast", "serve", *args, "--port", "0"], stderr=subprocess.PIPE, text=True
+    )
     log: list[str] = []
     found: list[int] = []
 

@@ -52,8 +52,12 @@ def test_sampled_neighbours_leave_greedy_rows_alone(tiny_dir):
     want = single_request_outputs(*load_tiny(tiny_dir), PROMPTS[:2], [16, 16])
     engine = Engine(*load_tiny(tiny_dir), max_batch=4, compile=False).start()
     hot = SamplingParams(temperature=1.5, top_p=0.95)
-    requests = [GenerationRequest(tuple(PROMPTS[0]), 16), GenerationRequest(tuple(PROMPTS[3]), 16, hot, seed=1),
-                GenerationRequest(tuple(PROMPTS[1]), 16), GenerationRequest(tuple(PROMPTS[3]), 16, hot, seed=1)]
+    requests = [
+        GenerationRequest(tuple(PROMPTS[0]), 16),
+        GenerationRequest(tuple(PROMPTS[3]), 16, hot, seed=1),
+        GenerationRequest(tuple(PROMPTS[1]), 16),
+        GenerationRequest(tuple(PROMPTS[3]), 16, hot, seed=1),
+    ]
     got = run_concurrently(engine, requests)
     assert [got[0].token_ids, got[2].token_ids] == want
     assert got[1].token_ids == got[3].token_ids  # same seed, same draws, whatever the batch holds
@@ -118,9 +122,12 @@ def test_invalid_requests_are_refused_before_queueing(tiny_dir):
     from genfast.errors import UserError
 
     engine = Engine(*load_tiny(tiny_dir), max_batch=1, max_seq_len=64, compile=False)
-    for request, message in [(GenerationRequest((), 4), "empty"), (GenerationRequest((1,), 0), "max_tokens"),
-                             (GenerationRequest((1,) * 60, 8), "context holds 64"),
-                             (GenerationRequest((1, 99999), 4), "token ids")]:
+    for request, message in [
+        (GenerationRequest((), 4), "empty"),
+        (GenerationRequest((1,), 0), "max_tokens"),
+        (GenerationRequest((1,) * 60, 8), "context holds 64"),
+        (GenerationRequest((1, 99999), 4), "token ids"),
+    ]:
         with pytest.raises(UserError, match=message):
             engine.submit(request, lambda e: None)
     assert engine.stats().queued == 0

@@ -19,8 +19,9 @@ from tests.serve.test_server import long_stream
 
 def run_generate(*args: str) -> str:
     """`genfast generate`'s completion (stdout without the newline it ends with)."""
-    done = subprocess.run([sys.executable, "-m", "genfast", "generate", *args, "-q"], capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "genfast", "generate", *args, "-q"], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.endswith("\n")
     return done.stdout[:-1]
@@ -48,8 +49,19 @@ def test_cli_serves_and_shuts_down_gracefully(tiny_dir):
     with the signal's status, as uvicorn does (SIGINT: 130, like every genfast command)."""
     # A grace period far above the stream's length: on a loaded 2-core AVX2 machine the 600 tokens
     # took over the default 30 s, and the server rightly cut the stream.
-    proc, port = start_cli_server("--model", str(tiny_dir), "--no-compile", "--dtype", "float32",
-                                  "--max-batch", "2", "--served-model-name", "tiny", "--shutdown-timeout", "180")
+    proc, port = start_cli_server(
+        "--model",
+        str(tiny_dir),
+        "--no-compile",
+        "--dtype",
+        "float32",
+        "--max-batch",
+        "2",
+        "--served-model-name",
+        "tiny",
+        "--shutdown-timeout",
+        "180",
+    )
     try:
         assert_sigterm_lets_a_stream_finish(proc, port, max_tokens=600, timeout=200)
     finally:
@@ -74,8 +86,9 @@ def test_real_model_greedy_equals_genfast_generate(smollm2_gguf):
     from genfast.serve.engine import Engine
 
     tokenizer = load_tokenizer(smollm2_gguf)
-    server = Server(Engine(load_model(smollm2_gguf), tokenizer, max_batch=4, max_seq_len=512, compile=False),
-                    model_name="smollm2")
+    server = Server(
+        Engine(load_model(smollm2_gguf), tokenizer, max_batch=4, max_seq_len=512, compile=False), model_name="smollm2"
+    )
     try:
         client = server.client()
         cli = ["--model", str(smollm2_gguf), "--no-compile", "--dtype", "float32", "-n", "24"]
@@ -83,8 +96,9 @@ def test_real_model_greedy_equals_genfast_generate(smollm2_gguf):
         got = client.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0)
         assert got.choices[0].text == run_generate(prompt, *cli)
         question = "Name three colors."
-        chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
-                                              max_tokens=24, temperature=0)
+        chat = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0
+        )
         assert chat.choices[0].message.content == run_generate(question, "--chat", *cli)
 
         # Concurrent streams, each equal to its own single-request run.
@@ -93,14 +107,15 @@ def test_real_model_greedy_equals_genfast_generate(smollm2_gguf):
         want = [single.generate([single.encode_prompt(p)], 24).texts[0] for p in prompts]
 
         def stream(p: str) -> str:
-            return "".join(c.choices[0].text for c in client.completions.create(
-                model="smollm2", prompt=p, max_tokens=24, temperature=0, stream=True))
+            return "".join(
+                c.choices[0].text
+                for c in client.completions.create(model="smollm2", prompt=p, max_tokens=24, temperature=0, stream=True)
+            )
 
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             assert list(pool.map(stream, prompts)) == want
     finally:
         server.close()
-
 
 
 def _children(pid: int) -> list[int]:
@@ -129,8 +144,9 @@ def test_tensor_parallel_server_answers_as_one_process_and_stops_every_rank(tiny
     finally:
         single.close()
 
-    proc, port = start_cli_server("--model", str(tiny_dir), "--tp", "2", "--dtype", "float32", "--max-batch", "2",
-                                  "--served-model-name", "tiny")
+    proc, port = start_cli_server(
+        "--model", str(tiny_dir), "--tp", "2", "--dtype", "float32", "--max-batch", "2", "--served-model-name", "tiny"
+    )
     try:
         ranks = _children(proc.pid)
         assert len(ranks) == 2

@@ -44,14 +44,25 @@ def test_completions_greedy_equal_single_request_generate(serve, reference):
     assert got.choices[0].text == want.texts[0]
     assert got.choices[0].finish_reason == "length"
     assert got.usage.prompt_tokens == 5 and got.usage.completion_tokens == 24 and got.usage.total_tokens == 29
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.texts[0]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
     # Token ids in, as OpenAI allows.
     ids = reference.tokenizer.encode(PROMPT)
-    assert client.completions.create(model="tiny", prompt=ids, max_tokens=24, temperature=0).choices[0].text == want.texts[0]
+    assert (
+        client.completions.create(model="tiny", prompt=ids, max_tokens=24, temperature=0).choices[0].text
+        == want.texts[0]
+    )
 
 
 def test_chat_applies_the_template_streamed_or_not(serve, reference):
@@ -62,8 +73,9 @@ def test_chat_applies_the_template_streamed_or_not(serve, reference):
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want.texts[0]
     assert got.usage.prompt_tokens == want.prompt_tokens and got.usage.completion_tokens == 12
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=12,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=12, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.texts[0]
@@ -76,8 +88,12 @@ def test_stop_strings_and_max_tokens(serve, reference):
     stop = " ".join(free.split(" ")[4:6])
     got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "w999"])
     assert got.choices[0].text == free[: free.find(stop)] and got.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True
+        )
+    )
     assert streamed == free[: free.find(stop)]
     short = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
@@ -87,8 +103,11 @@ def test_seed_makes_sampling_reproducible(serve):
     client = serve(max_batch=4).client()
 
     def sample(seed: int) -> str:
-        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=1.0, top_p=0.9,
-                                         seed=seed).choices[0].text
+        return (
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=1.0, top_p=0.9, seed=seed)
+            .choices[0]
+            .text
+        )
 
     first = sample(7)
     assert sample(7) == first
@@ -99,22 +118,25 @@ def test_seed_makes_sampling_reproducible(serve):
     assert len({first, results[1], results[3]}) > 1
 
 
-@pytest.mark.parametrize("body,message", [
-    ('{"model": "tiny", "prompt": "w1", ', "not valid JSON"),
-    ({"model": "tiny", "prompt": "w1", "max_tokens": "ten"}, "max_tokens"),
-    ({"model": "tiny", "prompt": 5}, "prompt"),
-    ({"model": "tiny", "prompt": "w1", "temprature": 0.5}, "temprature"),
-    ({"model": "tiny", "prompt": "w1", "max_tokens": 0}, "max_tokens"),
-    ({"model": "tiny", "prompt": "w1", "max_tokens": 5000}, "context holds 1024"),
-    ({"model": "tiny", "prompt": " ".join(["w1"] * 1100)}, "context holds 1024"),
-    ({"model": "tiny", "prompt": "w1", "n": 2}, "n"),
-    ({"model": "tiny", "prompt": "w1", "temperature": 3}, "temperature"),
-    ({"model": "tiny", "prompt": "w1", "presence_penalty": 0.5}, "not supported"),
-    ({"model": "tiny", "prompt": ["w1", "w2"]}, "one prompt per request"),
-    ({"model": "tiny", "prompt": ""}, "empty"),
-    ({"model": "tiny", "prompt": [1, 5000]}, "token ids"),
-    ({"model": "gpt-4", "prompt": "w1"}, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ('{"model": "tiny", "prompt": "w1", ', "not valid JSON"),
+        ({"model": "tiny", "prompt": "w1", "max_tokens": "ten"}, "max_tokens"),
+        ({"model": "tiny", "prompt": 5}, "prompt"),
+        ({"model": "tiny", "prompt": "w1", "temprature": 0.5}, "temprature"),
+        ({"model": "tiny", "prompt": "w1", "max_tokens": 0}, "max_tokens"),
+        ({"model": "tiny", "prompt": "w1", "max_tokens": 5000}, "context holds 1024"),
+        ({"model": "tiny", "prompt": " ".join(["w1"] * 1100)}, "context holds 1024"),
+        ({"model": "tiny", "prompt": "w1", "n": 2}, "n"),
+        ({"model": "tiny", "prompt": "w1", "temperature": 3}, "temperature"),
+        ({"model": "tiny", "prompt": "w1", "presence_penalty": 0.5}, "not supported"),
+        ({"model": "tiny", "prompt": ["w1", "w2"]}, "one prompt per request"),
+        ({"model": "tiny", "prompt": ""}, "empty"),
+        ({"model": "tiny", "prompt": [1, 5000]}, "token ids"),
+        ({"model": "gpt-4", "prompt": "w1"}, "does not exist"),
+    ],
+)
 def test_bad_requests_get_openai_errors(serve, body, message):
     server = serve(max_batch=1)
     status, answer = request(server, "POST", "/v1/completions", body)
@@ -139,12 +161,15 @@ def test_api_key(serve):
     with pytest.raises(openai.AuthenticationError, match="API key"):
         server.client("wrong").models.list()
     assert request(server, "POST", "/v1/completions", {"model": "tiny", "prompt": "w1"})[0] == 401
-    assert server.client("sekrit").completions.create(model="tiny", prompt="w1", max_tokens=2).usage.completion_tokens == 2
+    assert (
+        server.client("sekrit").completions.create(model="tiny", prompt="w1", max_tokens=2).usage.completion_tokens == 2
+    )
     assert request(server, "GET", "/health")[0] == 200  # probes need no key
 
 
-def request(server, method: str, path: str, body: dict | str | None = None,
-            headers: dict[str, str] | None = None) -> tuple[int, dict]:
+def request(
+    server, method: str, path: str, body: dict | str | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict]:
     """A raw HTTP request (no client-side validation): status and JSON answer."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     content = body if isinstance(body, str | None) else json.dumps(body)
@@ -160,8 +185,14 @@ def long_stream(server, max_tokens: int = 1000) -> tuple[http.client.HTTPConnect
     """Open a streamed completion that runs for a long while and read its first event; closing
     the returned connection is a client disconnect."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
-        {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}))
+    conn.request(
+        "POST",
+        "/v1/completions",
+        headers={"Content-Type": "application/json"},
+        body=json.dumps(
+            {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        ),
+    )
     response = conn.getresponse()
     assert response.status == 200
     assert response.readline().startswith(b"data: {")
@@ -201,8 +232,12 @@ def test_client_leaving_a_non_streamed_request_cancels_it(serve):
 
     server.engine._step = slow_step
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
-                 body=json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0}))
+    conn.request(
+        "POST",
+        "/v1/completions",
+        headers={"Content-Type": "application/json"},
+        body=json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0}),
+    )
     assert wait_until(lambda: server.engine.stats().generated_tokens > 0)
     conn.close()
     assert wait_until(lambda: server.engine.stats().active == 0, timeout=5)
@@ -216,8 +251,7 @@ def test_16_concurrent_streams_equal_their_single_request_outputs(serve, referen
     client = server.client()
 
     def stream(prompt: str) -> tuple[str, str | None]:
-        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0,
-                                                stream=True))
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0, stream=True))
         return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:

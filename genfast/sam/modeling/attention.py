@@ -46,7 +46,7 @@ def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Ten
     q, k, v: [B, heads, N, C] with N = H * W; rel_h: [B, heads, N, H]; rel_w: [B, heads, N, W].
     """
     b, n_heads, n, c = q.shape
-    scale = c ** -0.5
+    scale = c**-0.5
     if impl in ("auto", "fused") and fused_attention.supports(q):
         return fused_attention.rel_pos_attention(q, k, v, rel_h, rel_w, scale)
     if impl in ("auto", "fused") and q.is_cuda:

@@ -123,8 +123,13 @@ class ImageEncoderViT(nn.Module):
         self.patch_embed = PatchEmbed(config.patch_size, dim)
         self.pos_embed = nn.Parameter(torch.zeros(1, grid, grid, dim))
         self.blocks = nn.ModuleList(
-            Block(dim, config.encoder_num_heads, config.mlp_ratio,
-                  0 if i in config.encoder_global_attn_indexes else config.window_size, grid)
+            Block(
+                dim,
+                config.encoder_num_heads,
+                config.mlp_ratio,
+                0 if i in config.encoder_global_attn_indexes else config.window_size,
+                grid,
+            )
             for i in range(config.encoder_depth)
         )
         out = config.prompt_embed_dim

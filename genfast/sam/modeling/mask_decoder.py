@@ -46,32 +46,42 @@ class MaskDecoder(nn.Module):
             nn.ConvTranspose2d(dim // 4, dim // 8, kernel_size=2, stride=2),
             nn.GELU(),
         )
-        self.output_hypernetworks_mlps = nn.ModuleList(
-            MLP(dim, dim, dim // 8, 3) for _ in range(self.num_mask_tokens)
-        )
-        self.iou_prediction_head = MLP(dim, config.iou_head_hidden_dim, self.num_mask_tokens,
-                                       config.iou_head_depth)
+        self.output_hypernetworks_mlps = nn.ModuleList(MLP(dim, dim, dim // 8, 3) for _ in range(self.num_mask_tokens))
+        self.iou_prediction_head = MLP(dim, config.iou_head_hidden_dim, self.num_mask_tokens, config.iou_head_depth)
 
-    def forward(self, image_embeddings: Tensor, image_pe: Tensor, sparse_prompt_embeddings: Tensor,
-                dense_prompt_embeddings: Tensor, multimask_output: bool) -> tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        image_embeddings: Tensor,
+        image_pe: Tensor,
+        sparse_prompt_embeddings: Tensor,
+        dense_prompt_embeddings: Tensor,
+        multimask_output: bool,
+    ) -> tuple[Tensor, Tensor]:
         """Masks for B prompts: low-res mask logits [B, M, 4h, 4w] and predicted IoUs [B, M].
 
         image_embeddings: [1, C, h, w] (shared by all prompts, as in the original) or [B, C, h, w]
         (one per prompt); image_pe: [1, C, h, w]; sparse: [B, N, C]; dense: [B, C, h, w].
         M is 3 with multimask_output, else 1.
         """
-        masks, iou_pred = self.predict_masks(image_embeddings, image_pe, sparse_prompt_embeddings,
-                                             dense_prompt_embeddings)
+        masks, iou_pred = self.predict_masks(
+            image_embeddings, image_pe, sparse_prompt_embeddings, dense_prompt_embeddings
+        )
         keep = slice(1, None) if multimask_output else slice(0, 1)
         return masks[:, keep], iou_pred[:, keep]
 
-    def predict_masks(self, image_embeddings: Tensor, image_pe: Tensor, sparse_prompt_embeddings: Tensor,
-                      dense_prompt_embeddings: Tensor) -> tuple[Tensor, Tensor]:
+    def predict_masks(
+        self,
+        image_embeddings: Tensor,
+        image_pe: Tensor,
+        sparse_prompt_embeddings: Tensor,
+        dense_prompt_embeddings: Tensor,
+    ) -> tuple[Tensor, Tensor]:
         """All 1 + num_multimask_outputs masks and IoU predictions."""
         bs = sparse_prompt_embeddings.shape[0]
         if image_embeddings.shape[0] not in (1, bs):
-            raise ValueError(f"{image_embeddings.shape[0]} image embeddings for {bs} prompts: "
-                             "pass one embedding, or one per prompt")
+            raise ValueError(
+                f"{image_embeddings.shape[0]} image embeddings for {bs} prompts: pass one embedding, or one per prompt"
+            )
         output_tokens = torch.cat([self.iou_token.weight, self.mask_tokens.weight], dim=0)
         tokens = torch.cat([output_tokens.expand(bs, -1, -1), sparse_prompt_embeddings], dim=1)
 
@@ -80,7 +90,7 @@ class MaskDecoder(nn.Module):
         pos_src = image_pe.expand(b, -1, -1, -1)
         hs, src = self.transformer(src, pos_src, tokens)
         iou_token_out = hs[:, 0]
-        mask_tokens_out = hs[:, 1:1 + self.num_mask_tokens]
+        mask_tokens_out = hs[:, 1 : 1 + self.num_mask_tokens]
 
         upscaled = self.output_upscaling(src.transpose(1, 2).reshape(b, c, h, w))
         hyper_in = torch.stack(

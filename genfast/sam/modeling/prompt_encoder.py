@@ -99,8 +99,9 @@ class PromptEncoder(nn.Module):
         corner_labels = torch.cat([self.point_embeddings[2].weight, self.point_embeddings[3].weight])
         return pe + corner_labels
 
-    def forward(self, points: tuple[Tensor, Tensor] | None, boxes: Tensor | None,
-                masks: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, points: tuple[Tensor, Tensor] | None, boxes: Tensor | None, masks: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """Embed one batch of prompts (B = number of prompts, each for the same image).
 
         points: (coords [B, N, 2] as (x, y), labels [B, N]); boxes: [B, 4] as (x0, y0, x1, y1);

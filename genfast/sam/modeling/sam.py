@@ -49,8 +49,7 @@ class Sam(nn.Module):
         size = self.image_encoder.img_size
         return F.pad(x, (0, size - w, 0, size - h))
 
-    def postprocess_masks(self, masks: Tensor, input_size: tuple[int, int],
-                          original_size: tuple[int, int]) -> Tensor:
+    def postprocess_masks(self, masks: Tensor, input_size: tuple[int, int], original_size: tuple[int, int]) -> Tensor:
         """Low-res mask logits [B, M, 4h, 4w] -> logits at the original image size [B, M, H, W].
 
         input_size is the resized image's (h, w) before padding; masks are first upscaled to the

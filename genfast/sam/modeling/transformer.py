@@ -32,15 +32,15 @@ class Attention(nn.Module):
         return x.view(b, n, self.num_heads, c // self.num_heads).transpose(1, 2)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out = attention(self._heads(self.q_proj(q)), self._heads(self.k_proj(k)), self._heads(self.v_proj(v)),
-                        self.attention_impl)
+        out = attention(
+            self._heads(self.q_proj(q)), self._heads(self.k_proj(k)), self._heads(self.v_proj(v)), self.attention_impl
+        )
         b, _, n, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
 class TwoWayAttentionBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int, downsample_rate: int,
-                 skip_first_layer_pe: bool) -> None:
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, downsample_rate: int, skip_first_layer_pe: bool) -> None:
         super().__init__()
         self.self_attn = Attention(dim, num_heads)
         self.norm1 = nn.LayerNorm(dim)

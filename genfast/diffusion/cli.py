@@ -1,0 +1,57 @@
+"""Diffusion's commands on the command line: imagine and bench diffusion. Torch-free: handlers are
+imported to run."""
+
+from __future__ import annotations
+
+import argparse
+
+from genfast.arguments import add_bench_args, add_device, add_recipe, lazy, positive_int
+from genfast.diffusion.recipe import DEFAULT_STEP, RECIPE
+
+IMAGINE_DESCRIPTION = """Generate an image from a prompt with a diffusers pipeline, made fast by genfast's recipe
+(genfast/diffusion/recipe.py). Needs diffusers: pip install 'genfast[diffusion]'."""
+BENCH_DIFFUSION_HELP = "text-to-image ladder (random weights at the real size) vs fp32"
+BENCH_DIFFUSION_DESCRIPTION = """Seconds per image and per denoiser step, compile time, peak memory and PSNR against
+the fp32 baseline for each step of the recipe (genfast/diffusion/recipe.py), on random weights at the real
+architecture size."""
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "imagine", help="text to image with a diffusers pipeline (PNG out)", description=IMAGINE_DESCRIPTION
+    )
+    p.add_argument("prompt", help="what to draw")
+    p.add_argument(
+        "--model",
+        "-m",
+        required=True,
+        help="a diffusers pipeline directory (with model_index.json) or a hub id (downloaded when "
+        "online); with --random-weights: tiny-sd15, tiny-sdxl or tiny-pixart",
+    )
+    p.add_argument("--output", "-o", required=True, metavar="OUT.png", help="the image file (PNG)")
+    p.add_argument("--denoising-steps", type=positive_int, default=30, metavar="N", help="denoising steps (default 30)")
+    p.add_argument("--size", default="512x512", metavar="WxH", help="pixels, multiples of 8 (default 512x512)")
+    p.add_argument("--seed", type=int, default=None, help="default: random (printed, and stored in the PNG)")
+    p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default 7.5)")
+    p.add_argument("--negative", default=None, metavar="TEXT", help="negative prompt")
+    add_recipe(p, RECIPE, DEFAULT_STEP)
+    add_device(p)
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="a tiny random pipeline (smoke tests and timing only; labelled in every output)",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.set_defaults(run=lazy("genfast.diffusion.commands", "imagine_command"))
+
+
+def register_bench(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("diffusion", help=BENCH_DIFFUSION_HELP, description=BENCH_DIFFUSION_DESCRIPTION)
+    g = b.add_argument_group("diffusion")
+    g.add_argument("--arch", default="sd15", help="sd15 or sdxl (tiny-sd15, tiny-sdxl: smoke tests) (default sd15)")
+    g.add_argument("--size", type=positive_int, default=512, help="image side in pixels (default 512)")
+    g.add_argument(
+        "--denoising-steps", type=positive_int, default=4, metavar="N", help="denoising steps per image (default 4)"
+    )
+    add_bench_args(b, "diffusion", repeats=3)
+    b.set_defaults(run=lazy("genfast.diffusion.bench", "bench_command"))

@@ -1,0 +1,178 @@
+"""Recipes: each workload's optimizations as named, ordered, cumulative steps, one mechanism for all.
+
+A workload declares its recipe once, in genfast/<workload>/recipe.py: a `Recipe` of `Step`s in
+ladder order and the frozen settings dataclass the steps fill in. Each step states its contract:
+what it changes, its accuracy budget against the baseline (enforced by the workload's tests), the
+settings it sets and, where it cannot run everywhere, what it needs. Steps shared by several
+workloads are declared once in genfast/steps.py.
+
+`Recipe.plan(step, target)` applies every step up to and including `step`, in order. One rule for
+a step that cannot run on the target (`Step.needs` gives the reason) or that the user's flags
+decline (`Step.declined`, e.g. the bf16 step under --dtype float32):
+- the step asked for by name: a UserError that says why;
+- an earlier step of the same plan: left out, with its reason in `Plan.skipped` (commands print
+  it) or, when declined, in `Plan.declined` (the user knows);
+- a row of `genfast bench`: the row says "skipped: <reason>".
+A step that runs in a lesser form here (`Step.fallback`, e.g. without its native kernel) runs, and
+its note goes into `Plan.notes` and the bench row.
+
+This module imports no torch: the CLI lists step names without loading it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Generic, TypeVar
+
+from genfast.errors import UserError
+
+Settings = TypeVar("Settings")  # a workload's frozen settings dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a recipe runs: the resolved device (a torch.device) and the user's --dtype, which
+    decides what the low-precision ("bf16") step does there."""
+
+    device: Any
+    dtype: str = "auto"
+
+
+def target(device: str = "auto", dtype: str = "auto") -> Target:
+    """A Target from --device and --dtype values (resolved by genfast.hardware: imports torch)."""
+    from genfast.hardware import dtype_name, resolve_device
+
+    return Target(resolve_device(device), dtype_name(dtype))
+
+
+Requirement = Callable[[Target], "str | None"]  # why a step cannot run (or is degraded) on a target; None: fine
+
+
+def _no_requirement(target: Target) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimization and its contract. `sets`: the settings fields it sets (a mapping, or a
+    function of the target); `needs`: why it cannot run on a target; `declined`: why the target's
+    own choices leave it out; `fallback`: how it runs in a lesser form there; `replaces`: earlier
+    steps whose settings it takes back (e.g. 2:4 sparsity instead of dynamic int8)."""
+
+    name: str
+    changes: str
+    budget: str
+    sets: Mapping[str, Any] | Callable[[Target], Mapping[str, Any]] = field(default_factory=dict)
+    needs: Requirement = _no_requirement
+    declined: Requirement = _no_requirement
+    fallback: Requirement = _no_requirement
+    replaces: tuple[str, ...] = ()
+
+    def settings_on(self, target: Target) -> Mapping[str, Any]:
+        return self.sets(target) if callable(self.sets) else self.sets
+
+    def unavailable(self, target: Target) -> str | None:
+        """Why the step does not run on `target` (declined or impossible), or None."""
+        return self.declined(target) or self.needs(target)
+
+
+@dataclass(frozen=True)
+class Plan(Generic[Settings]):
+    """The settings of a recipe up to `step` on one target, and what was left out or degraded."""
+
+    step: str
+    settings: Settings
+    applied: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...] = ()  # (step, why it cannot run here)
+    notes: tuple[tuple[str, str], ...] = ()  # (step, how it runs here instead)
+    declined: tuple[tuple[str, str], ...] = ()  # (step, which of the user's choices leaves it out)
+
+    def messages(self) -> list[str]:
+        """One line per step that was left out or runs in a lesser form, for stderr."""
+        return [f"step {name} left out: {why}" for name, why in self.skipped] + [
+            f"step {name}: {note}" for name, note in self.notes
+        ]
+
+
+class Recipe(Generic[Settings]):
+    """A workload's steps in ladder order; the first is the baseline."""
+
+    def __init__(self, workload: str, settings: type[Settings], steps: Sequence[Step]) -> None:
+        names = [s.name for s in steps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{workload} recipe: duplicate step names in {names}")
+        known = {f.name for f in fields(settings)}  # type: ignore[arg-type]
+        for step in steps:
+            if not callable(step.sets) and set(step.sets) - known:
+                raise ValueError(f"{workload} step {step.name} sets unknown fields {set(step.sets) - known}")
+            if any(r not in names[: names.index(step.name)] for r in step.replaces):
+                raise ValueError(f"{workload} step {step.name} replaces a step that does not come before it")
+        self.workload = workload
+        self.settings_type = settings
+        self.steps = tuple(steps)
+        self.names = tuple(names)
+
+    @property
+    def baseline(self) -> str:
+        return self.names[0]
+
+    def step(self, name: str) -> Step:
+        if name not in self.names:
+            raise UserError(
+                f"unknown step {name!r} of the {self.workload} recipe; its steps, in order: {', '.join(self.names)}"
+            )
+        return self.steps[self.names.index(name)]
+
+    def ordered(self, names: Iterable[str]) -> list[str]:
+        """`names` checked and sorted into ladder order (duplicates dropped)."""
+        return sorted({self.step(n).name for n in names}, key=self.names.index)
+
+    def unavailable(self, name: str, target: Target) -> str | None:
+        """Why step `name` cannot run on `target`, or None."""
+        return self.step(name).unavailable(target)
+
+    def plan(self, name: str, target: Target) -> Plan[Settings]:
+        """Every step up to and including `name`, cumulatively, on `target`. Raises UserError when
+        `name` itself cannot run there; earlier steps that cannot are left out (Plan.skipped)."""
+        last = self.step(name)
+        reason = last.unavailable(target)
+        if reason:
+            raise UserError(f"the {self.workload} step {name} cannot run here: {reason}")
+        active: list[Step] = []
+        skipped, declined, notes = [], [], []
+        for step in self.steps[: self.names.index(name) + 1]:
+            if reason := step.declined(target):
+                declined.append((step.name, reason))
+            elif reason := step.needs(target):
+                skipped.append((step.name, reason))
+            else:
+                active = [s for s in active if s.name not in step.replaces] + [step]
+        settings = self.settings_type()
+        for step in active:
+            settings = replace(settings, **step.settings_on(target))  # type: ignore[type-var]
+            note = step.fallback(target)
+            if note:
+                notes.append((step.name, note))
+        return Plan(name, settings, tuple(s.name for s in active), tuple(skipped), tuple(notes), tuple(declined))
+
+    def settings(self, name: str, on: Target | None = None) -> Settings:
+        """The settings of every step up to `name` on `on` (default: this machine, --dtype auto),
+        e.g. `apply_recipe(model, RECIPE.settings("compile"))`."""
+        return self.plan(name, on or target()).settings
+
+    def describe(self, target: Target | None = None) -> str:
+        """The steps as a markdown table: name, what changes, accuracy budget and, for a target,
+        how each runs there."""
+
+        def here(step: Step) -> str:
+            assert target is not None
+            reason = step.unavailable(target)
+            return f"left out: {reason}" if reason else step.fallback(target) or "runs"
+
+        lines = [
+            "| step | what changes | accuracy budget |" + (" here |" if target else ""),
+            "|---|---|---|" + ("---|" if target else ""),
+        ]
+        lines += [f"| {s.name} | {s.changes} | {s.budget} |" + (f" {here(s)} |" if target else "") for s in self.steps]
+        return "\n".join(lines)

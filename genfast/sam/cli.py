@@ -1,0 +1,119 @@
+"""Segment Anything's commands on the command line: segment and bench sam. Torch-free: handlers
+are imported to run."""
+
+from __future__ import annotations
+
+import argparse
+
+from genfast.arguments import add_bench_args, add_device, add_recipe, lazy, positive_int, unit_float
+from genfast.sam.recipe import DEFAULT_STEP, RECIPE
+
+DTYPE_HELP = """the recipe's bf16 step: float32 (the default: no bf16 step, masks as the original model makes them),
+auto (bfloat16 where the hardware computes in it natively), bfloat16 or float16 (CUDA only)"""
+SEGMENT_DESCRIPTION = """Segment an image with SAM. Prompts: --point X,Y (repeatable, with one --label
+1|0 per point; default foreground) and/or --box X0,Y0,X1,Y1, in pixels (x right,
+y down); or --auto for every object."""
+BENCH_SAM_HELP = "Segment Anything ladder (random weights, real images) vs the original package"
+BENCH_SAM_DESCRIPTION = """Images/s, peak memory and agreement with the original segment-anything fp32 predictor for
+each step of the recipe (genfast/sam/recipe.py), on random weights at the real architecture size. --steps also takes
+'original' (the original package's predictor, the first row by default)."""
+
+SEGMENT_EPILOG = """outputs (never overwritten without --force; written atomically, all or nothing):
+  -o OUT.png       prompts: the best-scoring mask (8-bit, 0/255); with --multimask the
+                   k-th best also to OUT-k.png (k = 2, 3). --auto: a label map (0 =
+                   background, i = i-th mask by decreasing area; 16-bit beyond 255).
+  OUT-overlay.png  masks tinted over the image with the prompt drawn (see --overlay).
+  --json PATH      masks as uncompressed RLE ({size: [H, W], counts}, column-major,
+                   zeros first) with predicted IoU, area and XYWH box ('-' = stdout).
+weights: not shipped; `genfast pull sam-vit-b` downloads the official checkpoint into
+the cache, where --model finds it (or pass --checkpoint PATH)."""
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "segment",
+        help="Segment Anything: masks for points/a box, or every object (--auto)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=SEGMENT_DESCRIPTION,
+        epilog=SEGMENT_EPILOG,
+    )
+    p.add_argument("image", help="the image file (any format Pillow reads; EXIF orientation is applied)")
+    g = p.add_argument_group("prompt")
+    g.add_argument("--point", action="append", metavar="X,Y", help="a point on the object (repeatable)")
+    g.add_argument(
+        "--label",
+        action="append",
+        metavar="1|0",
+        help="per --point, in order: 1 foreground, 0 background (default: all foreground)",
+    )
+    g.add_argument("--box", action="append", metavar="X0,Y0,X1,Y1", help="a box around the object")
+    g.add_argument(
+        "--multimask",
+        action="store_true",
+        help="keep all of SAM's 3 candidate masks (default: only the best-scoring one)",
+    )
+    g.add_argument("--auto", action="store_true", help="segment everything (a grid of points; no prompts)")
+    g.add_argument(
+        "--points-per-side", type=positive_int, default=32, metavar="N", help="--auto: grid size (default 32)"
+    )
+    g.add_argument(
+        "--points-per-batch",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="--auto: points decoded together (default 64)",
+    )
+    g.add_argument(
+        "--pred-iou-thresh",
+        type=unit_float,
+        default=0.88,
+        metavar="T",
+        help="--auto: drop masks with a lower predicted IoU (default 0.88)",
+    )
+    g.add_argument(
+        "--stability-score-thresh",
+        type=unit_float,
+        default=0.95,
+        metavar="T",
+        help="--auto: drop masks with a lower stability score (default 0.95)",
+    )
+    g = p.add_argument_group("output")
+    g.add_argument("--output", "-o", default=None, metavar="OUT.png", help="the mask PNG (see below)")
+    g.add_argument("--overlay", default=None, metavar="PATH", help="the overlay PNG (default: OUT-overlay.png)")
+    g.add_argument("--no-overlay", action="store_true", help="do not write an overlay")
+    g.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        metavar="PATH",
+        help="masks (uncompressed RLE), scores and boxes as JSON ('-' = stdout)",
+    )
+    g.add_argument("--force", action="store_true", help="overwrite existing output files")
+    g = p.add_argument_group("model")
+    g.add_argument("--checkpoint", default=None, metavar="PATH", help="a SAM checkpoint (sam_vit_*.pth)")
+    g.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="sam-vit-b, sam-vit-l or sam-vit-h from the cache (`genfast pull NAME`; default sam-vit-b)",
+    )
+    g.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="BENCHMARKING ONLY: randomly initialized weights with the --model architecture "
+        "(or --checkpoint's; its weights are not used); the masks are meaningless and "
+        "every output is labelled so",
+    )
+    add_device(g)
+    add_recipe(g, RECIPE, DEFAULT_STEP, dtype_default="float32", dtype_help=DTYPE_HELP)
+    p.set_defaults(run=lazy("genfast.sam.commands", "segment_command"))
+
+
+def register_bench(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("sam", help=BENCH_SAM_HELP, description=BENCH_SAM_DESCRIPTION)
+    g = b.add_argument_group("sam")
+    g.add_argument("--model", "-m", default="vit_b", help="vit_b, vit_l or vit_h (default: vit_b)")
+    g.add_argument("--config", default=None, help="an architecture as JSON (SamConfig fields) instead of --model")
+    g.add_argument("--batch-size", default="1,8", help="comma-separated images per batch (default: 1,8)")
+    add_bench_args(b, "sam", repeats=3)
+    b.set_defaults(run=lazy("genfast.sam.bench", "bench_command"))
