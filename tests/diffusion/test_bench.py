@@ -12,26 +12,9 @@ from genfast import cli
 
 def test_bench_diffusion_writes_the_ladder(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    code = cli.main(
-        [
-            "bench",
-            "diffusion",
-            "--arch",
-            "tiny-sd15",
-            "--size",
-            "32",
-            "--denoising-steps",
-            "2",
-            "--repeats",
-            "1",
-            "--steps",
-            "baseline,bf16,sdpa",
-            "--dtype",
-            "bfloat16",
-            "--json",
-            str(out),
-        ]
-    )
+    ladder = "--steps baseline,bf16,sdpa --dtype bfloat16 --repeats 1"
+    argv = ["bench", "diffusion", "--arch", "tiny-sd15", "--size", "32", "--denoising-steps", "2", *ladder.split()]
+    code = cli.main([*argv, "--json", str(out)])
     assert code == 0
     rows = {row["step"]: row for row in json.loads(out.read_text())}
     assert list(rows) == ["baseline", "bf16", "sdpa"]

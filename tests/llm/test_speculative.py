@@ -257,17 +257,8 @@ def test_greedy_speculative_equals_plain_on_the_real_model(smollm2_fp32, smollm2
 def test_cli_generate_with_prompt_lookup_prints_the_plain_completion_and_stats(smollm2_gguf, capsys):
     from genfast.cli import main
 
-    base = [
-        "generate",
-        "def add(a, b):\n    return a + b\n\ndef sub(a, b):",
-        "--model",
-        str(smollm2_gguf),
-        "--no-compile",
-        "--dtype",
-        "float32",
-        "-n",
-        "16",
-    ]
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):"
+    base = ["generate", prompt, "--model", str(smollm2_gguf), "--no-compile", "--dtype", "float32", "-n", "16"]
     assert main(base) == 0
     plain = capsys.readouterr().out
     assert main([*base, "--prompt-lookup", "--speculate-k", "3"]) == 0

@@ -23,23 +23,9 @@ def tiny_config(tmp_path_factory):
 
 def test_bench_sam_writes_the_ladder(tiny_config, tmp_path, capsys):
     out = tmp_path / "rows.json"
+    ladder = "--steps original,baseline,fused-attention,sparse-2:4 --dtype bfloat16 --repeats 1"
     code = cli.main(
-        [
-            "bench",
-            "sam",
-            "--config",
-            str(tiny_config),
-            "--batch-size",
-            "2",
-            "--repeats",
-            "1",
-            "--steps",
-            "original,baseline,fused-attention,sparse-2:4",
-            "--dtype",
-            "bfloat16",
-            "--json",
-            str(out),
-        ]
+        ["bench", "sam", "--config", str(tiny_config), "--batch-size", "2", *ladder.split(), "--json", str(out)]
     )
     assert code == 0
     rows = {row["step"]: row for row in json.loads(out.read_text())}
