@@ -155,14 +155,15 @@ def run(ladder: Ladder, args: argparse.Namespace) -> int:
 
 def speedups(ladder: Ladder, rows: list[dict[str, Any]]) -> None:
     """`speedup` of every measured row against its group's reference row: the first of
-    `ladder.reference_steps` present, else the group's first measured row."""
+    `ladder.reference_steps` measured in the group (none without one)."""
     key = ladder.speed_key
     measured = [r for r in rows if r.get(key)]
     for row in measured:
         same_group = [r for r in measured if all(r.get(k) == row.get(k) for k in row.get("group", ()))]
-        reference = next((r for step in ladder.reference_steps for r in same_group if r["step"] == step), same_group[0])
-        ratio = row[key] / reference[key]
-        row["speedup"] = ratio if ladder.higher_is_faster else 1 / ratio
+        reference = next((r for step in ladder.reference_steps for r in same_group if r["step"] == step), None)
+        if reference is not None:
+            ratio = row[key] / reference[key]
+            row["speedup"] = ratio if ladder.higher_is_faster else 1 / ratio
 
 
 def _run_isolated(ladder: Ladder, row: Row, options: Options, workdir: Path) -> dict[str, Any]:

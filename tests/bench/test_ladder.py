@@ -1,0 +1,91 @@
+"""The shared bench ladder (genfast/bench/ladder.py) on a toy workload: each row in its own
+process, warm-up and repeats, speed-ups within groups, skipped rows, references across rows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from genfast.bench.ladder import NOTE, SPEEDUP, STEP, Case, Ladder, Options, Row, run, speedups
+from genfast.recipe import Plan, Recipe, Step, Target
+
+
+@dataclass(frozen=True)
+class ToySettings:
+    work: int = 1
+
+
+def _no_gpu(target: Target) -> str | None:
+    return "needs a GPU" if target.device.type != "cuda" else None
+
+
+TOY = Recipe("toy", ToySettings, [
+    Step("baseline", "all the work", "the reference"),
+    Step("half", "half the work", "exact", {"work": 2}),
+    Step("gpu", "on a GPU", "exact", {"work": 4}, needs=_no_gpu),
+])  # fmt: skip
+
+
+class ToyLadder(Ladder):
+    workload = "toy"
+    recipe = TOY
+    speed_key = "seconds"
+    higher_is_faster = False
+    columns = (STEP, ("seconds", "s", ".4f"), SPEEDUP, ("pid", "pid", "d"), ("same", "same as baseline", ""), NOTE)
+
+    def rows(self, steps: list[str], options: Options) -> list[Row]:
+        return [Row(step, {"size": size}) for size in (1, 2) for step in steps]
+
+    def header(self, options: Options, machine: str) -> str:
+        return "toy"
+
+    def footnote(self, options: Options, rows: list[dict[str, Any]]) -> str:
+        return "toy rows"
+
+    def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
+        n = 200_000 * row.group["size"] // plan.settings.work
+
+        def measure(outputs: list, seconds: list[float]) -> dict[str, Any]:
+            return {"pid": os.getpid(), "calls": len(outputs)}
+
+        def run() -> int:
+            sum(range(n))  # the work
+            return row.group["size"]  # what every step of the group must agree on
+
+        return Case(run, measure)
+
+    def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
+        reference = workdir / f"baseline-{row.group['size']}.json"
+        if row.step == "baseline":
+            reference.write_text(json.dumps(output))
+            return {}
+        return {"same": json.loads(reference.read_text()) == output}
+
+
+def test_speedups_are_within_groups_and_need_a_reference_row():
+    rows = [{"step": "baseline", "seconds": 2.0, "size": 1, "group": ["size"]},
+            {"step": "half", "seconds": 1.0, "size": 1, "group": ["size"]},
+            {"step": "half", "seconds": 2.0, "size": 2, "group": ["size"]},
+            {"step": "gpu", "note": "skipped: needs a GPU", "size": 1, "group": ["size"]}]  # fmt: skip
+    speedups(ToyLadder(), rows)
+    assert [r.get("speedup") for r in rows] == [1.0, 2.0, None, None]  # size 2 has no baseline row
+
+
+def test_every_row_runs_in_its_own_process(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    args = argparse.Namespace(list_steps=False, json_path=str(out), force=False, steps=None, device="cpu",
+                              dtype="auto", repeats=2, threads=None)  # fmt: skip
+    assert run(ToyLadder(), args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["step"], r["size"]) for r in rows] == [(s, n) for n in (1, 2) for s in ("baseline", "half", "gpu")]
+    measured = [r for r in rows if r["step"] != "gpu"]
+    assert len({r["pid"] for r in measured} | {os.getpid()}) == len(measured) + 1
+    assert all(r["calls"] == 2 and r["seconds"] > 0 and r["first_call_s"] > 0 for r in measured)
+    assert all(r["compile_s"] is None and r["peak_mem_gb"] > 0 for r in measured)
+    assert [r["same"] for r in measured if r["step"] == "half"] == [True, True]
+    assert all(r["note"] == "skipped: needs a GPU" and "seconds" not in r for r in rows if r["step"] == "gpu")
+    assert "| gpu |" in capsys.readouterr().out
