@@ -1,5 +1,6 @@
 """GGUF loading: llama.cpp's layout (permuted q/k, quantized blocks) reproduces the source model."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -106,3 +107,52 @@ def test_gguf_tokenizer_metadata(smollm2_gguf):
     assert tok.bos_id == 1 and not tok.add_bos
     assert 2 in tok.stop_ids  # <|im_end|>
     assert "<|im_start|>" in tok.chat_template
+
+
+def _reference_metadata(path):
+    """The `gguf` package's own reader of the same file: the independent reference for the header."""
+    from gguf import GGUFReader, GGUFValueType
+
+    def value(field):
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            if field.types[-1] == GGUFValueType.STRING:
+                return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+            return [field.parts[i].tolist()[0] for i in field.data]
+        if kind == GGUFValueType.STRING:
+            return bytes(field.parts[field.data[0]]).decode("utf-8")
+        scalar = field.parts[field.data[0]].tolist()[0]
+        return bool(scalar) if kind == GGUFValueType.BOOL else scalar
+
+    reader = GGUFReader(path, "r")
+    fields = {k: value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}  # its own counters
+    return fields, {t.name: t for t in reader.tensors}
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_header_and_tensors_read_as_the_gguf_package_reads_them(qtype, tmp_path):
+    from gguf.quants import dequantize
+
+    from genfast.llm.gguf_file import GGUFFile
+
+    path = write_gguf_from_hf(make_hf_model("qwen2"), tmp_path / f"{qtype}.gguf", arch="qwen2", qtype=qtype)
+    want_meta, want_tensors = _reference_metadata(path)
+    ours = GGUFFile(path)
+    assert ours.metadata == want_meta and ours.tensor_names == set(want_tensors)
+    for name, t in want_tensors.items():
+        assert ours.tensor_type(name) == t.tensor_type.name
+        want = torch.from_numpy(
+            np.array(dequantize(t.data, t.tensor_type), np.float32).reshape(tuple(reversed(t.shape)))
+        )
+        torch.testing.assert_close(ours.tensor(name), want, atol=1e-6 * want.abs().max().item(), rtol=0)
+
+
+def test_real_smollm2_header_reads_as_the_gguf_package_reads_it(smollm2_gguf):
+    from genfast.llm.gguf_file import GGUFFile
+
+    want_meta, want_tensors = _reference_metadata(smollm2_gguf)
+    ours = GGUFFile(smollm2_gguf)
+    assert ours.metadata == want_meta and len(ours.metadata["tokenizer.ggml.tokens"]) == 49152
+    assert {n: ours.tensor_type(n) for n in ours.tensor_names} == {
+        n: t.tensor_type.name for n, t in want_tensors.items()
+    }
