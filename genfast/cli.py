@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="download again even if cached")
     p.set_defaults(run=_pull)
 
+    p = commands.add_parser("cache", help="what lives under GENFAST_HOME: list, size, clear")
+    p.add_argument("action", nargs="?", choices=("list", "size", "clear"), help="default: list")
+    p.add_argument("parts", nargs="*", metavar="PART",
+                   help="clear: compiled, inductor, kernels and/or models (default: all but models)")  # fmt: skip
+    p.set_defaults(run=lazy("genfast.cache", "cache_command"))
+
     p = commands.add_parser(
         "info", help="this machine: CPU, ISA, bandwidth, auto dtype, which kernel variants run and why"
     )

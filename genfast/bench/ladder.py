@@ -5,7 +5,8 @@ memory, no compiled code or caches shared between rows), computes the speed-ups 
 reference row of each group and prints the table (genfast.bench.table.report). The child
 (`python -m genfast.bench ROW.json`) builds the row, times a first call (warm-up
 and any compilation), then `repeats` calls, and writes the row: the median seconds, the first
-call's, compile time (first call minus the median, for compiled rows), peak memory, the
+call's, the seconds from the process's launch to the end of that first call (a user's wait for a
+first result), compile time (first call minus the median, for compiled rows), peak memory, the
 workload's own figures and its agreement with the reference outputs, which the reference rows
 leave in a directory all rows of one run share.
 
@@ -33,6 +34,7 @@ from typing import Any
 from genfast.bench.table import check_writable, median, report, write_json_atomic
 from genfast.errors import UserError
 from genfast.recipe import Plan, Recipe, Target
+from genfast.startup import since_launch
 
 Column = tuple[str, str, str]  # (row key, header, format spec)
 # The columns every ladder shows (a workload adds its own between them).
@@ -61,6 +63,9 @@ class Case:
     run: Callable[[], Any]
     measure: Callable[[list[Any], list[float]], dict[str, Any]] = lambda outputs, seconds: {}
     compiled: bool = False  # report compile time (first call minus the median)
+    # Figures of the first call's output, given the seconds since launch when it started (e.g.
+    # the first token's time after launch).
+    first: Callable[[Any, float], dict[str, Any]] = lambda output, started: {}
 
 
 class Ladder(ABC):
@@ -210,9 +215,11 @@ def measure_row(spec: dict[str, Any]) -> dict[str, Any]:
         return result
     plan = ladder.recipe.plan(row.step, target) if row.step in ladder.recipe.names else None
     case = ladder.build(row, plan, options, target, workdir)
+    started = since_launch()
     start = time.perf_counter()
     output = case.run()  # warm-up (and compilation)
     first_s = time.perf_counter() - start
+    result.update(case.first(output, started))
     outputs, seconds = [], []
     for _ in range(options["repeats"]):
         start = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ class LlmLadder(Ladder):
         ("bytes_per_token_mb", "MB/token", ".1f"), ("gb_s", "GB/s", ".1f"), ("mbu", "MBU", ".0%"), PEAK_MEMORY,
         COMPILE_TIME, ("greedy_match", "same greedy tokens", ".0%"), ("acceptance", "drafts accepted", ".0%"),
         ("tokens_per_pass", "tokens/target pass", ".2f"), ("draft_share", "drafting share", ".0%"),
+        ("first_token_s", "first token s after launch", ".1f"),
         ("same_as_compile", "same tokens as compile", ".0%"), ("dtype", "dtype", ""), NOTE,
     )
     # fmt: on
@@ -153,6 +155,7 @@ class LlmLadder(Ladder):
 
     def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
         from genfast.llm.generate import GenerationResult
+        from genfast.llm.precompiled import attach
         from genfast.llm.sampling import SamplingParams
         from genfast.llm.session import load
         from genfast.llm.speculative import make_generator
@@ -170,9 +173,24 @@ class LlmLadder(Ladder):
         max_seq = len(prompt) + options["new_tokens"] + (k or 0)  # speculative: room for the last verify pass
         generator = make_generator(loaded, max_seq, 1, settings.compile, draft, k)
         greedy = SamplingParams()
+        steps = attach(generator, loaded, greedy, lambda m: print(m, file=sys.stderr)) if settings.compile else None
+        calls = 0
 
         def run() -> GenerationResult:
-            return generator.generate([prompt], options["new_tokens"], greedy, stop_at_eos=False)
+            # The first call starts as `genfast generate` does (saved compiled steps load in the
+            # background, eager meanwhile); then the compiled steps are loaded or compiled here, so
+            # the timed calls all run them. The first call's time includes that (compile s).
+            nonlocal calls
+            calls += 1
+            if calls == 1 and steps is not None:
+                steps.start(compile_missing="never")
+            result = generator.generate([prompt], options["new_tokens"], greedy, stop_at_eos=False)
+            if calls == 1 and settings.compile:
+                generator.warmup(greedy)
+            return result
+
+        def first(result: GenerationResult, started: float) -> dict[str, Any]:
+            return {"first_token_s": started + result.ttft_s}
 
         def measure(results: list[GenerationResult], seconds: list[float]) -> dict[str, Any]:
             check_same_tokens([results[-1].token_ids[0]])
@@ -204,7 +222,7 @@ class LlmLadder(Ladder):
                 "peak_bw_gb_s": options["peak_bw"] / 1e9,
             }
 
-        return Case(run, measure, compiled=settings.compile)
+        return Case(run, measure, compiled=settings.compile, first=first)
 
     def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
         """greedy_match: the share of the baseline's greedy tokens reproduced before the first

@@ -17,6 +17,7 @@ from genfast.hardware import DTYPES
 from genfast.hub import publish_directory, resolve_model
 from genfast.llm.checkpoint import QUANTIZED_FILE, checkpoint_format, read_model_args
 from genfast.llm.generate import Generator
+from genfast.llm.precompiled import attach
 from genfast.llm.quantize import HEAD, describe_quantization, quantize_loaded
 from genfast.llm.recipe import RECIPE, LlmSettings
 from genfast.llm.sampling import SamplingParams
@@ -26,6 +27,7 @@ from genfast.llm.stats import format_stats
 from genfast.llm.tensor_parallel import check_same_tokens, from_main_rank, is_main_rank
 from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 from genfast.recipe import Target
+from genfast.startup import Phases
 
 
 def _log(message: str) -> None:
@@ -64,6 +66,20 @@ def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, Ll
     return loaded, settings, generator, params
 
 
+def _start_compiled(
+    generator: Generator, loaded: LoadedModel, params: SamplingParams, compile_missing: str = "at-exit"
+) -> float | None:
+    """Make the compiled steps available: from disk or a background compile, streaming eagerly
+    meanwhile (genfast/llm/precompiled.py); where that does not apply (CUDA, --tp, speculative
+    decoding), compile here first, as torch.compile does. Returns the seconds spent waiting."""
+    steps = attach(generator, loaded, params, _log)
+    if steps is not None:
+        _log(f"genfast: {steps.start(compile_missing)}")
+        return None
+    _log("genfast: compiling prefill and decode (fast after the first run: the result is cached)...")
+    return generator.warmup(params)
+
+
 def _draft(args: argparse.Namespace) -> str | None:
     """The draft (genfast.llm.speculative.parse_draft) that --draft, --self-draft or
     --prompt-lookup ask for, validated before the slow load."""
@@ -99,19 +115,23 @@ def load_announced(args: argparse.Namespace) -> tuple[LoadedModel, LlmSettings]:
 
 
 def generate_command(args: argparse.Namespace) -> int:
+    phases = Phases()
+    phases.mark("imports")
     prompts = from_main_rank(lambda: _read_prompts(args))
     loaded, settings, generator, params = _prepare(args, len(prompts))
+    phases.mark("load")
     if args.chat:
         prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     ids = [generator.encode_prompt(p) for p in prompts]
-    compile_s = None
+    compile_s = _start_compiled(generator, loaded, params) if settings.compile else None
     if settings.compile:
-        _log("genfast: compiling prefill and decode (fast after the first run: the result is cached)...")
-        compile_s = generator.warmup(params)
+        phases.mark("compiled steps" if generator.precompiled is not None else "compile")
 
     single = len(ids) == 1
 
     def stream(index: int, text: str) -> None:
+        if not phases.marks or phases.marks[-1][0] != "first token":
+            phases.mark("first token")
         if single:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -126,6 +146,7 @@ def generate_command(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if not args.quiet:
         _log(format_stats(loaded.model, result, peak_read_bandwidth(loaded.device), compile_s, loaded.device))
+        _log(f"start-up: {phases.summary()}")
         if loaded.tp > 1:
             _log(f"bytes/step and MBU are one rank's (each of the {loaded.tp} reads its own shard)")
     return 0
@@ -137,8 +158,7 @@ def chat_command(args: argparse.Namespace) -> int:
     if not tokenizer.chat_template:
         raise UserError(f"{loaded.path} has no chat template; use `genfast generate` instead")
     if settings.compile:
-        _log("genfast: compiling prefill and decode (fast after the first run: the result is cached)...")
-        generator.warmup(params)
+        _start_compiled(generator, loaded, params, compile_missing="now")  # a chat lasts: switch when compiled
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
     interactive = sys.stdin.isatty() and is_main_rank()

@@ -161,6 +161,9 @@ class Generator:
         self.compiled = compile
         self.skip_guards = True  # in steady decode steps (see _step)
         self.guard_fallbacks = 0  # steady decode steps that had to be retried with all guards
+        # Steps compiled ahead of time and kept on disk (genfast/llm/precompiled.py, `attach`);
+        # while they are not ready, steps run eagerly.
+        self.precompiled: Any = None
         if compile:
             self._prefill = compile_fn(self._prefill_step, self.device, decode=False)
             self._decode = compile_fn(self._decode_step, self.device, decode=True, model=model)
@@ -193,6 +196,8 @@ class Generator:
         """Generate up to `max_new_tokens` for each prompt (token ids); stream text via `on_text`."""
         lengths = self._check_request(prompts, max_new_tokens)
         prompt_len = max(lengths)
+        if self.precompiled is not None:
+            self.precompiled.poll()
         if seed is not None:
             torch.manual_seed(seed)
         out = Completions(self.tokenizer, len(prompts), stop_strings, stop_at_eos, on_text)
@@ -210,7 +215,12 @@ class Generator:
                 break
             kv_len = pos + 1
             # CUDA: static shapes over the whole cache (CUDA graphs); CPU: only the valid prefix.
-            step_mask = decode_row & (slots < kv_len) if self.static_kv else decode_row[..., :kv_len].contiguous()
+            # (clone, not contiguous(): that keeps a size-1 dim's old stride, which compiled code guards)
+            step_mask = (
+                decode_row & (slots < kv_len)
+                if self.static_kv
+                else decode_row[..., :kv_len].clone(memory_format=torch.contiguous_format)
+            )
             t0 = time.perf_counter()
             next_tokens = self._step(
                 next_tokens.view(-1, 1), torch.tensor([pos], device=self.device), step_mask, params, steady=steps > 0
@@ -290,6 +300,11 @@ class Generator:
         the guards check every weight and cache tensor). If dynamo still finds it would have to
         recompile, it raises before running anything and the step is retried with all guards.
         """
+        if self.precompiled is not None:
+            out = None
+            if params == self.precompiled.params:
+                out = self.precompiled.step("prefill" if prefill else "decode", tokens, input_pos, mask)
+            return out if out is not None else self._prefill_step(tokens, input_pos, mask, params)
         if not self.compiled:
             return self._prefill_step(tokens, input_pos, mask, params)
         # Lengths that vary between calls are marked dynamic so they never recompile; decode
@@ -319,9 +334,12 @@ class Generator:
     def warmup(self, params: SamplingParams = SamplingParams()) -> float:
         """Compile (or load from the compile cache) prefill and decode; return the seconds spent.
 
-        Lengths are dynamic, so a 2-token prompt compiles the graphs every later call uses.
+        Lengths are dynamic, so a 2-token prompt compiles the graphs every later call uses. With
+        precompiled steps (genfast/llm/precompiled.py): load them, or compile and save them now.
         """
         t0 = time.perf_counter()
+        if self.precompiled is not None and params == self.precompiled.params:
+            self.precompiled.wait()
         prompts = [[self.tokenizer.bos_id or 0] * 2] + [[0]] * (self.max_batch_size - 1)
         self.generate(prompts[: self.max_batch_size], max_new_tokens=3, params=params, stop_at_eos=False)
         return time.perf_counter() - t0

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +31,8 @@ class LoadedModel:
     quant: str = "none"  # how the weights are stored, e.g. "int4-g32" (also for quantized checkpoints)
     tp: int = 1  # tensor-parallel ranks: the model is this rank's shard (genfast/llm/tensor_parallel.py)
     weight_dtype: torch.dtype | None = None  # unquantized linears' storage, when not `dtype` (auto on AVX2: bf16)
+    # The `load` arguments that give this model again (another process compiling for it reloads it).
+    load_args: dict[str, Any] = field(default_factory=dict)
 
     def dtype_label(self) -> str:
         """e.g. 'bfloat16', or 'float32 (bfloat16 linear weights)'."""
@@ -121,4 +124,5 @@ def load(
         describe_quantization(transformer),
         tp,
         None if weight_dt == dt else weight_dt,
+        {"model": str(path), "device": str(dev), "dtype": dtype, "quant": quant, "group_size": group_size},
     )

@@ -1,0 +1,153 @@
+"""Compiled code kept on disk, so that a later run starts without compiling.
+
+A step function compiled ahead of time (`torch.compile(...).aot_compile`, torch 2.13) is saved as
+GENFAST_HOME/compiled/<key>/<name>.aot. The key is a hash of everything the compiled code depends
+on: what the caller passes (architecture, dtypes, quantization, shapes, sampling) and the
+environment (torch and genfast versions, the CPU's ISA level and which native-kernel variants it
+selects, the device type). The thread count is not part of it: the code reads it at run time
+(inductor's `cpp.dynamic_threads`). An artifact that cannot be read or whose checks fail (a
+corrupt file, one written by another torch) is removed and rebuilt, and the user is told.
+
+Saves are atomic (a temporary file renamed into place), so a reader never sees half an artifact;
+a lock file keeps two processes from compiling the same key at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from genfast import __version__
+from genfast.hub import genfast_home
+
+FORMAT = 1  # bump when the layout of an artifact directory changes
+
+
+def root() -> Path:
+    return genfast_home() / "compiled"
+
+
+def environment() -> dict[str, Any]:
+    """What every compiled artifact depends on besides its own inputs."""
+    from genfast import hardware, kernels
+
+    return {
+        "format": FORMAT,
+        "torch": torch.__version__,
+        "genfast": __version__,
+        "python": list(sys.version_info[:2]),
+        "isa": hardware.isa(),
+        "kernels": {k.name: (k.choose()[0].isa if k.choose()[0] else None) for k in kernels.KERNELS},
+    }
+
+
+def key(parts: Mapping[str, Any]) -> str:
+    """A short stable hash of `parts` (JSON-able) and the environment."""
+    text = json.dumps({"parts": parts, "environment": environment()}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+class Artifacts:
+    """The compiled step functions stored under one key."""
+
+    def __init__(self, key: str, description: Mapping[str, Any]) -> None:
+        self.key = key
+        self.dir = root() / key
+        self.description = dict(description)
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{name}.aot"
+
+    def complete(self, names: list[str]) -> bool:
+        return all(self.path(n).is_file() for n in names)
+
+    def load(self, name: str, f_globals: dict[str, Any], log: Callable[[str], None]) -> Callable[..., Any] | None:
+        """The saved function `name`, or None when there is none; an unreadable one is removed."""
+        path = self.path(name)
+        if not path.is_file():
+            return None
+        try:
+            with open(path, "rb") as f:
+                return torch.compiler.load_compiled_function(f, f_globals=f_globals)
+        except Exception as e:  # a damaged or foreign file can fail anywhere in unpickling
+            self.discard(name, f"{path} could not be loaded ({type(e).__name__}: {str(e)[:200]})", log)
+            return None
+
+    def save(self, name: str, compiled: Any) -> None:
+        """Write one aot-compiled function atomically, with a description of what it is for."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.path(name).with_suffix(f".tmp{os.getpid()}")
+        compiled.save_compiled_function(str(tmp))
+        tmp.replace(self.path(name))
+        info = self.dir / "artifact.json"
+        if not info.exists():
+            staged = info.with_suffix(f".tmp{os.getpid()}")
+            staged.write_text(json.dumps({**self.description, "environment": environment()}, indent=1, default=str))
+            staged.replace(info)
+
+    def discard(self, name: str, why: str, log: Callable[[str], None]) -> None:
+        """Remove the artifact `name` (stale or damaged) so that it is rebuilt."""
+        log(f"genfast: {why}; discarding it: the compiled step is rebuilt")
+        self.path(name).unlink(missing_ok=True)
+
+    def try_lock(self) -> bool:
+        """Take the right to compile this key (False: another live process holds it)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        lock = self.dir / "compiling.lock"
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _holder_alive(lock):
+                return False
+            lock.unlink(missing_ok=True)  # left by a process that died
+            return self.try_lock()
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+
+    def unlock(self) -> None:
+        (self.dir / "compiling.lock").unlink(missing_ok=True)
+
+    def compiling(self) -> bool:
+        """Whether a live process is compiling this key now."""
+        lock = self.dir / "compiling.lock"
+        return lock.exists() and _holder_alive(lock)
+
+
+def _holder_alive(lock: Path) -> bool:
+    try:
+        pid = int(lock.read_text() or "0")
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def entries() -> list[dict[str, Any]]:
+    """Every key under root(): its path, size, age and description (for `genfast cache`)."""
+    found = []
+    for directory in sorted(root().glob("*")) if root().is_dir() else []:
+        if not directory.is_dir():
+            continue
+        files = [p for p in directory.rglob("*") if p.is_file()]
+        info = directory / "artifact.json"
+        try:
+            description = json.loads(info.read_text()) if info.is_file() else {}
+        except (OSError, json.JSONDecodeError):
+            description = {}
+        found.append({
+            "key": directory.name,
+            "path": str(directory),
+            "bytes": sum(p.stat().st_size for p in files),
+            "age_s": time.time() - max((p.stat().st_mtime for p in files), default=directory.stat().st_mtime),
+            "description": description,
+        })  # fmt: skip
+    return found

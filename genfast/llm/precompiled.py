@@ -1,0 +1,262 @@
+"""Prefill and decode compiled ahead of time and kept on disk, so generation starts at once.
+
+A run that finds the compiled steps for its model's shape (genfast/artifacts.py) loads them
+(~1.8 s on a 2-core Xeon, against ~45 s to compile) and runs them from the first token. A run
+that finds none decodes eagerly and has a background process compile and save them: when the
+command ends (`generate`: its eager run keeps the whole CPU), or at once with one thread at nice
+19 (`chat`, which switches to the steps between turns when they appear). Loading them in a
+thread while decoding eagerly was measured and dropped: on two cores the two fought over the CPU
+and the GIL, and eager decoding fell from 32 to 4-11 tok/s while they loaded. Benchmarks and tests call
+`wait()`, which compiles here and now when nothing is saved.
+
+The steps take the model as an argument: its weights are inputs of the compiled code, not
+constants in it, so the artifacts depend on the architecture, dtypes, quantization scheme, batch
+size, KV-cache length and sampling settings (the key), not on the weights: every model of one
+shape shares them. Inductor's `freezing` (weights as constants) is therefore off here; measured
+in docs/performance.md.
+
+Eager and compiled steps compute the same function (within rounding), so switching mid-generation
+changes no greedy token in fp32. A one-token prompt (a one-slot mask, which the compiled code
+does not take) runs eagerly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from genfast import artifacts
+from genfast.compile import inductor_options
+from genfast.llm.model import Transformer, attention_mask
+from genfast.llm.sampling import SamplingParams, sample
+
+STEPS = ("prefill", "decode")
+
+
+# Two functions, not one: dynamo keeps compiled code per code object.
+def prefill_step(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams) -> Tensor:
+    return sample(model(tokens, input_pos, mask), params)
+
+
+def decode_step(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, params: SamplingParams) -> Tensor:
+    return sample(model(tokens, input_pos, mask), params)
+
+
+FUNCTIONS = {"prefill": prefill_step, "decode": decode_step}
+
+
+def example_inputs(name: str, batch: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Inputs of the shapes generate() passes, with the lengths that vary marked dynamic: the
+    prompt length (prefill) and the valid cache length (both)."""
+    if name == "prefill":
+        tokens = torch.zeros(batch, 2, dtype=torch.long, device=device)
+        input_pos = torch.arange(2, device=device)
+        mask = attention_mask(input_pos, 2, torch.zeros(batch, dtype=torch.long, device=device))
+        torch._dynamo.mark_dynamic(tokens, 1)
+        torch._dynamo.mark_dynamic(input_pos, 0)
+        torch._dynamo.mark_dynamic(mask, 2)
+    else:
+        tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        input_pos = torch.tensor([1], device=device)
+        mask = attention_mask(input_pos, 2, torch.zeros(batch, dtype=torch.long, device=device)).contiguous()
+    torch._dynamo.mark_dynamic(mask, 3)
+    return tokens, input_pos, mask
+
+
+def key_parts(model: Transformer, dtype_label: str, quant: str, batch: int, cache_len: int,
+              params: SamplingParams) -> dict[str, Any]:  # fmt: skip
+    """What the compiled steps depend on besides the environment (artifacts.environment)."""
+    from genfast.quant.linear import uses_native_kernels
+
+    return {
+        "what": "llm prefill and decode",
+        "model_args": model.args.to_dict(),
+        "dtype": dtype_label,
+        "quant": quant,
+        "native_kernels": uses_native_kernels(model),
+        "batch": batch,
+        "cache_len": cache_len,
+        "sampling": asdict(params),
+        "device": model.norm.weight.device.type,
+    }
+
+
+class PrecompiledSteps:
+    """The compiled prefill and decode of one Generator: loaded, compiled or being made elsewhere."""
+
+    def __init__(self, model: Transformer, parts: dict[str, Any], params: SamplingParams,
+                 load_args: dict[str, Any], log: Callable[[str], None]) -> None:  # fmt: skip
+        self.model, self.params, self.log = model, params, log
+        self.parts, self.load_args = parts, load_args
+        self.artifacts = artifacts.Artifacts(artifacts.key(parts), parts)
+        self.ready: dict[str, Any] = {}  # name -> loaded function, set by the loader thread
+        self._checked: set[str] = set()
+        self.worker: subprocess.Popen | None = None
+
+    def start(self, compile_missing: str = "at-exit") -> str:
+        """Begin making the steps available without blocking; returns what happens, for the user.
+
+        compile_missing: when no steps are saved, start the background compile "now" (a
+        long-lived process: chat, serve, which switch to the steps when it is done), "at-exit"
+        (a one-shot command: its own eager run keeps the whole CPU, and the next run finds the
+        steps) or "never"."""
+        if self.artifacts.complete(list(STEPS)):
+            seconds = self.wait()
+            return f"loaded the compiled steps in {seconds:.1f} s"
+        if self.artifacts.compiling():
+            return "another genfast process is compiling for this model; eager until it is done"
+        if compile_missing == "never":
+            return "no compiled steps saved for this model; eager"
+        log = self.artifacts.dir / "compile.log"
+        if compile_missing == "now":
+            self.worker = self._spawn_worker()
+            return f"compiling in the background (log: {log}); eager until it is done"
+        atexit.register(self._spawn_worker)
+        return f"no compiled steps saved yet: eager now, compiled in the background when this run ends (log: {log})"
+
+    def poll(self) -> None:
+        """Load steps that appeared since (a background compile finished): a long-lived process
+        (chat, serve) switches to them between requests."""
+        if not self.ready and self.worker_done() and self.artifacts.complete(list(STEPS)):
+            seconds = self.wait()
+            self.log(f"genfast: loaded the compiled steps in {seconds:.1f} s")
+
+    def worker_done(self) -> bool:
+        return self.worker is None or self.worker.poll() is not None
+
+    def wait(self) -> float:
+        """Block until both steps are usable: load them, or compile them here when none are
+        saved. Returns the seconds it took."""
+        start = time.perf_counter()
+        for name in STEPS:
+            if name not in self.ready:
+                loaded = self.artifacts_load(name)
+                self.ready[name] = loaded if loaded is not None else self.compile(name)
+        return time.perf_counter() - start
+
+    def step(self, name: str, tokens: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor | None:
+        """Run the compiled step `name`, or return None (then the caller runs it eagerly)."""
+        fn = self.ready.get(name)
+        if fn is None or mask.shape[3] < 2:
+            return None
+        if name not in self._checked:
+            try:
+                out = fn(self.model, tokens, input_pos, mask, self.params)
+            except RuntimeError as e:
+                if "GuardManager check failed" not in str(e):
+                    raise
+                self.ready.pop(name)
+                self.artifacts.discard(
+                    name, f"the compiled {name} step does not fit this model ({str(e)[:200]})", self.log
+                )
+                return None
+            fn.disable_guard_check()  # checked once: later calls differ only in the dynamic lengths
+            self._checked.add(name)
+            return out
+        return fn(self.model, tokens, input_pos, mask, self.params)
+
+    def artifacts_load(self, name: str) -> Any:
+        self._load_kernels()
+        # Loaded as compiled: in inference mode, which the tensors' guards record. The vector ISA
+        # is known (it is part of the key): inductor need not compile a probe program to find it
+        # (1 s of every load, measured).
+        with torch.inference_mode(), torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+            return self.artifacts.load(name, vars(sys.modules[__name__]), self.log)
+
+    def compile(self, name: str) -> Any:
+        """Compile step `name` ahead of time here, save it and return it."""
+        device = self.model.norm.weight.device
+        options = inductor_options(device, decode=name == "decode", native_kernels=self.parts["native_kernels"])
+        options.pop("freezing", None)  # the weights stay inputs: one artifact serves every model of this shape
+        options["cpp.dynamic_threads"] = True  # the thread count is read at run time, not compiled in
+        self._load_kernels()
+        with torch.inference_mode():
+            example = example_inputs(name, self.parts["batch"], device)
+            compiled = torch.compile(FUNCTIONS[name], fullgraph=True, dynamic=False, options=options).aot_compile(
+                ((self.model, *example, self.params), {})
+            )
+        self.artifacts.save(name, compiled)
+        return compiled
+
+    def _load_kernels(self) -> None:
+        # The compiled code calls genfast's native ops: their libraries must be loaded first.
+        from genfast.nn import few_rows_kernel_available
+
+        few_rows_kernel_available()
+
+    def _spawn_worker(self) -> subprocess.Popen:
+        """`python -m genfast.llm.precompiled SPEC`, detached: it outlives this process."""
+        self.artifacts.dir.mkdir(parents=True, exist_ok=True)
+        spec = {"load_args": self.load_args, "parts": self.parts, "params": asdict(self.params),
+                "key": self.artifacts.key}  # fmt: skip
+        fd, spec_path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=self.artifacts.dir)
+        with os.fdopen(fd, "w") as f:
+            json.dump(spec, f)
+        log = open(self.artifacts.dir / "compile.log", "ab")  # noqa: SIM115 (the child writes to it)
+        # One thread that sleeps when idle: a spinning OpenMP team beside an eager run on the same
+        # cores cut its decode from 32 to 2 tok/s (2-core Xeon).
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        return subprocess.Popen(
+            [sys.executable, "-m", "genfast.llm.precompiled", spec_path],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
+        )  # fmt: skip
+
+
+def compile_for(spec_path: Path) -> int:
+    """The background process: load the model as the spec says and compile both steps."""
+    from genfast.compile import use_persistent_cache
+    from genfast.llm.session import load
+
+    use_persistent_cache()
+    spec = json.loads(spec_path.read_text())
+    spec_path.unlink(missing_ok=True)
+    os.nice(19)  # a foreground run may decode eagerly meanwhile: let it have the CPU first
+    args, params = spec["load_args"], SamplingParams(**spec["params"])
+    loaded = load(args["model"], args["device"], args["dtype"], None, args["quant"], args["group_size"])
+    batch, cache_len = spec["parts"]["batch"], spec["parts"]["cache_len"]
+    loaded.model.setup_caches(batch, cache_len)
+    parts = key_parts(loaded.model, loaded.dtype_label(), loaded.quant, batch, cache_len, params)
+    steps = PrecompiledSteps(loaded.model, parts, params, args, lambda m: print(m, file=sys.stderr))
+    if steps.artifacts.key != spec["key"]:  # the model changed on disk since, or the environment differs
+        print(f"genfast: the model loaded here keys to {steps.artifacts.key}, not {spec['key']}", file=sys.stderr)
+        return 1
+    if not steps.artifacts.try_lock():
+        return 0  # another process is compiling it
+    try:
+        for name in STEPS:
+            if not steps.artifacts.path(name).is_file():
+                steps.compile(name)
+    finally:
+        steps.artifacts.unlock()
+    print(f"genfast: compiled {', '.join(STEPS)} into {steps.artifacts.dir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(compile_for(Path(sys.argv[1])))
+
+
+def attach(generator: Any, loaded: Any, params: SamplingParams, log: Callable[[str], None]) -> PrecompiledSteps | None:
+    """Give `generator` (a plain Generator of `loaded`, a session.LoadedModel) precompiled steps
+    for `params`, where they apply: on the CPU, one process (no tensor parallelism), not
+    speculative. None elsewhere: there the generator compiles when first called, as before."""
+    from genfast.llm.generate import Generator
+
+    if type(generator) is not Generator or loaded.device.type != "cpu" or loaded.tp > 1 or not generator.compiled:
+        return None
+    parts = key_parts(loaded.model, loaded.dtype_label(), loaded.quant, generator.max_batch_size,
+                      generator.max_seq_len, params)  # fmt: skip
+    generator.precompiled = PrecompiledSteps(loaded.model, parts, params, loaded.load_args, log)
+    return generator.precompiled

@@ -1,0 +1,153 @@
+"""Prefill and decode compiled ahead of time and kept on disk (genfast/llm/precompiled.py,
+genfast/artifacts.py): what the key depends on, that saved steps load and give the eager tokens,
+that damaged or ill-fitting artifacts are rebuilt with a message, and the CLI's first and second
+runs (a background compile, then loaded steps)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from genfast import artifacts
+from genfast.llm.generate import Generator
+from genfast.llm.precompiled import PrecompiledSteps, attach, key_parts
+from genfast.llm.sampling import SamplingParams
+from genfast.llm.session import load
+from tests.cpus import ZEN4, pretend_cpu
+from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
+
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    hf = make_hf_model("smollm")
+    directory = save_hf_model(hf, tmp_path_factory.mktemp("precompiled") / "smollm")
+    word_tokenizer(hf.config.vocab_size).save(directory)
+    return directory
+
+
+def fp32_generator(model_dir: Path, messages: list[str] | None = None) -> tuple[Generator, PrecompiledSteps]:
+    loaded = load(str(model_dir), "cpu", "float32")
+    generator = Generator(loaded.model, loaded.tokenizer, max_seq_len=64, compile=True)
+    steps = attach(generator, loaded, GREEDY, (messages if messages is not None else []).append)
+    assert steps is not None
+    return generator, steps
+
+
+PROMPT = [3, 17, 5, 42, 8, 9]
+
+
+def eager_tokens(model_dir: Path) -> list[int]:
+    loaded = load(str(model_dir), "cpu", "float32")
+    return (
+        Generator(loaded.model, loaded.tokenizer, max_seq_len=64, compile=False)
+        .generate([PROMPT], 12, stop_at_eos=False)
+        .token_ids[0]
+    )
+
+
+def test_the_key_follows_what_the_code_depends_on_and_not_the_thread_count(model_dir, monkeypatch):
+    loaded = load(str(model_dir), "cpu", "float32")
+
+    def key(**changes) -> str:
+        parts = dict(model=loaded.model, dtype_label="float32", quant="none", batch=1, cache_len=64, params=GREEDY)
+        parts.update(changes)
+        return artifacts.key(key_parts(**parts))
+
+    pretend_cpu(monkeypatch, ZEN4)
+    base = key()
+    assert key() == base
+    assert key(dtype_label="bfloat16") != base and key(quant="int8") != base
+    assert key(batch=2) != base and key(cache_len=128) != base and key(params=SamplingParams(0.7)) != base
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert key() == base  # compiled code reads the thread count at run time
+    finally:
+        torch.set_num_threads(threads)
+    pretend_cpu(monkeypatch, ZEN4, isa_cap="avx2")
+    assert key() != base
+    pretend_cpu(monkeypatch, ZEN4)
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert key() != base
+
+
+def test_compiled_steps_are_saved_and_loaded_and_give_the_eager_tokens(model_dir):
+    want = eager_tokens(model_dir)
+    first, steps = fp32_generator(model_dir)
+    assert steps.start(compile_missing="never") == "no compiled steps saved for this model; eager"
+    assert first.generate([PROMPT], 12, stop_at_eos=False).token_ids[0] == want  # eager meanwhile
+    first.warmup()  # compiles here, saves
+    assert steps.artifacts.complete(["prefill", "decode"])
+    assert first.generate([PROMPT], 12, stop_at_eos=False).token_ids[0] == want
+
+    second, loaded_steps = fp32_generator(model_dir)  # another process would do the same
+    assert loaded_steps.artifacts.key == steps.artifacts.key
+    assert loaded_steps.start().startswith("loaded the compiled steps in")
+    loaded_steps.wait()
+    assert set(loaded_steps.ready) == {"prefill", "decode"}
+    assert second.generate([PROMPT], 12, stop_at_eos=False).token_ids[0] == want
+    assert loaded_steps._checked == {"prefill", "decode"}  # the compiled steps ran
+
+
+def test_a_damaged_artifact_is_rebuilt_with_a_message(model_dir):
+    generator, steps = fp32_generator(model_dir)
+    generator.warmup()
+    steps.artifacts.path("decode").write_bytes(b"not a compiled function")
+    messages: list[str] = []
+    again, fresh = fp32_generator(model_dir, messages)
+    again.warmup()  # the loader finds the damage, removes it, and compiles anew
+    assert any("could not be loaded" in m and "rebuilt" in m for m in messages)
+    assert not any("prefill" in m for m in messages), messages  # the sound artifact is kept
+    assert fresh.artifacts.complete(["prefill", "decode"])
+    assert again.generate([PROMPT], 12, stop_at_eos=False).token_ids[0] == eager_tokens(model_dir)
+
+
+def test_steps_that_do_not_fit_the_model_fall_back_to_eager(model_dir, tmp_path):
+    """Artifacts compiled for another shape under this key (as a foreign copy would be) fail their
+    guards on the first call: discarded with a message, and the run goes on eagerly."""
+    other = make_hf_model("llama3")
+    other_dir = save_hf_model(other, tmp_path / "llama3")
+    word_tokenizer(other.config.vocab_size).save(other_dir)
+    foreign, foreign_steps = fp32_generator(other_dir)
+    foreign.warmup()
+    messages: list[str] = []
+    generator, steps = fp32_generator(model_dir, messages)
+    steps.artifacts.dir.mkdir(parents=True, exist_ok=True)
+    for name in ("prefill", "decode"):
+        steps.artifacts.path(name).write_bytes(foreign_steps.artifacts.path(name).read_bytes())
+    steps.start()
+    steps.wait()
+    assert generator.generate([PROMPT], 12, stop_at_eos=False).token_ids[0] == eager_tokens(model_dir)
+    assert any("does not fit this model" in m for m in messages)
+    assert not steps.artifacts.complete(["prefill"]) and not steps.artifacts.complete(["decode"])
+
+
+def test_the_cli_compiles_in_the_background_then_starts_with_the_compiled_steps(model_dir, tmp_path):
+    """First run: streams eagerly and leaves a background compile; second run: loads the steps.
+    Both print the same completion and the time to first token from launch."""
+    env = {**os.environ, "GENFAST_HOME": str(tmp_path / "home")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    argv = [sys.executable, "-m", "genfast", "generate", "w3 w17 w5", "--model", str(model_dir), "--dtype",
+            "float32", "-n", "8"]  # fmt: skip
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "compiled in the background when this run ends" in first.stderr and "first token" in first.stderr
+    compiled = tmp_path / "home" / "compiled"
+    deadline = time.monotonic() + 600
+    while not any(compiled.glob("*/decode.aot")) or any(compiled.glob("*/compiling.lock")):
+        assert time.monotonic() < deadline, "the background compile did not finish"
+        time.sleep(1)
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0, second.stderr
+    assert "loaded the compiled steps" in second.stderr and second.stdout == first.stdout
+    listing = subprocess.run([sys.executable, "-m", "genfast", "cache", "list"], capture_output=True, text=True,
+                             env=env, timeout=120)  # fmt: skip
+    assert "compiled steps (1)" in listing.stdout and "llm prefill and decode" in listing.stdout
