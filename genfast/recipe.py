@@ -16,6 +16,11 @@ decline (`Step.declined`, e.g. the bf16 step under --dtype float32):
 A step that runs in a lesser form here (`Step.fallback`, e.g. without its native kernel) runs, and
 its note goes into `Plan.notes` and the bench row.
 
+A step either sets fields that the workload's `apply_recipe` acts on, or carries its own
+`transform` of model parts, which `apply_transforms` runs on the parts each workload names (its
+`on`): a new step shared by all workloads is then one function in one shared file plus one line
+per workload recipe, e.g. `Step("name", what, budget, transform=fn, on=("denoiser", "vae"))`.
+
 This module imports no torch: the CLI lists step names without loading it.
 """
 
@@ -68,6 +73,8 @@ class Step:
     declined: Requirement = _no_requirement
     fallback: Requirement = _no_requirement
     replaces: tuple[str, ...] = ()
+    transform: Callable[[Any, Any], None] | None = None  # (model part, settings): changes the part in place
+    on: tuple[str, ...] = ()  # the workload's parts `transform` applies to
 
     def settings_on(self, target: Target) -> Mapping[str, Any]:
         return self.sets(target) if callable(self.sets) else self.sets
@@ -103,6 +110,8 @@ class Recipe(Generic[Settings]):
         if len(set(names)) != len(names):
             raise ValueError(f"{workload} recipe: duplicate step names in {names}")
         known = {f.name for f in fields(settings)}  # type: ignore[arg-type]
+        if any(step.transform for step in steps) and "transforms" not in known:
+            raise ValueError(f"{workload} recipe: a step has a transform, but its settings have no `transforms` field")
         for step in steps:
             if not callable(step.sets) and set(step.sets) - known:
                 raise ValueError(f"{workload} step {step.name} sets unknown fields {set(step.sets) - known}")
@@ -154,6 +163,9 @@ class Recipe(Generic[Settings]):
             note = step.fallback(target)
             if note:
                 notes.append((step.name, note))
+        transforms = tuple(step for step in active if step.transform)
+        if transforms:
+            settings = replace(settings, transforms=transforms)  # type: ignore[type-var]
         return Plan(name, settings, tuple(s.name for s in active), tuple(skipped), tuple(notes), tuple(declined))
 
     def settings(self, name: str, on: Target | None = None) -> Settings:
@@ -176,3 +188,13 @@ class Recipe(Generic[Settings]):
         ]
         lines += [f"| {s.name} | {s.changes} | {s.budget} |" + (f" {here(s)} |" if target else "") for s in self.steps]
         return "\n".join(lines)
+
+
+def apply_transforms(settings: Any, parts: Mapping[str, Any]) -> None:
+    """Run the transforms of the steps in `settings.transforms` (Recipe.plan puts them there), in
+    ladder order, on the parts they name. `parts`: the workload's model parts by name."""
+    for step in settings.transforms:
+        for name in step.on:
+            if name not in parts:
+                raise ValueError(f"step {step.name} transforms {name!r}, which this model has not ({', '.join(parts)})")
+            step.transform(parts[name], settings)

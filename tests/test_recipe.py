@@ -3,7 +3,7 @@ cannot run, fallbacks, replacement; and that each workload's recipe is well form
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -103,3 +103,50 @@ def test_every_workload_recipe_starts_at_the_baseline_and_names_steps_alike(reci
         assert step.name == step.name.lower() and "_" not in step.name and " " not in step.name
         assert step.changes and step.budget
     assert recipe.names.index("bf16") < recipe.names.index("compile")
+
+
+def test_a_step_with_its_own_transform_is_one_line_per_workload_recipe(tmp_path):
+    """A new step shared by all workloads: one transform function, and one line in each recipe
+    naming the parts it applies to; each workload's apply runs it on those parts, in order."""
+    from genfast.diffusion.pipelines import tiny_pipeline
+    from genfast.diffusion.recipe import apply_recipe as apply_diffusion
+    from genfast.llm.session import apply_recipe as apply_llm
+    from genfast.llm.session import load
+    from genfast.recipe import apply_transforms
+    from genfast.sam.build import build_random_sam
+    from genfast.sam.recipe import apply_recipe as apply_sam
+    from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
+    from tests.sam.test_recipe import SMALL
+
+    seen: list[tuple[str, str]] = []
+
+    def mark(part, settings) -> None:  # the shared step's transform: here it records what it got
+        seen.append((type(part).__name__, settings.dtype))
+
+    def shared(on: tuple[str, ...]) -> Step:
+        return Step("marked", "records the parts it gets", "exact", transform=mark, on=on)
+
+    cpu = Target(torch.device("cpu"), "float32")
+    for recipe, on in ((SAM, ("image_encoder",)), (DIFFUSION, ("denoiser", "vae")), (LLM, ("model",))):
+        extended = Recipe(recipe.workload, recipe.settings_type, [*recipe.steps, shared(on)])
+        settings = extended.plan("marked", cpu).settings
+        assert [s.name for s in settings.transforms] == ["marked"]
+        plan = extended.plan("marked", cpu)
+        runnable = [n for n in recipe.names if not recipe.unavailable(n, cpu)]
+        assert plan.applied[-1] == "marked" and len(plan.applied) <= len(runnable) + 1
+    sam_settings = Recipe("sam", SAM.settings_type, [*SAM.steps[:3], shared(("image_encoder",))]).plan("marked", cpu)
+    apply_sam(build_random_sam(SMALL), sam_settings.settings)
+    diffusion = Recipe("diffusion", DIFFUSION.settings_type, [*DIFFUSION.steps[:3], shared(("denoiser", "vae"))])
+    apply_diffusion(tiny_pipeline("sd15"), diffusion.plan("marked", cpu).settings)
+    hf = make_hf_model("smollm")
+    directory = save_hf_model(hf, tmp_path / "llm")
+    word_tokenizer(hf.config.vocab_size).save(directory)
+    llm = Recipe("llm", LLM.settings_type, [*LLM.steps[:2], shared(("model",))])
+    loaded = apply_llm(load(str(directory), "cpu", "float32"), llm.plan("marked", cpu).settings)
+    assert seen == [("ImageEncoderViT", "float32"), ("UNet2DConditionModel", "float32"), ("AutoencoderKL", "float32"),
+                    ("Transformer", "float32")]  # fmt: skip
+    assert loaded.transforms == ("marked",)
+    with pytest.raises(ValueError, match="transforms 'unet', which this model has not"):
+        apply_transforms(replace(llm.plan("marked", cpu).settings, transforms=(shared(("unet",)),)), {"model": None})
+    with pytest.raises(ValueError, match="no `transforms` field"):
+        Recipe("toy", Toy, [steps.baseline("a"), shared(("x",))])

@@ -37,7 +37,7 @@ from typing import Any
 
 from genfast import steps
 from genfast.errors import UserError
-from genfast.recipe import Recipe, Step, Target
+from genfast.recipe import Recipe, Step, Target, apply_transforms
 
 COMPILE_MODES = ("none", "full", "regional")
 DEFAULT_STEP = "sdpa"  # what `genfast imagine` runs unless told otherwise: no compile (minutes on a CPU)
@@ -70,6 +70,7 @@ class DiffusionSettings:
     group_norm_kernel: bool = False
     dynamic_shapes: bool = False  # compile with symbolic sizes: a new resolution reuses the graphs
     feature_cache_interval: int = 0  # 0: off; N: full UNet every N steps
+    transforms: tuple[Step, ...] = ()  # steps that bring their own transform (genfast.recipe.apply_transforms)
 
 
 def _int8_conv_unavailable(target: Target) -> str | None:
@@ -226,6 +227,7 @@ def apply_recipe(pipe: Any, settings: DiffusionSettings) -> Any:
     if settings.group_norm_kernel:
         for model in models:
             use_channels_last_group_norm(model)
+    apply_transforms(settings, {"denoiser": denoiser, "vae": vae})
     if settings.compile == "full":
         compile_module(denoiser, dynamic=settings.dynamic_shapes)
     elif settings.compile == "regional":

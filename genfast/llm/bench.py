@@ -157,7 +157,7 @@ class LlmLadder(Ladder):
         from genfast.llm.generate import GenerationResult
         from genfast.llm.precompiled import attach
         from genfast.llm.sampling import SamplingParams
-        from genfast.llm.session import load
+        from genfast.llm.session import apply_recipe, load
         from genfast.llm.speculative import make_generator
         from genfast.llm.stats import decode_traffic
         from genfast.llm.tensor_parallel import check_same_tokens, join
@@ -167,7 +167,10 @@ class LlmLadder(Ladder):
         tp = options["tp"]
         if tp > 1:
             join(tp)
-        loaded = load(options["model"], options["device"], settings.dtype, options["threads"], settings.quant, tp=tp)
+        loaded = apply_recipe(
+            load(options["model"], options["device"], settings.dtype, options["threads"], settings.quant, tp=tp),
+            settings,
+        )
         prompt = benchmark_prompt(loaded.tokenizer, options["prompt_tokens"], options["prompt"])
         k = options["speculate_k"] if draft else None
         max_seq = len(prompt) + options["new_tokens"] + (k or 0)  # speculative: room for the last verify pass

@@ -166,11 +166,12 @@ def _log(message: str, end: str = "\n") -> None:
 def eval_ppl_command(args: argparse.Namespace) -> int:
     """`genfast eval ppl`: one summary line on stdout, optional JSON (never over a file unasked)."""
     from genfast.bench.table import check_writable, write_json_atomic
-    from genfast.llm.session import load, plan
+    from genfast.llm.session import apply_recipe, load, plan
 
     json_path = check_writable(args.json_path, args.force) if args.json_path else None
     settings = plan(args.recipe, args.device, args.dtype, args.quant, compile=False).settings  # scored eagerly
-    loaded = load(args.model, args.device, settings.dtype, args.threads, settings.quant, args.group_size)
+    loaded = apply_recipe(load(args.model, args.device, settings.dtype, args.threads, settings.quant, args.group_size),
+                          settings)  # fmt: skip
     dtype = loaded.dtype_label()
     _log(
         f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "

@@ -251,10 +251,12 @@ if __name__ == "__main__":
 def attach(generator: Any, loaded: Any, params: SamplingParams, log: Callable[[str], None]) -> PrecompiledSteps | None:
     """Give `generator` (a plain Generator of `loaded`, a session.LoadedModel) precompiled steps
     for `params`, where they apply: on the CPU, one process (no tensor parallelism), not
-    speculative. None elsewhere: there the generator compiles when first called, as before."""
+    speculative, and no recipe step transformed the model (a background process could not redo
+    it). None elsewhere: there the generator compiles when first called, as before."""
     from genfast.llm.generate import Generator
 
-    if type(generator) is not Generator or loaded.device.type != "cpu" or loaded.tp > 1 or not generator.compiled:
+    plain = type(generator) is Generator and generator.compiled and not loaded.transforms
+    if not plain or loaded.device.type != "cpu" or loaded.tp > 1:
         return None
     parts = key_parts(loaded.model, loaded.dtype_label(), loaded.quant, generator.max_batch_size,
                       generator.max_seq_len, params)  # fmt: skip

@@ -27,6 +27,7 @@ class LlmSettings:
     dtype: str = "float32"  # a --dtype value: auto, bfloat16, float32 or float16 (CUDA)
     compile: bool = False
     quant: str = "none"  # weight-only quantization on load: none, int8 or int4
+    transforms: tuple[Step, ...] = ()  # steps that bring their own transform (genfast.recipe.apply_transforms)
 
 
 def _quantized_decode_note(target: Target) -> str | None:

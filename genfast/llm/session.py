@@ -18,7 +18,7 @@ from genfast.llm.recipe import RECIPE, LlmSettings
 from genfast.llm.tokenizer import Tokenizer, load_tokenizer
 from genfast.nn import auto_weight_dtype, store_linear_weights
 from genfast.quant import INT4_GROUP_SIZES, QUANT_MODES
-from genfast.recipe import Plan, Target
+from genfast.recipe import Plan, Target, apply_transforms
 
 
 @dataclass
@@ -33,6 +33,7 @@ class LoadedModel:
     weight_dtype: torch.dtype | None = None  # unquantized linears' storage, when not `dtype` (auto on AVX2: bf16)
     # The `load` arguments that give this model again (another process compiling for it reloads it).
     load_args: dict[str, Any] = field(default_factory=dict)
+    transforms: tuple[str, ...] = ()  # recipe steps whose own transform changed the model (apply_recipe)
 
     def dtype_label(self) -> str:
         """e.g. 'bfloat16', or 'float32 (bfloat16 linear weights)'."""
@@ -57,6 +58,15 @@ def plan(
     if not compile:
         settings = replace(settings, compile=False)
     return replace(result, settings=settings)
+
+
+def apply_recipe(loaded: LoadedModel, settings: LlmSettings) -> LoadedModel:
+    """What the recipe does to a loaded model beyond `load`'s dtype and quantization: the steps
+    that bring their own transform (genfast.recipe.apply_transforms; the model's one part is
+    "model"). Compiling is the generator's (make_generator)."""
+    apply_transforms(settings, {"model": loaded.model})
+    loaded.transforms += tuple(step.name for step in settings.transforms)
+    return loaded
 
 
 def load(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from genfast import steps
 from genfast.errors import UserError
-from genfast.recipe import Recipe, Step, Target
+from genfast.recipe import Recipe, Step, Target, apply_transforms
 
 if TYPE_CHECKING:
     from genfast.sam.modeling import Sam
@@ -39,6 +39,7 @@ class SamSettings:
     batched_prompts: bool = False  # how the predictor is called (predict_batch), not a model change
     dynamic_int8: bool = False
     sparse_2_4: bool = False
+    transforms: tuple[Step, ...] = ()  # steps that bring their own transform (genfast.recipe.apply_transforms)
 
 
 def _fused_attention_note(target: Target) -> str | None:
@@ -124,6 +125,8 @@ def apply_recipe(model: Sam, settings: SamSettings) -> Sam:
         sparsify_2_4_(model.image_encoder)
     if settings.dynamic_int8:
         quantize_dynamic_int8(model.image_encoder, keep=narrower_than(INT8_MIN_FEATURES))
+    apply_transforms(settings, {"image_encoder": model.image_encoder, "prompt_encoder": model.prompt_encoder,
+                                "mask_decoder": model.mask_decoder})  # fmt: skip
     if settings.compile:
         model.image_encoder = compile_fn(model.image_encoder, model.device, decode=False)
     return model
