@@ -23,6 +23,7 @@ does not take) runs eagerly.
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import subprocess
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,28 @@ from genfast.compile import inductor_options
 from genfast.llm.model import Transformer, attention_mask
 from genfast.llm.sampling import SamplingParams, sample
 
-STEPS = ("prefill", "decode")
+
+@dataclass(frozen=True)
+class StepSet:
+    """A family of step functions compiled together (`generate`'s, `serve`'s): each takes the model
+    and then its inputs; `examples(name, batch, device)` gives inputs of the runtime shapes with
+    the varying lengths marked dynamic; `extra` arguments after the inputs are Python values
+    compiled in (the sampling settings)."""
+
+    name: str
+    functions: dict[str, Callable[..., Any]]
+    examples: Callable[[str, int, torch.device], tuple[Any, ...]]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.functions)
+
+    @property
+    def reference(self) -> str:
+        """Where a background process finds this set again: 'module:ATTRIBUTE'."""
+        module = next(iter(self.functions.values())).__module__
+        attribute = next(k for k, v in vars(sys.modules[module]).items() if v is self)
+        return f"{module}:{attribute}"
 
 
 # Two functions, not one: dynamo keeps compiled code per code object.
@@ -54,7 +76,14 @@ def decode_step(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Ten
     return sample(model(tokens, input_pos, mask), params)
 
 
-FUNCTIONS = {"prefill": prefill_step, "decode": decode_step}
+def _saved_guards(entries: Any) -> list[bool]:
+    """The guards a saved step keeps: aot_compile's default (no guards on globals, none it cannot
+    serialize) minus dynamo's global-state guard, which pins the thread count (and grad mode: the
+    steps always run in inference mode, which the tensors' own guards check)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [not (g.is_global or g.guard_type in unsupported or g.guard_type == "GLOBAL_STATE") for g in entries]
 
 
 def example_inputs(name: str, batch: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -75,30 +104,35 @@ def example_inputs(name: str, batch: int, device: torch.device) -> tuple[Tensor,
     return tokens, input_pos, mask
 
 
+GENERATE = StepSet("generate", {"prefill": prefill_step, "decode": decode_step}, example_inputs)
+
+
 def key_parts(model: Transformer, dtype_label: str, quant: str, batch: int, cache_len: int,
-              params: SamplingParams) -> dict[str, Any]:  # fmt: skip
+              params: SamplingParams | None, steps: StepSet = GENERATE) -> dict[str, Any]:  # fmt: skip
     """What the compiled steps depend on besides the environment (artifacts.environment)."""
     from genfast.quant.linear import uses_native_kernels
 
     return {
-        "what": "llm prefill and decode",
+        "what": f"llm {steps.name}: {' and '.join(steps.names)}",
         "model_args": model.args.to_dict(),
         "dtype": dtype_label,
         "quant": quant,
         "native_kernels": uses_native_kernels(model),
         "batch": batch,
         "cache_len": cache_len,
-        "sampling": asdict(params),
+        "sampling": asdict(params) if params is not None else None,
         "device": model.norm.weight.device.type,
     }
 
 
 class PrecompiledSteps:
-    """The compiled prefill and decode of one Generator: loaded, compiled or being made elsewhere."""
+    """One StepSet for one model: loaded, compiled or being made by a background process.
+    `params`: the sampling settings the steps take after their inputs (None: no such argument)."""
 
-    def __init__(self, model: Transformer, parts: dict[str, Any], params: SamplingParams,
-                 load_args: dict[str, Any], log: Callable[[str], None]) -> None:  # fmt: skip
-        self.model, self.params, self.log = model, params, log
+    def __init__(self, model: Transformer, parts: dict[str, Any], params: SamplingParams | None,
+                 load_args: dict[str, Any], log: Callable[[str], None], steps: StepSet = GENERATE) -> None:  # fmt: skip
+        self.model, self.params, self.log, self.steps = model, params, log, steps
+        self.extra = () if params is None else (params,)
         self.parts, self.load_args = parts, load_args
         self.artifacts = artifacts.Artifacts(artifacts.key(parts), parts)
         self.ready: dict[str, Any] = {}  # name -> loaded function, set by the loader thread
@@ -112,7 +146,7 @@ class PrecompiledSteps:
         long-lived process: chat, serve, which switch to the steps when it is done), "at-exit"
         (a one-shot command: its own eager run keeps the whole CPU, and the next run finds the
         steps) or "never"."""
-        if self.artifacts.complete(list(STEPS)):
+        if self.artifacts.complete(self.steps.names):
             seconds = self.wait()
             return f"loaded the compiled steps in {seconds:.1f} s"
         if self.artifacts.compiling():
@@ -129,7 +163,7 @@ class PrecompiledSteps:
     def poll(self) -> None:
         """Load steps that appeared since (a background compile finished): a long-lived process
         (chat, serve) switches to them between requests."""
-        if not self.ready and self.worker_done() and self.artifacts.complete(list(STEPS)):
+        if not self.ready and self.worker_done() and self.artifacts.complete(self.steps.names):
             seconds = self.wait()
             self.log(f"genfast: loaded the compiled steps in {seconds:.1f} s")
 
@@ -140,20 +174,21 @@ class PrecompiledSteps:
         """Block until both steps are usable: load them, or compile them here when none are
         saved. Returns the seconds it took."""
         start = time.perf_counter()
-        for name in STEPS:
+        for name in self.steps.names:
             if name not in self.ready:
                 loaded = self.artifacts_load(name)
                 self.ready[name] = loaded if loaded is not None else self.compile(name)
         return time.perf_counter() - start
 
-    def step(self, name: str, tokens: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor | None:
-        """Run the compiled step `name`, or return None (then the caller runs it eagerly)."""
+    def step(self, name: str, *inputs: Tensor) -> Tensor | None:
+        """Run the compiled step `name`, or return None (then the caller runs it eagerly). The
+        inputs are those of its function after the model; the third is the attention mask."""
         fn = self.ready.get(name)
-        if fn is None or mask.shape[3] < 2:
+        if fn is None or inputs[2].shape[3] < 2:
             return None
         if name not in self._checked:
             try:
-                out = fn(self.model, tokens, input_pos, mask, self.params)
+                out = fn(self.model, *inputs, *self.extra)
             except RuntimeError as e:
                 if "GuardManager check failed" not in str(e):
                     raise
@@ -165,7 +200,7 @@ class PrecompiledSteps:
             fn.disable_guard_check()  # checked once: later calls differ only in the dynamic lengths
             self._checked.add(name)
             return out
-        return fn(self.model, tokens, input_pos, mask, self.params)
+        return fn(self.model, *inputs, *self.extra)
 
     def artifacts_load(self, name: str) -> Any:
         self._load_kernels()
@@ -173,7 +208,8 @@ class PrecompiledSteps:
         # is known (it is part of the key): inductor need not compile a probe program to find it
         # (1 s of every load, measured).
         with torch.inference_mode(), torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
-            return self.artifacts.load(name, vars(sys.modules[__name__]), self.log)
+            module = sys.modules[self.steps.functions[name].__module__]
+            return self.artifacts.load(name, vars(module), self.log)
 
     def compile(self, name: str) -> Any:
         """Compile step `name` ahead of time here, save it and return it."""
@@ -181,12 +217,13 @@ class PrecompiledSteps:
         options = inductor_options(device, decode=name == "decode", native_kernels=self.parts["native_kernels"])
         options.pop("freezing", None)  # the weights stay inputs: one artifact serves every model of this shape
         options["cpp.dynamic_threads"] = True  # the thread count is read at run time, not compiled in
+        options["guard_filter_fn"] = _saved_guards
         self._load_kernels()
         with torch.inference_mode():
-            example = example_inputs(name, self.parts["batch"], device)
-            compiled = torch.compile(FUNCTIONS[name], fullgraph=True, dynamic=False, options=options).aot_compile(
-                ((self.model, *example, self.params), {})
-            )
+            example = self.steps.examples(name, self.parts["batch"], device)
+            compiled = torch.compile(
+                self.steps.functions[name], fullgraph=True, dynamic=False, options=options
+            ).aot_compile(((self.model, *example, *self.extra), {}))
         self.artifacts.save(name, compiled)
         return compiled
 
@@ -199,8 +236,9 @@ class PrecompiledSteps:
     def _spawn_worker(self) -> subprocess.Popen:
         """`python -m genfast.llm.precompiled SPEC`, detached: it outlives this process."""
         self.artifacts.dir.mkdir(parents=True, exist_ok=True)
-        spec = {"load_args": self.load_args, "parts": self.parts, "params": asdict(self.params),
-                "key": self.artifacts.key}  # fmt: skip
+        params = asdict(self.params) if self.params is not None else None
+        spec = {"load_args": self.load_args, "parts": self.parts, "key": self.artifacts.key, "params": params,
+                "steps": self.steps.reference}  # fmt: skip
         fd, spec_path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=self.artifacts.dir)
         with os.fdopen(fd, "w") as f:
             json.dump(spec, f)
@@ -223,29 +261,28 @@ def compile_for(spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     spec_path.unlink(missing_ok=True)
     os.nice(19)  # a foreground run may decode eagerly meanwhile: let it have the CPU first
-    args, params = spec["load_args"], SamplingParams(**spec["params"])
+    args = spec["load_args"]
+    params = SamplingParams(**spec["params"]) if spec["params"] is not None else None
+    module, _, attribute = spec["steps"].partition(":")
+    step_set = getattr(importlib.import_module(module), attribute)
     loaded = load(args["model"], args["device"], args["dtype"], None, args["quant"], args["group_size"])
     batch, cache_len = spec["parts"]["batch"], spec["parts"]["cache_len"]
     loaded.model.setup_caches(batch, cache_len)
-    parts = key_parts(loaded.model, loaded.dtype_label(), loaded.quant, batch, cache_len, params)
-    steps = PrecompiledSteps(loaded.model, parts, params, args, lambda m: print(m, file=sys.stderr))
+    parts = key_parts(loaded.model, loaded.dtype_label(), loaded.quant, batch, cache_len, params, step_set)
+    steps = PrecompiledSteps(loaded.model, parts, params, args, lambda m: print(m, file=sys.stderr), step_set)
     if steps.artifacts.key != spec["key"]:  # the model changed on disk since, or the environment differs
         print(f"genfast: the model loaded here keys to {steps.artifacts.key}, not {spec['key']}", file=sys.stderr)
         return 1
     if not steps.artifacts.try_lock():
         return 0  # another process is compiling it
     try:
-        for name in STEPS:
+        for name in step_set.names:
             if not steps.artifacts.path(name).is_file():
                 steps.compile(name)
     finally:
         steps.artifacts.unlock()
-    print(f"genfast: compiled {', '.join(STEPS)} into {steps.artifacts.dir}", file=sys.stderr)
+    print(f"genfast: compiled {', '.join(step_set.names)} into {steps.artifacts.dir}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(compile_for(Path(sys.argv[1])))
 
 
 def attach(generator: Any, loaded: Any, params: SamplingParams, log: Callable[[str], None]) -> PrecompiledSteps | None:
@@ -262,3 +299,7 @@ def attach(generator: Any, loaded: Any, params: SamplingParams, log: Callable[[s
                       generator.max_seq_len, params)  # fmt: skip
     generator.precompiled = PrecompiledSteps(loaded.model, parts, params, loaded.load_args, log)
     return generator.precompiled
+
+
+if __name__ == "__main__":
+    sys.exit(compile_for(Path(sys.argv[1])))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from genfast.errors import UserError
 from genfast.hub import DEFAULT_MODEL
+from genfast.startup import since_launch
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -62,6 +63,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if not is_main_rank():
         engine.follow()
         return 0
+    steps = engine.precompile(loaded, _log)
     engine.start()
     api_key = args.api_key or os.environ.get("GENFAST_API_KEY") or None
     if args.host not in LOCAL_HOSTS and api_key is None:
@@ -69,12 +71,16 @@ def serve_command(args: argparse.Namespace) -> int:
             f"genfast: warning: serving on {args.host} without an API key: anyone who can reach it can use it "
             "(set --api-key or GENFAST_API_KEY)"
         )
-    if settings.compile:
+    if steps is not None and steps.artifacts.complete(steps.steps.names):
+        _log("genfast: loading the compiled prefill and decode...")
+    elif steps is not None:
+        _log("genfast: compiling prefill and decode, saved for the next start (1-3 minutes on a 2-core CPU)...")
+    elif settings.compile:
         _log("genfast: compiling prefill and decode (fast after the first run: the result is cached)...")
     warmup_s = engine.warmup()
     _log(
-        f"genfast: ready in {warmup_s:.1f} s: {args.max_batch} slots of {engine.max_seq_len} tokens, "
-        f"queue of {args.max_queue}"
+        f"genfast: ready in {warmup_s:.1f} s ({since_launch():.1f} s after launch): {args.max_batch} slots of "
+        f"{engine.max_seq_len} tokens, queue of {args.max_queue}"
     )
     app = create_app(engine, served_model_name(args), api_key, args.shutdown_timeout)
     config = uvicorn.Config(

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -41,11 +42,15 @@ from genfast.compile import compile_fn
 from genfast.errors import UserError
 from genfast.llm.generate import cache_length
 from genfast.llm.model import Transformer, attention_mask
+from genfast.llm.precompiled import PrecompiledSteps, StepSet, key_parts
 from genfast.llm.sampling import SamplingParams, draw, probabilities
 from genfast.llm.streaming import TextStream
 from genfast.llm.tensor_parallel import current_world_size
 from genfast.llm.tokenizer import Tokenizer
 from genfast.serve.tensor_parallel import KEEPALIVE_S, Op, StepBroadcast
+
+if TYPE_CHECKING:
+    from genfast.llm.session import LoadedModel
 
 log = logging.getLogger("genfast.serve")
 
@@ -86,6 +91,36 @@ Sink = Callable[[Event], None]
 
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue holds `max_queue` requests."""
+
+
+# The engine's steps as functions of the model (genfast/llm/precompiled.py saves them compiled).
+def serve_prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
+    return model(tokens, input_pos, mask, cache_rows=rows)
+
+
+def serve_decode(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
+    return model(tokens, input_pos, mask)
+
+
+def serve_examples(name: str, batch: int, device: torch.device) -> tuple[Tensor, ...]:
+    """Inputs of the shapes the engine passes, the varying lengths marked dynamic."""
+    if name == "prefill":  # one prompt into one slot
+        tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+        input_pos = torch.arange(2, device=device)
+        mask = attention_mask(input_pos, 2)
+        torch._dynamo.mark_dynamic(tokens, 1)
+        torch._dynamo.mark_dynamic(input_pos, 0)
+        torch._dynamo.mark_dynamic(mask, 2)
+        torch._dynamo.mark_dynamic(mask, 3)
+        return tokens, input_pos, mask, torch.tensor([0], device=device)
+    tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    input_pos = torch.ones(batch, 1, dtype=torch.long, device=device)
+    mask = attention_mask(input_pos, 2)
+    torch._dynamo.mark_dynamic(mask, 3)
+    return tokens, input_pos, mask
+
+
+SERVE = StepSet("serve", {"prefill": serve_prefill, "decode": serve_decode}, serve_examples)
 
 
 class EngineStopped(Exception):
@@ -190,6 +225,8 @@ class Engine:
         self._abort = False  # cancel everything now
         self._thread: threading.Thread | None = None
         self.decode_steps = self.generated_tokens = self.cancelled = 0
+        # Steps compiled ahead of time and kept on disk (`precompile`); None: torch.compile's.
+        self.precompiled: PrecompiledSteps | None = None
         # Rank 0 of several tensor-parallel ranks tells the others which call to run next.
         self._broadcast = StepBroadcast() if current_world_size() > 1 else None
 
@@ -208,6 +245,9 @@ class Engine:
         input_pos = torch.arange(n, device=self.device)
         mask = attention_mask(input_pos, n)
         rows = torch.tensor([slot], device=self.device)
+        if self.precompiled is not None:
+            out = self.precompiled.step("prefill", tokens, input_pos, mask, rows)
+            return out if out is not None else self._prefill_step(tokens, input_pos, mask, rows)
         if self.compiled and n > 1:  # size 1 is always specialized (a one-token prompt compiles once more)
             torch._dynamo.mark_dynamic(tokens, 1)
             torch._dynamo.mark_dynamic(input_pos, 0)
@@ -217,6 +257,9 @@ class Engine:
 
     def _run_decode(self, tokens: Tensor, input_pos: Tensor, kv_len: int) -> Tensor:
         mask = attention_mask(input_pos, kv_len)
+        if self.precompiled is not None:
+            out = self.precompiled.step("decode", tokens, input_pos, mask)
+            return out if out is not None else self._decode_step(tokens, input_pos, mask)
         if self.compiled and not self.static_kv:
             torch._dynamo.mark_dynamic(mask, 3)
         return self._decode(tokens, input_pos, mask)
@@ -288,13 +331,26 @@ class Engine:
             if on_text:
                 on_text(event.text)
 
+    def precompile(self, loaded: LoadedModel, log: Callable[[str], None]) -> PrecompiledSteps | None:
+        """Use steps compiled ahead of time and kept on disk (genfast/llm/precompiled.py) for
+        `loaded` (the session.LoadedModel of this engine's model): on the CPU, one process, no
+        transforming recipe step. `warmup` then loads them, or compiles and saves them."""
+        if not self.compiled or self.device.type != "cpu" or loaded.tp > 1 or loaded.transforms:
+            return None
+        parts = key_parts(self.model, loaded.dtype_label(), loaded.quant, self.max_batch, self.max_seq_len, None, SERVE)
+        self.precompiled = PrecompiledSteps(self.model, parts, None, loaded.load_args, log, SERVE)
+        return self.precompiled
+
     def warmup(self) -> float:
         """Compile (or load from the compile cache) prefill and decode; return the seconds spent.
 
         A 2-token prompt marks the prompt length dynamic and 3 tokens the cache length, so these
-        two graphs serve every later request (tests/serve checks that nothing recompiles).
+        two graphs serve every later request (tests/serve checks that nothing recompiles). With
+        precompiled steps: load them, or compile and save them, first.
         """
         t0 = time.perf_counter()
+        if self.precompiled is not None:
+            self.precompiled.wait()
         bos = self.tokenizer.bos_id or 0
         result = self.generate(GenerationRequest((bos, bos), max_tokens=3))
         if result.error:

@@ -182,3 +182,26 @@ def test_tensor_parallel_leader_announces_every_model_call_and_a_follower_replay
         assert torch.equal(mine.attention.kv_cache.k, theirs.attention.kv_cache.k)
         assert torch.equal(mine.attention.kv_cache.v, theirs.attention.kv_cache.v)
     assert leader.model.layers[0].attention.kv_cache.k.abs().sum() > 0  # the caches were written
+
+
+def test_saved_compiled_steps_serve_every_mix_of_requests(tiny_dir):
+    """The engine's steps compiled ahead of time (genfast/llm/precompiled.py): the first engine
+    compiles and saves them, a second one (as at the next start) loads them; both equal eager
+    single requests for requests joining and leaving."""
+    from genfast.llm.session import load
+
+    want = single_request_outputs(*load_tiny(tiny_dir), PROMPTS, LENGTHS)
+    requests = [GenerationRequest(tuple(p), n) for p, n in zip(PROMPTS, LENGTHS)]
+    keys = []
+    for _ in range(2):
+        loaded = load(str(tiny_dir), "cpu", "float32")
+        engine = Engine(loaded.model, loaded.tokenizer, max_batch=3, compile=True)
+        steps = engine.precompile(loaded, print)
+        assert steps is not None
+        keys.append((steps.artifacts.key, steps.artifacts.complete(["prefill", "decode"])))
+        engine.start().warmup()
+        got = run_concurrently(engine, requests)
+        assert [r.token_ids for r in got] == want
+        assert steps._checked == {"prefill", "decode"}  # the compiled steps ran
+        engine.shutdown()
+    assert keys[0][0] == keys[1][0] and keys == [(keys[0][0], False), (keys[0][0], True)]
