@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,27 @@ def environment() -> dict[str, Any]:
         "isa": hardware.isa(),
         "kernels": {k.name: (k.choose()[0].isa if k.choose()[0] else None) for k in kernels.KERNELS},
     }
+
+
+def saved_guards(entries: Any) -> list[bool]:
+    """The guards a saved function keeps (`guard_filter_fn` of aot_compile): the default (no
+    guards on globals, none that cannot be serialized) minus
+    - dynamo's global-state guard, which pins the thread count and grad mode. Grad mode is left
+      to the caller: every saved function runs with gradients off, and inference mode, which the
+      tensors' own guards see, is in its key;
+    - identity checks of code objects (diffusers' attention processors inspect their own
+      `__call__`): an address is not stable across runs, and the classes are in the key."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+
+    def keep(g: Any) -> bool:
+        kinds = (g.guard_type, *g.derived_guard_types)
+        code_identity = "ID_MATCH" in kinds and g.has_value and isinstance(g.value, types.CodeType)
+        unserializable = any(kind in unsupported for kind in kinds)
+        return not (g.is_global or unserializable or g.guard_type == "GLOBAL_STATE" or code_identity)
+
+    return [keep(g) for g in entries]
 
 
 def key(parts: Mapping[str, Any]) -> str:
@@ -92,6 +114,13 @@ class Artifacts:
             staged = info.with_suffix(f".tmp{os.getpid()}")
             staged.write_text(json.dumps({**self.description, "environment": environment()}, indent=1, default=str))
             staged.replace(info)
+
+    def saved_description(self) -> dict[str, Any]:
+        """The description saved with the artifacts ({} when there is none or it is unreadable)."""
+        try:
+            return json.loads((self.dir / "artifact.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
 
     def discard(self, name: str, why: str, log: Callable[[str], None]) -> None:
         """Remove the artifact `name` (stale or damaged) so that it is rebuilt."""

@@ -198,3 +198,10 @@ def apply_transforms(settings: Any, parts: Mapping[str, Any]) -> None:
             if name not in parts:
                 raise ValueError(f"step {step.name} transforms {name!r}, which this model has not ({', '.join(parts)})")
             step.transform(parts[name], settings)
+
+
+def settings_key(settings: Any) -> dict[str, Any]:
+    """`settings` (a recipe's settings dataclass) as JSON-able values, for the key of compiled code
+    saved for it (genfast/saved_compile.py): its transform steps by name."""
+    values = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name != "transforms"}
+    return {**values, "transforms": [step.name for step in getattr(settings, "transforms", ())]}

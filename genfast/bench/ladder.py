@@ -66,6 +66,8 @@ class Case:
     # Figures of the first call's output, given the seconds since launch when it started (e.g.
     # the first token's time after launch).
     first: Callable[[Any, float], dict[str, Any]] = lambda output, started: {}
+    # More for the row's note, read after the timed calls (e.g. whether compiled code was loaded).
+    notes: Callable[[], list[str]] = lambda: []
 
 
 class Ladder(ABC):
@@ -237,6 +239,7 @@ def measure_row(spec: dict[str, Any]) -> dict[str, Any]:
     result.update(ladder.compare(row, outputs[-1] if outputs else output, workdir))
     notes = [f"{step}: {note}" for step, note in plan.notes] if plan else []
     notes += [f"{step} left out: {why}" for step, why in plan.skipped] if plan else []
+    notes += case.notes()
     result["note"] = "; ".join(notes) or result.get("note")
     return result
 

@@ -155,7 +155,12 @@ class DiffusionLadder(Ladder):
                 torch.save(generate(), workdir / "fp32-sdpa.pt")
             return result
 
-        return Case(run, measure, compiled=settings.compile != "none")
+        def notes() -> list[str]:
+            from genfast.saved_compile import compile_notes
+
+            return compile_notes(timer.denoiser) + compile_notes(pipe.vae)
+
+        return Case(run, measure, compiled=settings.compile != "none", notes=notes)
 
     def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
         from genfast.diffusion.quality import psnr

@@ -75,10 +75,12 @@ def imagine_command(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     pipe, description = load(args, DTYPES[recipe.dtype], device)
     apply_recipe(pipe, recipe)
+    # Saved compiles (CPU, static shapes) show their own progress (genfast/saved_compile.py).
+    compiles_lazily = recipe.compile != "none" and (recipe.dynamic_shapes or device.type != "cpu")
     print(
         f"genfast: {description} | recipe {args.recipe} in {recipe.dtype} | {width}x{height}, "
         f"{args.denoising_steps} steps, seed {seed} on {device}"
-        + (" (the first call compiles: minutes on a CPU)" if recipe.compile != "none" else ""),
+        + (" (the first call compiles, for minutes; not saved for later runs)" if compiles_lazily else ""),
         file=sys.stderr,
         flush=True,
     )

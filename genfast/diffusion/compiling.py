@@ -6,20 +6,25 @@ No global inductor or dynamo config is changed: each `torch.compile` call gets i
   static-shape compiles (regional/dynamic graphs would each need their own pools).
 - CPU: `freezing` (weights become constants: conv weights are pre-packed for oneDNN), as for the
   LLM and SAM compiles in genfast/compile.py.
-Modules are compiled in place with `nn.Module.compile`, so the pipeline keeps its own objects
-(state dicts, `config`, attribute access are unchanged).
+Modules are compiled in place, so the pipeline keeps its own objects (state dicts, `config`,
+attribute access are unchanged). On a CPU, static-shape compiles (whole model or regions) are
+compiled ahead of time and kept on disk for later runs (genfast/saved_compile.py): the caller
+passes `saved`, what the code depends on beyond the module (the recipe's settings). Dynamic-shape
+compiles and CUDA (not yet run) compile when first called, with inductor's own cache.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from torch import nn
+
+from genfast.saved_compile import compile_saved
 
 
 def diffusion_inductor_options(
@@ -61,12 +66,21 @@ def _traced_with(compiled: Callable[..., Any], *, duck_sizing: bool, graphs: int
 
 
 def compile_module(
-    module: nn.Module, *, dynamic: bool = False, whole_model: bool = True, graphs: int | None = None
+    module: nn.Module,
+    *,
+    dynamic: bool = False,
+    whole_model: bool = True,
+    graphs: int | None = None,
+    saved: Mapping[str, Any] | None = None,
+    what: str | None = None,
 ) -> nn.Module:
     """Compile `module`'s forward in place (fullgraph: a graph break is an error, not a slowdown).
     With `dynamic`, sizes are symbolic and independent of each other; `graphs`: the most graphs
-    its forward's code may compile (see _traced_with)."""
+    its forward's code may compile (see _traced_with); `saved`: see the module docstring; `what`
+    names it in messages (default: its class)."""
     options = diffusion_inductor_options(_device_of(module), whole_model=whole_model, dynamic=dynamic)
+    if saved is not None and not dynamic and _device_of(module).type == "cpu":
+        return compile_saved(module, what or type(module).__name__, saved, options)
     if not dynamic and graphs is None:
         module.compile(fullgraph=True, options=options)
         return module
@@ -78,12 +92,12 @@ def compile_module(
     return module
 
 
-def compile_vae_decoder(vae: nn.Module, *, dynamic: bool = False) -> None:
+def compile_vae_decoder(vae: nn.Module, *, dynamic: bool = False, saved: Mapping[str, Any] | None = None) -> None:
     """Compile the VAE's `decoder` (the work of `vae.decode`; the 1x1 post-quant conv stays eager)."""
     decoder = getattr(vae, "decoder", None)
     if not isinstance(decoder, nn.Module):
         raise ValueError(f"{type(vae).__name__} has no `decoder` module to compile")
-    compile_module(decoder, dynamic=dynamic)
+    compile_module(decoder, dynamic=dynamic, saved=saved, what="VAE decoder")
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -112,7 +126,7 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def compile_regions(model: nn.Module, *, dynamic: bool = False) -> int:
+def compile_regions(model: nn.Module, *, dynamic: bool = False, saved: Mapping[str, Any] | None = None) -> int:
     """Regional compilation: compile each repeated block in place, the rest stays eager. Compile
     time is that of one block per distinct shape instead of the whole model; speed is close to
     whole-model compile when the blocks dominate. Returns the number of blocks compiled."""
@@ -120,5 +134,5 @@ def compile_regions(model: nn.Module, *, dynamic: bool = False) -> int:
     # One graph per distinct parameter shape per class (twice that, for a second resolution).
     shapes = {(type(b), tuple(p.shape for p in b.parameters())) for b in blocks}
     for block in blocks:
-        compile_module(block, dynamic=dynamic, whole_model=False, graphs=2 * len(shapes))
+        compile_module(block, dynamic=dynamic, whole_model=False, graphs=2 * len(shapes), saved=saved)
     return len(blocks)

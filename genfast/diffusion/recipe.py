@@ -37,7 +37,7 @@ from typing import Any
 
 from genfast import steps
 from genfast.errors import UserError
-from genfast.recipe import Recipe, Step, Target, apply_transforms
+from genfast.recipe import Recipe, Step, Target, apply_transforms, settings_key
 
 COMPILE_MODES = ("none", "full", "regional")
 DEFAULT_STEP = "sdpa"  # what `genfast imagine` runs unless told otherwise: no compile (minutes on a CPU)
@@ -228,12 +228,13 @@ def apply_recipe(pipe: Any, settings: DiffusionSettings) -> Any:
         for model in models:
             use_channels_last_group_norm(model)
     apply_transforms(settings, {"denoiser": denoiser, "vae": vae})
+    saved = settings_key(settings)
     if settings.compile == "full":
-        compile_module(denoiser, dynamic=settings.dynamic_shapes)
+        compile_module(denoiser, dynamic=settings.dynamic_shapes, saved=saved)
     elif settings.compile == "regional":
-        compile_regions(denoiser, dynamic=settings.dynamic_shapes)
+        compile_regions(denoiser, dynamic=settings.dynamic_shapes, saved=saved)
     if settings.compile != "none":
-        compile_vae_decoder(vae, dynamic=settings.dynamic_shapes)
+        compile_vae_decoder(vae, dynamic=settings.dynamic_shapes, saved=saved)
     if settings.feature_cache_interval:
         setattr(pipe, denoiser_name(pipe), DeepCacheUNet(denoiser, pipe.scheduler, settings.feature_cache_interval))
     return pipe

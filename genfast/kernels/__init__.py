@@ -83,6 +83,10 @@ class Kernel:
     def available(self) -> bool:
         return self.unavailable_reason() is None
 
+    def loaded(self) -> bool:
+        """Whether this process has loaded the kernel's ops (never builds anything)."""
+        return self.name in _LOADED
+
     def loaded_isa(self) -> str | None:
         """The ISA level of the variant in use, or None when the PyTorch path runs."""
         return self.choose()[0].isa if self.available() else None
@@ -133,6 +137,11 @@ GROUP_NORM = Kernel(
     ),
 )
 KERNELS = (QLINEAR, LINEAR_FEW_ROWS, REL_POS_ATTENTION, GROUP_NORM)
+_LOADED: set[str] = set()  # names of the kernels whose library this process has loaded
+
+
+def by_name(name: str) -> Kernel:
+    return next(k for k in KERNELS if k.name == name)
 
 
 def kernel_dir() -> Path:
@@ -179,4 +188,5 @@ def _build(name: str, variant: Variant, what: str) -> str | None:
         except (OSError, RuntimeError) as exc:  # no compiler, no ninja, build error
             log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
             return f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    _LOADED.add(name)
     return None

@@ -76,16 +76,6 @@ def decode_step(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Ten
     return sample(model(tokens, input_pos, mask), params)
 
 
-def _saved_guards(entries: Any) -> list[bool]:
-    """The guards a saved step keeps: aot_compile's default (no guards on globals, none it cannot
-    serialize) minus dynamo's global-state guard, which pins the thread count (and grad mode: the
-    steps always run in inference mode, which the tensors' own guards check)."""
-    from torch._dynamo.guards import CheckFunctionManager
-
-    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
-    return [not (g.is_global or g.guard_type in unsupported or g.guard_type == "GLOBAL_STATE") for g in entries]
-
-
 def example_inputs(name: str, batch: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Inputs of the shapes generate() passes, with the lengths that vary marked dynamic: the
     prompt length (prefill) and the valid cache length (both)."""
@@ -217,7 +207,7 @@ class PrecompiledSteps:
         options = inductor_options(device, decode=name == "decode", native_kernels=self.parts["native_kernels"])
         options.pop("freezing", None)  # the weights stay inputs: one artifact serves every model of this shape
         options["cpp.dynamic_threads"] = True  # the thread count is read at run time, not compiled in
-        options["guard_filter_fn"] = _saved_guards
+        options["guard_filter_fn"] = artifacts.saved_guards
         self._load_kernels()
         with torch.inference_mode():
             example = self.steps.examples(name, self.parts["batch"], device)

@@ -31,6 +31,7 @@ from genfast.errors import UserError
 from genfast.recipe import Plan, Target
 from genfast.sam.config import SamConfig, sam_preset
 from genfast.sam.recipe import RECIPE
+from genfast.saved_compile import compile_notes
 
 ORIGINAL = "original"  # the original package's predictor: a row of the ladder, not a recipe step
 _SKIMAGE_SAMPLES = (
@@ -268,7 +269,8 @@ class SamLadder(Ladder):
                 "mask_coverage": float(np.mean([m.mean() for m in masks])),
             }
 
-        return Case(lambda: _inference(run), measure, compiled=plan is not None and plan.settings.compile)
+        return Case(lambda: _inference(run), measure, compiled=plan is not None and plan.settings.compile,
+                    notes=lambda: compile_notes(model))  # fmt: skip
 
     def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
         """The group's first row saves its masks and logits; the others report their agreement."""

@@ -42,6 +42,7 @@ from genfast.hardware import synchronize
 from genfast.sam import images
 from genfast.sam.masks import box_xyxy_to_xywh, mask_to_rle, masks_to_boxes
 from genfast.sam.modeling import Sam
+from genfast.startup import since_launch
 
 RANDOM_WEIGHTS_WARNING = "random weights (--random-weights): for benchmarking only; these masks are meaningless"
 
@@ -180,6 +181,7 @@ class Segmentation:
     records: list[dict[str, Any]]  # one JSON record per mask (without the RLE)
     encode_s: float
     decode_s: float
+    called_s: float = 0.0  # when the encoder was called, in seconds since launch (genfast.startup)
 
 
 def segment_prompt(model: Sam, image: np.ndarray, prompt: Prompt, multimask: bool) -> Segmentation:
@@ -187,7 +189,7 @@ def segment_prompt(model: Sam, image: np.ndarray, prompt: Prompt, multimask: boo
     from genfast.sam.predictor import SamPredictor
 
     predictor = SamPredictor(model)
-    start = time.perf_counter()
+    called, start = since_launch(), time.perf_counter()
     predictor.set_image(image)
     synchronize(model.device)
     encoded = time.perf_counter()
@@ -200,7 +202,7 @@ def segment_prompt(model: Sam, image: np.ndarray, prompt: Prompt, multimask: boo
         {"rank": rank + 1, "predicted_iou": float(scores[i]), "area": int(masks[i].sum()), "bbox": box}
         for rank, (i, box) in enumerate(zip(order, boxes))
     ]
-    return Segmentation(kept, records, encoded - start, decoded - encoded)
+    return Segmentation(kept, records, encoded - start, decoded - encoded, called)
 
 
 def segment_auto(model: Sam, image: np.ndarray, args: argparse.Namespace) -> Segmentation:
@@ -215,7 +217,7 @@ def segment_auto(model: Sam, image: np.ndarray, args: argparse.Namespace) -> Seg
         stability_score_thresh=args.stability_score_thresh,
         output_mode="binary_mask",
     )
-    start = time.perf_counter()
+    called, start = since_launch(), time.perf_counter()
     found = generator.generate(image)
     synchronize(model.device)
     elapsed = time.perf_counter() - start
@@ -224,7 +226,7 @@ def segment_auto(model: Sam, image: np.ndarray, args: argparse.Namespace) -> Seg
     records = [
         {"label": i + 1, **{k: _plain(v) for k, v in r.items() if k != "segmentation"}} for i, r in enumerate(found)
     ]
-    return Segmentation(masks, records, 0.0, elapsed)
+    return Segmentation(masks, records, 0.0, elapsed, called)
 
 
 def _plain(value: Any) -> Any:
@@ -290,10 +292,7 @@ def segment_command(args: argparse.Namespace) -> int:
     apply_recipe(loaded.model, plan.settings)
     if loaded.random_weights:
         _log(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}")
-    _log(
-        f"genfast: SAM {loaded.description} | recipe {args.recipe} in {plan.settings.dtype} on {device}"
-        + (" (the first image compiles: minutes on a CPU)" if plan.settings.compile else "")
-    )
+    _log(f"genfast: SAM {loaded.description} | recipe {args.recipe} in {plan.settings.dtype} on {device}")
     for message in plan.messages():
         _log(f"genfast: {message}")
     if args.multimask and loaded.model.config.num_multimask_outputs != multimask_outputs:
@@ -394,4 +393,5 @@ def _summary(args: argparse.Namespace, result: Segmentation, size: tuple[int, in
             f"predicted IoU {best['predicted_iou']:.3f}, {best['area']} px"
         )
     outputs = ", ".join(str(p) for p in written) + (", JSON on stdout" if args.json_path == "-" else "")
-    return f"genfast: {width}x{height} image | {timing}\ngenfast: wrote {outputs}"
+    start_up = f"genfast: start-up: the model was first called {result.called_s:.1f} s after launch"
+    return f"genfast: {width}x{height} image | {timing}\n{start_up}\ngenfast: wrote {outputs}"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from genfast import steps
 from genfast.errors import UserError
-from genfast.recipe import Recipe, Step, Target, apply_transforms
+from genfast.recipe import Recipe, Step, Target, apply_transforms, settings_key
 
 if TYPE_CHECKING:
     from genfast.sam.modeling import Sam
@@ -80,7 +80,9 @@ RECIPE = Recipe(
             fallback=_fused_attention_note,
         ),
         steps.compile_step(
-            "torch.compile of the image encoder (fullgraph, static shapes, freezing)", "as bf16", {"compile": True}
+            "torch.compile of the image encoder (fullgraph, static shapes), saved for later runs",
+            "as bf16",
+            {"compile": True},
         ),
         Step(
             "batched-prompts",
@@ -109,11 +111,12 @@ RECIPE = Recipe(
 def apply_recipe(model: Sam, settings: SamSettings) -> Sam:
     """Make `model` run as `settings` say, in place (and return it). batched_prompts is a property
     of how the predictor is called (predict_batch), so it changes nothing here."""
-    from genfast.compile import compile_fn
+    from genfast.compile import compile_fn, inductor_options
     from genfast.hardware import DTYPES
     from genfast.quant.linear import narrower_than, quantize_dynamic_int8
     from genfast.quant.sparse import sparse_2_4_unavailable, sparsify_2_4_
     from genfast.sam.modeling.attention import set_attention
+    from genfast.saved_compile import compile_saved
 
     if settings.sparse_2_4 and settings.dynamic_int8:
         raise UserError("2:4 sparsity and dynamic int8 cannot be combined (no kernel does both)")
@@ -127,6 +130,9 @@ def apply_recipe(model: Sam, settings: SamSettings) -> Sam:
         quantize_dynamic_int8(model.image_encoder, keep=narrower_than(INT8_MIN_FEATURES))
     apply_transforms(settings, {"image_encoder": model.image_encoder, "prompt_encoder": model.prompt_encoder,
                                 "mask_decoder": model.mask_decoder})  # fmt: skip
-    if settings.compile:
+    if settings.compile and model.device.type == "cpu":  # saved for later runs (CUDA: not yet run)
+        options = inductor_options(model.device, decode=False)
+        compile_saved(model.image_encoder, "SAM image encoder", settings_key(settings), options)
+    elif settings.compile:
         model.image_encoder = compile_fn(model.image_encoder, model.device, decode=False)
     return model

@@ -156,3 +156,24 @@ def test_a_recipe_step_the_pipeline_cannot_take_is_one_line(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "UNet2DConditionModel" in err and "Traceback" not in err and not out.exists()
+
+
+def test_a_compiled_recipe_is_saved_by_the_first_run_and_loaded_by_the_next(tmp_path, capsys):
+    """The first run shows each compile; a later process loads them; the images agree with eager."""
+    from genfast import saved_compile
+
+    smoke = [*SMOKE, "--dtype", "float32"]
+    assert cli.main(["imagine", "x", *smoke, "--recipe", "sdpa", "-o", str(tmp_path / "eager.png")]) == 0
+    capsys.readouterr()
+    for run, says in ((1, "compiling the "), (2, "loaded the compiled ")):
+        saved_compile._READY.clear()  # as a new process: nothing compiled in memory
+        assert cli.main(["imagine", "x", *smoke, "--recipe", "compile", "-o", str(tmp_path / f"{run}.png")]) == 0
+        err = capsys.readouterr().err
+        assert f"{says}UNet2DConditionModel" in err and f"{says}VAE decoder" in err
+    with (
+        Image.open(tmp_path / "eager.png") as e,
+        Image.open(tmp_path / "1.png") as a,
+        Image.open(tmp_path / "2.png") as b,
+    ):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert np.abs(np.asarray(a, np.int16) - np.asarray(e, np.int16)).max() <= 2

@@ -328,3 +328,15 @@ def test_recipe_steps_on_the_command_line(files, predictor, tmp_path, capsys):
         assert segment(files, "--point", "10,20", "-o", str(out), "--recipe", step) == 2
         err = capsys.readouterr().err
         assert message in err and err.startswith("genfast: error:") and not out.exists()
+
+
+def test_a_compiled_encoder_is_saved_by_the_first_run_and_loaded_by_the_next(files, predictor, tmp_path, capsys):
+    """The first run shows that it compiles; the second loads what it saved; both give the eager masks."""
+    masks, scores, _ = predictor.predict(np.array([[10, 20]]), np.array([1]), multimask_output=True)
+    expected = masks[int(np.argmax(scores))]
+    for run, says in ((1, "compiling the SAM image encoder"), (2, "loaded the compiled SAM image encoder")):
+        out = tmp_path / f"run{run}.png"
+        assert segment(files, "--point", "10,20", "-o", str(out), "--no-overlay", "--recipe", "compile") == 0
+        err = capsys.readouterr().err
+        assert says in err and "start-up: the model was first called" in err
+        assert (read_mask(out) == expected).mean() > 0.995

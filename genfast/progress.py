@@ -1,0 +1,49 @@
+"""A wait the user can see: a slow step (a first compile) never sits silent."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import TextIO
+
+
+class Ticker:
+    """Shows that `message` is under way. On a terminal the line is redrawn each second with the
+    seconds elapsed; elsewhere (a log file, a pipe) it is written once. Either way it ends with
+    how long it took."""
+
+    def __init__(self, message: str, stream: TextIO | None = None, every_s: float = 1.0) -> None:
+        self.message = message
+        self.stream = stream if stream is not None else sys.stderr
+        self.every_s = every_s
+        self.seconds = 0.0
+        self._start = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Ticker:
+        self._start = time.perf_counter()
+        if self.stream.isatty():
+            self._thread = threading.Thread(target=self._redraw, daemon=True)
+            self._thread.start()
+        else:
+            self.stream.write(f"{self.message} ...\n")
+            self.stream.flush()
+        return self
+
+    def _redraw(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.stream.write(f"\r{self.message} ... {time.perf_counter() - self._start:.0f} s")
+            self.stream.flush()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.seconds = time.perf_counter() - self._start
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        ending = "done" if kind is None else "failed"
+        prefix = "\r" if self._thread is not None else ""
+        self.stream.write(f"{prefix}{self.message} ... {ending} in {self.seconds:.1f} s\n")
+        self.stream.flush()

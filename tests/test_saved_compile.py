@@ -1,0 +1,121 @@
+"""SavedCompiled: compiled once, loaded by later runs, keyed on what the code depends on."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from genfast import artifacts, saved_compile
+from genfast.progress import Ticker
+from genfast.saved_compile import compile_notes, compile_saved
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16, act: str = "gelu") -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.act = act  # a plain attribute forward reads: part of the key
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        y = self.proj(self.norm(x))
+        return scale * (torch.nn.functional.gelu(y) if self.act == "gelu" else torch.relu(y)) + x
+
+
+def _saved(module: nn.Module, messages: list[str], **depends_on) -> nn.Module:
+    """`module` compiled as a new process would: nothing compiled in memory."""
+    saved_compile._READY.clear()
+    return compile_saved(module, "test block", depends_on, {}, log=messages.append)
+
+
+def _keys() -> set[str]:
+    return {entry["key"] for entry in artifacts.entries()}
+
+
+@pytest.fixture()
+def x() -> torch.Tensor:
+    return torch.randn(2, 8, 16)
+
+
+def test_compiled_once_then_loaded_with_equal_outputs(x):
+    torch.manual_seed(0)
+    block = Block().eval()
+    expected = block(x)
+    first = _saved(copy.deepcopy(block), [])
+    fresh = first(x)
+    assert first.forward.events[0].startswith("compiled in")
+    assert len(_keys()) == 1
+    messages = []
+    again = _saved(copy.deepcopy(block), messages)
+    cached = again(x)
+    assert again.forward.events[0].startswith("loaded in") and "earlier run" in again.forward.events[0]
+    assert any("loaded the compiled test block" in m for m in messages)
+    torch.testing.assert_close(fresh, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cached, expected, rtol=1e-5, atol=1e-5)
+    assert compile_notes(nn.Sequential(again)) == [f"test block {again.forward.events[0]}"]
+
+
+def test_weights_are_inputs_not_constants(x):
+    """Another module of the same structure (other weights) shares the artifact and gets its own answer."""
+    torch.manual_seed(0)
+    _saved(Block().eval(), [])(x)
+    torch.manual_seed(1)
+    other = Block().eval()
+    saved = _saved(other, [])
+    out = saved(x)
+    assert saved.forward.events[0].startswith("loaded")
+    torch.testing.assert_close(out, other(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_key_follows_what_the_code_depends_on(x):
+    _saved(Block().eval(), [])(x)
+    _saved(Block().eval(), [])(x[:1])  # another input shape
+    _saved(Block().eval(), [])(x, scale=2.0)  # another non-tensor argument
+    _saved(Block().eval().to(torch.bfloat16), [])(x.to(torch.bfloat16))  # another dtype
+    _saved(Block(width=16, act="relu").eval(), [])(x)  # another plain attribute
+    _saved(Block(width=32).eval(), [])(torch.randn(2, 8, 32))  # another structure
+    _saved(Block().eval(), [], quant="int8")(x)  # what the caller says it depends on
+    assert len(_keys()) == 7
+
+
+def test_a_corrupt_artifact_is_rebuilt_with_a_message(x):
+    block = Block().eval()
+    _saved(copy.deepcopy(block), [])(x)
+    (entry,) = artifacts.entries()
+    path = artifacts.Artifacts(entry["key"], {}).path("forward")
+    path.write_bytes(b"not a compiled function")
+    messages = []
+    saved = _saved(block, messages)
+    out = saved(x)
+    assert any("could not be loaded" in m and "rebuilt" in m for m in messages)
+    assert saved.forward.events[0].startswith("compiled in")
+    torch.testing.assert_close(out, block(x), rtol=1e-5, atol=1e-5)
+    assert path.stat().st_size > 100  # saved again
+
+
+def test_compiled_in_place_the_module_keeps_its_class_and_state_dict(x):
+    block = Block().eval()
+    names = list(block.state_dict())
+    saved = _saved(block, [])
+    assert saved is block and type(saved) is Block and list(saved.state_dict()) == names
+
+
+def test_modules_of_one_structure_share_one_function_in_a_process(x):
+    blocks = nn.Sequential(*(Block().eval() for _ in range(3)))
+    expected = blocks(x)
+    saved_compile._READY.clear()
+    for block in blocks:
+        compile_saved(block, "test block", {}, {}, log=lambda m: None)
+    torch.testing.assert_close(blocks(x), expected, rtol=1e-5, atol=1e-5)
+    assert [len(b.forward.events) for b in blocks] == [1, 0, 0]  # compiled once, reused twice
+
+
+def test_ticker_reports_a_wait_in_a_log():
+    stream = io.StringIO()
+    with Ticker("genfast: compiling X", stream=stream):
+        pass
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "genfast: compiling X ..."
+    assert lines[1].startswith("genfast: compiling X ... done in ")
