@@ -186,7 +186,7 @@ class LlmLadder(Ladder):
             nonlocal calls
             calls += 1
             if calls == 1 and steps is not None:
-                steps.start(compile_missing="never")
+                steps.start(compile_missing="never", defer=True)
             result = generator.generate([prompt], options["new_tokens"], greedy, stop_at_eos=False)
             if calls == 1 and settings.compile:
                 generator.warmup(greedy)

@@ -67,14 +67,16 @@ def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, Ll
 
 
 def _start_compiled(
-    generator: Generator, loaded: LoadedModel, params: SamplingParams, compile_missing: str = "at-exit"
-) -> float | None:
+    generator: Generator, loaded: LoadedModel, params: SamplingParams, compile_missing: str = "at-exit",
+    defer: bool = False,
+) -> float | None:  # fmt: skip
     """Make the compiled steps available: from disk or a background compile, streaming eagerly
-    meanwhile (genfast/llm/precompiled.py); where that does not apply (CUDA, --tp, speculative
-    decoding), compile here first, as torch.compile does. Returns the seconds spent waiting."""
+    meanwhile (genfast/llm/precompiled.py; `defer`: saved steps load after the first token);
+    where that does not apply (CUDA, --tp, speculative decoding), compile here first, as
+    torch.compile does. Returns the seconds spent waiting."""
     steps = attach(generator, loaded, params, _log)
     if steps is not None:
-        _log(f"genfast: {steps.start(compile_missing)}")
+        _log(f"genfast: {steps.start(compile_missing, defer)}")
         return None
     _log("genfast: compiling prefill and decode (fast after the first run: the result is cached)...")
     return generator.warmup(params)
@@ -125,9 +127,10 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.chat:
         prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     ids = [generator.encode_prompt(p) for p in prompts]
-    compile_s = _start_compiled(generator, loaded, params) if settings.compile else None
-    if settings.compile:
-        phases.mark("compiled steps" if generator.precompiled is not None else "compile")
+    compile_s = _start_compiled(generator, loaded, params, defer=True) if settings.compile else None
+    steps = generator.precompiled
+    if settings.compile and (steps is None or steps.ready):  # (deferred steps load after the first token)
+        phases.mark("compile" if steps is None else "compiled steps")
 
     single = len(ids) == 1
 
@@ -148,7 +151,8 @@ def generate_command(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if not args.quiet:
         _log(format_stats(loaded.model, result, peak_read_bandwidth(loaded.device), compile_s, loaded.device))
-        _log(f"start-up: {phases.summary()}")
+        notes = steps.take_notes() if steps is not None else []
+        _log(f"start-up: {'; '.join([phases.summary(), *notes])}")
         if loaded.tp > 1:
             _log(f"bytes/step and MBU are one rank's (each of the {loaded.tp} reads its own shard)")
     return 0
@@ -193,7 +197,8 @@ def chat_command(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         history.append({"role": "assistant", "content": result.texts[0]})
-        _log(f"[{result.new_tokens} tokens, {result.decode_tok_s:.1f} tok/s]")
+        notes = generator.precompiled.take_notes() if generator.precompiled is not None else []
+        _log(f"[{', '.join([f'{result.new_tokens} tokens, {result.decode_tok_s:.1f} tok/s', *notes])}]")
     return 0
 
 

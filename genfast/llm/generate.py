@@ -196,13 +196,13 @@ class Generator:
         """Generate up to `max_new_tokens` for each prompt (token ids); stream text via `on_text`."""
         lengths = self._check_request(prompts, max_new_tokens)
         prompt_len = max(lengths)
-        if self.precompiled is not None:
-            self.precompiled.poll()
         if seed is not None:
             torch.manual_seed(seed)
         out = Completions(self.tokenizer, len(prompts), stop_strings, stop_at_eos, on_text)
         next_tokens, pad_start, prefill_s = self._prefill_prompts(prompts, params)
         out.push_step(next_tokens)
+        if self.precompiled is not None:  # saved compiled steps load once the first token is out
+            self.precompiled.poll()
 
         # Decode: one token per step; the mask row grows by one slot each step.
         last = prompt_len + max_new_tokens - 1

@@ -96,6 +96,14 @@ def test_compiled_steps_are_saved_and_loaded_and_give_the_eager_tokens(model_dir
     assert second.generate([PROMPT], 12, stop_at_eos=False).token_ids[0] == want
     assert loaded_steps._checked == {"prefill", "decode"}  # the compiled steps ran
 
+    deferred_generator, deferred = fp32_generator(model_dir)  # as `genfast generate` starts
+    assert deferred.start(defer=True) == "compiled decode step saved: it loads after the first token"
+    assert not deferred.ready  # nothing loaded before the first token
+    assert deferred_generator.generate([PROMPT], 12, stop_at_eos=False).token_ids[0] == want
+    assert deferred._checked == {"decode"}  # prefilled eagerly, then decoded compiled
+    (note,) = deferred.take_notes()
+    assert note.startswith("compiled decode loaded in") and deferred.take_notes() == []
+
 
 def test_a_damaged_artifact_is_rebuilt_with_a_message(model_dir):
     generator, steps = fp32_generator(model_dir)
@@ -131,8 +139,9 @@ def test_steps_that_do_not_fit_the_model_fall_back_to_eager(model_dir, tmp_path)
 
 
 def test_the_cli_compiles_in_the_background_then_starts_with_the_compiled_steps(model_dir, tmp_path):
-    """First run: streams eagerly and leaves a background compile; second run: loads the steps.
-    Both print the same completion and the time to first token from launch."""
+    """First run: streams eagerly and leaves a background compile; second run: prefills eagerly
+    and loads the compiled decode step after the first token. Both print the same completion and
+    the time to first token from launch."""
     env = {**os.environ, "GENFAST_HOME": str(tmp_path / "home")}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     argv = [sys.executable, "-m", "genfast", "generate", "w3 w17 w5", "--model", str(model_dir), "--dtype",
@@ -148,7 +157,7 @@ def test_the_cli_compiles_in_the_background_then_starts_with_the_compiled_steps(
     for threads in ("2", "1"):  # the background compile ran on one thread: the thread count is no key
         second = subprocess.run([*argv, "--threads", threads], capture_output=True, text=True, timeout=600, env=env)
         assert second.returncode == 0, second.stderr
-        assert "loaded the compiled steps" in second.stderr and "does not fit" not in second.stderr
+        assert "; compiled decode loaded in" in second.stderr and "does not fit" not in second.stderr
         assert second.stdout == first.stdout
     listing = subprocess.run([sys.executable, "-m", "genfast", "cache", "list"], capture_output=True, text=True,
                              env=env, timeout=120)  # fmt: skip
