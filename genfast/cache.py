@@ -45,9 +45,11 @@ def human(n: float) -> str:
 
 def _describe(entry: dict) -> str:
     d = entry["description"]
+    env = d.get("environment", {})
+    if "summary" in d:
+        return f"{d['summary']}; torch {env.get('torch', '?')}, ISA {env.get('isa', '?')}"
     args = d.get("model_args", {})
     shape = f"dim {args.get('dim')}, {args.get('n_layers')} layers, vocab {args.get('vocab_size')}" if args else "?"
-    env = d.get("environment", {})
     return (f"{d.get('what', '?')}: {shape}, {d.get('dtype', '?')}, quant {d.get('quant', '?')}, batch "
             f"{d.get('batch', '?')}, {d.get('cache_len', '?')} slots; torch {env.get('torch', '?')}, "
             f"ISA {env.get('isa', '?')}")  # fmt: skip

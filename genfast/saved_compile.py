@@ -69,6 +69,17 @@ def signature(value: Any) -> Any:
     return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
+def _flatten(value: Any) -> list[Any]:
+    """The tensor descriptions (and other leaves) inside a signature()."""
+    if isinstance(value, list) and value[:1] == ["tensor"]:
+        return [value]
+    if isinstance(value, list):
+        return [leaf for v in value for leaf in _flatten(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _flatten(v)]
+    return [value]
+
+
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -131,8 +142,10 @@ class SavedForward:
 
     def _description(self, parts: Mapping[str, Any]) -> dict[str, Any]:
         """What `genfast cache list` shows, and the kernels a loader must load first."""
-        return {"what": self.what, "inputs": parts["inputs"], "depends_on": self.depends_on,
-                "kernels": [k.name for k in kernels.KERNELS if k.loaded()]}  # fmt: skip
+        tensors = [v for v in _flatten(parts["inputs"]) if isinstance(v, list) and v[:1] == ["tensor"]]
+        shapes = ", ".join(f"{'x'.join(map(str, t[1]))} {t[3].removeprefix('torch.')}" for t in tensors)
+        return {"what": self.what, "summary": f"{self.what}: inputs {shapes or 'none'}", "inputs": parts["inputs"],
+                "depends_on": self.depends_on, "kernels": [k.name for k in kernels.KERNELS if k.loaded()]}  # fmt: skip
 
     def _prepare(self, store: artifacts.Artifacts, args: Args, kwargs: Kwargs) -> Callable[..., Any]:
         start = time.perf_counter()

@@ -55,6 +55,8 @@ def test_compiled_once_then_loaded_with_equal_outputs(x):
     torch.testing.assert_close(fresh, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cached, expected, rtol=1e-5, atol=1e-5)
     assert compile_notes(nn.Sequential(again)) == [f"test block {again.forward.events[0]}"]
+    (entry,) = artifacts.entries()
+    assert cache._describe(entry).startswith("test block: inputs 2x8x16 float32; torch ")
 
 
 def test_weights_are_inputs_not_constants(x):
