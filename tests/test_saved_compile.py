@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from genfast import artifacts, saved_compile
+from genfast import artifacts, cache, saved_compile
 from genfast.progress import Ticker
 from genfast.saved_compile import compile_notes, compile_saved
 
