@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from genfast.errors import UserError
+from genfast.llm import families
 from genfast.llm.config import ModelArgs
 from genfast.llm.gguf_file import GGUFFile, is_gguf, open_gguf
-from genfast.llm.model import Transformer, TransformerBlock
+from genfast.llm.layers import TransformerBlock
+from genfast.llm.model import Transformer
 from genfast.quant.grids import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -133,12 +135,14 @@ def _source_filler(path: Path, fmt: str) -> tuple[ModelArgs, Filler]:
     if fmt == "hf":
         args = ModelArgs.from_hf_config(_read_json(path / "config.json"))
         get, available = _hf_source(path)
-        layer_prefix, layer_names, global_names = "model.layers.{i}.", _HF_LAYER, _HF_GLOBAL
+        own = families.family(args.family).hf_layer_tensors
+        layer_prefix, layer_names, global_names = "model.layers.{i}.", {**_HF_LAYER, **own}, _HF_GLOBAL
     else:
         gguf = open_gguf(gguf_path(path))
         args = _gguf_args(gguf)
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
-        layer_prefix, layer_names, global_names = "blk.{i}.", _GGUF_LAYER, _GGUF_GLOBAL
+        own = families.family(args.family).gguf_layer_tensors
+        layer_prefix, layer_names, global_names = "blk.{i}.", {**_GGUF_LAYER, **own}, _GGUF_GLOBAL
 
     def fill(module: torch.nn.Module, prefix: str) -> None:
         for local, param in module.named_parameters(remove_duplicate=False):
@@ -213,7 +217,8 @@ def gguf_quantized_linears(path: Path, bits: int, only: set[str] | None = None) 
     search to some module names."""
     gguf = open_gguf(gguf_path(path))
     args = _gguf_args(gguf)
-    permuted = {"attn_q.weight": args.n_heads, "attn_k.weight": args.n_kv_heads} if args.family == "llama" else {}
+    interleaved = families.family(args.family).gguf_rope_interleaved
+    permuted = {"attn_q.weight": args.n_heads, "attn_k.weight": args.n_kv_heads} if interleaved else {}
     types = GGUF_TYPES_FOR_BITS[bits]
     found: dict[str, QuantizedWeight] = {}
 
@@ -310,7 +315,8 @@ def _gguf_args(gguf: GGUFFile) -> ModelArgs:
 def _gguf_getter(gguf: GGUFFile, args: ModelArgs) -> Callable[[str], torch.Tensor]:
     # llama.cpp's converter interleaves the rotary halves of q/k rows for the "llama"
     # architecture; undo it so the rows are in Hugging Face's rotate-half order.
-    permuted = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads} if args.family == "llama" else {}
+    interleaved = families.family(args.family).gguf_rope_interleaved
+    permuted = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads} if interleaved else {}
 
     def get(name: str) -> torch.Tensor:
         tensor = gguf.tensor(name)

@@ -1,4 +1,5 @@
-"""Model configuration for Llama-family decoders, read from the checkpoint (never from its name)."""
+"""Model configuration of the decoder families (genfast/llm/families/), read from the checkpoint
+(never from its name)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from genfast.errors import UserError
-
-# HF `model_type` values whose checkpoints this model reproduces exactly.
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
-# GGUF `general.architecture` values.
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+from genfast.llm import families
 
 
 @dataclass(frozen=True)
@@ -93,10 +90,10 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         """From a Hugging Face config.json (transformers 4.x and 5.x spellings)."""
         model_type = cfg.get("model_type")
-        if model_type not in HF_MODEL_TYPES:
+        if model_type not in families.hf_model_types():
             raise UserError(
                 f"unsupported architecture {model_type!r} (architectures {cfg.get('architectures')}); "
-                f"genfast loads model_type {', '.join(HF_MODEL_TYPES)}"
+                f"genfast loads model_type {', '.join(families.hf_model_types())}"
             )
         rope = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or rope
@@ -120,17 +117,18 @@ class ModelArgs:
             rope_scaling=_rope_scaling_from_hf(rope_scaling),
             max_seq_len=max_seq_len,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            out_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
             family=model_type,
+            **families.family(model_type).hf_fields(cfg),
         )
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> ModelArgs:
         """From GGUF key/values; tied embeddings and biases are read off which tensors exist."""
         arch = meta.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise UserError(f"unsupported GGUF architecture {arch!r}; genfast loads {', '.join(GGUF_ARCHITECTURES)}")
+        if arch not in families.gguf_architectures():
+            raise UserError(
+                f"unsupported GGUF architecture {arch!r}; genfast loads {', '.join(families.gguf_architectures())}"
+            )
 
         def key(name: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{name}", default)

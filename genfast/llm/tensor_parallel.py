@@ -45,7 +45,8 @@ from torch import Tensor, nn
 
 from genfast.errors import UserError
 from genfast.llm.config import ModelArgs
-from genfast.llm.model import Transformer, TransformerBlock
+from genfast.llm.layers import TransformerBlock
+from genfast.llm.model import Transformer
 from genfast.nn import Linear
 from genfast.quant.grids import QuantizedWeight
 from genfast.quant.linear import QuantLinear

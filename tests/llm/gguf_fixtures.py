@@ -40,7 +40,10 @@ def write_gguf_from_hf(
         else float(cfg.rope_theta)
     )
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     tokens = vocab or [f"<t{i}>" for i in range(cfg.vocab_size)]
     w.add_tokenizer_model("gpt2")
@@ -64,6 +67,8 @@ def write_gguf_from_hf(
         "mlp.down_proj": "ffn_down",
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_norm": "attn_q_norm",  # Qwen3
+        "self_attn.k_norm": "attn_k_norm",
     }
     for name, tensor in sd.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

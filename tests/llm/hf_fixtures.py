@@ -60,6 +60,23 @@ TINY_CONFIGS = {
         tie_word_embeddings=True,
         use_sliding_window=False,
     ),
+    # Per-head q/k RMSNorm, head_dim set apart from hidden_size / heads, untied.
+    "qwen3": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    ),
     # Linear rope scaling, MHA (no GQA), attention_bias.
     "llama2_linear": dict(
         model_type="llama",

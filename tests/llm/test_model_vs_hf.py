@@ -21,7 +21,7 @@ def test_full_sequence_logits_match_transformers(name, tmp_path):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
 def test_cached_decode_matches_transformers(name, tmp_path):
     """Prefill then token-by-token decode through the static cache gives the same logits."""
     hf = make_hf_model(name)

@@ -197,7 +197,7 @@ def test_quantizing_while_loading_equals_quantizing_the_loaded_model(fmt, quant,
 def test_blocks_are_read_one_at_a_time(monkeypatch, tmp_path):
     """With a `prepare_block` hook, a block is allocated only after the one before it has been
     prepared: at most one block exists at full size."""
-    from genfast.llm.model import TransformerBlock
+    from genfast.llm.layers import TransformerBlock
 
     path = save_hf_model(make_hf_model("llama3"), tmp_path / "m")
     allocated, prepared = [], []
