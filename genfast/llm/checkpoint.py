@@ -19,7 +19,7 @@ import torch
 
 from genfast.errors import UserError
 from genfast.llm import families
-from genfast.llm.config import ModelArgs
+from genfast.llm.config import ModelArgs, RopeScaling, longrope_attention_factor
 from genfast.llm.gguf_file import GGUFFile, is_gguf, open_gguf
 from genfast.llm.layers import TransformerBlock
 from genfast.llm.model import Transformer
@@ -309,6 +309,21 @@ def _gguf_args(gguf: GGUFFile) -> ModelArgs:
     if "rope_freqs.weight" in gguf.tensor_names:
         divisors = tuple(gguf.tensor("rope_freqs.weight").tolist())
         args = ModelArgs(**{**args.__dict__, "rope_freq_divisors": divisors})
+    if "rope_factors_long.weight" in gguf.tensor_names:  # LongRoPE (Phi-3): its factors are tensors
+        arch = gguf.metadata["general.architecture"]
+        original = int(gguf.metadata.get(f"{arch}.rope.scaling.original_context_length", args.max_seq_len))
+        factor = args.max_seq_len / original
+        scaling = RopeScaling(
+            "longrope",
+            factor,
+            original_max_position_embeddings=original,
+            short_factor=tuple(gguf.tensor("rope_factors_short.weight").tolist()),
+            long_factor=tuple(gguf.tensor("rope_factors_long.weight").tolist()),
+            attention_factor=float(
+                gguf.metadata.get(f"{arch}.rope.scaling.attn_factor") or longrope_attention_factor(factor, original)
+            ),
+        )
+        args = ModelArgs(**{**args.__dict__, "rope_scaling": scaling})
     return args
 
 

@@ -13,13 +13,19 @@ from genfast.llm import families
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1 style frequency-dependent scaling ("llama3") or plain position interpolation ("linear")."""
+    """Llama-3.1 style frequency-dependent scaling ("llama3"), plain position interpolation
+    ("linear"), or Phi-3's LongRoPE ("longrope": per-frequency divisors, `short_factor` while the
+    sequence fits the original context and `long_factor` beyond it, cos and sin scaled by
+    `attention_factor`)."""
 
-    kind: str  # "llama3" | "linear"
+    kind: str  # "llama3" | "linear" | "longrope"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class ModelArgs:
     n_kv_heads: int
     intermediate_size: int
     head_dim: int = 0  # 0: dim // n_heads
+    rotary_dim: int = 0  # the leading dims of a head that rotate; 0: all (head_dim)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -46,6 +53,8 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
         if self.n_heads % self.n_kv_heads:
             raise UserError(
                 f"invalid model config: {self.n_heads} attention heads are not a multiple of "
@@ -64,7 +73,10 @@ class ModelArgs:
             raise UserError(f"model config has unknown fields {unknown} (written by a newer genfast?)")
         values = dict(fields_)
         if values.get("rope_scaling") is not None:
-            values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+            scaling = dict(values["rope_scaling"])
+            for name in ("short_factor", "long_factor"):
+                scaling[name] = tuple(scaling.get(name, ()))
+            values["rope_scaling"] = RopeScaling(**scaling)
         if values.get("rope_freq_divisors") is not None:
             values["rope_freq_divisors"] = tuple(values["rope_freq_divisors"])
         try:
@@ -99,9 +111,12 @@ class ModelArgs:
         rope_scaling = cfg.get("rope_scaling") or rope
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         n_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         max_seq_len = cfg.get("max_position_embeddings", 2048)
+        family = families.family(model_type)
         sliding = cfg.get("sliding_window")
-        if sliding and cfg.get("use_sliding_window", model_type == "mistral") and sliding < max_seq_len:
+        if sliding and cfg.get("use_sliding_window", family.sliding_window_by_default) and sliding < max_seq_len:
             # Full attention equals sliding-window attention only up to the window.
             max_seq_len = sliding
         return cls(
@@ -111,14 +126,15 @@ class ModelArgs:
             n_heads=n_heads,
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
             intermediate_size=cfg["intermediate_size"],
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial),
             norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
-            rope_scaling=_rope_scaling_from_hf(rope_scaling),
+            rope_scaling=_rope_scaling_from_hf(rope_scaling, cfg),
             max_seq_len=max_seq_len,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             family=model_type,
-            **families.family(model_type).hf_fields(cfg),
+            **family.hf_fields(cfg),
         )
 
     @classmethod
@@ -152,6 +168,7 @@ class ModelArgs:
             n_kv_heads=int(key("attention.head_count_kv", n_heads)),
             intermediate_size=int(key("feed_forward_length")),
             head_dim=int(meta.get(f"{arch}.attention.key_length", 0) or key("rope.dimension_count", dim // n_heads)),
+            rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", 0)),
             norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
@@ -163,12 +180,24 @@ class ModelArgs:
         )
 
 
-def _rope_scaling_from_hf(rs: dict[str, Any] | None) -> RopeScaling | None:
+def _rope_scaling_from_hf(rs: dict[str, Any] | None, cfg: dict[str, Any]) -> RopeScaling | None:
     if not rs:
         return None
     kind = rs.get("rope_type") or rs.get("type")
     if kind in (None, "default"):
         return None
+    if kind in ("longrope", "su"):
+        original = int(rs.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        # As transformers: the factor is the context's growth over the original one, unless given.
+        factor = float(rs.get("factor") or cfg.get("max_position_embeddings", original) / original)
+        return RopeScaling(
+            "longrope",
+            factor,
+            original_max_position_embeddings=original,
+            short_factor=tuple(float(f) for f in rs["short_factor"]),
+            long_factor=tuple(float(f) for f in rs["long_factor"]),
+            attention_factor=float(rs.get("attention_factor") or longrope_attention_factor(factor, original)),
+        )
     if kind == "llama3":
         return RopeScaling(
             "llama3",
@@ -179,13 +208,19 @@ def _rope_scaling_from_hf(rs: dict[str, Any] | None) -> RopeScaling | None:
         )
     if kind == "linear":
         return RopeScaling("linear", float(rs["factor"]))
-    raise UserError(f"unsupported rope scaling {kind!r}; genfast supports 'llama3' and 'linear'")
+    raise UserError(f"unsupported rope scaling {kind!r}; genfast supports 'llama3', 'linear' and 'longrope'")
 
 
-def rope_inverse_frequencies(args: ModelArgs) -> list[float]:
-    """Per-pair inverse frequencies, with the configured scaling applied."""
-    half = args.head_dim // 2
-    inv = [1.0 / (args.rope_theta ** (2 * i / args.head_dim)) for i in range(half)]
+def longrope_attention_factor(factor: float, original_context: int) -> float:
+    """LongRoPE's scale of cos and sin when the context grew by `factor` (Phi-3's default)."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_context))
+
+
+def rope_inverse_frequencies(args: ModelArgs, long: bool = False) -> list[float]:
+    """Per-pair inverse frequencies of the rotary dims, with the configured scaling applied
+    (LongRoPE: its short factors, or its long ones with `long`)."""
+    half = args.rotary_dim // 2
+    inv = [1.0 / (args.rope_theta ** (2 * i / args.rotary_dim)) for i in range(half)]
     if args.rope_freq_divisors is not None:
         return [f / d for f, d in zip(inv, args.rope_freq_divisors, strict=True)]
     rs = args.rope_scaling
@@ -193,6 +228,8 @@ def rope_inverse_frequencies(args: ModelArgs) -> list[float]:
         return inv
     if rs.kind == "linear":
         return [f / rs.factor for f in inv]
+    if rs.kind == "longrope":
+        return [f / d for f, d in zip(inv, rs.long_factor if long else rs.short_factor, strict=True)]
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor

@@ -77,8 +77,12 @@ class KVCache(nn.Module):
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [B, H, S, D]; cos/sin: [S, D/2] (rotate-half layout)."""
-    half = x.shape[-1] // 2
+    """x: [B, H, S, D]; cos/sin: [S, R/2] (rotate-half layout) for the first R dims of each head
+    (R < D: partial rotary embedding, the rest passes through)."""
+    rotary = 2 * cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    half = rotary // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

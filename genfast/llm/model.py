@@ -25,7 +25,10 @@ class Transformer(nn.Module):
         self.output = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("inv_freq", torch.empty(args.head_dim // 2), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(args.rotary_dim // 2), persistent=False)
+        self.longrope = args.rope_scaling is not None and args.rope_scaling.kind == "longrope"
+        if self.longrope:  # LongRoPE: a second set of frequencies, beyond the original context
+            self.register_buffer("inv_freq_long", torch.empty(args.rotary_dim // 2), persistent=False)
         self.reset_rope()
         self.max_batch_size = 0
         self.max_seq_len = 0
@@ -36,6 +39,9 @@ class Transformer(nn.Module):
             return
         freqs = rope_inverse_frequencies(self.args)
         self.inv_freq = torch.tensor(freqs, dtype=torch.float32, device=self.inv_freq.device)
+        if self.longrope:
+            long = rope_inverse_frequencies(self.args, long=True)
+            self.inv_freq_long = torch.tensor(long, dtype=torch.float32, device=self.inv_freq.device)
 
     def setup_caches(self, batch_size: int, max_seq_len: int) -> None:
         """Allocate static KV caches (in the model's dtype and device) for `max_seq_len` slots."""
@@ -52,11 +58,21 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
 
     def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
-        """fp32 cos and sin of the rotary angles at `input_pos` [S]: [S, head_dim // 2] each; for
-        per-row positions [B, S]: [B, 1, S, head_dim // 2] (broadcast over heads)."""
-        angles = input_pos.to(torch.float32)[..., None] * self.inv_freq.float()
+        """fp32 cos and sin of the rotary angles at `input_pos` [S]: [S, rotary_dim // 2] each; for
+        per-row positions [B, S]: [B, 1, S, rotary_dim // 2] (broadcast over heads).
+
+        LongRoPE takes its long frequencies once the sequence outgrows the original context, for
+        every position of the call, as transformers does (a device-side choice: no host sync)."""
+        inv_freq = self.inv_freq
+        if self.longrope:
+            beyond = input_pos.max() + 1 > self.args.rope_scaling.original_max_position_embeddings
+            inv_freq = torch.where(beyond, self.inv_freq_long, self.inv_freq)
+        angles = input_pos.to(torch.float32)[..., None] * inv_freq.float()
         if input_pos.dim() == 2:
             angles = angles[:, None]
+        if self.longrope:
+            scale = self.args.rope_scaling.attention_factor
+            return angles.cos() * scale, angles.sin() * scale
         return angles.cos(), angles.sin()
 
     def clear_caches(self) -> None:

@@ -41,7 +41,8 @@ def write_gguf_from_hf(
     )
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
@@ -69,7 +70,13 @@ def write_gguf_from_hf(
         "post_attention_layernorm": "ffn_norm",
         "self_attn.q_norm": "attn_q_norm",  # Qwen3
         "self_attn.k_norm": "attn_k_norm",
+        "self_attn.qkv_proj": "attn_qkv",  # Phi-3: fused as llama.cpp keeps them
+        "mlp.gate_up_proj": "ffn_up",
     }
+    if rope.get("rope_type") == "longrope":  # Phi-3: llama.cpp stores the factors as tensors
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     for name, tensor in sd.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

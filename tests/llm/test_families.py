@@ -24,7 +24,7 @@ from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, wo
 
 ATOL = 1e-4
 # (TINY_CONFIGS name, GGUF architecture)
-FAMILIES = [("qwen3", "qwen3")]
+FAMILIES = [("qwen3", "qwen3"), ("phi3", "phi3"), ("phi3_longrope", "phi3")]
 # Relative logit error ||quantized - fp32|| / ||fp32|| on the tiny random models: the Llama
 # family's own tiny model measures 0.012 (int8) and 0.108 (int4); qwen3 0.017 and 0.126.
 BUDGET = {"int8": 0.03, "int4": 0.2}
@@ -51,7 +51,7 @@ def test_logits_from_safetensors_and_gguf_equal_transformers(family_model, tmp_p
         expected = hf(tokens).logits
         for source in (directory, write_gguf_from_hf(hf, tmp_path / f"{name}.gguf", arch=arch)):
             model = load_model(source)
-            assert model.args.family == name
+            assert model.args.family == TINY_CONFIGS[name]["model_type"]
             torch.testing.assert_close(model(tokens, torch.arange(23), all_logits=True), expected, atol=ATOL, rtol=0)
 
 

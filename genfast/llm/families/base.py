@@ -23,3 +23,6 @@ class Family:
     gguf_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
     # llama.cpp's converter interleaves the rotary halves of q/k rows for this architecture.
     gguf_rope_interleaved: bool = False
+    # A config's `sliding_window` applies unless it says `use_sliding_window: false` (Mistral, Phi-3);
+    # otherwise only when it says true (Qwen2/3).
+    sliding_window_by_default: bool = False

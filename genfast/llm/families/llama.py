@@ -12,4 +12,6 @@ def _fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"qkv_bias": bias, "out_bias": bias}
 
 
-FAMILY = Family("llama", ("llama", "mistral"), ("llama",), _fields, gguf_rope_interleaved=True)
+FAMILY = Family(
+    "llama", ("llama", "mistral"), ("llama",), _fields, gguf_rope_interleaved=True, sliding_window_by_default=True
+)
