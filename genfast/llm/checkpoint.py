@@ -330,15 +330,15 @@ def _gguf_args(gguf: GGUFFile) -> ModelArgs:
 def _gguf_getter(gguf: GGUFFile, args: ModelArgs) -> Callable[[str], torch.Tensor]:
     # llama.cpp's converter interleaves the rotary halves of q/k rows for the "llama"
     # architecture; undo it so the rows are in Hugging Face's rotate-half order.
-    interleaved = families.family(args.family).gguf_rope_interleaved
-    permuted = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads} if interleaved else {}
+    family = families.family(args.family)
+    permuted = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads} if family.gguf_rope_interleaved else {}
 
     def get(name: str) -> torch.Tensor:
         tensor = gguf.tensor(name)
         kind = name.split(".")[-2]
         if kind in permuted:
             tensor = unpermute_rope_rows(tensor, permuted[kind])
-        return tensor
+        return family.gguf_tensor(name, tensor)
 
     return get
 

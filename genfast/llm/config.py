@@ -177,6 +177,7 @@ class ModelArgs:
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             out_bias="blk.0.attn_output.bias" in tensor_names,
             family=arch,
+            **families.family(arch).gguf_fields(meta, arch),
         )
 
 

@@ -102,7 +102,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         bsz, seqlen, _ = x.shape
         q, k, v = self.project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotate(q, k, cos, sin, input_pos)
 
         if self.kv_cache is None:  # no cache: attend within this call only
             keys, values = k, v
@@ -110,11 +110,18 @@ class Attention(nn.Module):
             self.kv_cache.update(input_pos, k, v, cache_rows)
             keys, values = self.kv_cache.read(mask.shape[-1], cache_rows)
 
-        if seqlen == 1 and torch.compiler.is_compiling():
-            out = self._decode_attention(q, keys, values, mask)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        out = self.attend(q, keys, values, mask, input_pos)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim))
+
+    def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """q and k with the rotary embedding applied (cos/sin: the model's, at input_pos)."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+        """Attention of q [B, H, S, D] over the valid keys and values [B, KV, L, D]: [B, H, S, D]."""
+        if q.shape[2] == 1 and torch.compiler.is_compiling():
+            return self._decode_attention(q, keys, values, mask)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v of `x` [B, S, dim], each [B, heads, S, head_dim], before rotary embedding (a
@@ -147,6 +154,8 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """The gated MLP: w2(act(gate) * up), gate and up one fused projection (SwiGLU by default)."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.intermediate_size = args.intermediate_size
@@ -155,7 +164,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.activation(gate) * up)
+
+    def activation(self, gate: Tensor) -> Tensor:
+        return F.silu(gate)
 
 
 class TransformerBlock(nn.Module):

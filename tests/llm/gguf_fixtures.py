@@ -73,6 +73,17 @@ def write_gguf_from_hf(
         "self_attn.qkv_proj": "attn_qkv",  # Phi-3: fused as llama.cpp keeps them
         "mlp.gate_up_proj": "ffn_up",
     }
+    gemma = arch.startswith("gemma")
+    if gemma:  # llama.cpp's Gemma names and conventions
+        per_layer.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                          "post_feedforward_layernorm": "post_ffw_norm"})  # fmt: skip
+        assert cfg.query_pre_attn_scalar == head_dim, "GGUF has no query_pre_attn_scalar: llama.cpp uses key_length"
+        if cfg.sliding_window:
+            w.add_sliding_window(cfg.sliding_window)
+        if getattr(cfg, "attn_logit_softcapping", None):
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if getattr(cfg, "final_logit_softcapping", None):
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if rope.get("rope_type") == "longrope":  # Phi-3: llama.cpp stores the factors as tensors
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
@@ -89,6 +100,8 @@ def write_gguf_from_hf(
                 tensor = permute_for_gguf(tensor, heads)
         else:
             target = names[name]
+        if gemma and name.endswith("norm.weight"):
+            tensor = tensor + 1  # llama.cpp stores Gemma's norms as 1 + w
         data = tensor.numpy().astype(np.float32)
         kind = gguf.GGMLQuantizationType[qtype]
         block = gguf.GGML_QUANT_SIZES[kind][0]

@@ -24,10 +24,13 @@ from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, wo
 
 ATOL = 1e-4
 # (TINY_CONFIGS name, GGUF architecture)
-FAMILIES = [("qwen3", "qwen3"), ("phi3", "phi3"), ("phi3_longrope", "phi3")]
-# Relative logit error ||quantized - fp32|| / ||fp32|| on the tiny random models: the Llama
-# family's own tiny model measures 0.012 (int8) and 0.108 (int4); qwen3 0.017 and 0.126.
-BUDGET = {"int8": 0.03, "int4": 0.2}
+FAMILIES = [("qwen3", "qwen3"), ("phi3", "phi3"), ("phi3_longrope", "phi3"), ("gemma2", "gemma2")]
+# Budgets on the tiny random models: relative logit error ||quantized - fp32|| / ||fp32|| and the
+# mean KL divergence of the next-token distributions. Measured (int8 / int4): llama3 0.012 /
+# 0.108 and KL 0 / 1.4e-4; qwen3 0.017 / 0.126; phi3 0.010 / 0.083; gemma2 0.028 / 0.254 (its
+# final soft-cap squeezes the reference logits into +-3, so the relative error reads higher) and
+# KL 1e-5 / 8.6e-4.
+BUDGET = {"int8": (0.05, 1e-4), "int4": (0.3, 3e-3)}
 
 
 @pytest.fixture(scope="module", params=[name for name, _ in FAMILIES])
@@ -96,7 +99,10 @@ def test_quantized_logits_stay_within_budget(family_model, quant):
         quantize_loaded(directory, model, 8 if quant == "int8" else 4, None)
         got = model(tokens, torch.arange(17), all_logits=True)
     error = float((got - reference).norm() / reference.norm())
-    assert error <= BUDGET[quant], f"{quant}: relative logit error {error:.4f}"
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none")
+    max_error, max_kl = BUDGET[quant]
+    assert error <= max_error, f"{quant}: relative logit error {error:.4f}"
+    assert float(kl.sum(-1).mean()) <= max_kl, f"{quant}: mean KL {float(kl.sum(-1).mean()):.2e}"
 
 
 def test_every_family_is_registered_under_the_names_checkpoints_use():

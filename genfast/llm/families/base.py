@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from genfast.llm.layers import Attention, TransformerBlock
+from torch import Tensor, nn
+
+from genfast.llm.layers import RMSNorm, TransformerBlock
+
+if TYPE_CHECKING:
+    from genfast.llm.config import ModelArgs
 
 
 @dataclass(frozen=True)
@@ -16,11 +21,17 @@ class Family:
     gguf_architectures: tuple[str, ...]
     # ModelArgs fields that the family sets from a Hugging Face config (beyond the shared ones).
     hf_fields: Callable[[dict[str, Any]], dict[str, Any]] = lambda cfg: {}
-    attention: type[Attention] = Attention
-    block: type[TransformerBlock] = TransformerBlock
+    # The block of layer i (the shared pre-norm block unless the family differs).
+    block: Callable[[ModelArgs, int], nn.Module] = lambda args, i: TransformerBlock(args)
+    norm: type[nn.Module] = RMSNorm  # the final norm
     # genfast parameter suffix in a block -> the family's own source tensors (HF, GGUF).
     hf_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
     gguf_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
+    # ModelArgs fields that the family reads from GGUF metadata (beyond the shared ones), given
+    # the metadata and its architecture.
+    gguf_fields: Callable[[dict[str, Any], str], dict[str, Any]] = lambda meta, arch: {}
+    # A GGUF tensor as llama.cpp stores it -> as the model takes it (name: the GGUF tensor's).
+    gguf_tensor: Callable[[str, Tensor], Tensor] = lambda name, tensor: tensor
     # llama.cpp's converter interleaves the rotary halves of q/k rows for this architecture.
     gguf_rope_interleaved: bool = False
     # A config's `sliding_window` applies unless it says `use_sliding_window: false` (Mistral, Phi-3);

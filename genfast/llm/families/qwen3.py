@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from genfast.llm.families.base import Family
-from genfast.llm.layers import Attention, RMSNorm
+from genfast.llm.layers import Attention, RMSNorm, TransformerBlock
 
 if TYPE_CHECKING:
     from genfast.llm.config import ModelArgs
@@ -35,7 +35,7 @@ FAMILY = Family(
     ("qwen3",),
     ("qwen3",),
     _fields,
-    attention=Qwen3Attention,
+    block=lambda args, i: TransformerBlock(args, Qwen3Attention),
     hf_layer_tensors={
         "attention.q_norm.weight": ["self_attn.q_norm.weight"],
         "attention.k_norm.weight": ["self_attn.k_norm.weight"],
