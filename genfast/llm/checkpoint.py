@@ -113,7 +113,6 @@ def load_model(
         model = Transformer(args).to(dtype)  # cast while empty: memory is allocated once, in dtype
     blocks, model.layers = model.layers, torch.nn.ModuleList()
     model.to_empty(device=device)  # everything but the blocks
-    model.reset_rope()  # computed buffers were left uninitialized by to_empty
     fill(model, "")
     if args.tie_embeddings and isinstance(model.output, torch.nn.Linear):
         model.output.weight = model.tok_embeddings.weight
@@ -123,6 +122,7 @@ def load_model(
         if prepare_block is not None:
             prepare_block(prefix, block)
     model.layers = blocks
+    model.reset_rope()  # computed buffers (the model's and its blocks') were left uninitialized by to_empty
     return model.eval().requires_grad_(False)
 
 

@@ -108,6 +108,8 @@ class ModelArgs:
                 f"genfast loads model_type {', '.join(families.hf_model_types())}"
             )
         rope = cfg.get("rope_parameters") or {}
+        if "full_attention" in rope:  # per layer type (transformers 5, Gemma 3): the global layers'
+            rope = rope["full_attention"]
         rope_scaling = cfg.get("rope_scaling") or rope
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         n_heads = cfg["num_attention_heads"]

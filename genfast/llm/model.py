@@ -34,9 +34,13 @@ class Transformer(nn.Module):
         self.max_seq_len = 0
 
     def reset_rope(self) -> None:
-        """(Re)compute the rotary inverse frequencies in fp32 on the model's device."""
+        """(Re)compute the rotary inverse frequencies in fp32 on the model's device, and those of
+        any layer with its own (Gemma 3's local layers: a `reset_rope` method of theirs)."""
         if self.inv_freq.is_meta:
             return
+        for module in self.layers.modules():
+            if hasattr(module, "reset_rope"):
+                module.reset_rope()
         freqs = rope_inverse_frequencies(self.args)
         self.inv_freq = torch.tensor(freqs, dtype=torch.float32, device=self.inv_freq.device)
         if self.longrope:

@@ -34,14 +34,14 @@ def write_gguf_from_hf(
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(
-        float(cfg.rope_parameters["rope_theta"])
-        if hasattr(cfg, "rope_parameters") and cfg.rope_parameters
-        else float(cfg.rope_theta)
-    )
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
+    w.add_rope_freq_base(float(rope["rope_theta"]) if "rope_theta" in rope else float(cfg.rope_theta))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)

@@ -145,6 +145,30 @@ TINY_CONFIGS = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Gemma 2's block plus q/k norms, five local layers (5-token window, their own rope base) to
+    # one global (linear rope scaling), no soft-capping.
+    "gemma3": dict(
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        rope_scaling=dict(rope_type="linear", factor=2.0),
+        sliding_window=5,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Linear rope scaling, MHA (no GQA), attention_bias.
     "llama2_linear": dict(
         model_type="llama",

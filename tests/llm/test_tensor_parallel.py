@@ -53,6 +53,7 @@ CASES = [
     Case("qwen3"),  # per-head q/k norms (replicated on every rank), head_dim apart from dim / heads
     Case("phi3_longrope"),  # checkpoint-fused qkv and gate_up, LongRoPE past 16 tokens
     Case("gemma2"),  # four norms per block, soft-capping, a sliding window on even layers
+    Case("gemma3"),  # q/k norms, local layers with their own rope base
     Case("qwen2", "int8"),  # per-channel scales: each rank's columns keep the row's scale
     Case("qwen2", "int4"),  # groups of 32: whole groups per rank
     Case(QUANTIZED_DIR),  # a `genfast quantize --mode int4` directory: its blocks are read as codes
