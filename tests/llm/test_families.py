@@ -71,7 +71,15 @@ def test_greedy_text_through_the_cli_equals_transformers(family_model, capsys):
     assert capsys.readouterr().out.strip() == tokenizer.decode(want).strip()
 
 
-def test_compiled_equals_eager_without_recompiling(family_model):
+@pytest.fixture
+def fresh_dynamo():
+    """Each family's graphs are compiled for the same step functions: dropped afterwards, so that the
+    families do not add up to dynamo's per-function recompile limit for the tests that follow."""
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_equals_eager_without_recompiling(family_model, fresh_dynamo):
     _, hf, directory = family_model
     model = load_model(directory)
     tok = word_tokenizer(hf.config.vocab_size)
