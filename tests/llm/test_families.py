@@ -16,11 +16,11 @@ from genfast.errors import UserError
 from genfast.llm import families
 from genfast.llm.checkpoint import load_model
 from genfast.llm.config import ModelArgs
-from genfast.llm.generate import Generator
 from genfast.llm.quantize import quantize_loaded
 from genfast.llm.tokenizer import load_tokenizer
 from tests.llm.gguf_fixtures import write_gguf_from_hf
 from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, word_tokenizer
+from tests.llm.test_generate import check_compiled_matches_eager
 
 ATOL = 1e-4
 # (TINY_CONFIGS name, GGUF architecture)
@@ -81,21 +81,7 @@ def fresh_dynamo():
 
 def test_compiled_equals_eager_without_recompiling(family_model, fresh_dynamo):
     _, hf, directory = family_model
-    model = load_model(directory)
-    tok = word_tokenizer(hf.config.vocab_size)
-    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12]]
-    eager = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=False).generate(prompts, 12)
-    compiled = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=True)
-    compiled.warmup()
-    assert compiled.generate(prompts, 12).token_ids == eager.token_ids
-
-    from torch._dynamo.utils import counters
-
-    frames = dict(counters["frames"])
-    other = [[7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 2, 3, 4]]
-    want = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=False).generate(other, 16)
-    assert compiled.generate(other, 16).token_ids == want.token_ids
-    assert dict(counters["frames"]) == frames, "a new prompt or cache length recompiled"
+    check_compiled_matches_eager(load_model(directory), word_tokenizer(hf.config.vocab_size))
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])

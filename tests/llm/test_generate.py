@@ -94,10 +94,9 @@ def test_bad_sampling_values_are_clear_errors(bad):
         SamplingParams(**bad)
 
 
-def test_compiled_matches_eager_without_recompiling(tmp_path):
-    """Compiled prefill/decode (left-padded batch) give eager's tokens; new lengths reuse the graphs."""
-    hf, model = tiny_genfast_model("qwen2", tmp_path)
-    tok = word_tokenizer(hf.config.vocab_size)
+def check_compiled_matches_eager(model, tok) -> Generator:
+    """Compiled prefill/decode (left-padded batch) give eager's tokens; new prompt and cache lengths
+    reuse the graphs. Returns the compiled generator."""
     prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12]]
     eager = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=False).generate(prompts, 12)
     compiled = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=True)
@@ -112,6 +111,15 @@ def test_compiled_matches_eager_without_recompiling(tmp_path):
     assert compiled.generate(other, 20).token_ids == want.token_ids
     assert dict(counters["frames"]) == frames, "a new prompt or cache length recompiled"
     assert compiled.guard_fallbacks == 0  # steady decode steps really skipped guard evaluation
+    return compiled
+
+
+def test_compiled_matches_eager_without_recompiling(tmp_path):
+    hf, model = tiny_genfast_model("qwen2", tmp_path)
+    tok = word_tokenizer(hf.config.vocab_size)
+    compiled = check_compiled_matches_eager(model, tok)
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12]]
+    eager = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=False).generate(prompts, 12)
     # A different sampling mode needs a new decode graph: its first step compiles it with all
     # guards, and the steady steps after it must use that graph, not the greedy one.
     hot = SamplingParams(temperature=0.7, top_k=5)

@@ -37,3 +37,14 @@ class Family:
     # A config's `sliding_window` applies unless it says `use_sliding_window: false` (Mistral, Phi-3);
     # otherwise only when it says true (Qwen2/3).
     sliding_window_by_default: bool = False
+
+
+# Per-head q/k norm weights (Qwen3, Gemma 3): genfast's names -> the checkpoints' (HF, GGUF).
+QK_NORM_HF_TENSORS = {
+    "attention.q_norm.weight": ["self_attn.q_norm.weight"],
+    "attention.k_norm.weight": ["self_attn.k_norm.weight"],
+}
+QK_NORM_GGUF_TENSORS = {
+    "attention.q_norm.weight": ["attn_q_norm.weight"],
+    "attention.k_norm.weight": ["attn_k_norm.weight"],
+}

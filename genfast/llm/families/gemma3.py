@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from genfast.llm.families import gemma2
-from genfast.llm.families.base import Family
+from genfast.llm.families.base import QK_NORM_GGUF_TENSORS, QK_NORM_HF_TENSORS, Family
 from genfast.llm.families.gemma2 import GemmaAttention, GemmaBlock, GemmaRMSNorm
 
 if TYPE_CHECKING:
@@ -82,16 +82,8 @@ FAMILY = Family(
     hf_fields,
     block=block,
     norm=GemmaRMSNorm,
-    hf_layer_tensors={
-        **gemma2.GEMMA_LAYER_TENSORS_HF,
-        "attention.q_norm.weight": ["self_attn.q_norm.weight"],
-        "attention.k_norm.weight": ["self_attn.k_norm.weight"],
-    },
-    gguf_layer_tensors={
-        **gemma2.GEMMA_LAYER_TENSORS_GGUF,
-        "attention.q_norm.weight": ["attn_q_norm.weight"],
-        "attention.k_norm.weight": ["attn_k_norm.weight"],
-    },
+    hf_layer_tensors={**gemma2.GEMMA_LAYER_TENSORS_HF, **QK_NORM_HF_TENSORS},
+    gguf_layer_tensors={**gemma2.GEMMA_LAYER_TENSORS_GGUF, **QK_NORM_GGUF_TENSORS},
     gguf_fields=gguf_fields,
     gguf_tensor=gemma2.from_gguf_norm,
 )

@@ -7,11 +7,16 @@ from typing import Any
 from genfast.llm.families.base import Family
 
 
-def _fields(cfg: dict[str, Any]) -> dict[str, Any]:
+def attention_bias_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     bias = bool(cfg.get("attention_bias", False))  # covers o_proj too
     return {"qkv_bias": bias, "out_bias": bias}
 
 
 FAMILY = Family(
-    "llama", ("llama", "mistral"), ("llama",), _fields, gguf_rope_interleaved=True, sliding_window_by_default=True
+    "llama",
+    ("llama", "mistral"),
+    ("llama",),
+    attention_bias_fields,
+    gguf_rope_interleaved=True,
+    sliding_window_by_default=True,
 )

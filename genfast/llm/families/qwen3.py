@@ -3,11 +3,12 @@ embedding, with one weight of head_dim shared by all heads (so tensor parallelis
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from genfast.llm.families.base import Family
+from genfast.llm.families.base import QK_NORM_GGUF_TENSORS, QK_NORM_HF_TENSORS, Family
+from genfast.llm.families.llama import attention_bias_fields
 from genfast.llm.layers import Attention, RMSNorm, TransformerBlock
 
 if TYPE_CHECKING:
@@ -25,23 +26,12 @@ class Qwen3Attention(Attention):
         return self.q_norm(q), self.k_norm(k), v
 
 
-def _fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    bias = bool(cfg.get("attention_bias", False))
-    return {"qkv_bias": bias, "out_bias": bias}
-
-
 FAMILY = Family(
     "qwen3",
     ("qwen3",),
     ("qwen3",),
-    _fields,
+    attention_bias_fields,
     block=lambda args, i: TransformerBlock(args, Qwen3Attention),
-    hf_layer_tensors={
-        "attention.q_norm.weight": ["self_attn.q_norm.weight"],
-        "attention.k_norm.weight": ["self_attn.k_norm.weight"],
-    },
-    gguf_layer_tensors={
-        "attention.q_norm.weight": ["attn_q_norm.weight"],
-        "attention.k_norm.weight": ["attn_k_norm.weight"],
-    },
+    hf_layer_tensors=QK_NORM_HF_TENSORS,
+    gguf_layer_tensors=QK_NORM_GGUF_TENSORS,
 )
