@@ -16,7 +16,11 @@ from genfast.errors import UserError
 from genfast.llm import families
 from genfast.llm.checkpoint import load_model
 from genfast.llm.config import ModelArgs
+from genfast.llm.generate import Generator
+from genfast.llm.precompiled import attach
 from genfast.llm.quantize import quantize_loaded
+from genfast.llm.sampling import SamplingParams
+from genfast.llm.session import load
 from genfast.llm.tokenizer import load_tokenizer
 from tests.llm.gguf_fixtures import write_gguf_from_hf
 from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, word_tokenizer
@@ -82,6 +86,26 @@ def fresh_dynamo():
 def test_compiled_equals_eager_without_recompiling(family_model, fresh_dynamo):
     _, hf, directory = family_model
     check_compiled_matches_eager(load_model(directory), word_tokenizer(hf.config.vocab_size))
+
+
+def test_saved_compiled_steps_load_and_give_the_eager_tokens(family_model, fresh_dynamo):
+    """The steps `genfast generate` saves (aot_compile, genfast/llm/precompiled.py) for this family:
+    compiled and saved by one generator, loaded by a fresh one, which then matches eager."""
+    directory = family_model[2]
+    loaded = load(str(directory), "cpu", "float32")
+    prompt = [3, 4, 5, 6]
+    want = Generator(loaded.model, loaded.tokenizer, max_seq_len=64, compile=False).generate(
+        [prompt], 20, stop_at_eos=False
+    )
+    first = Generator(loaded.model, loaded.tokenizer, max_seq_len=64, compile=True)
+    attach(first, loaded, SamplingParams(), lambda m: None)
+    first.warmup()  # compiles and saves
+    again = load(str(directory), "cpu", "float32")
+    second = Generator(again.model, again.tokenizer, max_seq_len=64, compile=True)
+    steps = attach(second, again, SamplingParams(), lambda m: None)
+    assert steps.start().startswith("loaded the compiled steps")
+    assert second.generate([prompt], 20, stop_at_eos=False).token_ids == want.token_ids
+    assert steps._checked == {"prefill", "decode"}
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
