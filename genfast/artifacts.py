@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import time
-import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 from genfast import __version__
 from genfast.hub import genfast_home
 
-FORMAT = 1  # bump when the layout of an artifact directory changes
+FORMAT = 2  # bump when the layout of an artifact directory changes (2: artifact.json lists the kernels)
 
 
 def root() -> Path:
@@ -51,22 +50,19 @@ def environment() -> dict[str, Any]:
 
 
 def saved_guards(entries: Any) -> list[bool]:
-    """The guards a saved function keeps (`guard_filter_fn` of aot_compile): the default (no
-    guards on globals, none that cannot be serialized) minus
-    - dynamo's global-state guard, which pins the thread count and grad mode. Grad mode is left
-      to the caller: every saved function runs with gradients off, and inference mode, which the
-      tensors' own guards see, is in its key;
-    - identity checks of code objects (diffusers' attention processors inspect their own
-      `__call__`): an address is not stable across runs, and the classes are in the key."""
+    """The guards a saved function keeps (`guard_filter_fn` of aot_compile): none on globals, none
+    that cannot be serialized (among them identity checks, e.g. of the code objects diffusers'
+    attention processors inspect: an address is not stable across runs, and the classes are in
+    the key), and not dynamo's global-state guard, which pins the thread count and grad mode.
+    Grad mode is left to the caller: every saved function runs with gradients off, and inference
+    mode, which the tensors' own guards see, is in its key."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
 
     def keep(g: Any) -> bool:
-        kinds = (g.guard_type, *g.derived_guard_types)
-        code_identity = "ID_MATCH" in kinds and g.has_value and isinstance(g.value, types.CodeType)
-        unserializable = any(kind in unsupported for kind in kinds)
-        return not (g.is_global or unserializable or g.guard_type == "GLOBAL_STATE" or code_identity)
+        unserializable = any(kind in unsupported for kind in (g.guard_type, *g.derived_guard_types))
+        return not (g.is_global or unserializable or g.guard_type == "GLOBAL_STATE")
 
     return [keep(g) for g in entries]
 
@@ -92,12 +88,19 @@ class Artifacts:
         return all(self.path(n).is_file() for n in names)
 
     def load(self, name: str, f_globals: dict[str, Any], log: Callable[[str], None]) -> Callable[..., Any] | None:
-        """The saved function `name`, or None when there is none; an unreadable one is removed."""
+        """The saved function `name`, or None when there is none; an unreadable one is removed.
+        The native kernels the compiling process had loaded are loaded first (the compiled code
+        calls their ops), and inductor is told the vector ISA, which is part of the key, instead of
+        compiling a probe program to find it (1 s of every load, measured)."""
+        from genfast import kernels
+
         path = self.path(name)
         if not path.is_file():
             return None
+        for kernel in self.saved_description().get("kernels", []):
+            kernels.by_name(kernel).available()
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb") as f, torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
                 return torch.compiler.load_compiled_function(f, f_globals=f_globals)
         except Exception as e:  # a damaged or foreign file can fail anywhere in unpickling
             self.discard(name, f"{path} could not be loaded ({type(e).__name__}: {str(e)[:200]})", log)
@@ -111,8 +114,12 @@ class Artifacts:
         tmp.replace(self.path(name))
         info = self.dir / "artifact.json"
         if not info.exists():
+            from genfast import kernels
+
+            loaded = [k.name for k in kernels.KERNELS if k.loaded()]  # what `load` must load first
             staged = info.with_suffix(f".tmp{os.getpid()}")
-            staged.write_text(json.dumps({**self.description, "environment": environment()}, indent=1, default=str))
+            document = {**self.description, "environment": environment(), "kernels": loaded}
+            staged.write_text(json.dumps(document, indent=1, default=str))
             staged.replace(info)
 
     def saved_description(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ Measured on SAM vit_b's encoder, fp32, 2-core Xeon: 4.7 s a call (5.1 s with fre
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from genfast import artifacts, kernels
+from genfast import artifacts
 from genfast.progress import Ticker
 
 _PLAIN = (str, int, float, bool, type(None))
@@ -110,6 +111,7 @@ class SavedForward:
         self.log = log
         self.events: list[str] = []  # what each new signature cost: "compiled in 14.2 s", "loaded in 1.2 s ..."
         self._structure: list[Any] | None = None
+        self._stores: dict[str, artifacts.Artifacts] = {}  # by input signature (see __call__)
 
     def key_parts(self, args: Args, kwargs: Kwargs) -> dict[str, Any]:
         if self._structure is None:
@@ -125,8 +127,13 @@ class SavedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
-            parts = self.key_parts(args, kwargs)
-            store = artifacts.Artifacts(artifacts.key(parts), self._description(parts))
+            # The full key (the module's structure, the environment) is hashed once per input
+            # signature, not at every call: a UNet's blocks are called hundreds of times an image.
+            call = json.dumps([signature([list(args), dict(kwargs)]), torch.is_inference_mode_enabled()])
+            store = self._stores.get(call)
+            if store is None:
+                parts = self.key_parts(args, kwargs)
+                store = self._stores[call] = artifacts.Artifacts(artifacts.key(parts), self._description(parts))
             fn = _READY.get(store.key)
             if fn is None:
                 fn = _READY[store.key] = self._prepare(store, args, kwargs)
@@ -141,29 +148,21 @@ class SavedForward:
                 return fn(self.module, *args, **kwargs)
 
     def _description(self, parts: Mapping[str, Any]) -> dict[str, Any]:
-        """What `genfast cache list` shows, and the kernels a loader must load first."""
+        """What `genfast cache list` shows."""
         tensors = [v for v in _flatten(parts["inputs"]) if isinstance(v, list) and v[:1] == ["tensor"]]
         shapes = ", ".join(f"{'x'.join(map(str, t[1]))} {t[3].removeprefix('torch.')}" for t in tensors)
         return {"what": self.what, "summary": f"{self.what}: inputs {shapes or 'none'}", "inputs": parts["inputs"],
-                "depends_on": self.depends_on, "kernels": [k.name for k in kernels.KERNELS if k.loaded()]}  # fmt: skip
+                "depends_on": self.depends_on}  # fmt: skip
 
     def _prepare(self, store: artifacts.Artifacts, args: Args, kwargs: Kwargs) -> Callable[..., Any]:
         start = time.perf_counter()
-        fn = self._load(store)
-        if fn is not None:
-            self.events.append(f"loaded in {time.perf_counter() - start:.1f} s (compiled by an earlier run)")
-            self.log(f"genfast: loaded the compiled {self.what} in {time.perf_counter() - start:.1f} s")
-            return fn
-        return self._compile(store, args, kwargs)
-
-    def _load(self, store: artifacts.Artifacts) -> Callable[..., Any] | None:
-        if not store.path("forward").is_file():
-            return None
-        for name in store.saved_description().get("kernels", []):
-            kernels.by_name(name).available()  # the compiled code calls its ops: load them first
-        # The vector ISA is part of the key: inductor need not probe for it (1 s, measured).
-        with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
-            return store.load("forward", vars(sys.modules[__name__]), self.log)
+        fn = store.load("forward", vars(sys.modules[__name__]), self.log)
+        if fn is None:
+            return self._compile(store, args, kwargs)
+        seconds = time.perf_counter() - start
+        self.events.append(f"loaded in {seconds:.1f} s (compiled by an earlier run)")
+        self.log(f"genfast: loaded the compiled {self.what} in {seconds:.1f} s")
+        return fn
 
     def _compile(self, store: artifacts.Artifacts, args: Args, kwargs: Kwargs) -> Callable[..., Any]:
         options = {**self.options, "cpp.dynamic_threads": True, "guard_filter_fn": artifacts.saved_guards}

@@ -210,11 +210,8 @@ class PrecompiledSteps:
         return fn(self.model, *inputs, *self.extra)
 
     def artifacts_load(self, name: str) -> Any:
-        self._load_kernels()
-        # Loaded as compiled: in inference mode, which the tensors' guards record. The vector ISA
-        # is known (it is part of the key): inductor need not compile a probe program to find it
-        # (1 s of every load, measured).
-        with torch.inference_mode(), torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+        # Loaded as compiled: in inference mode, which the tensors' guards record.
+        with torch.inference_mode():
             module = sys.modules[self.steps.functions[name].__module__]
             return self.artifacts.load(name, vars(module), self.log)
 
@@ -235,7 +232,7 @@ class PrecompiledSteps:
         return compiled
 
     def _load_kernels(self) -> None:
-        # The compiled code calls genfast's native ops: their libraries must be loaded first.
+        # The traced code calls genfast's native ops: their libraries must be loaded first.
         from genfast.nn import few_rows_kernel_available
 
         few_rows_kernel_available()
