@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -56,7 +58,7 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _few_rows_apply(x: Tensor, weight: Tensor) -> bool:
+def _few_rows_apply(x: Tensor, weight: Tensor, min_rows: int | None = None) -> bool:
     rows = x.numel() // x.shape[-1]
     # A dynamic row count (a prefill's length) keeps aten's GEMM: testing it would add a guard.
     return (
@@ -65,7 +67,7 @@ def _few_rows_apply(x: Tensor, weight: Tensor) -> bool:
         and x.device.type == "cpu"
         and weight.shape[1] % 32 == 0
         and few_rows_kernel_available()
-        and statically_known_true(rows >= few_rows_min_rows())
+        and statically_known_true(rows >= (min_rows or few_rows_min_rows()))
         and statically_known_true(rows <= MAX_FEW_ROWS)
     )
 
@@ -100,6 +102,60 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight.to(x.dtype) if mixed else self.weight, self.bias)
 
 
+def grouped_by_expert(x: Tensor, experts: Tensor, out_features: int, matmul: Callable[[Tensor, int], Tensor]) -> Tensor:
+    """Rows of `x` [R, K], row r multiplied by the weight of expert `experts[r]` ([R] int64):
+    `matmul(rows, e)` once per expert present, on all of its rows at once (a prefill's tokens
+    grouped per expert; a decode step's one row for each of its active experts). Experts absent
+    from `experts` are never touched, so their weights are not read. Eager code, run inside the
+    ops below: the grouping is data-dependent, which a compiled graph keeps opaque."""
+    order = torch.argsort(experts, stable=True)
+    present, counts = torch.unique_consecutive(experts[order], return_counts=True)
+    out = x.new_empty(x.shape[0], out_features)
+    start = 0
+    for expert, count in zip(present.tolist(), counts.tolist(), strict=True):
+        rows = order[start : start + count]
+        start += count
+        out.index_copy_(0, rows, matmul(x.index_select(0, rows), expert))
+    return out
+
+
+@torch.library.custom_op("genfast::expert_linear", mutates_args=())
+def expert_linear(x: Tensor, experts: Tensor, weight: Tensor) -> Tensor:
+    """Row r of `x` [R, K] times expert `experts[r]`'s weight, of `weight` [E, N, K]: [R, N]."""
+
+    def matmul(rows: Tensor, expert: int) -> Tensor:
+        w = weight[expert]
+        # Eager, so the kernel serves one row too (Linear leaves that to a compiled reduction).
+        if _few_rows_apply(rows, w, min_rows=1):
+            return few_rows_linear(rows, w)
+        return F.linear(rows, w.to(rows.dtype))
+
+    return grouped_by_expert(x, experts, weight.shape[1], matmul)
+
+
+@expert_linear.register_fake
+def _expert_linear_fake(x: Tensor, experts: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+class ExpertLinear(nn.Module):
+    """The same linear shape for each of a mixture's experts, weights stacked [E, out, in]
+    (no bias: no family has one); a row is multiplied by its own expert's weight only."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features))
+        self.register_parameter("bias", None)  # as a biasless nn.Linear, for code that serves both
+
+    def forward(self, x: Tensor, experts: Tensor) -> Tensor:
+        """x [R, in] and each row's expert [R] -> [R, out]."""
+        return torch.ops.genfast.expert_linear(x, experts, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.n_experts}, in_features={self.in_features}, out_features={self.out_features}"
+
+
 def auto_weight_dtype(device: torch.device, compute: torch.dtype) -> torch.dtype:
     """How `--dtype auto` stores Linear weights: in bf16 on a CPU that computes in fp32 (no native
     bf16 dot products) where the few-row kernel multiplies bf16 weights by fp32 rows, halving the
@@ -110,12 +166,13 @@ def auto_weight_dtype(device: torch.device, compute: torch.dtype) -> torch.dtype
 
 
 def store_linear_weights(model: nn.Module, dtype: torch.dtype) -> int:
-    """Store the weight of every `Linear` of `model` in `dtype` (biases, norms and the rest keep
-    theirs), in place; a parameter tied to a converted weight (an embedding table shared with the
-    output head) is converted with it and stays tied. Returns how many weights were converted."""
+    """Store the weight of every `Linear` and `ExpertLinear` of `model` in `dtype` (biases, norms
+    and the rest keep theirs), in place; a parameter tied to a converted weight (an embedding table
+    shared with the output head) is converted with it and stays tied. Returns how many weights
+    were converted."""
     converted: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (old, new): old stays alive
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype != dtype:
+        if isinstance(module, (Linear, ExpertLinear)) and module.weight.dtype != dtype:
             old = module.weight
             if id(old) not in converted:
                 converted[id(old)] = (old, nn.Parameter(old.detach().to(dtype), requires_grad=False))

@@ -59,6 +59,13 @@ _GGUF_LAYER = {
     "attention_norm.weight": ["attn_norm.weight"],
     "ffn_norm.weight": ["ffn_norm.weight"],
 }
+# A mixture-of-experts MLP in GGUF: the experts stacked in one tensor per projection, under the
+# same names for every architecture (HF names differ per family: Family.hf_expert_tensors).
+_GGUF_EXPERTS = {
+    "feed_forward.router.weight": ["ffn_gate_inp.weight"],
+    "feed_forward.w13.weight": ["ffn_gate_exps.weight", "ffn_up_exps.weight"],
+    "feed_forward.w2.weight": ["ffn_down_exps.weight"],
+}
 _GGUF_GLOBAL = {
     "tok_embeddings.weight": "token_embd.weight",
     "norm.weight": "output_norm.weight",
@@ -135,14 +142,18 @@ def _source_filler(path: Path, fmt: str) -> tuple[ModelArgs, Filler]:
     if fmt == "hf":
         args = ModelArgs.from_hf_config(_read_json(path / "config.json"))
         get, available = _hf_source(path)
-        own = families.family(args.family).hf_layer_tensors
-        layer_prefix, layer_names, global_names = "model.layers.{i}.", {**_HF_LAYER, **own}, _HF_GLOBAL
+        family = families.family(args.family)
+        layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
+        layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
+        expert_names = family.hf_expert_tensors
     else:
         gguf = open_gguf(gguf_path(path))
         args = _gguf_args(gguf)
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
         own = families.family(args.family).gguf_layer_tensors
-        layer_prefix, layer_names, global_names = "blk.{i}.", {**_GGUF_LAYER, **own}, _GGUF_GLOBAL
+        layer_names = {**_GGUF_LAYER, **own}
+        layer_prefix, global_names = "blk.{i}.", _GGUF_GLOBAL
+        expert_names = _GGUF_EXPERTS
 
     def fill(module: torch.nn.Module, prefix: str) -> None:
         for local, param in module.named_parameters(remove_duplicate=False):
@@ -151,13 +162,16 @@ def _source_filler(path: Path, fmt: str) -> tuple[ModelArgs, Filler]:
                 continue
             if name.startswith("layers."):
                 _, idx, suffix = name.split(".", 2)
-                sources = [layer_prefix.format(i=idx) + s for s in layer_names[suffix]]
+                names = expert_names if args.is_moe_layer(int(idx)) and suffix in expert_names else layer_names
+                per_expert = len(names[suffix]) if any("{e}" in s for s in names[suffix]) else None
+                experts = range(args.n_experts) if per_expert else [0]
+                sources = [layer_prefix.format(i=idx) + s.format(e=e) for e in experts for s in names[suffix]]
             else:
-                sources = [global_names[name]]
+                sources, per_expert = [global_names[name]], None
             missing = [s for s in sources if s not in available]
             if missing:
                 raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
-            tensor = torch.cat([get(s) for s in sources]) if len(sources) > 1 else get(sources[0])
+            tensor = _assemble([get(s) for s in sources], per_expert)
             if tensor.shape != param.shape:
                 raise UserError(
                     f"{path}: tensor {sources[0]} has shape {tuple(tensor.shape)} but the config implies "
@@ -167,6 +181,15 @@ def _source_filler(path: Path, fmt: str) -> tuple[ModelArgs, Filler]:
                 param.copy_(tensor)
 
     return args, fill
+
+
+def _assemble(parts: list[torch.Tensor], per_expert: int | None) -> torch.Tensor:
+    """One parameter from its source tensors: fused projections are concatenated along the output
+    features (GGUF's expert stacks [E, out, in] too); experts stored a tensor each (HF; `per_expert`
+    tensors per expert, expert by expert) are concatenated per expert and stacked."""
+    if per_expert is not None:
+        return torch.stack([torch.cat(parts[i : i + per_expert]) for i in range(0, len(parts), per_expert)])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=max(parts[0].dim() - 2, 0))
 
 
 def _quantized_filler(path: Path, dtype: torch.dtype) -> tuple[ModelArgs, Filler]:
@@ -238,10 +261,10 @@ def gguf_quantized_linears(path: Path, bits: int, only: set[str] | None = None) 
                     qw.in_features,
                 )
             parts.append(qw)
-        return QuantizedWeight(
-            torch.cat([p.codes for p in parts]),
-            torch.cat([p.scales for p in parts]),
-            torch.cat([p.mins for p in parts]),
+        return QuantizedWeight(  # along the output features (of each expert, for experts)
+            torch.cat([p.codes for p in parts], dim=-2),
+            torch.cat([p.scales for p in parts], dim=-2),
+            torch.cat([p.mins for p in parts], dim=-2),
             bits,
             parts[0].group_size,
             parts[0].in_features,
@@ -252,6 +275,10 @@ def gguf_quantized_linears(path: Path, bits: int, only: set[str] | None = None) 
         for i in range(args.n_layers)
         for module in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
     }
+    for i in range(args.n_layers):  # a mixture's experts: stacks of codes, read the same way
+        if args.is_moe_layer(i):
+            for module in ("feed_forward.w13", "feed_forward.w2"):
+                sources[f"layers.{i}.{module}"] = [f"blk.{i}.{s}" for s in _GGUF_EXPERTS[f"{module}.weight"]]
     sources["output"] = ["output.weight" if "output.weight" in gguf.tensor_names else "token_embd.weight"]
     for name, parts in sources.items():
         if only is None or name in only:

@@ -270,6 +270,9 @@ def gptq_quantize_model(
         loaded.model, windows, bits=4, group_size=group_size, progress=_log, skip=lambda name, _: name == HEAD
     )
     _log(f"genfast: GPTQ done in {time.perf_counter() - start:.0f} s")
+    if loaded.model.args.n_experts:
+        # GPTQ's Hessian per expert would come from only the calibration tokens routed to it.
+        _log("genfast: the experts are quantized round-to-nearest (GPTQ covers attention, dense MLPs)")
     quantize_loaded(loaded.path, loaded.model, 4, group_size, precomputed=weights)
     return f"{source}: {windows.shape[0]} windows x {windows.shape[1]} tokens"
 

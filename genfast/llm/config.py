@@ -44,10 +44,23 @@ class ModelArgs:
     # GGUF files of Llama 3.1+ carry their rope scaling as a `rope_freqs` tensor of divisors.
     rope_freq_divisors: tuple[float, ...] | None = None
     max_seq_len: int = 2048  # the context the model was trained for
+    # Every layer attends to at most this many latest positions (Mistral v0.1, Phi-3 mini);
+    # Gemma's local layers carry their own window.
+    sliding_window: int | None = None
     tie_embeddings: bool = False
     qkv_bias: bool = False
     out_bias: bool = False  # Llama's `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not
     family: str = "llama"
+    # Mixture of experts (Mixtral, Qwen3-MoE; 0 experts: dense). Each token's router picks
+    # `n_active_experts` of `n_experts` gated MLPs of width `expert_intermediate_size`; their
+    # weights are the top-k softmax probabilities, renormalized to sum to 1 if
+    # `normalize_expert_weights`. `dense_layers`: layers with the dense MLP instead (Qwen3-MoE's
+    # mlp_only_layers and decoder_sparse_step).
+    n_experts: int = 0
+    n_active_experts: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = True
+    dense_layers: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +73,11 @@ class ModelArgs:
                 f"invalid model config: {self.n_heads} attention heads are not a multiple of "
                 f"{self.n_kv_heads} key/value heads"
             )
+        if self.n_experts and not 0 < self.n_active_experts <= self.n_experts:
+            raise UserError(f"invalid model config: {self.n_active_experts} experts per token out of {self.n_experts}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer not in self.dense_layers
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (genfast's own checkpoints store the config this way)."""
@@ -79,6 +97,7 @@ class ModelArgs:
             values["rope_scaling"] = RopeScaling(**scaling)
         if values.get("rope_freq_divisors") is not None:
             values["rope_freq_divisors"] = tuple(values["rope_freq_divisors"])
+        values["dense_layers"] = tuple(values.get("dense_layers", ()))
         try:
             return cls(**values)
         except TypeError as e:
@@ -86,17 +105,22 @@ class ModelArgs:
 
     @property
     def n_params(self) -> int:
-        """Parameter count (embedding and output head counted once when tied)."""
+        """Parameter count (embedding and output head counted once when tied; every expert)."""
         qkv = self.dim * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         out = self.n_heads * self.head_dim * self.dim
-        mlp = 3 * self.dim * self.intermediate_size
-        per_layer = qkv + out + mlp + 2 * self.dim
+        per_layer = qkv + out + 2 * self.dim
         if self.qkv_bias:
             per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         if self.out_bias:
             per_layer += self.dim
+        mlps = 0
+        for layer in range(self.n_layers):
+            if self.is_moe_layer(layer):  # the router and every expert's gated MLP
+                mlps += self.n_experts * (self.dim + 3 * self.dim * self.expert_intermediate_size)
+            else:
+                mlps += 3 * self.dim * self.intermediate_size
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + head
+        return self.vocab_size * self.dim + self.n_layers * per_layer + mlps + self.dim + head
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
@@ -118,9 +142,13 @@ class ModelArgs:
         max_seq_len = cfg.get("max_position_embeddings", 2048)
         family = families.family(model_type)
         sliding = cfg.get("sliding_window")
+        window = None
         if sliding and cfg.get("use_sliding_window", family.sliding_window_by_default) and sliding < max_seq_len:
-            # Full attention equals sliding-window attention only up to the window.
-            max_seq_len = sliding
+            if family.sliding_window_by_default:  # every layer: a ring of the window each (WindowKVCache)
+                window = int(sliding)
+            else:  # Qwen2/3 window only some layers (max_window_layers); full attention equals
+                max_seq_len = sliding  # sliding-window attention up to the window
+
         return cls(
             vocab_size=cfg["vocab_size"],
             dim=cfg["hidden_size"],
@@ -134,6 +162,7 @@ class ModelArgs:
             rope_theta=float(theta),
             rope_scaling=_rope_scaling_from_hf(rope_scaling, cfg),
             max_seq_len=max_seq_len,
+            sliding_window=window,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             family=model_type,
             **family.hf_fields(cfg),
@@ -179,8 +208,32 @@ class ModelArgs:
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             out_bias="blk.0.attn_output.bias" in tensor_names,
             family=arch,
+            **_gguf_expert_fields(meta, arch, tensor_names),
             **families.family(arch).gguf_fields(meta, arch),
         )
+
+
+def _gguf_expert_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    """llama.cpp's mixture-of-experts keys: Mixtral is architecture "llama" with an expert count;
+    the experts' width is the feed-forward length unless given apart (Qwen3-MoE). llama.cpp
+    renormalizes the top-k weights unless the file says otherwise. A layer without a router
+    tensor is dense."""
+    n_experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if not n_experts:
+        return {}
+    width = meta.get(f"{arch}.expert_feed_forward_length") or meta.get(f"{arch}.feed_forward_length")
+    active = meta.get(f"{arch}.expert_used_count")
+    if not width or not active:
+        raise UserError(f"corrupt GGUF: {n_experts} experts but no {arch}.expert_used_count or feed-forward length")
+    return {
+        "n_experts": n_experts,
+        "n_active_experts": int(active),
+        "expert_intermediate_size": int(width),
+        "normalize_expert_weights": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        "dense_layers": tuple(
+            i for i in range(int(meta[f"{arch}.block_count"])) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
+        ),
+    }
 
 
 def _rope_scaling_from_hf(rs: dict[str, Any] | None, cfg: dict[str, Any]) -> RopeScaling | None:

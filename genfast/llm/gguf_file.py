@@ -158,25 +158,26 @@ class GGUFFile:
 
     def quantized(self, name: str) -> QuantizedWeight | None:
         """The tensor's own blocks as genfast codes when its type maps exactly onto a genfast grid
-        (Q8_0 -> int8, Q4_0 / Q4_1 -> int4, 32 columns per group), else None."""
+        (Q8_0 -> int8, Q4_0 / Q4_1 -> int4, 32 columns per group), else None. Stacked experts
+        ([E, N, K]) keep their leading dimension."""
         t = self._tensors[name]
         kind = t.type_name
         if kind not in _BLOCK_BYTES:
             return None
-        rows, cols = t.shape
+        rows, cols = math.prod(t.shape[:-1]), t.shape[-1]
         blocks = torch.from_numpy(np.array(self._blocks(t)).reshape(rows, cols // 32, _BLOCK_BYTES[kind]))
         scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
         if kind == "Q8_0":  # d, 32 x int8: w = q * d
             codes = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
             mins = (-128 * scales.float()).to(torch.float16)
-            return QuantizedWeight(codes.reshape(rows, cols), scales, mins, 8, 32, cols)
+            return _shaped(QuantizedWeight(codes.reshape(rows, cols), scales, mins, 8, 32, cols), t.shape)
         if kind == "Q4_0":  # d, 16 bytes: w = (q - 8) * d
             nibbles, mins = blocks[..., 2:], (-8 * scales.float()).to(torch.float16)
         else:  # Q4_1: d, m, 16 bytes: w = q * d + m
             nibbles, mins = blocks[..., 4:], blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
         # Byte j of a block holds element j (low nibble) and element j + 16 (high nibble).
         codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
-        return QuantizedWeight(codes.reshape(rows, cols), scales, mins, 4, 32, cols)
+        return _shaped(QuantizedWeight(codes.reshape(rows, cols), scales, mins, 4, 32, cols), t.shape)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor in its logical shape (rows = output features), as float32."""
@@ -198,3 +199,14 @@ class GGUFFile:
         from gguf.quants import dequantize  # the K-quants' arithmetic, from llama.cpp's own package
 
         return torch.from_numpy(np.array(dequantize(raw, GGMLQuantizationType[kind]), np.float32).reshape(t.shape))
+
+
+def _shaped(qw: QuantizedWeight, shape: tuple[int, ...]) -> QuantizedWeight:
+    """A QuantizedWeight read as rows, given the tensor's leading dimensions back (experts)."""
+    if len(shape) == 2:
+        return qw
+    lead = shape[:-1]
+    return QuantizedWeight(
+        qw.codes.reshape(*lead, -1), qw.scales.reshape(*lead, -1), qw.mins.reshape(*lead, -1),
+        qw.bits, qw.group_size, qw.in_features,
+    )  # fmt: skip

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.llm.moe import MoEFeedForward
 from genfast.nn import Linear
 
 if TYPE_CHECKING:
@@ -37,8 +38,23 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+# A sliding-window layer's ring holds this many slots beyond its window: a speculative
+# verification writes up to MAX_K + 1 tokens that may be rejected, and those writes must not
+# overwrite keys that are still inside the window of the next accepted position.
+WINDOW_SLACK = 32
+
+
+def window_mask(mask: Tensor, input_pos: Tensor, window: int) -> Tensor:
+    """`mask` [B|1, 1, S, L] over slots that are positions, with keys at or before query position
+    - window masked out."""
+    key_pos = torch.arange(mask.shape[-1], device=mask.device)[None, None, None, :]
+    query_pos = input_pos.reshape(-1, 1, input_pos.shape[-1], 1)
+    return mask & (key_pos > query_pos - window)
+
+
 class KVCache(nn.Module):
-    """Static per-layer key/value buffers of shape [batch, kv_heads, max_len, head_dim]."""
+    """Static per-layer key/value buffers of shape [batch, kv_heads, max_len, head_dim], slot =
+    position; `window`: the layer attends only to that many latest positions (masked here)."""
 
     def __init__(
         self,
@@ -48,11 +64,21 @@ class KVCache(nn.Module):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
+        self.window = window
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def attend_inputs(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, mask: Tensor, rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Store this call's k/v and return the keys, values and mask its queries attend over."""
+        self.update(input_pos, k, v, rows)
+        keys, values = self.read(mask.shape[-1], rows)
+        return keys, values, mask if self.window is None else window_mask(mask, input_pos, self.window)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
         """Write k/v [B, kv_heads, S, D] at slots input_pos: [S] shared by all rows, or [B, S]
@@ -76,6 +102,62 @@ class KVCache(nn.Module):
         return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
 
 
+class WindowKVCache(nn.Module):
+    """The cache of a sliding-window layer: a ring of `size` slots per row (the window plus
+    WINDOW_SLACK), position p in slot p % size, so it never grows with the sequence and a decode
+    step reads `size` slots, not the whole prefix. Each slot remembers its position (-1: empty).
+
+    A call's queries attend over the ring as it was before the call (its slots at or past the
+    call's first position are stale: a rewound sequence, rejected drafts) and over the call's
+    own keys, so a prefill longer than the ring needs nothing evicted before it is used; then the
+    call's last `size` positions are written."""
+
+    def __init__(
+        self,
+        batch: int,
+        size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        window: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.size, self.window = size, window
+        shape = (batch, n_kv_heads, size + 1, head_dim)  # + 1: where the writes that are dropped go
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        empty = torch.full((batch, size + 1), -1, dtype=torch.long, device=device)
+        self.register_buffer("pos", empty, persistent=False)
+
+    def attend_inputs(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, mask: Tensor, rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        bsz, _, seqlen, _ = k.shape
+        if rows is None:
+            rows = torch.arange(bsz, device=k.device)
+        ring = slice(0, self.size)
+        old_k, old_v, old_pos = self.k[rows, :, ring], self.v[rows, :, ring], self.pos[rows, ring]
+        pos = input_pos.expand(bsz, seqlen)
+        key_pos = torch.cat([old_pos, pos], dim=1)  # [B, size + S]
+        current = torch.cat([(old_pos >= 0) & (old_pos < pos[:, :1]), torch.ones_like(pos, dtype=torch.bool)], 1)
+        query_pos, kp = pos[:, None, :, None], key_pos[:, None, None, :]
+        attended = current[:, None, None, :] & (kp <= query_pos) & (kp > query_pos - self.window)
+        # Causality and left padding as the shared mask has them, read at each key's position
+        # (clamped: stale and empty slots, masked already, may hold any position).
+        shared = mask.expand(bsz, 1, seqlen, mask.shape[-1])
+        at = kp.clamp(0, mask.shape[-1] - 1).expand(bsz, 1, seqlen, key_pos.shape[1])
+        attended = attended & shared.gather(-1, at)
+        keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+
+        last = torch.arange(seqlen, device=k.device) >= seqlen - self.size
+        slots = torch.where(last, pos % self.size, self.size)  # earlier ones to the spare slot
+        self.k[rows[:, None], :, slots] = k.transpose(1, 2)
+        self.v[rows[:, None], :, slots] = v.transpose(1, 2)
+        self.pos[rows[:, None], slots] = pos
+        return keys, values, attended
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [B, H, S, D]; cos/sin: [S, R/2] (rotate-half layout) for the first R dims of each head
     (R < D: partial rotary embedding, the rest passes through)."""
@@ -95,7 +177,8 @@ class Attention(nn.Module):
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = Linear(args.dim, qkv_out, bias=args.qkv_bias)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
-        self.kv_cache: KVCache | None = None
+        self.kv_cache: KVCache | WindowKVCache | None = None
+        self.sliding_window: int | None = args.sliding_window  # a family may set it per layer (Gemma)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor, cache_rows: Tensor | None = None
@@ -106,9 +189,10 @@ class Attention(nn.Module):
 
         if self.kv_cache is None:  # no cache: attend within this call only
             keys, values = k, v
+            if self.sliding_window is not None:
+                mask = window_mask(mask, input_pos, self.sliding_window)
         else:
-            self.kv_cache.update(input_pos, k, v, cache_rows)
-            keys, values = self.kv_cache.read(mask.shape[-1], cache_rows)
+            keys, values, mask = self.kv_cache.attend_inputs(input_pos, k, v, mask, cache_rows)
 
         out = self.attend(q, keys, values, mask, input_pos)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim))
@@ -172,12 +256,12 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm attention and MLP, each added to the residual stream; `attention`: the family's
-    attention class."""
+    attention class; `moe`: the MLP is a mixture of experts (genfast/llm/moe.py)."""
 
-    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention) -> None:
+    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention, moe: bool = False) -> None:
         super().__init__()
         self.attention = attention(args)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoEFeedForward(args) if moe else FeedForward(args)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 

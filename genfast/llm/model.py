@@ -1,6 +1,7 @@
 """A decoder-only language model with a static KV cache: embedding, the blocks of its family
-(genfast/llm/families/: Llama 2/3/3.x, Mistral, SmolLM, TinyLlama, Qwen2, Qwen3), final norm and
-output head. The shared blocks are in genfast/llm/layers.py.
+(genfast/llm/families/: Llama 2/3/3.x, Mistral, Mixtral, SmolLM, TinyLlama, Qwen2, Qwen3,
+Qwen3-MoE, Phi-3/4, Gemma 2/3), final norm and output head. The shared blocks are in
+genfast/llm/layers.py, the mixture-of-experts MLP in genfast/llm/moe.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from torch import Tensor, nn
 
 from genfast.llm import families
 from genfast.llm.config import ModelArgs, rope_inverse_frequencies
-from genfast.llm.layers import KVCache
+from genfast.llm.layers import WINDOW_SLACK, KVCache, WindowKVCache
 from genfast.nn import Linear
 
 
@@ -56,9 +57,14 @@ class Transformer(nn.Module):
         dtype = self.norm.weight.dtype  # the compute dtype (linears may store theirs in bf16, or codes)
         device = self.norm.weight.device
         for layer in self.layers:  # the layer's own kv heads: a tensor-parallel shard holds a slice
-            layer.attention.kv_cache = KVCache(
-                batch_size, max_seq_len, layer.attention.n_kv_heads, self.args.head_dim, dtype, device
-            )
+            heads, window = layer.attention.n_kv_heads, layer.attention.sliding_window
+            if window is not None and window + WINDOW_SLACK < max_seq_len:  # a ring of the window
+                cache = WindowKVCache(
+                    batch_size, window + WINDOW_SLACK, heads, self.args.head_dim, window, dtype, device
+                )
+            else:
+                cache = KVCache(batch_size, max_seq_len, heads, self.args.head_dim, dtype, device, window)
+            layer.attention.kv_cache = cache
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
 
     def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:

@@ -37,11 +37,13 @@ def quantize_loaded(
     32) and the group size allows, instead of dequantizing and requantizing; round-to-nearest.
     With bits=4 the output head is quantized to int8 (see INT4_HEAD_BITS)."""
     from genfast.llm.checkpoint import gguf_quantized_linears
-    from genfast.quant.linear import QuantLinear, replace_linears
+    from genfast.nn import ExpertLinear
+    from genfast.quant.linear import QuantLinear, quantize_layer, quantized_layer, replace_linears
 
     precomputed = precomputed or {}
     head_bits = INT4_HEAD_BITS if bits == 4 else bits
-    targets = {prefix + name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = (torch.nn.Linear, ExpertLinear)
+    targets = {prefix + name for name, m in model.named_modules() if isinstance(m, linears)}
     direct: dict[str, QuantizedWeight] = {}
     if checkpoint_format(path) == "gguf":
         if group_size in (None, 32):
@@ -50,26 +52,26 @@ def quantize_loaded(
             direct.update(gguf_quantized_linears(path, head_bits, only={HEAD}))
     default_group = group_size or (None if bits == 8 else DEFAULT_INT4_GROUP_SIZE)
 
-    def make(local: str, linear: torch.nn.Linear) -> QuantLinear:
+    def make(local: str, linear: torch.nn.Linear | ExpertLinear) -> torch.nn.Module:
         name = prefix + local
         bias = None if linear.bias is None else linear.bias.detach().clone()
         qw = precomputed.get(name) or direct.get(name)
         if qw is not None:
-            return QuantLinear(qw.to(linear.weight.device), bias)
+            return quantized_layer(qw.to(linear.weight.device), bias)
         if name == HEAD and head_bits != bits:
             return QuantLinear.from_linear(linear, head_bits)
-        return QuantLinear.from_linear(linear, bits, default_group)
+        return quantize_layer(linear, bits, default_group)
 
     return [prefix + local for local in replace_linears(model, make)]
 
 
 def describe_quantization(model: torch.nn.Module) -> str:
     """'none', or the schemes of the model's quantized linears, e.g. 'int4-g32' or 'int8-g576+int8-g32'."""
-    from genfast.quant.linear import QuantLinear
+    from genfast.quant.linear import QuantExpertLinear, QuantLinear
 
     schemes = []
     for module in model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, (QuantLinear, QuantExpertLinear)):
             scheme = f"int{module.bits}-g{module.group_size}"
             if module.group_size == module.padded_in_features and module.bits == 8:
                 scheme = "int8"  # one scale per output channel

@@ -8,12 +8,17 @@ import torch
 
 from genfast.hardware import peak_memory_bytes
 from genfast.llm.generate import GenerationResult
+from genfast.llm.layers import WindowKVCache
 from genfast.llm.model import Transformer
+from genfast.nn import ExpertLinear
+from genfast.quant.linear import QuantExpertLinear
 
 
-def weight_bytes_per_step(model: Transformer) -> int:
+def weight_bytes_per_step(model: Transformer, batch_size: int = 1) -> int:
     """Weight bytes one decode step reads: every parameter once (a tied embedding is read by the
-    output head), except an untied input embedding, of which only the looked-up rows are read."""
+    output head), except an untied input embedding, of which only the looked-up rows are read,
+    and a mixture's experts, of which a step reads only those it runs: k of E per sequence (for
+    a batch, k * batch_size of E: an upper bound, as sequences may share experts)."""
     seen, total = set(), 0
     for p in list(model.parameters()) + list(model.buffers()):
         if id(p) in seen or p is model.inv_freq:
@@ -27,6 +32,11 @@ def weight_bytes_per_step(model: Transformer) -> int:
     emb = model.tok_embeddings.weight
     if emb is not getattr(model.output, "weight", None):  # untied, or the head is quantized
         total -= emb.numel() * emb.element_size()
+    active = min(model.args.n_experts, model.args.n_active_experts * batch_size)
+    for module in model.modules():
+        if isinstance(module, (ExpertLinear, QuantExpertLinear)):
+            stacked = sum(t.nbytes for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
+            total -= stacked - stacked * active // module.n_experts
     return total
 
 
@@ -56,9 +66,22 @@ class DecodeTraffic:
         return self.bytes_per_s / peak_bytes_per_s
 
 
+def kv_bytes_read(model: Transformer, kv_len: float) -> float:
+    """Bytes of keys and values a decode step of one sequence reads at cache length `kv_len`: the
+    valid prefix of each layer's cache, and at most its ring of a sliding-window layer's."""
+    total = 0.0
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        if cache is None:
+            continue
+        per_slot = 2 * cache.k.shape[1] * cache.k.shape[3] * cache.k.element_size()
+        total += per_slot * (min(kv_len, cache.size) if isinstance(cache, WindowKVCache) else kv_len)
+    return total
+
+
 def decode_traffic(model: Transformer, result: GenerationResult) -> DecodeTraffic:
-    kv = kv_bytes_per_slot(model) * result.mean_kv_len * result.batch_size
-    return DecodeTraffic(weight_bytes_per_step(model), kv, result.decode_tok_s)
+    kv = kv_bytes_read(model, result.mean_kv_len) * result.batch_size
+    return DecodeTraffic(weight_bytes_per_step(model, result.batch_size), kv, result.decode_tok_s)
 
 
 def format_stats(
@@ -79,8 +102,10 @@ def format_stats(
             f"{100 * result.draft_s / max(result.decode_s, 1e-9):.0f}% of decode time"
         )
     else:
+        a = model.args
+        experts = f", of experts the {a.n_active_experts} of {a.n_experts} each token runs" if a.n_experts else ""
         lines.append(
-            f"bytes/step {t.bytes_per_step / 1e6:.1f} MB (weights {t.weight_bytes / 1e6:.1f} MB + KV "
+            f"bytes/step {t.bytes_per_step / 1e6:.1f} MB (weights {t.weight_bytes / 1e6:.1f} MB{experts} + KV "
             f"{t.kv_bytes / 1e6:.1f} MB) | {t.bytes_per_s / 1e9:.1f} GB/s | MBU {100 * t.mbu(peak_bw):.0f}% of "
             f"{peak_bw / 1e9:.1f} GB/s measured"
         )

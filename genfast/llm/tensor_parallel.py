@@ -10,6 +10,12 @@ Per transformer block, for world size W and rank r:
   across ranks (all-reduce) and the out bias is added once, after the sum.
 - feed-forward w13, column-parallel: the same slice of the gate half and of the up half.
 - feed-forward w2, row-parallel: the matching input columns, all-reduced.
+- a mixture of experts is sharded the same way inside every expert (each rank holds the same
+  slice of every expert's columns; the router is replicated), not expert by expert: a token's k
+  experts then cost every rank the same 1/W of their bytes, whatever the routing, and the
+  block keeps the dense MLP's single all-reduce. Whole experts per rank would leave a rank idle
+  whenever a token's experts live elsewhere (top-2 of 8 on 2 ranks: both on one rank 3 times in
+  7) and would need the tokens exchanged (all-to-all) for batches.
 Embedding, norms and the output head are replicated: simplest, and the head's logits are then
 complete on every rank (vocab-parallel would add an all-gather per token). Two all-reduces per
 block per forward, the minimum for this layout; they are functional collectives, which
@@ -47,9 +53,11 @@ from genfast.errors import UserError
 from genfast.llm.config import ModelArgs
 from genfast.llm.layers import TransformerBlock
 from genfast.llm.model import Transformer
-from genfast.nn import Linear
+from genfast.nn import ExpertLinear, Linear
 from genfast.quant.grids import QuantizedWeight
-from genfast.quant.linear import QuantLinear
+from genfast.quant.linear import QuantExpertLinear, QuantLinear, quantized_layer
+
+QUANTIZED = (QuantLinear, QuantExpertLinear)
 
 T = TypeVar("T")
 
@@ -233,13 +241,15 @@ def check_shardable(args: ModelArgs, world: int) -> None:
         "key/value heads": args.n_kv_heads,
         "feed-forward width": args.intermediate_size,
     }
+    if args.n_experts:
+        sizes["expert width"] = args.expert_intermediate_size
     bad = [f"{n} {what}" for what, n in sizes.items() if n % world]
     if bad:
         common = math.gcd(*sizes.values())
         fits = [str(d) for d in range(2, common + 1) if common % d == 0]
         hint = f"--tp {' or '.join(fits)}" if fits else "no --tp above 1"
         raise UserError(
-            f"--tp {world} needs the model's heads and feed-forward width to divide by {world}, but it "
+            f"--tp {world} needs the model's heads and feed-forward widths to divide by {world}, but it "
             f"has {' and '.join(bad)}; this model supports {hint}"
         )
 
@@ -254,8 +264,8 @@ class RowParallelLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.group = group
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = funcol.all_reduce(self.local(x), "sum", self.group)
+    def forward(self, x: Tensor, *args: Tensor) -> Tensor:  # args: each row's expert, for experts
+        out = funcol.all_reduce(self.local(x, *args), "sum", self.group)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
@@ -319,21 +329,23 @@ def _block(rank: int, size: int) -> Tensor:
 
 
 def _rows(layer: nn.Module, index: Tensor) -> nn.Module:
-    """The layer restricted to the output features `index` (a column-parallel shard)."""
+    """The layer restricted to the output features `index` (a column-parallel shard; of each
+    expert, for experts)."""
     bias = None if layer.bias is None else layer.bias[index].clone()
-    if isinstance(layer, QuantLinear):
+    if isinstance(layer, QUANTIZED):
         qw = layer.quantized_weight()
         rows = QuantizedWeight(
-            qw.codes[index], qw.scales[index], qw.mins[index], qw.bits, qw.group_size, qw.in_features
-        )
-        return QuantLinear(rows, bias, layer.dynamic)
-    return _linear(layer.weight[index], bias)
+            qw.codes[..., index, :], qw.scales[..., index, :], qw.mins[..., index, :], qw.bits, qw.group_size,
+            qw.in_features,
+        )  # fmt: skip
+        return quantized_layer(rows, bias, getattr(layer, "dynamic", False))
+    return _linear(layer.weight[..., index, :], bias)
 
 
 def _column_slice(qw: QuantizedWeight, start: int, stop: int) -> tuple[int, slice]:
     """(group size, groups) of input columns [start, stop) of a quantized weight. Per-channel
     scales (one group per row) serve every slice as they are, the slice becoming the group."""
-    if qw.group_size == qw.codes.shape[1]:
+    if qw.group_size == qw.codes.shape[-1]:
         return stop - start, slice(0, 1)
     return qw.group_size, slice(start // qw.group_size, stop // qw.group_size)
 
@@ -341,11 +353,11 @@ def _column_slice(qw: QuantizedWeight, start: int, stop: int) -> tuple[int, slic
 def _check_column_split(layer: nn.Module, columns: int, name: str) -> None:
     """A quantized layer splits by input features only in whole groups (and in multiples of 32,
     the native kernel's activation blocks)."""
-    if not isinstance(layer, QuantLinear):
+    if not isinstance(layer, QUANTIZED):
         return
     qw = layer.quantized_weight()
     group_size, _ = _column_slice(qw, 0, columns)
-    if qw.codes.shape[1] != qw.in_features or columns % group_size or group_size % 32:
+    if qw.codes.shape[-1] != qw.in_features or columns % group_size or group_size % 32:
         raise UserError(
             f"{name} has {qw.in_features} input features quantized in groups of {qw.group_size}; "
             f"split over the ranks, each gets {columns} columns, which must be whole groups and a "
@@ -357,22 +369,27 @@ def _row_parallel(layer: nn.Module, rank: int, columns: int, group: dist.Process
     """The layer restricted to rank `rank`'s block of `columns` input features, all-reduced."""
     start, stop = rank * columns, (rank + 1) * columns
     bias = None if layer.bias is None else layer.bias.detach().clone()
-    if not isinstance(layer, QuantLinear):
-        return RowParallelLinear(_linear(layer.weight[:, start:stop], None), bias, group)
+    if not isinstance(layer, QUANTIZED):
+        return RowParallelLinear(_linear(layer.weight[..., start:stop], None), bias, group)
     qw = layer.quantized_weight()
     group_size, groups = _column_slice(qw, start, stop)
     local = QuantizedWeight(
-        qw.codes[:, start:stop].contiguous(),
-        qw.scales[:, groups].contiguous(),
-        qw.mins[:, groups].contiguous(),
+        qw.codes[..., start:stop].contiguous(),
+        qw.scales[..., groups].contiguous(),
+        qw.mins[..., groups].contiguous(),
         qw.bits,
         group_size,
         columns,
     )
-    return RowParallelLinear(QuantLinear(local, None, layer.dynamic), bias, group)
+    return RowParallelLinear(quantized_layer(local, None, getattr(layer, "dynamic", False)), bias, group)
 
 
-def _linear(weight: Tensor, bias: Tensor | None) -> Linear:
+def _linear(weight: Tensor, bias: Tensor | None) -> Linear | ExpertLinear:
+    if weight.dim() == 3:  # a mixture's experts
+        with torch.device("meta"):
+            experts = ExpertLinear(*weight.shape[:1], weight.shape[2], weight.shape[1])
+        experts.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        return experts
     with torch.device("meta"):
         layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     layer.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)

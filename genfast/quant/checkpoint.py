@@ -3,6 +3,7 @@
 Layout (format "genfast-quantized", version 1):
 - for each quantized linear NAME: `NAME.codes` (uint8; int4 codes two per byte, even column in the
   low nibble), `NAME.scales` and `NAME.mins` (fp16, [out_features, groups]), `NAME.bias` if any;
+  a mixture's experts (header "experts": E) stack theirs: [E, out_features, ...];
 - every other tensor of the model under its state-dict name, in the dtype it was saved in;
 - header metadata: "format", "version", "layers" (JSON: NAME -> bits, group_size, in_features,
   out_features, bias) and whatever the caller adds (the LLM adds its config and the method).
@@ -21,21 +22,22 @@ import torch
 from torch import Tensor, nn
 
 from genfast.errors import UserError
+from genfast.nn import ExpertLinear
 from genfast.quant.grids import QuantizedWeight, check_group_size, pack_nibbles, unpack_nibbles
-from genfast.quant.linear import QuantLinear, replace_linears
+from genfast.quant.linear import QuantExpertLinear, QuantLinear, quantized_layer, replace_linears
 
 FORMAT = "genfast-quantized"
 VERSION = "1"
 
 
-def _storage_tensors(name: str, layer: QuantLinear) -> dict[str, Tensor]:
+def _storage_tensors(name: str, layer: QuantLinear | QuantExpertLinear) -> dict[str, Tensor]:
     qw = layer.quantized_weight()
     tensors = {
         f"{name}.codes": pack_nibbles(qw.codes) if qw.bits == 4 else qw.codes,
         f"{name}.scales": qw.scales,
         f"{name}.mins": qw.mins,
     }
-    if layer.bias is not None:
+    if getattr(layer, "bias", None) is not None:
         tensors[f"{name}.bias"] = layer.bias
     return tensors
 
@@ -50,15 +52,17 @@ def save_quantized(
     tensors: dict[str, Tensor] = {}
     layers: dict[str, dict[str, Any]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, (QuantLinear, QuantExpertLinear)):
             tensors.update(_storage_tensors(name, module))
             layers[name] = {
                 "bits": module.bits,
                 "group_size": module.group_size,
                 "in_features": module.in_features,
                 "out_features": module.out_features,
-                "bias": module.bias is not None,
+                "bias": getattr(module, "bias", None) is not None,
             }
+            if isinstance(module, QuantExpertLinear):
+                layers[name]["experts"] = module.n_experts
     quantized_prefixes = tuple(f"{name}." for name in layers)
     for name, tensor in model.state_dict().items():
         if not name.startswith(quantized_prefixes) and ".kv_cache." not in name:
@@ -106,15 +110,16 @@ class QuantizedCheckpoint:
         try:
             bits, group_size = int(spec["bits"]), int(spec["group_size"])
             n, k = int(spec["out_features"]), int(spec["in_features"])
+            lead = (int(spec["experts"]),) if "experts" in spec else ()
             check_group_size(bits, group_size, k)
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"{self.path}: layer {name} has an invalid quantization entry {spec}: {e}") from e
         codes, scales, mins = (self.get(f"{name}.{part}") for part in ("codes", "scales", "mins"))
         k_padded = -(-k // group_size) * group_size
         want = {
-            "codes": (n, k_padded // 2 if bits == 4 else k_padded),
-            "scales": (n, k_padded // group_size),
-            "mins": (n, k_padded // group_size),
+            "codes": (*lead, n, k_padded // 2 if bits == 4 else k_padded),
+            "scales": (*lead, n, k_padded // group_size),
+            "mins": (*lead, n, k_padded // group_size),
         }
         for part, tensor in (("codes", codes), ("scales", scales), ("mins", mins)):
             if tuple(tensor.shape) != want[part]:
@@ -139,7 +144,8 @@ def load_quantized_into(
     prefix: str = "",
     layers: Collection[str] | None = None,
 ) -> None:
-    """Replace the linears named in the header by QuantLinear layers and fill every other tensor.
+    """Replace the linears named in the header by QuantLinear layers (experts: QuantExpertLinear)
+    and fill every other tensor.
 
     `model` is built from the same config (on the target device, any floating dtype); `convert`
     maps each floating tensor to the model's dtype/device (default: cast to the parameter's).
@@ -148,21 +154,22 @@ def load_quantized_into(
     layers = list(checkpoint.layers if layers is None else layers)
     modules = dict(model.named_modules())
     for name in layers:
-        if not (name.startswith(prefix) and isinstance(modules.get(name[len(prefix) :]), nn.Linear)):
+        if not (name.startswith(prefix) and isinstance(modules.get(name[len(prefix) :]), (nn.Linear, ExpertLinear))):
             raise UserError(f"{checkpoint.path}: header lists layer {name}, which this model has no linear for")
 
-    def make(local: str, linear: nn.Linear) -> QuantLinear:
+    def make(local: str, linear: nn.Linear | ExpertLinear) -> nn.Module:
         name = prefix + local
         qw = checkpoint.quantized_weight(name)
-        if (qw.out_features, qw.in_features) != tuple(linear.weight.shape):
+        shape = (*qw.codes.shape[:-1], qw.in_features)
+        if shape != tuple(linear.weight.shape):
             raise UserError(
-                f"{checkpoint.path}: layer {name} is {qw.out_features}x{qw.in_features} in the "
+                f"{checkpoint.path}: layer {name} is {'x'.join(map(str, shape))} in the "
                 f"checkpoint but {tuple(linear.weight.shape)} in the model config"
             )
         device = linear.weight.device
         qw = qw.to(device)
         bias = checkpoint.get(f"{name}.bias").to(device) if checkpoint.layers[name].get("bias") else None
-        return QuantLinear(qw, bias)
+        return quantized_layer(qw, bias)
 
     local_layers = {name[len(prefix) :] for name in layers}
     replace_linears(model, make, keep=lambda local, _: local not in local_layers)

@@ -30,7 +30,8 @@ SCALE_DTYPE = torch.float16
 
 @dataclass
 class QuantizedWeight:
-    """Codes [N, K_padded] uint8, scales and mins [N, K_padded // group_size] fp16."""
+    """Codes [N, K_padded] uint8, scales and mins [N, K_padded // group_size] fp16; a mixture's
+    experts stack theirs ([E, N, ...], one grid per expert row as for a plain weight)."""
 
     codes: Tensor
     scales: Tensor
@@ -41,7 +42,7 @@ class QuantizedWeight:
 
     @property
     def out_features(self) -> int:
-        return self.codes.shape[0]
+        return self.codes.shape[-2]
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return QuantizedWeight(
@@ -54,11 +55,10 @@ class QuantizedWeight:
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """[N, in_features] weight in `dtype` (computed in fp32)."""
-        n, k = self.codes.shape
-        groups = self.codes.float().reshape(n, -1, self.group_size)
+        """[N, in_features] weight ([E, N, in_features] for experts) in `dtype` (computed in fp32)."""
+        groups = self.codes.float().reshape(*self.scales.shape, self.group_size)
         w = groups * self.scales.float()[..., None] + self.mins.float()[..., None]
-        return w.reshape(n, k)[:, : self.in_features].to(dtype)
+        return w.reshape(self.codes.shape)[..., : self.in_features].to(dtype)
 
 
 def padded_in_features(in_features: int, group_size: int) -> int:
@@ -107,7 +107,17 @@ QUANTIZE_CHUNK_ELEMENTS = 1 << 22
 
 
 def quantize(weight: Tensor, bits: int, group_size: int | None = None) -> QuantizedWeight:
-    """Round-to-nearest quantization of a [N, K] weight. int8 defaults to one group per row."""
+    """Round-to-nearest quantization of a [N, K] weight (or experts' [E, N, K]). int8 defaults to
+    one group per row."""
+    if weight.dim() == 3:  # rows are quantized independently: the experts' rows, one after another
+        flat = quantize(weight.reshape(-1, weight.shape[-1]), bits, group_size)
+        lead = weight.shape[:2]
+        return QuantizedWeight(
+            *(t.reshape(*lead, t.shape[-1]) for t in (flat.codes, flat.scales, flat.mins)),
+            bits,
+            flat.group_size,
+            flat.in_features,
+        )
     n, k = weight.shape
     group_size = group_size or (padded_in_features(k, 32) if bits == 8 else 128)
     check_group_size(bits, group_size, k)
@@ -126,9 +136,9 @@ def quantize(weight: Tensor, bits: int, group_size: int | None = None) -> Quanti
 
 
 def pack_nibbles(codes: Tensor) -> Tensor:
-    """[N, K] codes in [0, 15] -> [N, K / 2] bytes, even column in the low nibble (storage form)."""
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    """[..., K] codes in [0, 15] -> [..., K / 2] bytes, even column in the low nibble (storage form)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def unpack_nibbles(packed: Tensor) -> Tensor:
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)

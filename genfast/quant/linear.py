@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from genfast.kernels import QLINEAR
-from genfast.nn import row_linear
+from genfast.nn import ExpertLinear, grouped_by_expert, row_linear
 from genfast.quant import packing
 from genfast.quant.grids import QuantizedWeight, pack_nibbles, unpack_nibbles
 
@@ -125,9 +125,135 @@ class QuantLinear(nn.Module):
         )
 
 
+@torch.library.custom_op("genfast::expert_qlinear", mutates_args=())
+def expert_qlinear(x: Tensor, experts: Tensor, packed: Tensor, bits: int, group_size: int, out_features: int) -> Tensor:
+    """Row r of `x` [R, K_padded] times expert `experts[r]`'s quantized weight, each expert's in the
+    native kernel's layout (`packed` [E, bytes]): [R, out_features]."""
+
+    def matmul(rows: Tensor, expert: int) -> Tensor:
+        return torch.ops.genfast.qlinear(rows, packed[expert], bits, group_size, out_features)
+
+    return grouped_by_expert(x, experts, out_features, matmul)
+
+
+@expert_qlinear.register_fake
+def _expert_qlinear_fake(
+    x: Tensor, experts: Tensor, packed: Tensor, bits: int, group_size: int, out_features: int
+) -> Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.custom_op("genfast::expert_qlinear_dequantized", mutates_args=())
+def expert_qlinear_dequantized(
+    x: Tensor, experts: Tensor, codes: Tensor, scales: Tensor, mins: Tensor, bits: int, group_size: int
+) -> Tensor:
+    """The same without a native kernel: each present expert's weight (codes [E, N, K_padded] in
+    storage form: 4-bit ones two per byte) is dequantized when used."""
+
+    def matmul(rows: Tensor, expert: int) -> Tensor:
+        expert_codes = unpack_nibbles(codes[expert]) if bits == 4 else codes[expert]
+        weight = QuantizedWeight(expert_codes, scales[expert], mins[expert], bits, group_size, x.shape[-1])
+        return F.linear(rows, weight.dequantize(rows.dtype))
+
+    return grouped_by_expert(x, experts, codes.shape[1], matmul)
+
+
+@expert_qlinear_dequantized.register_fake
+def _expert_qlinear_dequantized_fake(
+    x: Tensor, experts: Tensor, codes: Tensor, scales: Tensor, mins: Tensor, bits: int, group_size: int
+) -> Tensor:
+    return x.new_empty(x.shape[0], codes.shape[1])
+
+
+class QuantExpertLinear(nn.Module):
+    """ExpertLinear over weight-only codes: a QuantizedWeight with the experts stacked ([E, N, K]),
+    each expert's weight in the layout of QuantLinear's kernel; a row reads only its own expert's."""
+
+    def __init__(self, qweight: QuantizedWeight) -> None:
+        super().__init__()
+        self.n_experts = qweight.codes.shape[0]
+        self.in_features, self.out_features = qweight.in_features, qweight.out_features
+        self.bits, self.group_size = qweight.bits, qweight.group_size
+        self.padded_in_features = qweight.codes.shape[-1]
+        self.register_buffer("bias", None)  # as QuantLinear's, for code that serves both
+        self.native = qweight.codes.device.type == "cpu" and packing.available()
+        qweight_parts = (qweight.codes, qweight.scales, qweight.mins)
+        if self.native:
+            self.padded_out_features = -(-self.out_features // packing.ROW_GROUP) * packing.ROW_GROUP
+            packed = [
+                packing.pack(*(_pad_rows(t[e], self.padded_out_features) for t in qweight_parts), self.bits)
+                for e in range(self.n_experts)
+            ]
+            self.register_buffer("packed", torch.stack(packed))
+        else:
+            codes = pack_nibbles(qweight.codes) if self.bits == 4 else qweight.codes
+            self.register_buffer("codes", codes.contiguous())
+            self.register_buffer("scales", qweight.scales.contiguous())
+            self.register_buffer("mins", qweight.mins.contiguous())
+
+    @classmethod
+    def from_expert_linear(cls, layer: ExpertLinear, bits: int, group_size: int | None = None) -> QuantExpertLinear:
+        from genfast.quant.grids import quantize
+
+        return cls(quantize(layer.weight, bits, group_size))
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The canonical (storage) form, experts stacked."""
+        n, k = self.out_features, self.padded_in_features
+        if self.native:
+            per_expert = [
+                packing.unpack(p, self.bits, self.padded_out_features, k, self.group_size) for p in self.packed
+            ]
+            codes, scales, mins = (torch.stack([parts[i][:n] for parts in per_expert]) for i in range(3))
+        else:
+            codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
+            scales, mins = self.scales, self.mins
+        return QuantizedWeight(
+            codes.contiguous(), scales.contiguous(), mins.contiguous(), self.bits, self.group_size, self.in_features
+        )
+
+    def forward(self, x: Tensor, experts: Tensor) -> Tensor:
+        """x [R, in] and each row's expert [R] -> [R, out]."""
+        if self.padded_in_features != self.in_features:
+            x = F.pad(x, (0, self.padded_in_features - self.in_features))
+        if self.native:  # the kernel takes fp32 or bf16 rows
+            rows = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+            out = torch.ops.genfast.expert_qlinear(
+                rows, experts, self.packed, self.bits, self.group_size, self.out_features
+            )
+            return out.to(x.dtype)
+        return torch.ops.genfast.expert_qlinear_dequantized(
+            x, experts, self.codes, self.scales, self.mins, self.bits, self.group_size
+        )
+
+    def extra_repr(self) -> str:
+        kernel = f"native-{QLINEAR.loaded_isa()}" if self.native else "dequantize"
+        return (
+            f"experts={self.n_experts}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, group_size={self.group_size}, kernel={kernel}"
+        )
+
+
+def quantized_layer(qweight: QuantizedWeight, bias: Tensor | None = None, dynamic: bool = False) -> nn.Module:
+    """QuantLinear for a weight, QuantExpertLinear for experts' stacked weights (which have no bias)."""
+    if qweight.codes.dim() == 3:
+        if bias is not None or dynamic:
+            raise ValueError("expert weights are weight-only and have no bias")
+        return QuantExpertLinear(qweight)
+    return QuantLinear(qweight, bias, dynamic)
+
+
 def uses_native_kernels(model: nn.Module) -> bool:
     """True when some linear of `model` runs genfast's native quantized kernel."""
-    return any(isinstance(m, QuantLinear) and m.native for m in model.modules())
+    return any(isinstance(m, (QuantLinear, QuantExpertLinear)) and m.native for m in model.modules())
+
+
+def quantize_layer(layer: nn.Linear | ExpertLinear, bits: int, group_size: int | None = None) -> nn.Module:
+    """Round-to-nearest weight-only quantization of a linear (QuantLinear) or of a mixture's expert
+    weights (QuantExpertLinear)."""
+    if isinstance(layer, ExpertLinear):
+        return QuantExpertLinear.from_expert_linear(layer, bits, group_size)
+    return QuantLinear.from_linear(layer, bits, group_size)
 
 
 LinearFilter = Callable[[str, nn.Linear], bool]  # (name, linear) -> True to keep it in floating point
@@ -147,13 +273,16 @@ def narrower_than(min_features: int) -> LinearFilter:
 def replace_linears(
     model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], keep: LinearFilter | None = None
 ) -> list[str]:
-    """Swap every nn.Linear for which `keep(name, linear)` is not True by `make(name, linear)`.
+    """Swap every nn.Linear (and ExpertLinear) for which `keep(name, linear)` is not True by
+    `make(name, linear)`.
 
     Returns the names replaced. A weight tied to another module (e.g. an output head sharing the
     embedding table) is untied: the other module keeps its floating-point tensor.
     """
     targets = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and not (keep and keep(name, m))
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, ExpertLinear)) and not (keep and keep(name, m))
     ]
     for name, linear in targets:
         model.set_submodule(name, make(name, linear))
@@ -163,11 +292,16 @@ def replace_linears(
 def quantize_linears(
     model: nn.Module, bits: int, group_size: int | None = None, keep: LinearFilter | None = None
 ) -> list[str]:
-    """Round-to-nearest weight-only quantization of a model's linears, in place."""
-    return replace_linears(model, lambda _, linear: QuantLinear.from_linear(linear, bits, group_size), keep)
+    """Round-to-nearest weight-only quantization of a model's linears (and experts), in place."""
+    return replace_linears(model, lambda _, linear: quantize_layer(linear, bits, group_size), keep)
 
 
 def quantize_dynamic_int8(model: nn.Module, keep: LinearFilter | None = None) -> list[str]:
     """Dynamic int8 (int8 activations x per-channel int8 weights) for the linears `keep` does not
-    claim; `keep(name, linear)` is the hook that excludes layers (e.g. small or sensitive ones)."""
-    return replace_linears(model, lambda _, linear: QuantLinear.from_linear(linear, 8, dynamic=True), keep)
+    claim; `keep(name, linear)` is the hook that excludes layers (e.g. small or sensitive ones).
+    Experts keep their weights: dynamic int8 has no grouped expert kernel."""
+
+    def keep_experts(name: str, layer: nn.Module) -> bool:
+        return isinstance(layer, ExpertLinear) or bool(keep and keep(name, layer))
+
+    return replace_linears(model, lambda _, linear: QuantLinear.from_linear(linear, 8, dynamic=True), keep_experts)

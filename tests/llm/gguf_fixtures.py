@@ -84,12 +84,30 @@ def write_gguf_from_hf(
             w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         if getattr(cfg, "final_logit_softcapping", None):
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    n_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if n_experts:  # mixture of experts (Mixtral: architecture "llama" with an expert count)
+        w.add_expert_count(n_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if hasattr(cfg, "norm_topk_prob"):
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
+        per_layer["mlp.gate"] = "ffn_gate_inp"
     if rope.get("rope_type") == "longrope":  # Phi-3: llama.cpp stores the factors as tensors
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     for name, tensor in sd.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' stacks [E, 2 * width, dim]
+            gate, up = tensor.chunk(2, dim=1)
+            prefix = f"blk.{name.split('.')[2]}."
+            _add(w, prefix + "ffn_gate_exps.weight", gate, qtype)
+            _add(w, prefix + "ffn_up_exps.weight", up, qtype)
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            _add(w, f"blk.{name.split('.')[2]}.ffn_down_exps.weight", tensor, qtype)
             continue
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
@@ -102,13 +120,7 @@ def write_gguf_from_hf(
             target = names[name]
         if gemma and name.endswith("norm.weight"):
             tensor = tensor + 1  # llama.cpp stores Gemma's norms as 1 + w
-        data = tensor.numpy().astype(np.float32)
-        kind = gguf.GGMLQuantizationType[qtype]
-        block = gguf.GGML_QUANT_SIZES[kind][0]
-        if data.ndim == 2 and target != "token_embd.weight" and qtype != "F32" and data.shape[1] % block == 0:
-            w.add_tensor(target, gguf.quants.quantize(data, kind), raw_dtype=kind)
-        else:
-            w.add_tensor(target, data)
+        _add(w, target, tensor, qtype if target != "token_embd.weight" and "ffn_gate_inp" not in target else "F32")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -117,3 +129,16 @@ def write_gguf_from_hf(
         with open(path, "r+b") as f:
             f.truncate(truncate_to)
     return path
+
+
+def _add(writer, name: str, tensor: torch.Tensor, qtype: str) -> None:
+    """A tensor stored as `qtype` where it is a matrix (or a stack of them) of whole blocks, else F32."""
+    import gguf
+
+    data = tensor.numpy().astype(np.float32)
+    kind = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    if data.ndim >= 2 and qtype != "F32" and data.shape[-1] % block == 0:
+        writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+    else:
+        writer.add_tensor(name, data)

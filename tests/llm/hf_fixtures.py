@@ -169,6 +169,62 @@ TINY_CONFIGS = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Mistral v0.1's sliding window on every layer (8 tokens here), beyond which the context goes on.
+    "mistral_window": dict(
+        model_type="mistral",
+        architectures=["MistralForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        sliding_window=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+    # Mixture of experts: top-2 of 4 experts in every layer, weights renormalized.
+    "mixtral": dict(
+        model_type="mixtral",
+        architectures=["MixtralForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3's attention with top-3 of 8 experts, weights not renormalized (norm_topk_prob false;
+    # Mixtral covers the renormalized case), and a dense layer between MoE ones (mlp_only_layers).
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    ),
     # Linear rope scaling, MHA (no GQA), attention_bias.
     "llama2_linear": dict(
         model_type="llama",
@@ -203,6 +259,8 @@ def make_hf_model(name: str, seed: int = 0):
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if n.endswith("mlp.gate.weight"):  # routers: clear choices, so rounding never flips an expert
+                p.normal_(0, 1.0)
     return model.eval()
 
 

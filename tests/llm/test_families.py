@@ -16,11 +16,14 @@ from genfast.errors import UserError
 from genfast.llm import families
 from genfast.llm.checkpoint import load_model
 from genfast.llm.config import ModelArgs
+from genfast.llm.drafters import LayerDrafter
 from genfast.llm.generate import Generator
+from genfast.llm.layers import WINDOW_SLACK, WindowKVCache
 from genfast.llm.precompiled import attach
 from genfast.llm.quantize import quantize_loaded
 from genfast.llm.sampling import SamplingParams
 from genfast.llm.session import load
+from genfast.llm.speculative import MAX_K, SpeculativeGenerator
 from genfast.llm.tokenizer import load_tokenizer
 from tests.llm.gguf_fixtures import write_gguf_from_hf
 from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, word_tokenizer
@@ -28,7 +31,15 @@ from tests.llm.test_generate import check_compiled_matches_eager
 
 ATOL = 1e-4
 # (TINY_CONFIGS name, GGUF architecture)
-FAMILIES = [("qwen3", "qwen3"), ("phi3", "phi3"), ("phi3_longrope", "phi3"), ("gemma2", "gemma2"), ("gemma3", "gemma3")]
+FAMILIES = [
+    ("qwen3", "qwen3"),
+    ("phi3", "phi3"),
+    ("phi3_longrope", "phi3"),
+    ("gemma2", "gemma2"),
+    ("gemma3", "gemma3"),
+    ("mixtral", "llama"),  # llama.cpp writes Mixtral as "llama" with an expert count
+    ("qwen3_moe", "qwen3moe"),
+]
 # Budgets on the tiny random models: the mean KL divergence of the next-token distributions,
 # and the relative logit error ||quantized - fp32|| / ||fp32|| as a guard against gross breakage
 # (the random models' logits are nearly flat, std ~0.16 for gemma3, which inflates it).
@@ -57,9 +68,12 @@ def test_logits_from_safetensors_and_gguf_equal_transformers(family_model, tmp_p
     tokens = _tokens(hf.config.vocab_size, 23)
     with torch.no_grad():
         expected = hf(tokens).logits
-        for source in (directory, write_gguf_from_hf(hf, tmp_path / f"{name}.gguf", arch=arch)):
+        for source, names in (
+            (directory, TINY_CONFIGS[name]["model_type"]),
+            (write_gguf_from_hf(hf, tmp_path / f"{name}.gguf", arch=arch), arch),
+        ):
             model = load_model(source)
-            assert families.family(model.args.family) is families.family(TINY_CONFIGS[name]["model_type"])
+            assert families.family(model.args.family) is families.family(names)
             torch.testing.assert_close(model(tokens, torch.arange(23), all_logits=True), expected, atol=ATOL, rtol=0)
 
 
@@ -130,3 +144,37 @@ def test_every_family_is_registered_under_the_names_checkpoints_use():
     assert families.family("mistral") is families.family("llama")
     with pytest.raises(UserError, match="unsupported architecture 'gpt_neox'"):
         ModelArgs.from_hf_config({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]})
+
+
+def greedy_per_transformers(hf, prompt: list[int], generated: list[int]) -> bool:
+    """Whether every generated token is transformers' greedy choice after its prefix (one forward
+    over the whole sequence), up to ties within 1e-4: random models' flat, soft-capped logits
+    have near-ties that decide generate()'s cached steps and a full forward differently."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+    chosen = logits.gather(-1, torch.tensor(generated)[:, None])[:, 0]
+    return bool((logits.max(-1).values - chosen <= 1e-4).all())
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral_window"])
+def test_local_layers_keep_a_ring_of_their_window(name, tmp_path, fresh_dynamo):
+    """Local layers (Gemma's; all of Mistral v0.1's) cache window + WINDOW_SLACK slots whatever the
+    context, which goes on past the window. A prompt longer than
+    the ring and a generation that wraps it many times are transformers' greedy tokens, and a
+    left-padded batch, speculative decoding (rejected drafts are written into the ring and must
+    not evict keys still in the window) and compiled decoding give the same tokens."""
+    hf = make_hf_model(name)
+    model = load_model(save_hf_model(hf, tmp_path / name))
+    tok = word_tokenizer(hf.config.vocab_size)
+    window = hf.config.sliding_window
+    prompts = [_tokens(hf.config.vocab_size, n, seed=n)[0].tolist() for n in (50, 9)]
+    eager = Generator(model, tok, max_seq_len=128, max_batch_size=2, compile=False)
+    rings = [layer.attention.kv_cache for layer in model.layers if layer.attention.sliding_window]
+    assert rings and all(isinstance(c, WindowKVCache) and c.k.shape[2] == window + WINDOW_SLACK + 1 for c in rings)
+    want = [eager.generate([p], 60, stop_at_eos=False).token_ids[0] for p in prompts]
+    assert all(greedy_per_transformers(hf, p, w) for p, w in zip(prompts, want, strict=True))
+    assert eager.generate(prompts, 60, stop_at_eos=False).token_ids == want  # left-padded batch
+    spec = SpeculativeGenerator(model, tok, LayerDrafter(1), k=MAX_K, max_seq_len=128, compile=False)
+    assert spec.generate([prompts[0]], 60, stop_at_eos=False).token_ids[0] == want[0]
+    compiled = Generator(model, tok, max_seq_len=128, compile=True)
+    assert compiled.generate([prompts[1]], 60, stop_at_eos=False).token_ids[0] == want[1]

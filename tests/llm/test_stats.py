@@ -2,7 +2,7 @@
 
 import torch
 
-from genfast.llm.stats import kv_bytes_per_slot, weight_bytes_per_step
+from genfast.llm.stats import kv_bytes_per_slot, kv_bytes_read, weight_bytes_per_step
 from tests.llm.hf_fixtures import tiny_genfast_model
 
 
@@ -37,3 +37,15 @@ def test_int8_weights_count_one_byte_plus_scales(tmp_path):
     quantized = sum(pad(m.out_features, 64) * (-(-m.in_features // 32) * 32 + 4) for m in linears)
     expected = before - linear_params * 2 + quantized
     assert weight_bytes_per_step(model) == expected
+
+
+def test_sliding_window_layers_read_at_most_their_ring(tmp_path):
+    from genfast.llm.layers import WINDOW_SLACK
+
+    _, model = tiny_genfast_model("gemma2", tmp_path)  # window 6 on layers 0 and 2 of 3
+    model.setup_caches(1, 128)
+    a = model.args
+    per_layer_slot = 2 * a.n_kv_heads * a.head_dim * 4
+    assert kv_bytes_read(model, 20) == 3 * 20 * per_layer_slot  # within the ring: every layer alike
+    ring = a.extra["sliding_window"] + WINDOW_SLACK
+    assert kv_bytes_read(model, 100) == (100 + 2 * ring) * per_layer_slot

@@ -54,6 +54,8 @@ CASES = [
     Case("phi3_longrope"),  # checkpoint-fused qkv and gate_up, LongRoPE past 16 tokens
     Case("gemma2"),  # four norms per block, soft-capping, a sliding window on even layers
     Case("gemma3"),  # q/k norms, local layers with their own rope base
+    Case("qwen3_moe"),  # every expert's columns split, the router replicated; a dense layer between
+    Case("mixtral", "int4"),  # quantized experts split in whole groups
     Case("qwen2", "int8"),  # per-channel scales: each rank's columns keep the row's scale
     Case("qwen2", "int4"),  # groups of 32: whole groups per rank
     Case(QUANTIZED_DIR),  # a `genfast quantize --mode int4` directory: its blocks are read as codes
@@ -211,7 +213,7 @@ def test_cli_tp_error_is_one_line_before_launching(model_dirs):
     done = run_cli("generate", "w1", "--model", str(model_dirs["smollm"]), "--tp", "2", "--no-compile")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "genfast: error: --tp 2 needs the model's heads and feed-forward width to divide by 2, but it has "
+        "genfast: error: --tp 2 needs the model's heads and feed-forward widths to divide by 2, but it has "
         "3 attention heads and 1 key/value heads; this model supports no --tp above 1"
     ]
 

@@ -205,3 +205,23 @@ def test_saved_compiled_steps_serve_every_mix_of_requests(tiny_dir):
         assert steps._checked == {"prefill", "decode"}  # the compiled steps ran
         engine.shutdown()
     assert keys[0][0] == keys[1][0] and keys == [(keys[0][0], False), (keys[0][0], True)]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen3_moe"])
+def test_ring_caches_and_experts_under_continuous_batching(name, tmp_path):
+    """Rows at their own positions in sliding-window rings (Gemma 2: sequences outgrow the ring
+    of 38 slots) and tokens of several rows routed to shared experts (Qwen3-MoE) still give each
+    request its single-request tokens as requests join and leave."""
+    from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
+
+    hf = make_hf_model(name)
+    directory = save_hf_model(hf, tmp_path / name)
+    word_tokenizer(hf.config.vocab_size).save(directory)
+    prompts = [[t % hf.config.vocab_size for t in p] for p in PROMPTS]
+    lengths = [n + 30 for n in LENGTHS]
+    gen = Generator(*load_tiny(directory), max_seq_len=128, compile=False)
+    want = [gen.generate([p], n).token_ids[0] for p, n in zip(prompts, lengths)]
+    engine = Engine(*load_tiny(directory), max_batch=3, max_seq_len=128, compile=False).start()
+    got = run_concurrently(engine, [GenerationRequest(tuple(p), n) for p, n in zip(prompts, lengths)])
+    assert [r.token_ids for r in got] == want
+    engine.shutdown()

@@ -5,8 +5,8 @@ attention on alternate layers (even layers local). Config values it adds live in
 `ModelArgs.extra`: query_pre_attn_scalar, attn_logit_softcap, final_logit_softcap,
 sliding_window, sliding_layers, embedding_scale.
 
-The window is a mask over the shared cache: a local layer's keys older than the window are
-masked, not dropped, so its cache still grows with the sequence.
+A local layer's cache is a ring of its window (genfast.llm.layers.WindowKVCache): it does not
+grow with the sequence.
 """
 
 from __future__ import annotations
@@ -43,13 +43,6 @@ class GeluFeedForward(FeedForward):
         return F.gelu(gate, approximate="tanh")
 
 
-def window_mask(mask: Tensor, input_pos: Tensor, window: int) -> Tensor:
-    """`mask` [B|1, 1, S, L] with keys at or before query position - window masked out."""
-    key_pos = torch.arange(mask.shape[-1], device=mask.device)[None, None, None, :]
-    query_pos = input_pos.reshape(-1, 1, input_pos.shape[-1], 1)
-    return mask & (key_pos > query_pos - window)
-
-
 class GemmaAttention(Attention):
     """Attention with its own query scale, optional logit soft-capping and, on local layers, a
     sliding window; computed explicitly (SDPA has no soft-capping), in fp32 scores."""
@@ -58,11 +51,9 @@ class GemmaAttention(Attention):
         super().__init__(args)
         self.scale = float(args.extra.get("query_pre_attn_scalar", args.head_dim)) ** -0.5
         self.softcap = args.extra.get("attn_logit_softcap")
-        self.window = args.extra["sliding_window"] if local else None
+        self.sliding_window = args.extra["sliding_window"] if local else None
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
-        if self.window is not None:
-            mask = window_mask(mask, input_pos, self.window)
         bsz, _, seqlen, hd = q.shape
         group = self.n_heads // self.n_kv_heads
         qg = q.reshape(bsz, self.n_kv_heads, group * seqlen, hd)
