@@ -93,18 +93,11 @@ def main() -> None:
             layers = f" ({shape.n_layers} layers)" if shape.n_experts else ""
             traffic = weights * rate
             print(
-                f"| {name}{layers} | {quant} | {shape.n_params / 1e9:.2f} B ({active_params(shape) / 1e9:.2f} B) | "
+                f"| {name}{layers} | {quant} | {shape.n_params / 1e9:.2f} B ({shape.n_active_params / 1e9:.2f} B) | "
                 f"{weights / 1e6:.0f} MB | {rate:.1f} | {traffic / 1e9:.1f} | {100 * traffic / peak:.0f}% |",
                 flush=True,
             )
             del gen, model
-
-
-def active_params(args: ModelArgs) -> int:
-    """Parameters a token uses: all but the experts it is not routed to."""
-    moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers))
-    idle = moe_layers * (args.n_experts - args.n_active_experts) * 3 * args.dim * args.expert_intermediate_size
-    return args.n_params - idle
 
 
 if __name__ == "__main__":

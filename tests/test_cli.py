@@ -1,6 +1,7 @@
 """The `genfast` command line: output streams, exit codes and one-line errors."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -61,10 +62,14 @@ def test_chat_answers_on_stdin(smollm2_gguf):
         "--no-compile",
         "-n",
         "24",
-        stdin="What is the capital of France?\n/exit\n",
+        stdin="What is the capital of France?\nAnd of Italy?\n/exit\n",
     )
     assert done.returncode == 0, done.stderr
-    assert "Paris" in done.stdout
+    assert "Paris" in done.stdout and "Rome" in done.stdout
+    turns = re.findall(r"prompt (\d+) tokens \((\d+) cached\)", done.stderr)
+    assert len(turns) == 2 and turns[0][1] == "0"
+    prompt, cached = map(int, turns[1])  # the second turn prefills only what follows the first
+    assert int(turns[0][0]) < cached < prompt
 
 
 @pytest.mark.parametrize(

@@ -106,10 +106,7 @@ def load_announced(args: argparse.Namespace) -> tuple[LoadedModel, LlmSettings]:
     dtype = loaded.dtype_label()
     quant = "" if loaded.quant == "none" else f", {loaded.quant} weights"
     ranks = "" if loaded.tp == 1 else f" | tensor parallel over {loaded.tp} ranks"
-    _log(
-        f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
-        f"{dtype}{quant} on {loaded.device}{ranks}"
-    )
+    _log(f"genfast: {loaded.path} | {loaded.model.args.describe_size()} | {dtype}{quant} on {loaded.device}{ranks}")
     notes = [note for step, note in recipe.notes if step not in ("int8", "int4")]
     if loaded.quant != "none":  # quantized on load, or a quantized checkpoint
         notes.append(RECIPE.step("int8").fallback(Target(loaded.device, args.dtype)))
@@ -167,6 +164,7 @@ def chat_command(args: argparse.Namespace) -> int:
         _start_compiled(generator, loaded, params, compile_missing="now")  # a chat lasts: switch when compiled
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
+    generator.reuse_prefix = True  # each turn prefills only what follows the earlier turns' cache
     interactive = sys.stdin.isatty() and is_main_rank()
     _log("genfast chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.")
     while True:
@@ -198,7 +196,10 @@ def chat_command(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         history.append({"role": "assistant", "content": result.texts[0]})
         notes = generator.precompiled.take_notes() if generator.precompiled is not None else []
-        _log(f"[{', '.join([f'{result.new_tokens} tokens, {result.decode_tok_s:.1f} tok/s', *notes])}]")
+        prompt = f"prompt {result.prompt_tokens} tokens ({result.cached_prompt_tokens} cached), first token "
+        prompt += f"{result.ttft_s * 1000:.0f} ms"
+        summary = [f"{result.new_tokens} tokens, {result.decode_tok_s:.1f} tok/s", prompt, *notes]
+        _log(f"[{', '.join(summary)}]")
     return 0
 
 
@@ -295,7 +296,7 @@ def quantize_command(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     if checkpoint_format(path) == "genfast":
         raise UserError(f"{path} is already quantized; quantize the original model instead")
-    _log(f"genfast: quantizing {path} ({read_model_args(path).n_params / 1e6:.0f}M parameters) to {args.mode}")
+    _log(f"genfast: quantizing {path} ({read_model_args(path).describe_size()}) to {args.mode}")
     # Quantization arithmetic runs in fp32; unquantized tensors are stored in --dtype.
     calibration = None
     if args.mode == "int4-gptq":  # calibrates on the whole float model

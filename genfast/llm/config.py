@@ -122,6 +122,26 @@ class ModelArgs:
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + self.n_layers * per_layer + mlps + self.dim + head
 
+    @property
+    def n_active_params(self) -> int:
+        """Parameters a token uses: all but the experts it is not routed to."""
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        idle = moe_layers * (self.n_experts - self.n_active_experts) * 3 * self.dim * self.expert_intermediate_size
+        return self.n_params - idle
+
+    def describe_size(self) -> str:
+        """E.g. '135M parameters', or for a mixture '30.5B parameters, 3.3B active (8 of 128 experts)'."""
+
+        def count(n: int) -> str:
+            return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+        if not self.n_experts:
+            return f"{count(self.n_params)} parameters"
+        return (
+            f"{count(self.n_params)} parameters, {count(self.n_active_params)} active "
+            f"({self.n_active_experts} of {self.n_experts} experts)"
+        )
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         """From a Hugging Face config.json (transformers 4.x and 5.x spellings)."""

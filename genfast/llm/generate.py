@@ -34,6 +34,7 @@ class GenerationResult:
     mean_kv_len: float = 0.0  # average valid cache length read per decode step
     batch_size: int = 1
     stop_reasons: list[str] = field(default_factory=list)
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those already in the cache (Generator.reuse_prefix)
     # Speculative decoding (genfast.llm.speculative); decode_steps then counts tokens, not passes.
     speculate_k: int = 0  # draft tokens per verify pass; 0: not speculative
     drafted_tokens: int = 0
@@ -47,7 +48,8 @@ class GenerationResult:
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        """Prompt tokens run per second (those found in the cache were not run)."""
+        return (self.prompt_tokens - self.cached_prompt_tokens) / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -83,6 +85,7 @@ class Completions:
         self.done = [False] * batch
         self.stop_ids = tokenizer.stop_ids if stop_at_eos else set()
         self.on_text = on_text
+        self.first_row: list[int] = []  # row 0's token of every step, in order (what it fed back)
 
     def push(self, i: int, tok: int) -> None:
         """Append one token to sequence i (ignored once it is done)."""
@@ -100,7 +103,9 @@ class Completions:
 
     def push_step(self, next_tokens: Tensor) -> None:
         """One token per sequence (rows past the batch are filler)."""
-        for i, tok in enumerate(next_tokens.tolist()[: len(self.done)]):
+        tokens = next_tokens.tolist()[: len(self.done)]
+        self.first_row.append(tokens[0])
+        for i, tok in enumerate(tokens):
             self.push(i, tok)
 
     def finish(self, **stats: Any) -> GenerationResult:
@@ -164,6 +169,11 @@ class Generator:
         # Steps compiled ahead of time and kept on disk (genfast/llm/precompiled.py, `attach`);
         # while they are not ready, steps run eagerly.
         self.precompiled: Any = None
+        # A one-sequence generation reuses the cache of the previous one for their common prefix
+        # (a chat's earlier turns) instead of prefilling it again. Only for a generator that is
+        # the sole user of its model's cache.
+        self.reuse_prefix = False
+        self.cached_tokens: list[int] = []  # whose keys and values fill the cache's first slots
         if compile:
             self._prefill = compile_fn(self._prefill_step, self.device, decode=False)
             self._decode = compile_fn(self._decode_step, self.device, decode=True, model=model)
@@ -199,7 +209,9 @@ class Generator:
         if seed is not None:
             torch.manual_seed(seed)
         out = Completions(self.tokenizer, len(prompts), stop_strings, stop_at_eos, on_text)
-        next_tokens, pad_start, prefill_s = self._prefill_prompts(prompts, params)
+        start = self._reusable_prefix(prompts)
+        self.cached_tokens = []  # until this call has filled the cache
+        next_tokens, pad_start, prefill_s = self._prefill_prompts(prompts, params, start)
         out.push_step(next_tokens)
         if self.precompiled is not None:  # saved compiled steps load once the first token is out
             self.precompiled.poll()
@@ -231,13 +243,31 @@ class Generator:
             kv_total += kv_len
             out.push_step(next_tokens)
 
+        if len(prompts) == 1:  # the prompt, then each token fed back by a decode step
+            self.cached_tokens = [*prompts[0], *out.first_row[:steps]]
         return out.finish(
             prompt_tokens=sum(lengths),
             prefill_s=prefill_s,
             decode_s=decode_s,
             decode_steps=steps,
             mean_kv_len=kv_total / steps if steps else 0.0,
+            cached_prompt_tokens=start,
         )
+
+    def _reusable_prefix(self, prompts: Sequence[Sequence[int]]) -> int:
+        """How many leading prompt tokens already are in the cache (see `reuse_prefix`); at least
+        the last prompt token is always run, for its logits."""
+        if not self.reuse_prefix or len(prompts) != 1 or self.max_batch_size != 1:
+            return 0
+        common = 0
+        for cached, token in zip(self.cached_tokens, prompts[0][:-1]):
+            if cached != token:
+                break
+            common += 1
+        limit = self.model.max_rewind()
+        if limit is not None and len(self.cached_tokens) - common > limit:
+            return 0  # the keys just before the common prefix were overwritten in a ring
+        return common
 
     def _check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
         """Validate a generate() request; return the prompt lengths."""
@@ -259,24 +289,25 @@ class Generator:
         return lengths
 
     def _prefill_prompts(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, start: int = 0
     ) -> tuple[Tensor, Tensor, float]:
-        """Prefill the whole (left-padded) prompt batch at once; return the first new tokens
+        """Prefill the whole (left-padded) prompt batch at once, from slot `start` (the slots
+        before it are cached already: one sequence only); return the first new tokens
         [max_batch_size], each row's first real slot [max_batch_size] and the seconds taken."""
         batch, lengths = len(prompts), [len(p) for p in prompts]
         prompt_len = max(lengths)
         pad_start = torch.tensor([prompt_len - n for n in lengths], device=self.device)
-        padded = [[0] * (prompt_len - n) + list(p) for p, n in zip(prompts, lengths)]
+        padded = [([0] * (prompt_len - n) + list(p))[start:] for p, n in zip(prompts, lengths)]
         tokens = torch.tensor(padded, device=self.device)
         if batch < self.max_batch_size:  # keep the compiled batch dimension static
             filler = tokens[:1].expand(self.max_batch_size - batch, -1)
             tokens = torch.cat([tokens, filler])
             pad_start = torch.cat([pad_start, pad_start[:1].expand(self.max_batch_size - batch)])
 
-        input_pos = torch.arange(prompt_len, device=self.device)
-        mask = attention_mask(input_pos, prompt_len, pad_start)  # [max_batch_size, 1, S, S]
+        input_pos = torch.arange(start, prompt_len, device=self.device)
+        mask = attention_mask(input_pos, prompt_len, pad_start)  # [max_batch_size, 1, S, prompt_len]
         t0 = time.perf_counter()
-        if prompt_len == 1:
+        if prompt_len - start == 1:
             next_tokens = self._step(tokens, input_pos, mask, params)
         else:
             next_tokens = self._step(tokens, input_pos, mask, params, prefill=True)

@@ -67,6 +67,15 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = cache
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
 
+    def max_rewind(self) -> int | None:
+        """How many cached positions a new call may go back over and still find the keys before
+        them in the cache: a sliding-window ring overwrites older slots (see WindowKVCache), so
+        after writing up to position P it holds the window before position P - WINDOW_SLACK + 1 at
+        the earliest. None: no limit (full caches)."""
+        rings = [layer.attention.kv_cache for layer in self.layers]
+        slack = [c.size - c.window for c in rings if isinstance(c, WindowKVCache)]
+        return min(slack) if slack else None
+
     def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
         """fp32 cos and sin of the rotary angles at `input_pos` [S]: [S, rotary_dim // 2] each; for
         per-row positions [B, S]: [B, 1, S, rotary_dim // 2] (broadcast over heads).

@@ -174,7 +174,7 @@ def eval_ppl_command(args: argparse.Namespace) -> int:
                           settings)  # fmt: skip
     dtype = loaded.dtype_label()
     _log(
-        f"genfast: {loaded.path} | {loaded.model.args.n_params / 1e6:.0f}M parameters | "
+        f"genfast: {loaded.path} | {loaded.model.args.describe_size()} | "
         f"{dtype}{'' if loaded.quant == 'none' else ', ' + loaded.quant + ' weights'} on {loaded.device}"
     )
     ids = evaluation_token_ids(loaded.tokenizer)

@@ -1,10 +1,10 @@
 """The HTTP layer: a FastAPI app serving an `Engine` with OpenAI's API.
 
-Routes: GET /health (no key needed), GET /v1/models, POST /v1/completions, POST
-/v1/chat/completions (streamed as server-sent events ending in `data: [DONE]` when `stream` is
-true). Every error is an OpenAI error object. The engine runs on its own thread; each request's
-events cross into the event loop through a `_Bridge`. A client that disconnects cancels its
-request, which frees its slot at the next decode step.
+Routes: GET /health and GET /metrics (Prometheus text; no key needed for either), GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events ending in
+`data: [DONE]` when `stream` is true). Every error is an OpenAI error object. The engine runs on
+its own thread; each request's events cross into the event loop through a `_Bridge`. A client
+that disconnects cancels its request, which frees its slot at the next decode step.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from genfast.errors import UserError
 from genfast.llm.sampling import SamplingParams
 from genfast.serve.engine import Delta, Engine, EngineStopped, Event, Finished, GenerationRequest, QueueFull, Ticket
+from genfast.serve.metrics import ServeMetrics
 from genfast.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -70,6 +71,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
     app = FastAPI(title="genfast", lifespan=lifespan)
     created = int(time.time())
     tokenizer = engine.tokenizer
+    metrics = ServeMetrics(engine)
+    engine.observer = metrics
 
     async def check_key(request: Request) -> None:
         if api_key is None:
@@ -104,6 +107,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
         if engine.stopping:
             return JSONResponse({"status": "shutting_down", **stats}, status_code=503)
         return JSONResponse({"status": "ok", **stats})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict[str, Any]:
@@ -148,8 +156,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
         body: GenerationBody, ids: list[int], max_tokens: int, header: ResponseHeader, request: Request
     ) -> JSONResponse | StreamingResponse:
         check_model(body)
+        params = SamplingParams(body.temperature, top_p=body.top_p)
         gen = GenerationRequest(
-            tuple(ids), max_tokens, SamplingParams(body.temperature, top_p=body.top_p), body.stop_strings, body.seed
+            tuple(ids), max_tokens, params, body.stop_strings, body.seed, body.top_logprobs_requested
         )
         bridge = _Bridge(only_final=not body.stream)
         try:
@@ -163,7 +172,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                _sse(ticket, bridge, header, include_usage),
+                _sse(ticket, bridge, header, include_usage, gen.logprobs is not None),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -190,7 +199,9 @@ async def _wait(ticket: Ticket, bridge: _Bridge, request: Request) -> Finished:
     return get.result()
 
 
-async def _sse(ticket: Ticket, bridge: _Bridge, header: ResponseHeader, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(
+    ticket: Ticket, bridge: _Bridge, header: ResponseHeader, include_usage: bool, logprobs: bool
+) -> AsyncIterator[str]:
     """Server-sent events: a chunk per text delta, a last chunk with the finish reason, [DONE].
 
     When the client disconnects, Starlette cancels this generator: `finally` cancels the request.
@@ -203,7 +214,7 @@ async def _sse(ticket: Ticket, bridge: _Bridge, header: ResponseHeader, include_
         while True:
             event = await bridge.queue.get()
             if isinstance(event, Delta):
-                yield _event(header.chunk(event.text, first=first))
+                yield _event(header.chunk(event.text, first=first, logprobs=event.logprobs if logprobs else None))
                 first = False
                 continue
             if event.finish_reason == "error":

@@ -20,13 +20,16 @@ def _log(message: str) -> None:
 
 
 def require_serve_extra() -> None:
-    """FastAPI and uvicorn are an optional extra: `genfast generate` does not need them."""
+    """FastAPI, uvicorn and prometheus_client are an optional extra: `genfast generate` does not
+    need them."""
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UserError(
-            f"`genfast serve` needs FastAPI and uvicorn ({e.name} is missing): pip install 'genfast[serve]'"
+            f"`genfast serve` needs FastAPI, uvicorn and prometheus_client ({e.name} is missing): "
+            "pip install 'genfast[serve]'"
         ) from e
 
 

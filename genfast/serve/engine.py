@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -62,13 +62,48 @@ class GenerationRequest:
     params: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     seed: int | None = None  # a private random stream: the same seed gives the same sample
+    # Report each generated token's log-probability and this many most likely alternatives
+    # (None: no log-probabilities).
+    logprobs: int | None = None
+
+
+# What JSON can carry for a token the sampled distribution excludes (log 0), as vLLM reports it.
+LOGPROB_FLOOR = -9999.0
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on alternatives per token
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the distribution it was drawn from (the model's
+    for greedy decoding; after temperature, top-k and top-p when sampling), with the most likely
+    tokens of that distribution, most likely first."""
+
+    token_id: int
+    token: str  # its text where it stands (with the space a tokenizer folds into it)
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+def _token_logprob(dist: Tensor, token: int, n_top: int, text: Callable[[int], str]) -> TokenLogprob:
+    """The entry of `token` under the log-distribution `dist` [V], with its `n_top` most likely
+    tokens; `text`: a token's text where it stands."""
+    top = torch.topk(dist, n_top) if n_top else None
+    alternatives = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return TokenLogprob(
+        token,
+        text(token),
+        max(float(dist[token]), LOGPROB_FLOOR),
+        tuple((text(t), max(lp, LOGPROB_FLOOR)) for t, lp in alternatives),
+    )
 
 
 @dataclass(frozen=True)
 class Delta:
-    """Text that became final (never the start of a possible stop string)."""
+    """Text that became final (never the start of a possible stop string), and the log-probabilities
+    of the tokens taken since the previous Delta (when the request asked for them)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +114,7 @@ class Finished:
     finish_reason: str
     prompt_tokens: int
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids, when asked for
 
     @property
     def completion_tokens(self) -> int:
@@ -127,12 +163,31 @@ class EngineStopped(Exception):
     """The engine is shutting down and takes no new requests."""
 
 
+class EngineObserver(Protocol):
+    """What the engine reports as requests run, on its own thread (genfast/serve/metrics.py)."""
+
+    def on_first_token(self, seconds: float) -> None: ...  # since submission
+
+    def on_token(self, seconds: float) -> None: ...  # since the request's previous token
+
+    def on_finished(self, finish_reason: str, prompt_tokens: int, seconds: float) -> None: ...  # since submission
+
+
 class Ticket:
     """A submitted request: cancel it at any time (queued or running); its sink gets `Finished`."""
 
     def __init__(self, engine: Engine, request: GenerationRequest, sink: Sink, ticket_id: int) -> None:
         self.engine, self.request, self.sink, self.id = engine, request, sink, ticket_id
         self.cancelled = False
+        self.submitted = time.perf_counter()
+
+    def finish(self, finished: Finished) -> None:
+        """Send the request's one `Finished`, and report it."""
+        if self.engine.observer is not None:
+            self.engine.observer.on_finished(
+                finished.finish_reason, finished.prompt_tokens, time.perf_counter() - self.submitted
+            )
+        self.sink(finished)
 
     def cancel(self) -> None:
         self.engine._cancel(self)
@@ -148,6 +203,9 @@ class _Sequence:
     pos: int = 0  # cache position of the next token to feed
     last: int = 0  # the token to feed next
     generated: list[int] = field(default_factory=list)
+    token_time: float = 0.0  # when the last token was taken (perf_counter)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    unsent: int = 0  # of `logprobs`, how many no Delta has carried yet
 
 
 @dataclass
@@ -159,6 +217,7 @@ class EngineStats:
     generated_tokens: int
     cancelled: int
     max_seq_len: int
+    cached_tokens: int  # held in the KV cache by the running requests
 
 
 OMP_PAUSE_HARD = 2  # omp.h's omp_pause_resource_t
@@ -229,6 +288,7 @@ class Engine:
         self.precompiled: PrecompiledSteps | None = None
         # Rank 0 of several tensor-parallel ranks tells the others which call to run next.
         self._broadcast = StepBroadcast() if current_world_size() > 1 else None
+        self.observer: EngineObserver | None = None  # e.g. the server's metrics
 
     # Two functions, not one: dynamo keeps graphs per code object, so prefill's dynamic prompt
     # length and decode's fixed batch never share (or evict) each other's graphs.
@@ -306,6 +366,8 @@ class Engine:
 
     def validate(self, request: GenerationRequest) -> None:
         n = len(request.prompt_ids)
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise UserError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {request.logprobs}")
         if n == 0:
             raise UserError("the prompt is empty")
         if request.max_tokens < 1:
@@ -363,15 +425,16 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._cond:
-            active = sum(s is not None for s in self._slots)
+            running = [s for s in self._slots if s is not None]
             return EngineStats(
                 self.max_batch,
-                active,
+                len(running),
                 len(self._pending),
                 self.decode_steps,
                 self.generated_tokens,
                 self.cancelled,
                 self.max_seq_len,
+                sum(s.pos for s in running),
             )
 
     def shutdown(self, timeout: float = 0.0) -> None:
@@ -407,7 +470,7 @@ class Engine:
 
     def _finish_cancelled(self, ticket: Ticket, generated: list[int], text: str | None) -> None:
         self.cancelled += 1
-        ticket.sink(Finished(text or "", generated, "cancelled", len(ticket.request.prompt_ids)))
+        ticket.finish(Finished(text or "", generated, "cancelled", len(ticket.request.prompt_ids)))
 
     def _cancel_all_locked(self) -> None:
         while self._pending:
@@ -469,7 +532,8 @@ class Engine:
             self._broadcast.send(Op.PREFILL, slot, tokens)
         logits = self._run_prefill(tokens.to(self.device), slot)
         seq.pos = len(req.prompt_ids)
-        self._accept(slot, self._sample(logits, [seq])[0])
+        token, logprob = self._sample(logits, [seq])[0]
+        self._accept(slot, token, logprob)
 
     def _step(self) -> None:
         """One decode step for every slot; free slots run a dummy token at their own slot 0."""
@@ -481,32 +545,64 @@ class Engine:
         tokens, positions = tokens_positions.to(self.device)
         logits = self._run_decode(tokens[:, None], positions[:, None], kv_len)
         self.decode_steps += 1
-        for slot, token in enumerate(self._sample(logits, seqs)):
+        for slot, (token, logprob) in enumerate(self._sample(logits, seqs)):
             if seqs[slot] is not None:
                 seqs[slot].pos += 1
-                self._accept(slot, token)
+                self._accept(slot, token, logprob)
 
-    def _sample(self, logits: Tensor, seqs: Sequence[_Sequence | None]) -> list[int]:
+    def _sample(self, logits: Tensor, seqs: Sequence[_Sequence | None]) -> list[tuple[int, TokenLogprob | None]]:
         """Next token per row: argmax for greedy rows (all rows at once), and for sampling rows a
-        draw with the row's own temperature/top-p and random stream."""
+        draw with the row's own temperature/top-p and random stream; with its log-probabilities
+        for the rows that asked."""
         tokens = logits.argmax(dim=-1)
+        sampled: dict[int, Tensor] = {}
         for i, seq in enumerate(seqs):
             if seq is not None and not seq.ticket.request.params.greedy:
-                row = probabilities(logits[i : i + 1], seq.ticket.request.params)
-                tokens[i] = draw(row, seq.generator)[0]
-        return tokens.tolist()
+                sampled[i] = probabilities(logits[i : i + 1], seq.ticket.request.params)
+                tokens[i] = draw(sampled[i], seq.generator)[0]
+        chosen = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(chosen)
+        for i, seq in enumerate(seqs):
+            if seq is not None and seq.ticket.request.logprobs is not None:
+                dist = sampled[i][0].log() if i in sampled else logits[i].float().log_softmax(dim=-1)
+                text = self._token_text(seq)
+                logprobs[i] = _token_logprob(dist, chosen[i], seq.ticket.request.logprobs, text)
+        return list(zip(chosen, logprobs, strict=True))
 
-    def _accept(self, slot: int, token: int) -> None:
+    def _token_text(self, seq: _Sequence) -> Callable[[int], str]:
+        """A next token's text after `seq`'s last generated tokens: what decoding adds when it is
+        appended (SentencePiece decodes a lone "▁word" without its space), so that the tokens'
+        texts join into the generated text."""
+        context = seq.generated[-3:]
+        before = self.tokenizer.decode(context)
+
+        def text(token: int) -> str:
+            after = self.tokenizer.decode([*context, token])
+            return after[len(before) :] if after.startswith(before) else self.tokenizer.decode([token])
+
+        return text
+
+    def _accept(self, slot: int, token: int, logprob: TokenLogprob | None = None) -> None:
         seq = self._slots[slot]
         assert seq is not None
         if token in self.tokenizer.stop_ids:  # EOS ends the sequence and is not part of it
             self._finish(slot, "stop")
             return
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.unsent += 1
         seq.generated.append(token)
         self.generated_tokens += 1
+        now = time.perf_counter()
+        if self.observer is not None:
+            if len(seq.generated) == 1:
+                self.observer.on_first_token(now - seq.ticket.submitted)
+            else:
+                self.observer.on_token(now - seq.token_time)
+        seq.token_time = now
         text = seq.stream.push(token)
         if text:
-            seq.ticket.sink(Delta(text))
+            seq.ticket.sink(Delta(text, self._unsent_logprobs(seq)))
         if seq.stream.stopped:
             self._finish(slot, "stop")
         elif len(seq.generated) >= seq.ticket.request.max_tokens:
@@ -518,11 +614,20 @@ class Engine:
         seq = self._slots[slot]
         assert seq is not None
         tail = seq.stream.finish()
-        if tail:
-            seq.ticket.sink(Delta(tail))
+        if tail or seq.unsent:
+            seq.ticket.sink(Delta(tail, self._unsent_logprobs(seq)))
         with self._cond:
             self._slots[slot] = None
-        seq.ticket.sink(Finished(seq.stream.text, seq.generated, reason, len(seq.ticket.request.prompt_ids)))
+        logprobs = tuple(seq.logprobs) if seq.ticket.request.logprobs is not None else None
+        seq.ticket.finish(
+            Finished(seq.stream.text, seq.generated, reason, len(seq.ticket.request.prompt_ids), logprobs=logprobs)
+        )
+
+    @staticmethod
+    def _unsent_logprobs(seq: _Sequence) -> tuple[TokenLogprob, ...]:
+        unsent = tuple(seq.logprobs[len(seq.logprobs) - seq.unsent :])
+        seq.unsent = 0
+        return unsent
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -536,7 +641,7 @@ class Engine:
             for slot, seq in enumerate(self._slots):
                 if seq is not None:
                     self._slots[slot] = None
-                    seq.ticket.sink(
+                    seq.ticket.finish(
                         Finished(
                             seq.stream.text, seq.generated, "error", len(seq.ticket.request.prompt_ids), error=message
                         )

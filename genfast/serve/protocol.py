@@ -2,7 +2,7 @@
 
 Requests are validated strictly: an unknown field, a wrong type or a value out of range is a 400
 with a message naming the field, never silently ignored. OpenAI fields genfast does not implement
-(penalties, logprobs, tools, ...) are accepted only at their neutral value, so a client that sends
+(penalties, tools, ...) are accepted only at their neutral value, so a client that sends
 defaults keeps working and one that relies on them learns it at once.
 """
 
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from genfast.serve.engine import Finished
+from genfast.serve.engine import MAX_TOP_LOGPROBS, Finished, TokenLogprob
 
 # What genfast reports for "the request was cut short by the server" (OpenAI has no such reason).
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
@@ -51,8 +52,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -88,6 +87,11 @@ class GenerationBody(_Body):
         return self
 
     @property
+    def top_logprobs_requested(self) -> int | None:
+        """Alternatives to report per token with log-probabilities; None: no log-probabilities."""
+        return None
+
+    @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -98,7 +102,8 @@ class CompletionRequest(GenerationBody):
     """POST /v1/completions. `prompt`: one text or one list of token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    # The sampled token's log-probability and this many alternatives (legacy completions' shape).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -112,6 +117,10 @@ class CompletionRequest(GenerationBody):
                 )
             return p[0]
         return p
+
+    @property
+    def top_logprobs_requested(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Body):
@@ -134,10 +143,20 @@ class ChatCompletionRequest(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def top_logprobs_requested(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
         # Templates know "system"; OpenAI's newer "developer" role means the same.
@@ -161,6 +180,30 @@ class Usage(BaseModel):
         )
 
 
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+
+    def item(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(*t) for t in e.top]} for e in entries]}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
+    """Completions' `logprobs`: parallel lists of tokens, their log-probabilities, {token:
+    logprob} alternatives and each token's offset in the text (`offset`: where these start)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
 class ResponseHeader:
     """The id, creation time and model every response object and stream chunk of one request shares."""
 
@@ -168,6 +211,12 @@ class ResponseHeader:
         self.kind, self.model = kind, model
         self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._streamed_chars = 0  # completions' text offsets across stream chunks
+
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        return completion_logprobs(entries, offset) if self.kind == "completion" else chat_logprobs(entries)
 
     def _object(self, object_name: str, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -184,27 +233,37 @@ class ResponseHeader:
     def response(self, finished: Finished) -> dict[str, Any]:
         """The whole (non-streamed) response."""
         reason = FINISH_REASONS[finished.finish_reason]
+        logprobs = self._logprobs(finished.logprobs)
         if self.kind == "completion":
-            choice = {"index": 0, "text": finished.text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": finished.text, "logprobs": logprobs, "finish_reason": reason}
             return self._object("text_completion", [choice], Usage.of(finished))
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": finished.text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": reason,
         }
         return self._object("chat.completion", [choice], Usage.of(finished))
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
-        """One stream chunk: new text, or the final one carrying the finish reason."""
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        first: bool = False,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
+        """One stream chunk: new text (with its tokens' log-probabilities, if asked for), or the
+        final one carrying the finish reason."""
         reason = FINISH_REASONS[finish_reason] if finish_reason else None
         if self.kind == "completion":
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            rendered = self._logprobs(logprobs, self._streamed_chars)
+            self._streamed_chars += sum(len(e.token) for e in logprobs or ())
+            choice = {"index": 0, "text": text or "", "logprobs": rendered, "finish_reason": reason}
             return self._object("text_completion", [choice], None)
         delta: dict[str, Any] = {} if text is None else {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": reason}
         return self._object("chat.completion.chunk", [choice], None)
 
     def usage_chunk(self, finished: Finished) -> dict[str, Any]:

@@ -162,7 +162,7 @@ def test_local_layers_keep_a_ring_of_their_window(name, tmp_path, fresh_dynamo):
     context, which goes on past the window. A prompt longer than
     the ring and a generation that wraps it many times are transformers' greedy tokens, and a
     left-padded batch, speculative decoding (rejected drafts are written into the ring and must
-    not evict keys still in the window) and compiled decoding give the same tokens."""
+    not evict keys still in the window) and compiled decoding (for one family) give the same tokens."""
     hf = make_hf_model(name)
     model = load_model(save_hf_model(hf, tmp_path / name))
     tok = word_tokenizer(hf.config.vocab_size)
@@ -176,5 +176,6 @@ def test_local_layers_keep_a_ring_of_their_window(name, tmp_path, fresh_dynamo):
     assert eager.generate(prompts, 60, stop_at_eos=False).token_ids == want  # left-padded batch
     spec = SpeculativeGenerator(model, tok, LayerDrafter(1), k=MAX_K, max_seq_len=128, compile=False)
     assert spec.generate([prompts[0]], 60, stop_at_eos=False).token_ids[0] == want[0]
-    compiled = Generator(model, tok, max_seq_len=128, compile=True)
-    assert compiled.generate([prompts[1]], 60, stop_at_eos=False).token_ids[0] == want[1]
+    if name == "mistral_window":  # the ring's compiled code is the same for every family: compiled once
+        compiled = Generator(model, tok, max_seq_len=128, compile=True)
+        assert compiled.generate([prompts[1]], 60, stop_at_eos=False).token_ids[0] == want[1]

@@ -169,3 +169,32 @@ def test_compiled_native_quantized_decode_uses_the_cpp_wrapper_and_matches_eager
     compiled = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=True)
     assert compiled.generate(prompts, 12).token_ids == eager.token_ids
     assert compiled.guard_fallbacks == 0
+
+
+@pytest.mark.parametrize("name,compile", [("qwen2", True), ("gemma2", False)])  # gemma2: rings across turns
+def test_a_conversation_reuses_the_cache_of_its_earlier_turns(name, compile, tmp_path):
+    """With reuse_prefix (genfast chat), a prompt that continues the previous generation prefills
+    only its new tokens, and one that diverges reuses the common prefix; the tokens equal a
+    fresh generator's (fp32)."""
+    from genfast.llm.checkpoint import load_model
+
+    hf, model = tiny_genfast_model(name, tmp_path)
+    tok = word_tokenizer(hf.config.vocab_size)
+    chat = Generator(model, tok, max_seq_len=96, compile=compile)
+    chat.reuse_prefix = True
+    fresh = Generator(load_model(tmp_path / f"{name}-0"), tok, max_seq_len=96, compile=False)
+
+    def turn(prompt: list[int], cached: int) -> list[int]:
+        got = chat.generate([prompt], 10, stop_at_eos=False)
+        assert got.cached_prompt_tokens == cached
+        assert got.token_ids == fresh.generate([prompt], 10, stop_at_eos=False).token_ids
+        return got.token_ids[0]
+
+    first = list(range(3, 33))
+    reply = turn(first, cached=0)
+    second = first + reply + [40, 41, 42, 43, 44]
+    turn(second, cached=len(first) + 9)  # the reply's last token was never fed back
+    # Diverging after 12 tokens goes back over 41 cached positions: beyond what a ring of the
+    # window + 32 slots keeps, so Gemma 2 prefills it all.
+    turn(second[:12] + [50, 51, 52], cached=0 if name == "gemma2" else 12)
+    turn(second[:12] + [50, 51, 52], cached=14)  # the same prompt again: all but its last token

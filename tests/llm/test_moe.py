@@ -11,6 +11,7 @@ import torch
 
 from genfast.cli import main
 from genfast.llm.checkpoint import gguf_quantized_linears, load_model
+from genfast.llm.config import ModelArgs
 from genfast.llm.drafters import LayerDrafter
 from genfast.llm.generate import Generator
 from genfast.llm.quantize import quantize_loaded
@@ -103,6 +104,15 @@ def test_decode_bytes_count_only_the_active_experts(moe_dirs):
 def test_parameter_count_includes_every_expert(moe_dirs):
     model = load_model(moe_dirs["mixtral"])
     assert model.args.n_params == sum(p.numel() for p in model.parameters())
+    # Qwen3-30B-A3B's config.json; its model card says 30.5B parameters (29.9B without the
+    # embedding and the head) and "3.3B activated": 3.35B, embedding and head included.
+    qwen3_30b_a3b = ModelArgs(
+        vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, intermediate_size=6144, head_dim=128,
+        family="qwen3_moe", n_experts=128, n_active_experts=8, expert_intermediate_size=768,
+    )  # fmt: skip
+    assert qwen3_30b_a3b.n_params - 2 * 151936 * 2048 == pytest.approx(29.9e9, abs=0.05e9)
+    assert qwen3_30b_a3b.n_active_params == pytest.approx(3.35e9, abs=0.005e9)
+    assert qwen3_30b_a3b.describe_size() == "30.5B parameters, 3.4B active (8 of 128 experts)"
 
 
 def test_quantized_directory_of_a_moe_model_loads_to_the_same_model(moe_dirs, tmp_path, capsys):

@@ -135,6 +135,7 @@ def test_seed_makes_sampling_reproducible(serve):
         ({"model": "tiny", "prompt": ""}, "empty"),
         ({"model": "tiny", "prompt": [1, 5000]}, "token ids"),
         ({"model": "gpt-4", "prompt": "w1"}, "does not exist"),
+        ({"model": "tiny", "prompt": "w1", "logprobs": 21}, "logprobs"),
     ],
 )
 def test_bad_requests_get_openai_errors(serve, body, message):
@@ -154,6 +155,11 @@ def test_bad_chat_requests(serve):
         client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "w1"}])
     with pytest.raises(openai.NotFoundError):
         client.with_options(base_url=client.base_url.join("/nothing")).models.list()
+    one = [{"role": "user", "content": "w1"}]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs: Input should be less than or equal to 20"):
+        client.chat.completions.create(model="tiny", messages=one, logprobs=True, top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="tiny", messages=one, top_logprobs=2)
 
 
 def test_api_key(serve):
@@ -165,6 +171,7 @@ def test_api_key(serve):
         server.client("sekrit").completions.create(model="tiny", prompt="w1", max_tokens=2).usage.completion_tokens == 2
     )
     assert request(server, "GET", "/health")[0] == 200  # probes need no key
+    assert "genfast_slots" in scrape(server)  # nor does Prometheus
 
 
 def request(
@@ -261,3 +268,106 @@ def test_16_concurrent_streams_equal_their_single_request_outputs(serve, referen
     stats = server.engine.stats()
     assert stats.generated_tokens == 16 * 64 and stats.active == stats.queued == 0
     assert stats.decode_steps < 16 * 63  # the requests shared decode steps
+
+
+def scrape(server) -> dict[str, float]:
+    """GET /metrics parsed as Prometheus text: sample name (with labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/metrics")
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/plain")
+    text = response.read().decode()
+    conn.close()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def test_metrics_parse_as_prometheus_text_and_move_as_requests_run(serve):
+    server = serve(max_batch=2)
+    before = scrape(server)
+    assert before["genfast_requests_running"] == 0 and before["genfast_slots"] == 2
+    assert before["genfast_generation_tokens_total"] == 0 and before["genfast_kv_cache_usage_ratio"] == 0
+    client = server.client()
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+    for _ in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, stream=True):
+        pass
+    stream, _ = long_stream(server, max_tokens=900)  # running while scraped
+    try:
+        assert wait_until(lambda: scrape(server)["genfast_requests_running"] == 1)
+        during = scrape(server)
+        assert 0 < during["genfast_kv_cache_usage_ratio"] <= 1
+    finally:
+        stream.close()
+    assert wait_until(lambda: scrape(server).get("genfast_requests_total{finish_reason=cancelled}") == 1)
+    after = scrape(server)
+    assert after["genfast_requests_total{finish_reason=length}"] == 2
+    assert after["genfast_prompt_tokens_total"] >= 2 * 5
+    assert after["genfast_time_to_first_token_seconds_count"] == 3  # the cancelled one had its first token
+    assert after["genfast_inter_token_latency_seconds_count"] == after["genfast_generation_tokens_total"] - 3
+    assert after["genfast_request_duration_seconds_count"] == 2 and after["genfast_decode_steps_total"] > 0
+
+
+def model_log_softmax(tiny_dir, prompt_ids: list[int], generated: list[int], temperature: float = 1.0):
+    """log-softmax of the eager model's logits (over temperature) before each generated token."""
+    import torch
+
+    model, _ = load_tiny(tiny_dir)
+    ids = torch.tensor([prompt_ids + generated])
+    with torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1]), all_logits=True)[0, len(prompt_ids) - 1 : -1]
+    return (logits / temperature).log_softmax(-1)
+
+
+def test_logprobs_are_the_log_softmax_of_the_models_logits(serve, reference, tiny_dir):
+    """Greedy: each token's logprob and its top alternatives are the model's log-softmax; the
+    same in both APIs' shapes, streamed or not; sampled: under the temperature-scaled distribution."""
+    tok = reference.tokenizer
+    want_ids = reference(PROMPT, 8).token_ids[0]
+    expected = model_log_softmax(tiny_dir, tok.encode(PROMPT), want_ids)
+    client = serve(max_batch=2).client()
+
+    done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    assert [tok.encode(t) for t in lp.tokens] == [[i] for i in want_ids]
+    assert "".join(lp.tokens) == done.choices[0].text and lp.text_offset[0] == 0
+    for row, token, logprob, top in zip(expected, want_ids, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert abs(logprob - float(row[token])) < 1e-4
+        values, ids = row.topk(3)
+        assert [tok.encode(t) for t in top] == [[int(i)] for i in ids]  # most likely first
+        assert all(abs(a - float(b)) < 1e-4 for a, b in zip(top.values(), values, strict=True))
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                           stream=True)
+        if c.choices[0].logprobs is not None
+    ]  # fmt: skip
+    assert [x for c in streamed for x in c.token_logprobs] == lp.token_logprobs
+    assert [x for c in streamed for x in c.text_offset] == lp.text_offset
+
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # greedy: the argmax
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob and c.bytes == list(c.token.encode())
+    chunks = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)  # fmt: skip
+    streamed_chat = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed_chat == content
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+    sampled = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.7, seed=3, logprobs=0)
+    tokens = [tok.encode(t)[0] for t in sampled.choices[0].logprobs.tokens]
+    scaled = model_log_softmax(tiny_dir, tok.encode(PROMPT), tokens, temperature=0.7)
+    got = sampled.choices[0].logprobs.token_logprobs
+    assert all(abs(g - float(row[t])) < 1e-4 for g, row, t in zip(got, scaled, tokens, strict=True))
+    assert sampled.choices[0].logprobs.top_logprobs == [{}] * 8
