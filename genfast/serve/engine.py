@@ -11,7 +11,15 @@ read, so shapes are fully static).
 
 Nobody waits for anyone else to finish: a request joins at the next step boundary and leaves as
 soon as it stops. Greedy output is token-identical to `Generator.generate` for the same prompt
-(tests/serve): rows never attend to each other, and free slots are masked to their own slot 0.
+(tests/serve): rows never attend to each other, and free slots run a dummy token at the last
+cache position, which no request's tokens reach.
+
+Prefix reuse: a slot's cache row keeps the keys and values of its last request after it leaves.
+A new request takes the free slot whose row shares the longest prefix with its prompt (ties: the
+least recently used) and prefills only the rest, so a chat client resending its conversation, or
+requests sharing a system prompt, skip what is cached; the slots' rows are the cache's memory
+budget, and taking a slot evicts what its row held. Not with sliding-window rings, whose old
+slots the dummy steps and later positions overwrite.
 
 Results are pushed to a per-request `Sink` (a callable) from the scheduler thread: `Delta`s of
 final text as it is produced, then exactly one `Finished`. The HTTP layer (genfast/serve/app.py)
@@ -115,6 +123,7 @@ class Finished:
     prompt_tokens: int
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids, when asked for
+    cached_tokens: int = 0  # of prompt_tokens, those found in the slot's cache row (not prefilled)
 
     @property
     def completion_tokens(self) -> int:
@@ -206,6 +215,7 @@ class _Sequence:
     token_time: float = 0.0  # when the last token was taken (perf_counter)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     unsent: int = 0  # of `logprobs`, how many no Delta has carried yet
+    cached: int = 0  # leading prompt tokens already in the slot's cache row
 
 
 @dataclass
@@ -218,6 +228,8 @@ class EngineStats:
     cancelled: int
     max_seq_len: int
     cached_tokens: int  # held in the KV cache by the running requests
+    prompt_tokens: int  # of every request prefilled so far
+    reused_prompt_tokens: int  # of those, found in a slot's cache row
 
 
 OMP_PAUSE_HARD = 2  # omp.h's omp_pause_resource_t
@@ -289,6 +301,12 @@ class Engine:
         # Rank 0 of several tensor-parallel ranks tells the others which call to run next.
         self._broadcast = StepBroadcast() if current_world_size() > 1 else None
         self.observer: EngineObserver | None = None  # e.g. the server's metrics
+        # Per slot: the tokens whose keys and values fill its cache row's first positions (kept
+        # after its request leaves: prefix reuse, see the module doc) and when it was last used.
+        self._row_tokens: list[list[int]] = [[] for _ in range(max_batch)]
+        self._row_used = [0.0] * max_batch
+        self.reuse_prefixes = model.max_rewind() is None  # not with sliding-window rings
+        self.prompt_tokens = self.reused_prompt_tokens = 0
 
     # Two functions, not one: dynamo keeps graphs per code object, so prefill's dynamic prompt
     # length and decode's fixed batch never share (or evict) each other's graphs.
@@ -300,19 +318,23 @@ class Engine:
 
     # The inputs of a call are built by one function on every rank, so that tensor-parallel
     # followers trace the same graphs (the same dynamic dimensions) as rank 0.
-    def _run_prefill(self, tokens: Tensor, slot: int) -> Tensor:
-        n = tokens.shape[1]
-        input_pos = torch.arange(n, device=self.device)
-        mask = attention_mask(input_pos, n)
+    def _run_prefill(self, tokens: Tensor, slot: int, start: int = 0) -> Tensor:
+        """Prefill `tokens` [1, S] at positions start.. of the slot's row (the positions before
+        `start` hold a reused prefix)."""
+        s = tokens.shape[1]
+        input_pos = torch.arange(start, start + s, device=self.device)
+        mask = attention_mask(input_pos, start + s)
         rows = torch.tensor([slot], device=self.device)
         if self.precompiled is not None:
             out = self.precompiled.step("prefill", tokens, input_pos, mask, rows)
             return out if out is not None else self._prefill_step(tokens, input_pos, mask, rows)
-        if self.compiled and n > 1:  # size 1 is always specialized (a one-token prompt compiles once more)
-            torch._dynamo.mark_dynamic(tokens, 1)
-            torch._dynamo.mark_dynamic(input_pos, 0)
-            torch._dynamo.mark_dynamic(mask, 2)
-            torch._dynamo.mark_dynamic(mask, 3)
+        if self.compiled:  # size 1 is always specialized (a one-token prompt compiles once more)
+            if s > 1:
+                torch._dynamo.mark_dynamic(tokens, 1)
+                torch._dynamo.mark_dynamic(input_pos, 0)
+                torch._dynamo.mark_dynamic(mask, 2)
+            if start + s > 1:
+                torch._dynamo.mark_dynamic(mask, 3)
         return self._prefill(tokens, input_pos, mask, rows)
 
     def _run_decode(self, tokens: Tensor, input_pos: Tensor, kv_len: int) -> Tensor:
@@ -334,7 +356,8 @@ class Engine:
                 if op is Op.STOP:
                     return
                 if op is Op.PREFILL:
-                    self._run_prefill(payload.to(self.device), slot=arg)
+                    tokens, positions = payload.to(self.device)
+                    self._run_prefill(tokens[None], slot=arg, start=int(positions[0]))
                 elif op is Op.DECODE:
                     tokens, positions = payload.to(self.device)
                     self._run_decode(tokens[:, None], positions[:, None], kv_len=arg)
@@ -435,6 +458,8 @@ class Engine:
                 self.cancelled,
                 self.max_seq_len,
                 sum(s.pos for s in running),
+                self.prompt_tokens,
+                self.reused_prompt_tokens,
             )
 
     def shutdown(self, timeout: float = 0.0) -> None:
@@ -499,10 +524,12 @@ class Engine:
                         self._cond.notify_all()
                         return
                     admitted = []
-                    for slot, seq in enumerate(self._slots):
-                        if seq is None and self._pending:
-                            self._slots[slot] = self._new_sequence(self._pending.popleft())
-                            admitted.append(slot)
+                    while self._pending and None in self._slots:
+                        ticket = self._pending.popleft()
+                        slot = self._pick_slot(ticket.request.prompt_ids)
+                        self._slots[slot] = self._new_sequence(ticket)
+                        self._slots[slot].cached = self._reusable(slot, ticket.request.prompt_ids)
+                        admitted.append(slot)
                 try:
                     for slot in admitted:
                         self._prefill_slot(slot)
@@ -514,6 +541,24 @@ class Engine:
                     self._fail_all(f"{type(e).__name__}: {e}")
                 with self._cond:
                     self._cond.notify_all()  # shutdown() waits for idleness
+
+    def _reusable(self, slot: int, prompt: Sequence[int]) -> int:
+        """How many leading prompt tokens the slot's row holds (the last prompt token always runs,
+        for its logits)."""
+        if not self.reuse_prefixes:
+            return 0
+        common = 0
+        for cached, token in zip(self._row_tokens[slot], prompt[:-1]):
+            if cached != token:
+                break
+            common += 1
+        return common
+
+    def _pick_slot(self, prompt: Sequence[int]) -> int:
+        """The free slot whose row shares the longest prefix with `prompt`; among equals, the least
+        recently used (its row is the one evicted)."""
+        free = [slot for slot, seq in enumerate(self._slots) if seq is None]
+        return max(free, key=lambda slot: (self._reusable(slot, prompt), -self._row_used[slot]))
 
     def _new_sequence(self, ticket: Ticket) -> _Sequence:
         req = ticket.request
@@ -527,18 +572,30 @@ class Engine:
         seq = self._slots[slot]
         assert seq is not None
         req = seq.ticket.request
-        tokens = torch.tensor([req.prompt_ids])
+        start = seq.cached
+        self._row_tokens[slot] = []  # until the prefill below has filled the row
+        tokens = torch.tensor([req.prompt_ids[start:]])
         if self._broadcast is not None:
-            self._broadcast.send(Op.PREFILL, slot, tokens)
-        logits = self._run_prefill(tokens.to(self.device), slot)
+            positions = torch.arange(start, len(req.prompt_ids))[None]
+            self._broadcast.send(Op.PREFILL, slot, torch.cat([tokens, positions]))
+        logits = self._run_prefill(tokens.to(self.device), slot, start)
+        self._row_tokens[slot] = list(req.prompt_ids)
+        self._row_used[slot] = time.monotonic()
+        self.prompt_tokens += len(req.prompt_ids)
+        self.reused_prompt_tokens += start
         seq.pos = len(req.prompt_ids)
         token, logprob = self._sample(logits, [seq])[0]
         self._accept(slot, token, logprob)
 
     def _step(self) -> None:
-        """One decode step for every slot; free slots run a dummy token at their own slot 0."""
+        """One decode step for every slot; free slots run a dummy token at the last cache
+        position, which no request reaches (their rows keep what prefix reuse may use)."""
         seqs = self._slots
-        tokens_positions = torch.tensor([[s.last if s else 0 for s in seqs], [s.pos if s else 0 for s in seqs]])
+        idle = self.max_seq_len - 1
+        tokens_positions = torch.tensor([[s.last if s else 0 for s in seqs], [s.pos if s else idle for s in seqs]])
+        for slot, s in enumerate(seqs):
+            if s is not None:
+                self._row_tokens[slot].append(s.last)
         kv_len = self.max_seq_len if self.static_kv else max(s.pos for s in seqs if s) + 1
         if self._broadcast is not None:
             self._broadcast.send(Op.DECODE, kv_len, tokens_positions)
@@ -619,8 +676,9 @@ class Engine:
         with self._cond:
             self._slots[slot] = None
         logprobs = tuple(seq.logprobs) if seq.ticket.request.logprobs is not None else None
+        prompt_tokens = len(seq.ticket.request.prompt_ids)
         seq.ticket.finish(
-            Finished(seq.stream.text, seq.generated, reason, len(seq.ticket.request.prompt_ids), logprobs=logprobs)
+            Finished(seq.stream.text, seq.generated, reason, prompt_tokens, logprobs=logprobs, cached_tokens=seq.cached)
         )
 
     @staticmethod
@@ -641,6 +699,7 @@ class Engine:
             for slot, seq in enumerate(self._slots):
                 if seq is not None:
                     self._slots[slot] = None
+                    self._row_tokens[slot] = []  # what the failed step left in the row is unknown
                     seq.ticket.finish(
                         Finished(
                             seq.stream.text, seq.generated, "error", len(seq.ticket.request.prompt_ids), error=message

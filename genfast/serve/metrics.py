@@ -3,7 +3,8 @@
 Counted as requests run (the engine calls the `EngineObserver` methods from its thread):
 finished requests by finish reason, prompt and generated tokens, time to first token,
 inter-token latency and request duration. Read from the engine when scraped: running and
-waiting requests, decode steps and the KV cache in use (tokens held over the slots' capacity).
+waiting requests, decode steps, the KV cache in use (tokens held over the slots' capacity) and
+prefix reuse (prompt tokens found in a slot's cache row, and their share of all prompt tokens).
 Each app has its own registry, so several engines in one process (tests) never share counters.
 """
 
@@ -85,3 +86,11 @@ class _EngineState(Collector):
             value=stats.cached_tokens / (stats.slots * stats.max_seq_len),
         )
         yield CounterMetricFamily("genfast_decode_steps", "Batched decode steps run", value=stats.decode_steps)
+        yield CounterMetricFamily(
+            "genfast_prompt_tokens_cached", "Prompt tokens found in the cache (not prefilled)",
+            value=stats.reused_prompt_tokens,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "genfast_prefix_cache_hit_ratio", "Prompt tokens found in the cache over all prompt tokens prefilled",
+            value=stats.reused_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0,
+        )  # fmt: skip

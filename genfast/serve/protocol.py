@@ -166,10 +166,15 @@ class ChatCompletionRequest(GenerationBody):
 # ---- responses ----
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # found in the cache (a reused prefix), not prefilled
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
     @classmethod
     def of(cls, finished: Finished) -> Usage:
@@ -177,6 +182,7 @@ class Usage(BaseModel):
             prompt_tokens=finished.prompt_tokens,
             completion_tokens=finished.completion_tokens,
             total_tokens=finished.prompt_tokens + finished.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=finished.cached_tokens),
         )
 
 

@@ -3,7 +3,8 @@
 Every tensor-parallel rank must run the same forward passes in the same order (each holds a
 slice of every layer, and the all-reduces inside a forward pair up across ranks). The scheduler
 (which requests run, which tokens were sampled) exists only on rank 0. Before each model call
-rank 0 broadcasts what it is about to run — a prefill of these prompt tokens into slot s, or a
+rank 0 broadcasts what it is about to run — a prefill of these prompt tokens at these positions
+of slot s (those before them are a reused prefix, the same on every rank), or a
 decode step of these tokens at these positions over this cache length — and the followers run
 exactly that call on their shard. Sampling needs the complete logits, which every rank has
 (the output head is replicated), but only rank 0 samples: its tokens come back in the next
@@ -31,7 +32,7 @@ KEEPALIVE_S = 60.0
 class Op(enum.IntEnum):
     STOP = 0  # rank 0's engine stopped: followers return
     KEEPALIVE = 1
-    PREFILL = 2  # arg: the slot; payload: [1, n] prompt tokens
+    PREFILL = 2  # arg: the slot; payload: [2, S] the prompt tokens not cached, their positions
     DECODE = 3  # arg: the cache length read; payload: [2, B] tokens, positions
 
 

@@ -225,3 +225,52 @@ def test_ring_caches_and_experts_under_continuous_batching(name, tmp_path):
     got = run_concurrently(engine, [GenerationRequest(tuple(p), n) for p, n in zip(prompts, lengths)])
     assert [r.token_ids for r in got] == want
     engine.shutdown()
+
+
+def test_a_prompt_sharing_a_prefix_with_a_slots_last_request_prefills_only_the_rest(tiny_dir):
+    """Prefix reuse (see genfast/serve/engine.py): the longest-matching free slot is taken, only
+    the uncached tokens are prefilled, the greedy tokens equal uncached generation, and taking a
+    slot for another prompt evicts its row (one slot here)."""
+    system = [7, 8, 9, 10, 11, 12, 13, 14] * 8  # a 64-token shared prefix
+    first, second, other = system + [20, 21], system + [30, 31, 32], [200, 201, 202]
+    gen = Generator(*load_tiny(tiny_dir), max_seq_len=1024, compile=False)
+    want = {tuple(p): gen.generate([p], 12).token_ids[0] for p in (first, second, other)}
+    engine = Engine(*load_tiny(tiny_dir), max_batch=1, compile=False).start()
+
+    def run(prompt: list[int]) -> Finished:
+        done = engine.generate(GenerationRequest(tuple(prompt), 12))
+        assert done.token_ids == want[tuple(prompt)]
+        return done
+
+    assert run(first).cached_tokens == 0
+    assert run(second).cached_tokens == len(system)  # the row holds first's prompt and reply
+    assert run(second).cached_tokens == len(second) - 1  # all but the last prompt token
+    assert run(other).cached_tokens == 0
+    assert run(first).cached_tokens == 0  # other's request evicted the shared prefix
+    stats = engine.stats()
+    assert stats.reused_prompt_tokens == len(system) + len(second) - 1
+    assert stats.prompt_tokens == 2 * len(first) + 2 * len(second) + len(other)
+    engine.shutdown()
+
+
+def test_requests_go_to_the_slot_that_holds_their_prefix(tiny_dir):
+    engine = Engine(*load_tiny(tiny_dir), max_batch=3, compile=False).start()
+    prompts = [[5 + i] * 20 for i in range(3)]
+    for p in prompts:  # one after another: each lands in the least recently used free slot
+        engine.generate(GenerationRequest(tuple(p), 4))
+    assert sorted(len(r) for r in engine._row_tokens) == [23, 23, 23]
+    for p in reversed(prompts):  # each finds its own row again
+        assert engine.generate(GenerationRequest(tuple(p + [1]), 4)).cached_tokens == 20
+    engine.shutdown()
+
+
+def test_sliding_window_rings_are_not_reused(tmp_path):
+    from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
+
+    hf = make_hf_model("gemma2")
+    directory = save_hf_model(hf, tmp_path / "gemma2")
+    word_tokenizer(hf.config.vocab_size).save(directory)
+    engine = Engine(*load_tiny(directory), max_batch=1, max_seq_len=128, compile=False).start()
+    engine.generate(GenerationRequest(tuple(range(3, 23)), 4))
+    assert engine.generate(GenerationRequest(tuple(range(3, 25)), 4)).cached_tokens == 0
+    engine.shutdown()
