@@ -131,6 +131,17 @@ def positions(gen: Generator, start: int, n: int) -> tuple[Tensor, Tensor]:
     return input_pos, attention_mask(input_pos, gen.max_seq_len if gen.static_kv else start + n)
 
 
+def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many leading tokens of `prompt` equal those of `cached` (the tokens a cache holds),
+    short of its last token, which always runs: its logits give the next token."""
+    common = 0
+    for held, token in zip(cached, prompt[:-1]):
+        if held != token:
+            break
+        common += 1
+    return common
+
+
 def cache_length(model: Transformer, max_seq_len: int | None) -> int:
     """KV-cache slots per sequence: `max_seq_len` (default: all) capped at the model's context."""
     limit = model.args.max_seq_len
@@ -259,11 +270,7 @@ class Generator:
         the last prompt token is always run, for its logits."""
         if not self.reuse_prefix or len(prompts) != 1 or self.max_batch_size != 1:
             return 0
-        common = 0
-        for cached, token in zip(self.cached_tokens, prompts[0][:-1]):
-            if cached != token:
-                break
-            common += 1
+        common = reusable_prefix(self.cached_tokens, prompts[0])
         limit = self.model.max_rewind()
         if limit is not None and len(self.cached_tokens) - common > limit:
             return 0  # the keys just before the common prefix were overwritten in a ring

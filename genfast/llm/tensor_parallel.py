@@ -338,7 +338,7 @@ def _rows(layer: nn.Module, index: Tensor) -> nn.Module:
             qw.codes[..., index, :], qw.scales[..., index, :], qw.mins[..., index, :], qw.bits, qw.group_size,
             qw.in_features,
         )  # fmt: skip
-        return quantized_layer(rows, bias, getattr(layer, "dynamic", False))
+        return quantized_layer(rows, bias, layer.dynamic)
     return _linear(layer.weight[..., index, :], bias)
 
 
@@ -381,13 +381,13 @@ def _row_parallel(layer: nn.Module, rank: int, columns: int, group: dist.Process
         group_size,
         columns,
     )
-    return RowParallelLinear(quantized_layer(local, None, getattr(layer, "dynamic", False)), bias, group)
+    return RowParallelLinear(quantized_layer(local, None, layer.dynamic), bias, group)
 
 
 def _linear(weight: Tensor, bias: Tensor | None) -> Linear | ExpertLinear:
     if weight.dim() == 3:  # a mixture's experts
         with torch.device("meta"):
-            experts = ExpertLinear(*weight.shape[:1], weight.shape[2], weight.shape[1])
+            experts = ExpertLinear(weight.shape[0], weight.shape[2], weight.shape[1])
         experts.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         return experts
     with torch.device("meta"):

@@ -37,7 +37,7 @@ def _storage_tensors(name: str, layer: QuantLinear | QuantExpertLinear) -> dict[
         f"{name}.scales": qw.scales,
         f"{name}.mins": qw.mins,
     }
-    if getattr(layer, "bias", None) is not None:
+    if layer.bias is not None:
         tensors[f"{name}.bias"] = layer.bias
     return tensors
 
@@ -59,7 +59,7 @@ def save_quantized(
                 "group_size": module.group_size,
                 "in_features": module.in_features,
                 "out_features": module.out_features,
-                "bias": getattr(module, "bias", None) is not None,
+                "bias": module.bias is not None,
             }
             if isinstance(module, QuantExpertLinear):
                 layers[name]["experts"] = module.n_experts

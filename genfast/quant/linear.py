@@ -31,6 +31,22 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return F.pad(t, (0, 0, 0, rows - t.shape[0])) if rows != t.shape[0] else t
 
 
+def _kernel_rows(out_features: int) -> int:
+    """Rows of the kernel's layout: out_features padded to whole row groups."""
+    return -(-out_features // packing.ROW_GROUP) * packing.ROW_GROUP
+
+
+def _pack(qweight: QuantizedWeight, rows: int) -> Tensor:
+    """One weight's codes and grid ([N, ...]) in the kernel's layout, zero-padded to `rows`."""
+    return packing.pack(*(_pad_rows(t, rows) for t in (qweight.codes, qweight.scales, qweight.mins)), qweight.bits)
+
+
+def _unpack(packed: Tensor, bits: int, rows: int, n: int, k: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of `_pack`: codes, scales and mins of the first `n` rows."""
+    codes, scales, mins = packing.unpack(packed, bits, rows, k, group_size)
+    return codes[:n], scales[:n], mins[:n]
+
+
 class QuantLinear(nn.Module):
     """y = x @ dequantize(weight)^T + bias, from a QuantizedWeight (or `from_linear`)."""
 
@@ -46,9 +62,8 @@ class QuantLinear(nn.Module):
         self.native = device.type == "cpu" and packing.available()
         # Buffers hold the kernel's layout; `quantized_weight()` gives back the canonical form.
         if self.native:
-            self.padded_out_features = -(-self.out_features // packing.ROW_GROUP) * packing.ROW_GROUP
-            parts = (_pad_rows(t, self.padded_out_features) for t in (qweight.codes, qweight.scales, qweight.mins))
-            self.register_buffer("packed", packing.pack(*parts, self.bits))
+            self.padded_out_features = _kernel_rows(self.out_features)
+            self.register_buffer("packed", _pack(qweight, self.padded_out_features))
         else:
             codes = pack_nibbles(qweight.codes) if self.bits == 4 else qweight.codes
             self.register_buffer("codes", codes.contiguous())
@@ -69,9 +84,7 @@ class QuantLinear(nn.Module):
         """The canonical (storage) form of this layer's weight."""
         n, k = self.out_features, self.padded_in_features
         if self.native:
-            codes, scales, mins = (
-                t[:n] for t in packing.unpack(self.packed, self.bits, self.padded_out_features, k, self.group_size)
-            )
+            codes, scales, mins = _unpack(self.packed, self.bits, self.padded_out_features, n, k, self.group_size)
         else:
             codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
             scales, mins = self.scales, self.mins
@@ -175,16 +188,14 @@ class QuantExpertLinear(nn.Module):
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.padded_in_features = qweight.codes.shape[-1]
-        self.register_buffer("bias", None)  # as QuantLinear's, for code that serves both
+        self.register_buffer("bias", None)  # as QuantLinear's (weight-only, no bias), for code that serves both
+        self.dynamic = False
         self.native = qweight.codes.device.type == "cpu" and packing.available()
-        qweight_parts = (qweight.codes, qweight.scales, qweight.mins)
         if self.native:
-            self.padded_out_features = -(-self.out_features // packing.ROW_GROUP) * packing.ROW_GROUP
-            packed = [
-                packing.pack(*(_pad_rows(t[e], self.padded_out_features) for t in qweight_parts), self.bits)
-                for e in range(self.n_experts)
-            ]
-            self.register_buffer("packed", torch.stack(packed))
+            self.padded_out_features = _kernel_rows(self.out_features)
+            experts = (QuantizedWeight(*(t[e] for t in (qweight.codes, qweight.scales, qweight.mins)), self.bits,
+                                       self.group_size, self.in_features) for e in range(self.n_experts))  # fmt: skip
+            self.register_buffer("packed", torch.stack([_pack(w, self.padded_out_features) for w in experts]))
         else:
             codes = pack_nibbles(qweight.codes) if self.bits == 4 else qweight.codes
             self.register_buffer("codes", codes.contiguous())
@@ -201,10 +212,8 @@ class QuantExpertLinear(nn.Module):
         """The canonical (storage) form, experts stacked."""
         n, k = self.out_features, self.padded_in_features
         if self.native:
-            per_expert = [
-                packing.unpack(p, self.bits, self.padded_out_features, k, self.group_size) for p in self.packed
-            ]
-            codes, scales, mins = (torch.stack([parts[i][:n] for parts in per_expert]) for i in range(3))
+            per_expert = [_unpack(p, self.bits, self.padded_out_features, n, k, self.group_size) for p in self.packed]
+            codes, scales, mins = (torch.stack(parts) for parts in zip(*per_expert, strict=True))
         else:
             codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
             scales, mins = self.scales, self.mins

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from genfast.compile import compile_fn
 from genfast.errors import UserError
-from genfast.llm.generate import cache_length
+from genfast.llm.generate import cache_length, reusable_prefix
 from genfast.llm.model import Transformer, attention_mask
 from genfast.llm.precompiled import PrecompiledSteps, StepSet, key_parts
 from genfast.llm.sampling import SamplingParams, draw, probabilities
@@ -526,9 +526,9 @@ class Engine:
                     admitted = []
                     while self._pending and None in self._slots:
                         ticket = self._pending.popleft()
-                        slot = self._pick_slot(ticket.request.prompt_ids)
+                        slot, cached = self._pick_slot(ticket.request.prompt_ids)
                         self._slots[slot] = self._new_sequence(ticket)
-                        self._slots[slot].cached = self._reusable(slot, ticket.request.prompt_ids)
+                        self._slots[slot].cached = cached
                         admitted.append(slot)
                 try:
                     for slot in admitted:
@@ -542,23 +542,13 @@ class Engine:
                 with self._cond:
                     self._cond.notify_all()  # shutdown() waits for idleness
 
-    def _reusable(self, slot: int, prompt: Sequence[int]) -> int:
-        """How many leading prompt tokens the slot's row holds (the last prompt token always runs,
-        for its logits)."""
-        if not self.reuse_prefixes:
-            return 0
-        common = 0
-        for cached, token in zip(self._row_tokens[slot], prompt[:-1]):
-            if cached != token:
-                break
-            common += 1
-        return common
-
-    def _pick_slot(self, prompt: Sequence[int]) -> int:
-        """The free slot whose row shares the longest prefix with `prompt`; among equals, the least
-        recently used (its row is the one evicted)."""
+    def _pick_slot(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """The free slot whose row shares the longest prefix with `prompt` (among equals, the least
+        recently used: its row is the one evicted), and how many prompt tokens its row holds."""
         free = [slot for slot, seq in enumerate(self._slots) if seq is None]
-        return max(free, key=lambda slot: (self._reusable(slot, prompt), -self._row_used[slot]))
+        held = {slot: reusable_prefix(self._row_tokens[slot], prompt) if self.reuse_prefixes else 0 for slot in free}
+        slot = max(free, key=lambda slot: (held[slot], -self._row_used[slot]))
+        return slot, held[slot]
 
     def _new_sequence(self, ticket: Ticket) -> _Sequence:
         req = ticket.request
