@@ -97,7 +97,8 @@ class Linear(nn.Linear):
         mixed = self.weight.dtype != x.dtype
         if (mixed or torch.compiler.is_compiling()) and _few_rows_apply(x, self.weight):
             return few_rows_linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling() and not mixed and x.numel() == x.shape[-1]:
+        # On CUDA cuBLAS's GEMV is the faster one-row product (benchmarks/cuda_linear.py).
+        if torch.compiler.is_compiling() and not mixed and x.numel() == x.shape[-1] and x.device.type == "cpu":
             return row_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight.to(x.dtype) if mixed else self.weight, self.bias)
 

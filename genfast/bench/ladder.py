@@ -149,14 +149,26 @@ def run(ladder: Ladder, args: argparse.Namespace) -> int:
     info = machine_info(device)
     print(ladder.header(options, describe_machine(info)), file=sys.stderr, flush=True)
     results = []
+    failed = []
     with tempfile.TemporaryDirectory(prefix=f"genfast-bench-{ladder.workload}-") as workdir:
         for row in rows:
             group = "".join(f", {k.replace('_', ' ')} {v}" for k, v in row.group.items())
             print(f"  {row.step}{group} ...", file=sys.stderr, flush=True)
-            results.append(_run_isolated(ladder, row, options, Path(workdir)))
+            # A row that fails is reported as such and the ladder goes on: the other rows' numbers
+            # stay (a long GPU run is not lost to one step); the command still exits non-zero.
+            result = _run_isolated(ladder, row, options, Path(workdir))
+            if result is None:
+                failed.append(row.step)
+                result = {"step": row.step, **row.group, "group": list(row.group), "note": "failed (see the error)"}
+            elif result.get(ladder.speed_key) is not None:
+                print(f"    {ladder.speed_key} {result[ladder.speed_key]:.4g}", file=sys.stderr, flush=True)
+            results.append(result)
     speedups(ladder, results)
     ladder.finish(results)
     report(results, ladder.columns, info, ladder.model(options), ladder.footnote(options, results), args.json_path)
+    if failed:
+        names = list(dict.fromkeys(failed))  # a step fails in each group alike
+        raise UserError(f"benchmark rows of {', '.join(names)} failed; see the errors above")
     return 0
 
 
@@ -173,7 +185,8 @@ def speedups(ladder: Ladder, rows: list[dict[str, Any]]) -> None:
             row["speedup"] = ratio if ladder.higher_is_faster else 1 / ratio
 
 
-def _run_isolated(ladder: Ladder, row: Row, options: Options, workdir: Path) -> dict[str, Any]:
+def _run_isolated(ladder: Ladder, row: Row, options: Options, workdir: Path) -> dict[str, Any] | None:
+    """The row measured in a fresh process; None if that process failed (it printed why)."""
     with tempfile.TemporaryDirectory(prefix="genfast-bench-row-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "row.json"
         ladder_path = f"{type(ladder).__module__}:{type(ladder).__name__}"
@@ -190,7 +203,8 @@ def _run_isolated(ladder: Ladder, row: Row, options: Options, workdir: Path) -> 
         )
         done = subprocess.run([sys.executable, "-m", "genfast.bench", str(spec)], stdout=subprocess.DEVNULL)
         if done.returncode != 0 or not out.exists():
-            raise UserError(f"benchmark row {row.step} failed (exit code {done.returncode}); see the error above")
+            print(f"genfast: benchmark row {row.step} failed (exit code {done.returncode})", file=sys.stderr)
+            return None
         return json.loads(out.read_text())
 
 

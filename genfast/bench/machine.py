@@ -67,7 +67,9 @@ def peak_read_bandwidth(device: torch.device | str, remeasure: bool = False) -> 
 
 def measure_read_bandwidth(device: torch.device | str, repeats: int = 7) -> float:
     device = torch.device(device)
-    x = torch.ones(_BANDWIDTH_BYTES // 4, dtype=torch.float32, device=device)
+    # A GPU reads 512 MiB in ~0.2 ms, where a launch's ~10 us would show: read 4 GiB there.
+    nbytes = _BANDWIDTH_BYTES * (8 if device.type == "cuda" else 1)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(repeats):
         synchronize(device)

@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from genfast.compile import compile_fn
 from genfast.errors import UserError
-from genfast.hardware import synchronize
+from genfast.hardware import HostCopy, to_device, wait_for
 from genfast.llm.model import Transformer, attention_mask
 from genfast.llm.sampling import SamplingParams, sample
 from genfast.llm.streaming import TextStream
@@ -101,9 +102,9 @@ class Completions:
         if self.streams[i].stopped:
             self.done[i], self.reasons[i] = True, "stop"
 
-    def push_step(self, next_tokens: Tensor) -> None:
+    def push_step(self, next_tokens: list[int]) -> None:
         """One token per sequence (rows past the batch are filler)."""
-        tokens = next_tokens.tolist()[: len(self.done)]
+        tokens = next_tokens[: len(self.done)]
         self.first_row.append(tokens[0])
         for i, tok in enumerate(tokens):
             self.push(i, tok)
@@ -223,36 +224,43 @@ class Generator:
         start = self._reusable_prefix(prompts)
         self.cached_tokens = []  # until this call has filled the cache
         next_tokens, pad_start, prefill_s = self._prefill_prompts(prompts, params, start)
-        out.push_step(next_tokens)
+        out.push_step(HostCopy(next_tokens).values())
         if self.precompiled is not None:  # saved compiled steps load once the first token is out
             self.precompiled.poll()
 
         # Decode: one token per step; the mask row grows by one slot each step.
         last = prompt_len + max_new_tokens - 1
         row_len = self.max_seq_len if self.static_kv else last
-        decode_row = attention_mask(torch.tensor([last], device=self.device), row_len, pad_start)
+        decode_row = attention_mask(to_device(torch.tensor([last]), self.device), row_len, pad_start)
         slots = torch.arange(row_len, device=self.device)
-        decode_s, steps, kv_total = 0.0, 0, 0
+        # CUDA: positions advance on the device and each step's tokens are read one step later,
+        # after the next step is queued, so the host never waits on the step it just queued and
+        # the GPU never waits on the host (no synchronization: tests/cuda count them). A sequence
+        # that ends is noticed a step late; the extra step's tokens are ignored.
+        device_pos = to_device(torch.tensor([prompt_len]), self.device) if self.static_kv else None
+        pending: list[HostCopy] = []
+        steps, kv_total = 0, 0
+        t0 = time.perf_counter()
         for pos in range(prompt_len, last):
             if all(out.done):
                 break
             kv_len = pos + 1
-            # CUDA: static shapes over the whole cache (CUDA graphs); CPU: only the valid prefix.
-            # (clone, not contiguous(): that keeps a size-1 dim's old stride, which compiled code guards)
-            step_mask = (
-                decode_row & (slots < kv_len)
-                if self.static_kv
-                else decode_row[..., :kv_len].clone(memory_format=torch.contiguous_format)
-            )
-            t0 = time.perf_counter()
-            next_tokens = self._step(
-                next_tokens.view(-1, 1), torch.tensor([pos], device=self.device), step_mask, params, steady=steps > 0
-            )
-            synchronize(self.device)
-            decode_s += time.perf_counter() - t0
+            if device_pos is not None:  # static shapes over the whole cache (CUDA graphs)
+                step_pos, step_mask = device_pos, decode_row & (slots <= device_pos)
+                device_pos = device_pos + 1
+            else:  # only the valid prefix (clone, not contiguous(): that keeps a size-1 dim's old
+                # stride, which compiled code guards)
+                step_pos = torch.tensor([pos], device=self.device)
+                step_mask = decode_row[..., :kv_len].clone(memory_format=torch.contiguous_format)
+            next_tokens = self._step(next_tokens.view(-1, 1), step_pos, step_mask, params, steady=steps > 0)
             steps += 1
             kv_total += kv_len
-            out.push_step(next_tokens)
+            pending.append(HostCopy(next_tokens))
+            if len(pending) > (1 if device_pos is not None else 0):
+                out.push_step(pending.pop(0).values())
+        for copy in pending:
+            out.push_step(copy.values())
+        decode_s = time.perf_counter() - t0 if steps else 0.0
 
         if len(prompts) == 1:  # the prompt, then each token fed back by a decode step
             self.cached_tokens = [*prompts[0], *out.first_row[:steps]]
@@ -303,9 +311,9 @@ class Generator:
         [max_batch_size], each row's first real slot [max_batch_size] and the seconds taken."""
         batch, lengths = len(prompts), [len(p) for p in prompts]
         prompt_len = max(lengths)
-        pad_start = torch.tensor([prompt_len - n for n in lengths], device=self.device)
+        pad_start = to_device(torch.tensor([prompt_len - n for n in lengths]), self.device)
         padded = [([0] * (prompt_len - n) + list(p))[start:] for p, n in zip(prompts, lengths)]
-        tokens = torch.tensor(padded, device=self.device)
+        tokens = to_device(torch.tensor(padded), self.device)
         if batch < self.max_batch_size:  # keep the compiled batch dimension static
             filler = tokens[:1].expand(self.max_batch_size - batch, -1)
             tokens = torch.cat([tokens, filler])
@@ -318,7 +326,7 @@ class Generator:
             next_tokens = self._step(tokens, input_pos, mask, params)
         else:
             next_tokens = self._step(tokens, input_pos, mask, params, prefill=True)
-        synchronize(self.device)
+        wait_for(self.device)
         return next_tokens, pad_start, time.perf_counter() - t0
 
     def _step(
@@ -342,7 +350,9 @@ class Generator:
             out = None
             if params == self.precompiled.params:
                 out = self.precompiled.step("prefill" if prefill else "decode", tokens, input_pos, mask)
-            return out if out is not None else self._prefill_step(tokens, input_pos, mask, params)
+            if out is None:
+                return self._prefill_step(tokens, input_pos, mask, params)
+            return self._own_outputs(out) if not prefill else out
         if not self.compiled:
             return self._prefill_step(tokens, input_pos, mask, params)
         # Lengths that vary between calls are marked dynamic so they never recompile; decode
@@ -355,7 +365,12 @@ class Generator:
             torch._dynamo.mark_dynamic(mask, 3)
         if prefill:
             return self._prefill(tokens, input_pos, mask, params)
-        return self._run_compiled(self._decode, steady, tokens, input_pos, mask, params)
+        return self._own_outputs(self._run_compiled(self._decode, steady, tokens, input_pos, mask, params))
+
+    def _own_outputs(self, out: Any) -> Any:
+        """A compiled decode step's outputs, copied where they live in a CUDA graph's memory,
+        which its next replay overwrites (a stream-ordered copy: no wait)."""
+        return tree_map(Tensor.clone, out) if self.static_kv else out
 
     def _run_compiled(self, fn: Callable[..., Any], steady: bool, *args: Any) -> Any:
         """Call a compiled step, skipping guard evaluation when `steady` (see _step)."""

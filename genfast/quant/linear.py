@@ -3,14 +3,21 @@
 Two uses: weight-only quantization (memory-bound decode: fewer bytes per weight) and dynamic int8
 (compute-bound layers: int8 x int8 products; `dynamic=True`, per-channel int8 weights only).
 
-Kernels, chosen once per layer from its device:
-- CPU with AVX512-VNNI or AVX2: `torch.ops.genfast.qlinear` (genfast/kernels/qlinear_<isa>.cpp,
-  the variant chosen at run time), for any number of rows, eager or compiled. Weight-only layers
-  quantize activations to int8 per block of 32, dynamic ones per token; both variants compute the
-  same integer sums.
-- elsewhere, weight-only: dequantize to the activation dtype and matmul. Under torch.compile a
-  one-row input becomes a single fused loop that reads the codes (`row_linear`).
-- elsewhere, dynamic: activations quantized per token, `torch._int_mm`, rescaled.
+Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
+- "native", CPU with AVX512-VNNI or AVX2: `torch.ops.genfast.qlinear` (genfast/kernels/
+  qlinear_<isa>.cpp, the variant chosen at run time), for any number of rows, eager or compiled.
+  Weight-only layers quantize activations to int8 per block of 32, dynamic ones per token; both
+  variants compute the same integer sums.
+- "int4pack", CUDA (compute capability 8.0+), weight-only int4 with bf16 activations: torch's
+  tinygemm kernel (`_weight_int4pack_mm`), which wants w = (u - 8) * scale + zero per group.
+- "int8pack", CUDA, weight-only int8 with one scale per output channel: the codes as int8; one
+  row (decode) under torch.compile is a fused multiply-sum that reads the int8 codes once
+  (`row_linear`), more rows a matmul over the upcast codes. (torch 2.11's CUDA
+  `_weight_int8pack_mm` streamed a Llama-2-7B block at ~100 GB/s on an H100, 10-20x slower:
+  benchmarks/cuda_linear.py.)
+- "dequantize" elsewhere, weight-only: dequantize to the activation dtype and matmul. Under
+  torch.compile a one-row input becomes a single fused loop that reads the codes (`row_linear`).
+- dynamic int8 off the CPU: activations quantized per token, `torch._int_mm`, rescaled.
 """
 
 from __future__ import annotations
@@ -47,6 +54,62 @@ def _unpack(packed: Tensor, bits: int, rows: int, n: int, k: int, group_size: in
     return codes[:n], scales[:n], mins[:n]
 
 
+# tinygemm's layout: K in tiles of 16 x inner_k_tiles, N in tiles of 8 (aten's checks).
+INT4PACK_INNER_K_TILES = 8
+INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def choose_kernel(qweight: QuantizedWeight, dynamic: bool) -> str:
+    """The kernel a QuantLinear over `qweight` runs (see the module docstring)."""
+    device = qweight.codes.device
+    if device.type == "cpu":
+        return "native" if packing.available() else "dequantize"
+    if device.type != "cuda" or dynamic:
+        return "dequantize"
+    n, k = qweight.codes.shape
+    if qweight.bits == 8 and qweight.group_size == k:
+        return "int8pack"
+    if (
+        qweight.bits == 4
+        and qweight.group_size in INT4PACK_GROUP_SIZES
+        and k % (16 * INT4PACK_INNER_K_TILES) == 0
+        and n % 8 == 0
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    ):
+        return "int4pack"
+    return "dequantize"
+
+
+def int4pack(codes: Tensor) -> Tensor:
+    """Codes [N, K] in [0, 15] in tinygemm's layout (`_convert_weight_to_int4pack` takes them two
+    per byte, even column in the high nibble)."""
+    pairs = (codes[:, 0::2] << 4) | codes[:, 1::2]
+    return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), INT4PACK_INNER_K_TILES)
+
+
+def int4pack_scales_and_zeros(qweight: QuantizedWeight) -> Tensor:
+    """tinygemm's grid [groups, N, 2] bf16: w = (u - 8) * scale + zero, so zero = min + 8 * scale."""
+    scales, mins = qweight.scales.float(), qweight.mins.float()
+    return torch.stack([scales, mins + 8 * scales], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+
+
+def int4unpack(packed: Tensor, scales_and_zeros: Tensor, k: int, group_size: int) -> Tensor:
+    """The codes [N, K] behind a tinygemm weight, read back through the kernel itself (aten has no
+    unpacking op): a product with identity rows gives (u - 8) * scale + zero, from which the code
+    is exact after rounding (bf16 output keeps the error under a tenth of a step for codes 0..15)."""
+    n = scales_and_zeros.shape[1]
+    step, zeros = (scales_and_zeros[..., i].float().t() for i in (0, 1))  # [N, groups]
+    codes = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
+    for start in range(0, k, 1024):
+        rows = min(1024, k - start)
+        eye = torch.zeros(rows, k, dtype=torch.bfloat16, device=packed.device)
+        eye[torch.arange(rows), torch.arange(start, start + rows)] = 1
+        w = torch.ops.aten._weight_int4pack_mm(eye, packed, group_size, scales_and_zeros).float().t()  # [N, rows]
+        g = torch.arange(start, start + rows, device=packed.device) // group_size
+        codes[:, start : start + rows] = torch.round((w - zeros[:, g]) / step[:, g] + 8).clamp(0, 15).to(torch.uint8)
+    return codes
+
+
 class QuantLinear(nn.Module):
     """y = x @ dequantize(weight)^T + bias, from a QuantizedWeight (or `from_linear`)."""
 
@@ -58,15 +121,22 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.padded_in_features = qweight.codes.shape[1]
-        device = qweight.codes.device
-        self.native = device.type == "cpu" and packing.available()
+        self.kernel = choose_kernel(qweight, dynamic)
+        self.native = self.kernel == "native"
         # Buffers hold the kernel's layout; `quantized_weight()` gives back the canonical form.
         if self.native:
             self.padded_out_features = _kernel_rows(self.out_features)
             self.register_buffer("packed", _pack(qweight, self.padded_out_features))
+        elif self.kernel == "int4pack":
+            self.register_buffer("packed", int4pack(qweight.codes))
+            self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(qweight))
+        elif self.kernel == "int8pack":
+            self.register_buffer("weight_int8", (qweight.codes ^ 0x80).view(torch.int8).contiguous())  # u - 128
+            self.register_buffer("channel_scales", qweight.scales[:, 0].contiguous())
         else:
             codes = pack_nibbles(qweight.codes) if self.bits == 4 else qweight.codes
             self.register_buffer("codes", codes.contiguous())
+        if not self.native:  # the grid, small; the int4pack kernel's copy is in bf16
             self.register_buffer("scales", qweight.scales.contiguous())
             self.register_buffer("mins", qweight.mins.contiguous())
         self.register_buffer("bias", bias)
@@ -85,6 +155,11 @@ class QuantLinear(nn.Module):
         n, k = self.out_features, self.padded_in_features
         if self.native:
             codes, scales, mins = _unpack(self.packed, self.bits, self.padded_out_features, n, k, self.group_size)
+        elif self.kernel == "int4pack":
+            codes = int4unpack(self.packed, self.scales_and_zeros, k, self.group_size)
+            scales, mins = self.scales, self.mins
+        elif self.kernel == "int8pack":
+            codes, scales, mins = self.weight_int8.view(torch.uint8) ^ 0x80, self.scales, self.mins
         else:
             codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
             scales, mins = self.scales, self.mins
@@ -93,6 +168,8 @@ class QuantLinear(nn.Module):
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        if self.kernel == "int8pack":  # what the kernel computes: int8 codes times the channel's scale
+            return (self.weight_int8.float() * self.channel_scales.float()[:, None])[:, : self.in_features].to(dtype)
         return self.quantized_weight().dequantize(dtype)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -108,10 +185,31 @@ class QuantLinear(nn.Module):
             return out if self.bias is None else out + self.bias.to(out.dtype)
         if self.dynamic:
             return self._dynamic_int8_fallback(x)
+        # (other dtypes than bf16 take the dequantize path below: correct, slow, rare on CUDA)
+        if self.kernel == "int4pack" and x.dtype == torch.bfloat16:
+            rows = x.reshape(-1, self.in_features)
+            if self.padded_in_features != self.in_features:
+                rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+            out = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group_size, self.scales_and_zeros)
+            out = out.reshape(*x.shape[:-1], self.out_features)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+        if self.kernel == "int8pack":
+            return self._int8pack_forward(x)
         weight = self.dequantize(x.dtype)
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
             return row_linear(x, weight, self.bias)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    def _int8pack_forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.padded_in_features != self.in_features:
+            rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+        if torch.compiler.is_compiling() and rows.shape[0] == 1:
+            out = row_linear(rows, self.weight_int8, scales=self.channel_scales)
+        else:
+            out = F.linear(rows, self.weight_int8.to(x.dtype)) * self.channel_scales.to(x.dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def _dynamic_int8_fallback(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).float()
@@ -119,7 +217,7 @@ class QuantLinear(nn.Module):
             rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
         row_scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
         xq = torch.round(rows / row_scales).to(torch.int8)
-        wq = (self.codes.to(torch.int16) - 128).to(torch.int8)
+        wq = (self.codes ^ 0x80).view(torch.int8)  # u - 128
         # torch._int_mm wants more than 16 rows on CUDA; pad with zero rows.
         m = xq.shape[0]
         if m <= 16:
@@ -131,7 +229,7 @@ class QuantLinear(nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = f"native-{QLINEAR.loaded_isa()}" if self.native else ("int_mm" if self.dynamic else "dequantize")
+        kernel = f"native-{QLINEAR.loaded_isa()}" if self.native else ("int_mm" if self.dynamic else self.kernel)
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"group_size={self.group_size}, bias={self.bias is not None}, kernel={kernel}"

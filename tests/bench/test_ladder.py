@@ -89,3 +89,30 @@ def test_every_row_runs_in_its_own_process(tmp_path, capsys):
     assert [r["same"] for r in measured if r["step"] == "half"] == [True, True]
     assert all(r["note"] == "skipped: needs a GPU" and "seconds" not in r for r in rows if r["step"] == "gpu")
     assert "| gpu |" in capsys.readouterr().out
+
+
+class FailingHalfLadder(ToyLadder):
+    """The toy ladder whose `half` step raises in its row's process."""
+
+    def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
+        if row.step == "half":
+            raise RuntimeError("this step breaks")
+        return super().build(row, plan, options, target, workdir)
+
+
+def test_a_failing_row_is_reported_and_the_other_rows_still_run(tmp_path, capsys):
+    import pytest
+
+    from genfast.errors import UserError
+
+    out = tmp_path / "rows.json"
+    args = argparse.Namespace(list_steps=False, json_path=str(out), force=False, steps="baseline,half", device="cpu",
+                              dtype="auto", repeats=1, threads=None)  # fmt: skip
+    with pytest.raises(UserError, match="rows of half failed"):
+        run(FailingHalfLadder(), args)
+    rows = json.loads(out.read_text())
+    assert [(r["step"], r.get("seconds") is not None) for r in rows] == [
+        ("baseline", True), ("half", False), ("baseline", True), ("half", False)
+    ]  # fmt: skip
+    assert all(r["note"].startswith("failed") for r in rows if r["step"] == "half")
+    assert "| half |" in capsys.readouterr().out

@@ -245,16 +245,22 @@ TINY_CONFIGS = {
 }
 
 
-def make_hf_model(name: str, seed: int = 0):
-    """A transformers model with random weights for one of TINY_CONFIGS."""
+def hf_model_from_config(config: dict, seed: int = 0):
+    """A transformers model (fp32, eval mode) initialized as transformers does, for a config in
+    TINY_CONFIGS' form (model_type and architectures included)."""
     import transformers
 
-    cfg = dict(TINY_CONFIGS[name])
+    cfg = dict(config)
     model_type = cfg.pop("model_type")
     cfg.pop("architectures")
-    config = transformers.AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
+    return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+
+
+def make_hf_model(name: str, seed: int = 0):
+    """A transformers model with random weights for one of TINY_CONFIGS."""
+    model = hf_model_from_config(TINY_CONFIGS[name], seed)
     with torch.no_grad():  # HF initializes norms to ones; randomize them so they are tested too
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):

@@ -12,9 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.llm.hf_fixtures import TINY_CONFIGS, save_hf_model, word_tokenizer
+from tests.llm.hf_fixtures import TINY_CONFIGS, hf_model_from_config, save_hf_model, word_tokenizer
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -29,16 +28,8 @@ VOCAB = TINY_CONFIGS["llama3"]["vocab_size"]
 def tiny_dir(tmp_path_factory) -> Path:
     """The tiny llama3 test model with a 1,024-token context (long requests for the cancellation
     and shutdown tests) and a word tokenizer with a chat template, saved as a HF directory."""
-    import transformers
-
-    cfg = dict(TINY_CONFIGS["llama3"], max_position_embeddings=1024)
-    model_type = cfg.pop("model_type")
-    cfg.pop("architectures")
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(model_type, **cfg), dtype=torch.float32
-    )
-    directory = save_hf_model(hf.eval(), tmp_path_factory.mktemp("tiny-serve"))
+    hf = hf_model_from_config(dict(TINY_CONFIGS["llama3"], max_position_embeddings=1024))
+    directory = save_hf_model(hf, tmp_path_factory.mktemp("tiny-serve"))
     tok = word_tokenizer(VOCAB)
     tok.chat_template = TINY_CHAT_TEMPLATE
     tok.save(directory)

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The CUDA check: set-up, the CUDA tests, then the GPU benchmarks, every table into one markdown
+# file. Runs on any machine where torch sees an NVIDIA GPU, from a fresh clone.
+#
+# Usage: bash scripts/gpu_check.sh [OUTPUT.md]          (default: gpu-check.md)
+#   STAGES   which parts, comma-separated (default: all of them, in this order):
+#            tests       pytest tests/cuda (plus what else PYTEST_ARGS names)
+#            linear      benchmarks/cuda_linear.py: decode's matrix-vector products per weight format
+#            llm-7b      genfast bench llm on a random Llama-2-7B-shaped checkpoint
+#            llm-8b      the same on Llama-3.1-8B's shape
+#            serve       benchmarks/serve_load.py at --max-batch 1 and 8 on the 8B shape
+#            sam-b, sam-h  genfast bench sam on CUDA, vit_b and vit_h
+#            diffusion   genfast bench diffusion (SDXL 1024x1024, 30 steps) on CUDA
+#   WORKDIR  where random checkpoints and logs go (default /tmp/genfast-gpu)
+#   WHEELS   a folder of wheels to install offline (no index, no dependencies) into WORKDIR/site
+#            instead of `pip install -e .[test]`: for machines with torch but no network.
+#   LLM_STEPS, NEW_TOKENS, REPEATS: the LLM ladder's rows (default bf16,compile,int8,int4,spec-int4), 256, 3.
+#   PYTEST_ARGS  more pytest arguments for the tests stage (split at spaces)
+# GPU time is scarce: one pass gives every table; a stage that fails is reported in the file and
+# the others still run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+out=$(realpath -m "${1:-gpu-check.md}")
+work=${WORKDIR:-/tmp/genfast-gpu}
+stages=${STAGES:-tests,linear,llm-7b,llm-8b,serve,sam-b,sam-h,diffusion}
+python=${PYTHON:-python3}
+mkdir -p "$work"
+export PYTHONUNBUFFERED=1
+
+if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu_check: torch sees no CUDA GPU here; nothing to check" >&2
+    exit 1
+fi
+if [ -n "${WHEELS:-}" ]; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$work/site" "$WHEELS"/*.whl
+    export PYTHONPATH="$repo:$work/site${PYTHONPATH:+:$PYTHONPATH}"
+else
+    "$python" -m pip install -q -e ".[test]"
+fi
+genfast=("$python" -m genfast)
+
+{
+    echo "# genfast GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo
+    echo '```'
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+    "$python" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo '```'
+} > "$out"
+
+# stage NAME TITLE COMMAND...: run a stage if STAGES names it; its output (a markdown table at the
+# end, as every benchmark here prints) and wall time go to the file, its whole log beside it.
+stage() {
+    local name=$1 title=$2
+    shift 2
+    [[ ",$stages," == *",$name,"* ]] || return 0
+    local log="$work/$name.log" start=$SECONDS
+    echo "== $name: $*" >&2
+    "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    {
+        echo
+        echo "## $title"
+        echo
+        echo "\`$*\` (exit $rc, $((SECONDS - start)) s)"
+        echo
+        grep -E '^(\||#|[0-9]+ (passed|failed)|=+ .*(passed|failed|error))' "$log" | grep -v '^#$' || true
+        if [ "$rc" != 0 ]; then
+            echo
+            echo '```'
+            tail -n 30 "$log"
+            echo '```'
+        fi
+    } >> "$out"
+}
+
+checkpoint() {  # a random checkpoint at a published shape, written once
+    local shape=$1
+    [ -d "$work/$shape" ] || "$python" benchmarks/random_llm.py --shape "$shape" --output "$work/$shape" --device cuda >&2
+    echo "$work/$shape"
+}
+
+llm_ladder() {
+    local model
+    model=$(checkpoint "$1") || return 1
+    "${genfast[@]}" bench llm --model "$model" --device cuda --steps "${LLM_STEPS:-bf16,compile,int8,int4,spec-int4}" \
+        --prompt-tokens 128 --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --json "$work/llm-$1.json" --force
+}
+
+serve_load() {
+    local model
+    model=$(checkpoint llama-3.1-8b) || return 1
+    "$python" benchmarks/serve_load.py --model "$model" --clients 8 --tokens 128 --batches 1,8 --repeats 3
+}
+
+stage tests "CUDA tests" "$python" -m pytest -q -p no:cacheprovider tests/cuda ${PYTEST_ARGS:-}
+stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py --rows 1,8
+stage llm-7b "LLM ladder, Llama-2-7B shape (random weights)" llm_ladder llama-2-7b
+stage llm-8b "LLM ladder, Llama-3.1-8B shape (random weights)" llm_ladder llama-3.1-8b
+stage serve "Serving throughput, Llama-3.1-8B shape" serve_load
+stage sam-b "SAM ladder, vit_b (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_b \
+    --json "$work/sam-vit_b.json" --force
+stage sam-h "SAM ladder, vit_h (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_h \
+    --json "$work/sam-vit_h.json" --force
+stage diffusion "Diffusion ladder, SDXL 1024x1024, 30 steps (random weights)" "${genfast[@]}" bench diffusion \
+    --device cuda --arch sdxl --size 1024 --denoising-steps 30 --json "$work/diffusion.json" --force
+echo "gpu_check: wrote $out" >&2

@@ -1,0 +1,173 @@
+"""The LLM path on a CUDA GPU: logits against the CPU in fp32, compiled (CUDA graphs) against
+eager, torch's int8/int4 kernels against the dequantized weights, no host syncs in the decode
+loop, speculative decoding and the serving engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genfast.llm.sampling import SamplingParams
+from genfast.quant.grids import quantize
+from genfast.quant.linear import QuantLinear
+from tests.cuda.syncs import host_syncs, needs_cuda
+from tests.llm.hf_fixtures import TINY_CONFIGS, hf_model_from_config, save_hf_model, word_tokenizer
+
+pytestmark = needs_cuda
+
+# llama3's tiny config widened so every linear fits tinygemm's tiles (K a multiple of 128).
+CONFIG = dict(
+    TINY_CONFIGS["llama3"], vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512,
+)  # fmt: skip
+PROMPT = [5, 17, 99, 3, 250, 7, 41, 300, 12, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    directory = save_hf_model(hf_model_from_config(CONFIG), tmp_path_factory.mktemp("cuda-llm"))
+    word_tokenizer(CONFIG["vocab_size"]).save(directory)
+    return directory
+
+
+def load(directory: Path, device: str, dtype: str, quant: str = "none"):
+    from genfast.llm.session import load as load_model
+
+    return load_model(str(directory), device, dtype, quant=quant)
+
+
+def generator(loaded, compile: bool, draft: str | None = None, batch: int = 1):
+    from genfast.llm.speculative import make_generator
+
+    return make_generator(loaded, 256, batch, compile, draft, 4 if draft else None)
+
+
+def logits(loaded, tokens: list[int]) -> torch.Tensor:
+    from genfast.llm.model import attention_mask
+
+    model = loaded.model
+    model.setup_caches(1, 64)
+    ids = torch.tensor([tokens], device=loaded.device)
+    pos = torch.arange(len(tokens), device=loaded.device)
+    with torch.inference_mode():
+        return model(ids, pos, attention_mask(pos, len(tokens))).float().cpu()
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_logits_match_the_cpu_in_fp32(model_dir, dtype, tolerance):
+    want = logits(load(model_dir, "cpu", "float32"), PROMPT)
+    got = logits(load(model_dir, "cuda", dtype), PROMPT)
+    assert ((got - want).norm() / want.norm()).item() < tolerance
+
+
+def test_compiled_decode_with_cuda_graphs_matches_eager_and_prefill_does_not_recompile(model_dir):
+    from torch._dynamo.utils import counters
+
+    loaded = load(model_dir, "cuda", "bfloat16")
+    eager = generator(loaded, compile=False).generate([PROMPT], 40, stop_at_eos=False).token_ids
+    compiled = generator(load(model_dir, "cuda", "bfloat16"), compile=True)
+    assert compiled.generate([PROMPT], 40, stop_at_eos=False).token_ids == eager
+    graphs = counters["stats"]["unique_graphs"]
+    for n in (3, 17, 33):  # other prompt lengths: the same graphs
+        compiled.generate([(PROMPT * 4)[:n]], 8, stop_at_eos=False)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_decode_loop_does_not_synchronize(model_dir, compile):
+    gen = generator(load(model_dir, "cuda", "bfloat16"), compile=compile)
+    for _ in range(2):  # compile, record the CUDA graphs
+        want = gen.generate([PROMPT], 24, stop_at_eos=False).token_ids
+    with host_syncs() as syncs:
+        got = gen.generate([PROMPT], 24, stop_at_eos=False).token_ids
+    assert got == want
+    assert syncs == [], f"{len(syncs)} host syncs in generate(): {syncs[:3]}"
+
+
+@pytest.mark.parametrize("bits,kernel", [(8, "int8pack"), (4, "int4pack")])
+def test_torch_kernels_match_the_dequantized_weight(bits, kernel):
+    torch.manual_seed(0)
+    weight = torch.randn(384, 512, device="cuda") * 0.05
+    qweight = quantize(weight, bits, 32 if bits == 4 else None)
+    layer = QuantLinear(qweight)
+    assert layer.kernel == kernel
+    reference = qweight.dequantize(torch.float32)
+    # The canonical form reads back exactly (int4: through tinygemm's own layout).
+    back = layer.quantized_weight()
+    assert torch.equal(back.codes, qweight.codes) and torch.equal(back.scales, qweight.scales)
+    compiled = torch.compile(layer, fullgraph=True)
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        want = F.linear(x.float(), reference)
+        for fn in (layer, compiled):
+            got = fn(x).float()
+            assert ((got - want).norm() / want.norm()).item() < 1e-2, (rows, fn)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_models_compiled_match_eager(model_dir, quant):
+    eager = generator(load(model_dir, "cuda", "bfloat16", quant), compile=False)
+    compiled = generator(load(model_dir, "cuda", "bfloat16", quant), compile=True)
+    kernels = {m.kernel for m in compiled.model.modules() if isinstance(m, QuantLinear)}
+    assert kernels == ({"int8pack"} if quant == "int8" else {"int4pack", "int8pack"})  # int4: an int8 head
+    want = eager.generate([PROMPT], 32, stop_at_eos=False).token_ids
+    assert compiled.generate([PROMPT], 32, stop_at_eos=False).token_ids == want
+
+
+@pytest.mark.parametrize("draft", ["int4", "layers:1", "prompt-lookup"])
+def test_speculative_decoding_gives_the_plain_greedy_tokens(model_dir, draft):
+    want = generator(load(model_dir, "cuda", "bfloat16"), compile=True).generate([PROMPT], 40, stop_at_eos=False)
+    spec = generator(load(model_dir, "cuda", "bfloat16"), compile=True, draft=draft)
+    got = spec.generate([PROMPT], 40, stop_at_eos=False)
+    assert got.token_ids == want.token_ids
+
+
+def test_batched_generation_matches_single_sequences(model_dir):
+    """In fp32: bf16 GEMMs of other batch sizes round differently, which flips near-ties of
+    this random model's logits."""
+    prompts = [PROMPT, PROMPT[:4], [9, 8, 7, 6, 5, 4, 3]]
+    single = generator(load(model_dir, "cuda", "float32"), compile=True)
+    want = [single.generate([p], 16, stop_at_eos=False).token_ids[0] for p in prompts]
+    batched = generator(load(model_dir, "cuda", "float32"), compile=True, batch=3)
+    assert batched.generate(prompts, 16, stop_at_eos=False).token_ids == want
+
+
+def test_gptq_on_the_gpu(model_dir):
+    from genfast.llm.calibration import calibrate_gptq
+
+    loaded = load(model_dir, "cuda", "float32")
+    windows = torch.randint(0, CONFIG["vocab_size"], (8, 64))
+    quantized = calibrate_gptq(loaded.model, windows, bits=4, group_size=32)
+    assert quantized and all(q.codes.is_cuda for q in quantized.values())
+
+
+def test_serve_engine_batches_requests_on_the_gpu(model_dir):
+    pytest.importorskip("fastapi")
+    from genfast.serve.engine import Engine, GenerationRequest
+    from tests.serve.test_engine import run_concurrently
+
+    prompts = [PROMPT, PROMPT[:4], [9, 8, 7, 6, 5, 4, 3]]
+    single = generator(load(model_dir, "cuda", "bfloat16"), compile=True)
+    want = [single.generate([p], 12 + i, stop_at_eos=False).token_ids[0] for i, p in enumerate(prompts)]
+    loaded = load(model_dir, "cuda", "bfloat16")
+    engine = Engine(loaded.model, loaded.tokenizer, max_batch=2, max_seq_len=256, compile=True).start()
+    try:
+        got = run_concurrently(engine, [GenerationRequest(tuple(p), 12 + i) for i, p in enumerate(prompts)])
+    finally:
+        engine.shutdown()
+    assert [r.token_ids for r in got] == want
+
+
+def test_greedy_params_are_sync_free_samplers():
+    """Sampling with temperature/top-k/top-p inside a compiled step on the GPU: no host reads."""
+    from genfast.llm.sampling import sample
+
+    logits = torch.randn(2, 512, device="cuda")
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
+    sample(logits, params)
+    with host_syncs() as syncs:
+        sample(logits, params)
+    assert syncs == []
