@@ -6,12 +6,13 @@
 #   STAGES   which parts, comma-separated (default: all of them, in this order):
 #            tests       pytest tests/cuda (plus what else PYTEST_ARGS names)
 #            linear      benchmarks/cuda_linear.py: decode's matrix-vector products per weight format
-#            llm-7b      genfast bench llm on a random Llama-2-7B-shaped checkpoint
+#            llm-7b      genfast bench llm on Llama-2-7B's shape (--model random:llama-2-7b)
 #            llm-8b      the same on Llama-3.1-8B's shape
+#            llm-70b     the int4 row on Llama-2-70B's shape (its bf16 weights do not fit one GPU)
 #            serve       benchmarks/serve_load.py at --max-batch 1 and 8 on the 8B shape
 #            sam-b, sam-h  genfast bench sam on CUDA, vit_b and vit_h
 #            diffusion   genfast bench diffusion (SDXL 1024x1024, 30 steps) on CUDA
-#   WORKDIR  where random checkpoints and logs go (default /tmp/genfast-gpu)
+#   WORKDIR  where logs and JSON rows go (default /tmp/genfast-gpu)
 #   WHEELS   a folder of wheels to install offline (no index, no dependencies) into WORKDIR/site
 #            instead of `pip install -e .[test]`: for machines with torch but no network.
 #   LLM_STEPS, NEW_TOKENS, REPEATS: the LLM ladder's rows (default bf16,compile,int8,int4,spec-int4), 256, 3.
@@ -23,7 +24,7 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 out=$(realpath -m "${1:-gpu-check.md}")
 work=${WORKDIR:-/tmp/genfast-gpu}
-stages=${STAGES:-tests,linear,llm-7b,llm-8b,serve,sam-b,sam-h,diffusion}
+stages=${STAGES:-tests,linear,llm-7b,llm-8b,llm-70b,serve,sam-b,sam-h,diffusion}
 python=${PYTHON:-python3}
 mkdir -p "$work"
 export PYTHONUNBUFFERED=1
@@ -76,30 +77,20 @@ stage() {
     } >> "$out"
 }
 
-checkpoint() {  # a random checkpoint at a published shape, written once
-    local shape=$1
-    [ -d "$work/$shape" ] || "$python" benchmarks/random_llm.py --shape "$shape" --output "$work/$shape" --device cuda >&2
-    echo "$work/$shape"
+llm_ladder() {  # random weights at the shape, drawn on the GPU (genfast/llm/random_model.py)
+    "${genfast[@]}" bench llm --model "random:$1" --device cuda --steps "$2" --prompt-tokens 128 \
+        --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --json "$work/llm-$1.json" --force
 }
 
-llm_ladder() {
-    local model
-    model=$(checkpoint "$1") || return 1
-    "${genfast[@]}" bench llm --model "$model" --device cuda --steps "${LLM_STEPS:-bf16,compile,int8,int4,spec-int4}" \
-        --prompt-tokens 128 --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --json "$work/llm-$1.json" --force
-}
-
-serve_load() {
-    local model
-    model=$(checkpoint llama-3.1-8b) || return 1
-    "$python" benchmarks/serve_load.py --model "$model" --clients 8 --tokens 128 --batches 1,8 --repeats 3
-}
-
-stage tests "CUDA tests" "$python" -m pytest -q -p no:cacheprovider tests/cuda ${PYTEST_ARGS:-}
+read -ra pytest_args <<< "${PYTEST_ARGS:-}"
+stage tests "CUDA tests" "$python" -m pytest -q -p no:cacheprovider tests/cuda "${pytest_args[@]}"
 stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py --rows 1,8
-stage llm-7b "LLM ladder, Llama-2-7B shape (random weights)" llm_ladder llama-2-7b
-stage llm-8b "LLM ladder, Llama-3.1-8B shape (random weights)" llm_ladder llama-3.1-8b
-stage serve "Serving throughput, Llama-3.1-8B shape" serve_load
+ladder_steps=${LLM_STEPS:-bf16,compile,int8,int4,spec-int4}
+stage llm-7b "LLM ladder, Llama-2-7B shape (random weights)" llm_ladder llama-2-7b "$ladder_steps"
+stage llm-8b "LLM ladder, Llama-3.1-8B shape (random weights)" llm_ladder llama-3.1-8b "$ladder_steps"
+stage llm-70b "Llama-2-70B shape in int4 on one GPU (random weights)" llm_ladder llama-2-70b int4
+stage serve "Serving throughput, Llama-3.1-8B shape (random weights)" "$python" benchmarks/serve_load.py \
+    --model random:llama-3.1-8b --clients 8 --tokens 128 --batches 1,8 --repeats 3
 stage sam-b "SAM ladder, vit_b (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_b \
     --json "$work/sam-vit_b.json" --force
 stage sam-h "SAM ladder, vit_h (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_h \

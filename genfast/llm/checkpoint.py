@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from genfast.errors import UserError
-from genfast.llm import families
+from genfast.llm import families, random_model
 from genfast.llm.config import ModelArgs, RopeScaling, longrope_attention_factor
 from genfast.llm.gguf_file import GGUFFile, is_gguf, open_gguf
 from genfast.llm.layers import TransformerBlock
@@ -74,8 +74,11 @@ _GGUF_GLOBAL = {
 
 
 def checkpoint_format(path: Path) -> str:
-    """'hf' (a directory with config.json), 'genfast' (a directory written by `genfast quantize`)
-    or 'gguf' (a file with the GGUF magic)."""
+    """'hf' (a directory with config.json), 'genfast' (a directory written by `genfast quantize`),
+    'gguf' (a file with the GGUF magic) or 'random' (`random:SHAPE`: genfast.llm.random_model)."""
+    if random_model.is_random(path):
+        random_model.shape_name(path)  # a known shape
+        return "random"
     if not path.exists():
         raise UserError(f"model not found: {path} does not exist")
     if path.is_dir():
@@ -114,6 +117,8 @@ def load_model(
     fmt = checkpoint_format(path)
     if fmt == "genfast":
         args, fill = _quantized_filler(path, dtype)
+    elif fmt == "random":
+        args, fill = random_model.random_args(path), random_model.fill_random
     else:
         args, fill = _source_filler(path, fmt)
     with torch.device("meta"):
@@ -226,6 +231,8 @@ def read_model_args(path: Path) -> ModelArgs:
     fmt = checkpoint_format(path)
     if fmt == "hf":
         return ModelArgs.from_hf_config(_read_json(path / "config.json"))
+    if fmt == "random":
+        return random_model.random_args(path)
     if fmt == "gguf":
         return _gguf_args(open_gguf(gguf_path(path)))
     from genfast.quant.checkpoint import QuantizedCheckpoint

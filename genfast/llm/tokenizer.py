@@ -89,17 +89,30 @@ class Tokenizer:
         generation = {"bos_token_id": self.bos_id, "eos_token_id": sorted(self.stop_ids)}
         (directory / "generation_config.json").write_text(json.dumps(generation, indent=1))
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's own (jinja) template."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """Render a conversation with the model's own (jinja) template; `tools` (OpenAI's function
+        definitions) go to templates that take them as their `tools` variable."""
         if not self.chat_template:
             raise UserError("this model has no chat template; use `genfast generate` with a plain prompt")
         return render_chat_template(
-            self.chat_template, messages, add_generation_prompt, bos_token=self.bos_token, eos_token=self.eos_token
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            tools=tools,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
         )
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` variable (Qwen, Llama 3.1+, Hermes-style ones)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
 
 
 def render_chat_template(
-    template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **special_tokens: str
+    template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **variables: Any
 ) -> str:
     """Render with the same jinja settings transformers uses, in a sandbox."""
     import jinja2
@@ -114,7 +127,7 @@ def render_chat_template(
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
     except jinja2.TemplateError as e:
         raise UserError(f"the model's chat template failed to render: {e}") from e

@@ -26,7 +26,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from genfast.errors import UserError
 from genfast.llm.sampling import SamplingParams
-from genfast.serve.engine import Delta, Engine, EngineStopped, Event, Finished, GenerationRequest, QueueFull, Ticket
+from genfast.serve.engine import (
+    Delta,
+    Engine,
+    EngineStopped,
+    Event,
+    Finished,
+    GenerationRequest,
+    QueueFull,
+    Ticket,
+    TokenLogprob,
+)
 from genfast.serve.metrics import ServeMetrics
 from genfast.serve.protocol import (
     APIError,
@@ -35,6 +45,7 @@ from genfast.serve.protocol import (
     GenerationBody,
     ResponseHeader,
 )
+from genfast.serve.tools import with_tool_instructions
 
 # How often a non-streamed request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
@@ -136,12 +147,18 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)], response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+        messages, tools = body.conversation(), None
+        if body.tools_active:  # the template's own tool rendering, or genfast's instructions
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+            if not tokenizer.template_takes_tools:
+                messages, tools = with_tool_instructions(messages, [t["function"] for t in tools]), None
         try:
-            ids = tokenizer.encode(tokenizer.apply_chat_template(body.conversation()))
+            ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tools=tools))
         except UserError as e:
             raise APIError(400, str(e), param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens or max(engine.max_seq_len - len(ids), 1)
-        return await serve(body, ids, max_tokens, ResponseHeader("chat", model_name), request)
+        header = ResponseHeader("chat", model_name, body.function_names() if body.tools_active else None)
+        return await serve(body, ids, max_tokens, header, request)
 
     def check_model(body: GenerationBody) -> None:
         if body.model != model_name:
@@ -158,7 +175,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
         check_model(body)
         params = SamplingParams(body.temperature, top_p=body.top_p)
         gen = GenerationRequest(
-            tuple(ids), max_tokens, params, body.stop_strings, body.seed, body.top_logprobs_requested
+            tuple(ids), max_tokens, params, body.stop_strings, body.seed, body.top_logprobs_requested, body.grammar()
         )
         bridge = _Bridge(only_final=not body.stream)
         try:
@@ -206,6 +223,8 @@ async def _sse(
 
     When the client disconnects, Starlette cancels this generator: `finally` cancels the request.
     """
+    held = header.tool_names is not None  # a reply that may be a tool call is sent whole at its end
+    held_logprobs: list[TokenLogprob] = []
     try:
         first = True
         if header.kind == "chat":  # OpenAI announces the role first
@@ -214,11 +233,17 @@ async def _sse(
         while True:
             event = await bridge.queue.get()
             if isinstance(event, Delta):
+                if held:
+                    held_logprobs.extend(event.logprobs)
+                    continue
                 yield _event(header.chunk(event.text, first=first, logprobs=event.logprobs if logprobs else None))
                 first = False
                 continue
             if event.finish_reason == "error":
                 yield _event(APIError(500, f"generation failed: {event.error}", "server_error").body())
+            elif held:
+                for chunk in header.held_reply_chunks(event, held_logprobs if logprobs else None):
+                    yield _event(chunk)
             else:
                 yield _event(header.chunk(None, event.finish_reason))
                 if include_usage:

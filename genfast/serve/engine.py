@@ -55,6 +55,7 @@ from genfast.llm.sampling import SamplingParams, draw, probabilities
 from genfast.llm.streaming import TextStream
 from genfast.llm.tensor_parallel import current_world_size
 from genfast.llm.tokenizer import Tokenizer
+from genfast.serve.constraints import Constraints, Matcher
 from genfast.serve.tensor_parallel import KEEPALIVE_S, Op, StepBroadcast
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class GenerationRequest:
     # Report each generated token's log-probability and this many most likely alternatives
     # (None: no log-probabilities).
     logprobs: int | None = None
+    # An llguidance grammar the reply must follow (genfast.serve.constraints; None: free text).
+    grammar: str | None = None
 
 
 # What JSON can carry for a token the sampled distribution excludes (log 0), as vLLM reports it.
@@ -216,6 +219,7 @@ class _Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     unsent: int = 0  # of `logprobs`, how many no Delta has carried yet
     cached: int = 0  # leading prompt tokens already in the slot's cache row
+    matcher: Matcher | None = None  # the request's grammar state (structured output)
 
 
 @dataclass
@@ -274,6 +278,7 @@ class Engine:
         if max_batch < 1 or max_queue < 0:
             raise UserError(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
         self.model, self.tokenizer = model, tokenizer
+        self.constraints = Constraints(tokenizer, model.args.vocab_size)
         self.device = model.norm.weight.device
         self.max_seq_len = cache_length(model, max_seq_len)
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -404,6 +409,8 @@ class Engine:
         vocab = self.model.args.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise UserError(f"prompt token ids must be in [0, {vocab})")
+        if request.grammar is not None and not self.constraints.matcher(request.grammar).allowed().any():
+            raise UserError("no token of this model's vocabulary can start a reply in the requested format")
 
     def generate(self, request: GenerationRequest, on_text: Callable[[str], None] | None = None) -> Finished:
         """Submit and wait (blocking) for the result; `on_text` gets each Delta's text."""
@@ -555,7 +562,8 @@ class Engine:
         generator = None
         if req.seed is not None and not req.params.greedy:
             generator = torch.Generator(self.device).manual_seed(req.seed)
-        return _Sequence(ticket, TextStream(self.tokenizer, req.stop), generator)
+        matcher = None if req.grammar is None else self.constraints.matcher(req.grammar)
+        return _Sequence(ticket, TextStream(self.tokenizer, req.stop), generator, matcher=matcher)
 
     def _prefill_slot(self, slot: int) -> None:
         """Prefill the slot's prompt into its cache row and take the first token."""
@@ -600,7 +608,13 @@ class Engine:
     def _sample(self, logits: Tensor, seqs: Sequence[_Sequence | None]) -> list[tuple[int, TokenLogprob | None]]:
         """Next token per row: argmax for greedy rows (all rows at once), and for sampling rows a
         draw with the row's own temperature/top-p and random stream; with its log-probabilities
-        for the rows that asked."""
+        for the rows that asked. A row with a grammar samples among the tokens it admits."""
+        constrained = [(i, seq.matcher) for i, seq in enumerate(seqs) if seq is not None and seq.matcher is not None]
+        if constrained:
+            allowed = torch.ones(logits.shape, dtype=torch.bool)
+            for i, matcher in constrained:
+                allowed[i] = matcher.allowed()
+            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         tokens = logits.argmax(dim=-1)
         sampled: dict[int, Tensor] = {}
         for i, seq in enumerate(seqs):
@@ -635,6 +649,8 @@ class Engine:
         if token in self.tokenizer.stop_ids:  # EOS ends the sequence and is not part of it
             self._finish(slot, "stop")
             return
+        if seq.matcher is not None:
+            seq.matcher.take(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
             seq.unsent += 1
@@ -650,7 +666,7 @@ class Engine:
         text = seq.stream.push(token)
         if text:
             seq.ticket.sink(Delta(text, self._unsent_logprobs(seq)))
-        if seq.stream.stopped:
+        if seq.stream.stopped or (seq.matcher is not None and seq.matcher.complete):
             self._finish(slot, "stop")
         elif len(seq.generated) >= seq.ticket.request.max_tokens:
             self._finish(slot, "length")

@@ -2,20 +2,24 @@
 
 Requests are validated strictly: an unknown field, a wrong type or a value out of range is a 400
 with a message naming the field, never silently ignored. OpenAI fields genfast does not implement
-(penalties, tools, ...) are accepted only at their neutral value, so a client that sends
+(penalties, logit_bias, ...) are accepted only at their neutral value, so a client that sends
 defaults keeps working and one that relies on them learns it at once.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from genfast.errors import UserError
+from genfast.serve.constraints import json_schema_grammar, response_format_grammar
 from genfast.serve.engine import MAX_TOP_LOGPROBS, Finished, TokenLogprob
+from genfast.serve.tools import ToolCall, call_grammar, parse_tool_calls
 
 # What genfast reports for "the request was cut short by the server" (OpenAI has no such reason).
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
@@ -55,9 +59,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -89,6 +90,10 @@ class GenerationBody(_Body):
     @property
     def top_logprobs_requested(self) -> int | None:
         """Alternatives to report per token with log-probabilities; None: no log-probabilities."""
+        return None
+
+    def grammar(self) -> str | None:
+        """The grammar the reply must follow (genfast.serve.constraints); None: free text."""
         return None
 
     @property
@@ -128,13 +133,77 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionSpec(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # accepted; arguments follow the schema when the call is constrained
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (templates know "system"; OpenAI's newer
+        "developer" means the same; calls' arguments as objects, which templates serialize)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _json(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json(call: MessageToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -144,9 +213,64 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted: an unconstrained reply may hold several calls
     response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_compile(cls, tools: list[ToolSpec] | None) -> list[ToolSpec] | None:
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        for i, tool in enumerate(tools or ()):
+            if tool.function.parameters is not None:
+                try:
+                    json_schema_grammar(tool.function.parameters, f"tools[{i}].function.parameters")
+                except UserError as e:  # llguidance is missing
+                    raise ValueError(str(e)) from None
+        return tools
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.function_names():
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        if self.forced_call and response_format_grammar(self.response_format) is not None:
+            raise ValueError("response_format cannot be combined with a required tool call (tool_choice)")
+        return self
+
+    def function_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or ()}
+
+    @property
+    def tools_active(self) -> bool:
+        """The model is offered tools (tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_call(self) -> bool:
+        """The reply must be a call (tool_choice "required" or a named function)."""
+        return self.tools_active and self.tool_choice not in (None, "auto")
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_compiles(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            response_format_grammar(value)
+        except UserError as e:  # llguidance is missing
+            raise ValueError(str(e)) from None
+        return value
+
+    def grammar(self) -> str | None:
+        if self.forced_call:
+            functions = [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
+            named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+            return call_grammar(functions, named)
+        return response_format_grammar(self.response_format)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -158,9 +282,8 @@ class ChatCompletionRequest(GenerationBody):
     def top_logprobs_requested(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        # Templates know "system"; OpenAI's newer "developer" role means the same.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
 
 # ---- responses ----
@@ -213,8 +336,10 @@ def completion_logprobs(entries: Sequence[TokenLogprob], offset: int) -> dict[st
 class ResponseHeader:
     """The id, creation time and model every response object and stream chunk of one request shares."""
 
-    def __init__(self, kind: Literal["completion", "chat"], model: str) -> None:
-        self.kind, self.model = kind, model
+    def __init__(self, kind: Literal["completion", "chat"], model: str, tool_names: set[str] | None = None) -> None:
+        """`tool_names`: the functions a chat reply may call (its calls are parsed into tool_calls;
+        streamed, the reply is then sent whole at its end)."""
+        self.kind, self.model, self.tool_names = kind, model, tool_names
         self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._streamed_chars = 0  # completions' text offsets across stream chunks
@@ -243,13 +368,30 @@ class ResponseHeader:
         if self.kind == "completion":
             choice = {"index": 0, "text": finished.text, "logprobs": logprobs, "finish_reason": reason}
             return self._object("text_completion", [choice], Usage.of(finished))
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": finished.text},
-            "logprobs": logprobs,
-            "finish_reason": reason,
-        }
+        content, calls = self._calls(finished)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.as_openai() for c in calls]
+            reason = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
         return self._object("chat.completion", [choice], Usage.of(finished))
+
+    def _calls(self, finished: Finished) -> tuple[str | None, list[ToolCall]]:
+        if not self.tool_names or finished.finish_reason != "stop":
+            return finished.text, []
+        return parse_tool_calls(finished.text, self.tool_names)
+
+    def held_reply_chunks(self, finished: Finished, logprobs: Sequence[TokenLogprob] | None) -> list[dict[str, Any]]:
+        """A reply that was held back while streaming (tools offered): its content or its calls
+        as one chunk, then the chunk with the finish reason."""
+        content, calls = self._calls(finished)
+        if calls:
+            delta: dict[str, Any] = {"tool_calls": [c.as_openai(index=i) for i, c in enumerate(calls)]}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            last = self.chunk(None, finished.finish_reason)
+            last["choices"][0]["finish_reason"] = "tool_calls"
+            return [self._object("chat.completion.chunk", [choice], None), last]
+        return [self.chunk(content, logprobs=logprobs), self.chunk(None, finished.finish_reason)]
 
     def chunk(
         self,

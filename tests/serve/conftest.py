@@ -98,6 +98,19 @@ def serve(tiny_dir) -> Iterator:
         s.close()
 
 
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_gguf) -> Iterator[Server]:
+    """The real SmolLM2-135M-Instruct (eager fp32, 4 slots) served as "smollm2": for replies whose
+    form matters (structured output, tool calls)."""
+    from genfast.llm.session import load
+    from genfast.serve.engine import Engine
+
+    loaded = load(str(smollm2_gguf), "cpu", "float32")
+    server = Server(Engine(loaded.model, loaded.tokenizer, max_batch=4, max_seq_len=1024, compile=False), "smollm2")
+    yield server
+    server.close()
+
+
 def wait_until(condition, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
