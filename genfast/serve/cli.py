@@ -39,6 +39,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="requests that may wait for a slot; more are refused with 429 (default 64)",
     )
     g.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=512,
+        help="prompt tokens prefilled between two decode steps: a long prompt is prefilled in "
+        "chunks while the other requests keep decoding (default 512)",
+    )
+    g.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $GENFAST_API_KEY, else none)",

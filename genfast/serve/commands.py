@@ -62,6 +62,7 @@ def serve_command(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_seq_len=args.max_seq_len,
         compile=settings.compile,
+        prefill_chunk=args.prefill_chunk,
     )
     if not is_main_rank():
         engine.follow()

@@ -1,8 +1,10 @@
 """Continuous batching: many requests share each decode step over a fixed set of KV-cache rows.
 
 The engine owns the model's static KV cache of `max_batch` rows ("slots") and one scheduler
-thread. Between two decode steps the thread admits queued requests into free slots (a batch-1
-prefill written into that slot's cache row) and drops finished or cancelled ones; each decode
+thread. Between two decode steps the thread admits queued requests into free slots, prefills up to
+`prefill_chunk` prompt tokens into their cache rows (batch-1 calls, oldest request first; a long
+prompt takes several rounds, so it never stalls the others' decoding for more than one chunk) and
+drops finished or cancelled ones; each decode
 step then runs every slot at its own position (`Transformer.forward` with per-row `input_pos`),
 free slots included, so the compiled decode graph always sees the same shapes and never
 recompiles as requests come and go. Only the attention's cache length varies (the longest
@@ -219,6 +221,7 @@ class _Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     unsent: int = 0  # of `logprobs`, how many no Delta has carried yet
     cached: int = 0  # leading prompt tokens already in the slot's cache row
+    prefilled: int = 0  # prompt tokens in the row so far (chunked prefill); then decoding starts
     matcher: Matcher | None = None  # the request's grammar state (structured output)
 
 
@@ -274,9 +277,13 @@ class Engine:
         max_queue: int = 64,
         max_seq_len: int | None = None,
         compile: bool = True,
+        prefill_chunk: int = 512,
     ) -> None:
         if max_batch < 1 or max_queue < 0:
             raise UserError(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
+        if prefill_chunk < 1:
+            raise UserError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.model, self.tokenizer = model, tokenizer
         self.constraints = Constraints(tokenizer, model.args.vocab_size)
         self.device = model.norm.weight.device
@@ -530,18 +537,15 @@ class Engine:
                         self._cancel_all_locked()
                         self._cond.notify_all()
                         return
-                    admitted = []
                     while self._pending and None in self._slots:
                         ticket = self._pending.popleft()
                         slot, cached = self._pick_slot(ticket.request.prompt_ids)
                         self._slots[slot] = self._new_sequence(ticket)
-                        self._slots[slot].cached = cached
-                        admitted.append(slot)
+                        self._slots[slot].cached = self._slots[slot].prefilled = cached
                 try:
-                    for slot in admitted:
-                        self._prefill_slot(slot)
+                    self._prefill_some()
                     self._drop_cancelled()
-                    if any(s is not None for s in self._slots):
+                    if any(s is not None and self._decoding(s) for s in self._slots):
                         self._step()
                 except Exception as e:  # a bug: fail the running requests, keep serving the next ones
                     log.exception("decode step failed")
@@ -565,30 +569,51 @@ class Engine:
         matcher = None if req.grammar is None else self.constraints.matcher(req.grammar)
         return _Sequence(ticket, TextStream(self.tokenizer, req.stop), generator, matcher=matcher)
 
-    def _prefill_slot(self, slot: int) -> None:
-        """Prefill the slot's prompt into its cache row and take the first token."""
+    @staticmethod
+    def _decoding(seq: _Sequence) -> bool:
+        return seq.prefilled == len(seq.ticket.request.prompt_ids)
+
+    def _prefill_some(self) -> None:
+        """Up to `prefill_chunk` prompt tokens of the requests still prefilling, oldest first,
+        between two decode steps: a long prompt is prefilled a chunk at a time, so the other
+        requests keep decoding meanwhile (chunked prefill)."""
+        budget = self.prefill_chunk
+        waiting = sorted((s.ticket.id, slot) for slot, s in enumerate(self._slots) if s and not self._decoding(s))
+        for _, slot in waiting:
+            if budget == 0:
+                break
+            budget -= self._prefill_chunk(slot, budget)
+
+    def _prefill_chunk(self, slot: int, budget: int) -> int:
+        """Prefill up to `budget` more of the slot's prompt into its cache row; when the whole
+        prompt is in, take the first token. Returns the tokens prefilled."""
         seq = self._slots[slot]
         assert seq is not None
-        req = seq.ticket.request
-        start = seq.cached
-        self._row_tokens[slot] = []  # until the prefill below has filled the row
-        tokens = torch.tensor([req.prompt_ids[start:]])
+        prompt = seq.ticket.request.prompt_ids
+        start = seq.prefilled
+        n = min(budget, len(prompt) - start)
+        tokens = torch.tensor([prompt[start : start + n]])
         if self._broadcast is not None:
-            positions = torch.arange(start, len(req.prompt_ids))[None]
+            positions = torch.arange(start, start + n)[None]
             self._broadcast.send(Op.PREFILL, slot, torch.cat([tokens, positions]))
         logits = self._run_prefill(tokens.to(self.device), slot, start)
-        self._row_tokens[slot] = list(req.prompt_ids)
+        seq.prefilled = start + n
+        self._row_tokens[slot] = list(prompt[: seq.prefilled])  # what the row holds so far
         self._row_used[slot] = time.monotonic()
-        self.prompt_tokens += len(req.prompt_ids)
-        self.reused_prompt_tokens += start
-        seq.pos = len(req.prompt_ids)
+        if not self._decoding(seq):
+            return n
+        self.prompt_tokens += len(prompt)
+        self.reused_prompt_tokens += seq.cached
+        seq.pos = len(prompt)
         token, logprob = self._sample(logits, [seq])[0]
         self._accept(slot, token, logprob)
+        return n
 
     def _step(self) -> None:
-        """One decode step for every slot; free slots run a dummy token at the last cache
-        position, which no request reaches (their rows keep what prefix reuse may use)."""
-        seqs = self._slots
+        """One decode step for every slot; free slots, and those still prefilling, run a dummy
+        token at the last cache position, which no request reaches (their rows keep what prefix
+        reuse and the next prefill chunk need)."""
+        seqs = [s if s is not None and self._decoding(s) else None for s in self._slots]
         idle = self.max_seq_len - 1
         tokens_positions = torch.tensor([[s.last if s else 0 for s in seqs], [s.pos if s else idle for s in seqs]])
         for slot, s in enumerate(seqs):

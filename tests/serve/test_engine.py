@@ -274,3 +274,38 @@ def test_sliding_window_rings_are_not_reused(tmp_path):
     engine.generate(GenerationRequest(tuple(range(3, 23)), 4))
     assert engine.generate(GenerationRequest(tuple(range(3, 25)), 4)).cached_tokens == 0
     engine.shutdown()
+
+
+def test_long_prompts_are_prefilled_in_chunks_with_the_same_tokens(tiny_dir):
+    """Prompts longer than the chunk are prefilled over several rounds (each chunk attends to the
+    ones before it in the cache) and give the single-request tokens (fp32), alongside short ones."""
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate((70, 5, 41, 16))]
+    gen = Generator(*load_tiny(tiny_dir), max_seq_len=1024, compile=False)
+    want = [gen.generate([p], 10).token_ids[0] for p in prompts]
+    engine = Engine(*load_tiny(tiny_dir), max_batch=2, compile=False, prefill_chunk=16).start()
+    got = run_concurrently(engine, [GenerationRequest(tuple(p), 10) for p in prompts])
+    assert [r.token_ids for r in got] == want
+    assert engine.stats().prompt_tokens == sum(map(len, prompts))
+    engine.shutdown()
+
+
+def test_a_long_prompt_does_not_stall_the_running_requests(tiny_dir):
+    """While a 640-token prompt is prefilled 64 tokens at a time, the running request gets a
+    decode step after every chunk: at least 9 steps before the long request's first token."""
+    engine = Engine(*load_tiny(tiny_dir), max_batch=2, compile=False, prefill_chunk=64).start()
+    steps_at: dict[str, int] = {}
+    running = threading.Event()
+
+    def short_sink(event) -> None:
+        running.set()
+
+    def long_sink(event) -> None:
+        steps_at.setdefault("first", engine.decode_steps)
+
+    engine.submit(GenerationRequest((5, 6, 7), 300), short_sink)
+    assert running.wait(30)
+    steps_at["submitted"] = engine.decode_steps
+    engine.submit(GenerationRequest(tuple((i % 300) + 3 for i in range(640)), 2), long_sink)
+    assert wait_until(lambda: "first" in steps_at, timeout=60)
+    assert steps_at["first"] - steps_at["submitted"] >= 9
+    engine.shutdown(timeout=0)
