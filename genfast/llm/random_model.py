@@ -4,22 +4,20 @@ Speed does not depend on the weights' values, so a benchmark on a machine that c
 a model (or before downloading one) can still measure it at its real size. The weights are
 drawn on the model's device as each block is built (no checkpoint on disk), N(0, 0.02) with norms
 at one, from a seed per tensor name: loading the same shape twice gives the same weights (a
-self-draft quantizes the same model). The tokenizer is a byte-level BPE trained on Python's pydoc
-topics (~9,200 tokens, within every shape's vocabulary), so benchmark prompts encode as text
-does; it has no end-of-sequence token, so generation runs to its length. The text is noise.
+self-draft quantizes the same model). The tokenizer is `genfast.llm.tokenizer.pydoc_tokenizer`
+(~9,200 tokens, within every shape's vocabulary), so benchmark prompts encode as text does; it
+has no end-of-sequence token, so generation runs to its length. The text is noise.
 """
 
 from __future__ import annotations
 
 import zlib
-from functools import cache
 from pathlib import Path
 
 import torch
 
 from genfast.errors import UserError
 from genfast.llm.config import ModelArgs
-from genfast.llm.tokenizer import Tokenizer
 
 PREFIX = "random:"
 _LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5)
@@ -88,29 +86,3 @@ def fill_random(module: torch.nn.Module, prefix: str) -> None:
                 continue
             generator = torch.Generator(device=param.device).manual_seed(zlib.crc32((prefix + local).encode()))
             param.normal_(0.0, 0.02, generator=generator)
-
-
-@cache
-def _trained_backend():  # ~0.2 s
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from genfast.llm.corpus import pydoc_text
-
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=32000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    backend.train_from_iterator([pydoc_text()], trainer)
-    return backend
-
-
-def random_tokenizer(path: Path | str) -> Tokenizer:
-    """The pydoc-trained tokenizer (its ids fit the shape's vocabulary)."""
-    backend = _trained_backend()
-    vocab = SHAPES[shape_name(path)]["vocab_size"]
-    if backend.get_vocab_size() > vocab:  # no shape here is that small; a guard for new ones
-        raise UserError(f"the random-weight tokenizer needs a vocabulary of {backend.get_vocab_size()} tokens")
-    return Tokenizer(backend, bos_id=None, add_bos=False, stop_ids=set())

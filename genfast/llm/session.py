@@ -14,9 +14,9 @@ from genfast.hub import resolve_model
 from genfast.llm.checkpoint import checkpoint_format, load_model, read_model_args
 from genfast.llm.model import Transformer
 from genfast.llm.quantize import describe_quantization, quantize_loaded
-from genfast.llm.random_model import is_random, random_tokenizer
+from genfast.llm.random_model import is_random
 from genfast.llm.recipe import RECIPE, LlmSettings
-from genfast.llm.tokenizer import Tokenizer, load_tokenizer
+from genfast.llm.tokenizer import Tokenizer, load_tokenizer, pydoc_tokenizer
 from genfast.nn import auto_weight_dtype, store_linear_weights
 from genfast.quant import INT4_GROUP_SIZES, QUANT_MODES
 from genfast.recipe import Plan, Target, apply_transforms
@@ -103,7 +103,7 @@ def load(
     dt = resolve_dtype(dtype, dev)
     weight_dt = auto_weight_dtype(dev, dt) if dtype == "auto" else dt
     path = resolve_model(model)
-    tokenizer = random_tokenizer(path) if is_random(path) else load_tokenizer(path)
+    tokenizer = pydoc_tokenizer() if is_random(path) else load_tokenizer(path)
     if quant != "none" and checkpoint_format(path) == "genfast":
         raise UserError(f"{path} is already quantized; load it without --quant")
     bits = {"none": None, "int8": 8, "int4": 4}[quant]

@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,26 @@ def render_chat_template(
         )
     except jinja2.TemplateError as e:
         raise UserError(f"the model's chat template failed to render: {e}") from e
+
+
+@cache
+def pydoc_tokenizer() -> Tokenizer:
+    """A byte-level BPE trained on Python's pydoc topics (~9,200 tokens, ~0.2 s to train; the
+    same every time), for models with random weights (genfast.llm.random_model): prompts encode
+    as text does. No end-of-sequence token."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from genfast.llm.corpus import pydoc_text
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=32000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator([pydoc_text()], trainer)
+    return Tokenizer(backend, bos_id=None, add_bos=False, stop_ids=set())
 
 
 def load_tokenizer(path: Path) -> Tokenizer:

@@ -28,8 +28,12 @@ def tiny_shape(monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(random_model.SHAPES))
-def test_shapes_have_their_published_sizes(name):
-    assert random_model.random_args(f"random:{name}").n_params == pytest.approx(PUBLISHED[name], rel=0.01)
+def test_shapes_have_their_published_sizes_and_room_for_the_tokenizer(name):
+    from genfast.llm.tokenizer import pydoc_tokenizer
+
+    args = random_model.random_args(f"random:{name}")
+    assert args.n_params == pytest.approx(PUBLISHED[name], rel=0.01)
+    assert pydoc_tokenizer().vocab_size <= args.vocab_size
 
 
 def test_the_same_shape_loads_the_same_weights_with_unit_norms(tiny_shape):
