@@ -86,13 +86,14 @@ class LlmLadder(Ladder):
         from genfast.bench.machine import peak_read_bandwidth
         from genfast.hardware import resolve_device
         from genfast.hub import resolve_model
+        from genfast.llm.checkpoint import read_model_args
 
-        model = resolve_model(args.model)  # fail early on a missing model
+        model = resolve_model(args.model)  # fail early on a missing model or an unknown random: shape
+        model_args = read_model_args(model)
         if args.tp and args.tp > 1:
-            from genfast.llm.checkpoint import read_model_args
             from genfast.llm.tensor_parallel import check_shardable
 
-            check_shardable(read_model_args(model), args.tp)
+            check_shardable(model_args, args.tp)
         # Bandwidth varies with the machine's state (shared hosts): measure it now, for every row.
         peak_bw = peak_read_bandwidth(resolve_device(args.device), remeasure=not os.environ.get("GENFAST_PEAK_BW_GBS"))
         return {
