@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from genfast.compile import inductor_options
 from genfast.nn import row_linear
-from genfast.quant.grids import pack_nibbles, quantize
-from genfast.quant.linear import QuantLinear, int4pack_scales_and_zeros
+from genfast.quant.grids import QuantizedWeight, pack_nibbles, quantize, unpack_nibbles
+from genfast.quant.linear import QuantLinear, int4pack, int4pack_scales_and_zeros
 
 SHAPES = {  # (out, in) of one block's linears
     "llama-2-7b": [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)],
@@ -83,11 +83,7 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
     for group in (32, 128):
         qweights = [quantize(w, 4, group) for w in weights]
         for tiles in (2, 4, 8):
-            packed = [
-                (torch.ops.aten._convert_weight_to_int4pack(((q.codes[:, 0::2] << 4) | q.codes[:, 1::2]), tiles),
-                 int4pack_scales_and_zeros(q))
-                for q in qweights
-            ]  # fmt: skip
+            packed = [(int4pack(q.codes, tiles), int4pack_scales_and_zeros(q)) for q in qweights]
             nbytes = sum(p.numel() * p.element_size() + sz.numel() * 2 for p, sz in packed)
             out[f"int4 g{group} tinygemm k-tiles {tiles}"] = (
                 block(lambda i, x, packed=packed, g=group: torch.ops.aten._weight_int4pack_mm(x, *packed[i][:1], g,
@@ -97,8 +93,14 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
             )  # fmt: skip
         stored = [(pack_nibbles(q.codes), q.scales, q.mins) for q in qweights]
         nbytes = sum(c.numel() + s.numel() * 2 + m.numel() * 2 for c, s, m in stored)
+
+        def dequantized(i: int, dtype: torch.dtype, stored=stored, group=group) -> torch.Tensor:
+            packed_codes, scales, mins = stored[i]  # in the graph: nibbles unpacked and scaled in one pass
+            k = packed_codes.shape[1] * 2
+            return QuantizedWeight(unpack_nibbles(packed_codes), scales, mins, 4, group, k).dequantize(dtype)
+
         out[f"int4 g{group} dequantize+row_linear"] = (
-            block(lambda i, x, stored=stored, g=group: row_linear(x, dequantize4(*stored[i], g, x.dtype))),
+            block(lambda i, x, dequantized=dequantized: row_linear(x, dequantized(i, x.dtype))),
             nbytes,
             False,
         )
@@ -114,13 +116,6 @@ def int8pack_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
 @int8pack_mm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def dequantize4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int, dtype: torch.dtype):
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)
-    n, k = codes.shape
-    groups = codes.float().view(n, -1, group) * scales.float()[..., None] + mins.float()[..., None]
-    return groups.view(n, k).to(dtype)
 
 
 def main() -> None:

@@ -172,20 +172,16 @@ def low_precision_note(device: torch.device) -> str:
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait for the device's queued work (a no-op on the CPU, whose ops finish when they return)."""
+    """Wait for the work queued so far on the device's current stream (a no-op on the CPU, whose
+    ops finish when they return). On CUDA with an event rather than a device synchronization: an
+    explicit wait, which CUDA's sync-debug mode (the tests' check for hidden host syncs) does not
+    count."""
     device = torch.device(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def wait_for(device: torch.device) -> None:
-    """Wait until the work queued so far on `device` is done, with a CUDA event rather than a
-    stream or device synchronization: an explicit wait, which CUDA's sync-debug mode (the tests'
-    check for hidden host syncs) does not count."""
-    if device.type == "cuda":
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
+        with torch.cuda.device(device):
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
 
 
 def to_device(tensor: Tensor, device: torch.device) -> Tensor:

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map
 
 from genfast.compile import compile_fn
 from genfast.errors import UserError
-from genfast.hardware import HostCopy, to_device, wait_for
+from genfast.hardware import HostCopy, synchronize, to_device
 from genfast.llm.model import Transformer, attention_mask
 from genfast.llm.sampling import SamplingParams, sample
 from genfast.llm.streaming import TextStream
@@ -326,7 +326,7 @@ class Generator:
             next_tokens = self._step(tokens, input_pos, mask, params)
         else:
             next_tokens = self._step(tokens, input_pos, mask, params, prefill=True)
-        wait_for(self.device)
+        synchronize(self.device)
         return next_tokens, pad_start, time.perf_counter() - t0
 
     def _step(

@@ -80,11 +80,11 @@ def choose_kernel(qweight: QuantizedWeight, dynamic: bool) -> str:
     return "dequantize"
 
 
-def int4pack(codes: Tensor) -> Tensor:
+def int4pack(codes: Tensor, inner_k_tiles: int = INT4PACK_INNER_K_TILES) -> Tensor:
     """Codes [N, K] in [0, 15] in tinygemm's layout (`_convert_weight_to_int4pack` takes them two
     per byte, even column in the high nibble)."""
     pairs = (codes[:, 0::2] << 4) | codes[:, 1::2]
-    return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), INT4PACK_INNER_K_TILES)
+    return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
 
 
 def int4pack_scales_and_zeros(qweight: QuantizedWeight) -> Tensor:
@@ -132,7 +132,6 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(qweight))
         elif self.kernel == "int8pack":
             self.register_buffer("weight_int8", (qweight.codes ^ 0x80).view(torch.int8).contiguous())  # u - 128
-            self.register_buffer("channel_scales", qweight.scales[:, 0].contiguous())
         else:
             codes = pack_nibbles(qweight.codes) if self.bits == 4 else qweight.codes
             self.register_buffer("codes", codes.contiguous())
@@ -166,6 +165,11 @@ class QuantLinear(nn.Module):
         return QuantizedWeight(
             codes.contiguous(), scales.contiguous(), mins.contiguous(), self.bits, self.group_size, self.in_features
         )
+
+    @property
+    def channel_scales(self) -> Tensor:
+        """Per-channel weights' scales [N] (int8, one group per row)."""
+        return self.scales[:, 0]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         if self.kernel == "int8pack":  # what the kernel computes: int8 codes times the channel's scale

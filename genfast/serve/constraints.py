@@ -14,7 +14,7 @@ come from the masked distribution that was sampled.
 from __future__ import annotations
 
 import json
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,14 +70,21 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> str | Non
 
 def json_schema_grammar(schema: dict[str, Any], field: str) -> str:
     """The llguidance grammar of a JSON schema; ValueError naming `field` if it cannot be used."""
-    llguidance = _llguidance()
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+        return _compiled_schema(json.dumps(schema))  # key order kept: it is the properties' order
     except ValueError as e:
         raise ValueError(f"{field} is not a usable JSON schema: {e}") from None
+
+
+@lru_cache(maxsize=256)
+def _compiled_schema(schema: str) -> str:
+    """Compiled once per schema: a request's schema is checked when it is parsed and compiled
+    again for its grammar, and clients send the same schemas over and over."""
+    llguidance = _llguidance()
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise ValueError(f"{field} is not a usable JSON schema: {error}")
+        raise ValueError(error)
     return grammar
 
 
