@@ -4,6 +4,7 @@
     python benchmarks/serve_load.py [--model PATH] [--dtype bfloat16] [--clients 8] [--tokens 64]
                                     [--batches 1,8] [--repeats 3] [--no-compile]
     python benchmarks/serve_load.py --shared-prefix 1000 [--model PATH] [--repeats 5]
+    python benchmarks/serve_load.py --long-prompt 2000 [--prefill-chunks 64,256,1024] [--model PATH]
 
 Each client sends a different prompt and asks for exactly --tokens greedy tokens (EOS ignored).
 Tokens/s is all clients' tokens over the wall time from the first submit to the last token: what
@@ -11,15 +12,22 @@ a server delivers in aggregate. Also printed: the median time to first token and
 single client sees. In-process (no HTTP), so it measures the engine. Compile time is excluded
 (warm-up) and reported apart; each row is the median of --repeats runs.
 
---shared-prefix N: requests that share an N-token prefix (pydoc text, as a long system prompt)
-and differ in their last words, one at a time: the time to first token of one whose prefix is
-in a slot's cache row (the request before it left it there) against one prefilled whole (prefix
-reuse switched off), alternately.
+--shared-prefix N: requests that begin with one of two N-token prefixes (pydoc text, as long
+system prompts) and differ in their last words, one at a time in one slot. The time to first
+token of a request prefilled whole (prefix reuse switched off), of one whose prefix its slot's
+row holds (the request before it had the same prefix), and of one whose prefix the row lost to
+the other prefix and the prefix cache still holds (copied into the row), in turn.
+
+--long-prompt N: one client decodes while an N-token prompt arrives, for each --prefill-chunk
+value: the running client's largest and median gap between tokens while the long prompt is
+prefilled, and the long request's time to first token. Chunked prefill trades the second for
+the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import threading
 import time
@@ -78,21 +86,62 @@ def first_token_s(engine: Engine, prompt: list[int], tokens: int) -> tuple[float
 
 
 def shared_prefix(engine: Engine, tokenizer, prefix_tokens: int, tokens: int, repeats: int) -> None:
-    prefix = tokenizer.encode(pydoc_text())[:prefix_tokens]
-    words = ["apple", "river", "mountain", "violin", "harbor", "lantern", "meadow", "copper"]
-    prompts = [prefix + tokenizer.encode(f" Question {i}: what is a {w}?") for i, w in enumerate(words * repeats)]
-    uncached, cached, found = [], [], []
-    for i in range(0, len(prompts) - 1, 2):
+    text = tokenizer.encode(pydoc_text())
+    assert len(text) >= 2 * prefix_tokens, f"the corpus has {len(text)} tokens, fewer than 2 x {prefix_tokens}"
+    p, q = text[:prefix_tokens], text[prefix_tokens : 2 * prefix_tokens]
+    questions = iter(itertools.count())
+
+    def ask(prefix: list[int]) -> tuple[float, int]:
+        return first_token_s(engine, prefix + tokenizer.encode(f" Question {next(questions)}: what is it?"), tokens)
+
+    whole, row, cache = [], [], []
+    for _ in range(repeats):
         engine.reuse_prefixes = False
-        uncached.append(first_token_s(engine, prompts[i], tokens)[0])
-        engine.reuse_prefixes = True  # the request above left the prefix in its row
-        seconds, hit = first_token_s(engine, prompts[i + 1], tokens)
-        cached.append(seconds)
-        found.append(hit)
-    print("| prefix tokens | cached tokens | TTFT prefilled whole ms | TTFT prefix reused ms | speed-up |")
-    print("|---:|---:|---:|---:|---:|")
-    whole, reused = statistics.median(uncached) * 1000, statistics.median(cached) * 1000
-    print(f"| {len(prefix)} | {statistics.median(found):.0f} | {whole:.0f} | {reused:.0f} | {whole / reused:.1f}x |")
+        whole.append(ask(p))
+        engine.reuse_prefixes = True
+        ask(q)  # the row now holds q; the prefix cache holds both
+        cache.append(ask(p))
+        row.append(ask(p))
+    print("| prefix tokens | path | cached tokens | TTFT ms | speed-up |")
+    print("|---:|---|---:|---:|---:|")
+    base = statistics.median(s for s, _ in whole)
+    for name, runs in (("prefilled whole", whole), ("slot's row", row), ("prefix cache (copied)", cache)):
+        ttft = statistics.median(s for s, _ in runs)
+        found = statistics.median(n for _, n in runs)
+        print(f"| {prefix_tokens} | {name} | {found:.0f} | {ttft * 1000:.0f} | {base / ttft:.1f}x |", flush=True)
+
+
+def long_prompt(loaded, prompt_tokens: int, chunks: list[int], repeats: int, compile: bool) -> None:
+    prompt = loaded.tokenizer.encode(pydoc_text())[:prompt_tokens]
+    print("| prefill chunk | running client's largest gap ms | its median gap ms | long prompt's TTFT ms |")
+    print("|---:|---:|---:|---:|")
+    for chunk in chunks:
+        engine = Engine(loaded.model, loaded.tokenizer, max_batch=2, max_seq_len=prompt_tokens + 64,
+                        compile=compile, prefill_chunk=chunk).start()  # fmt: skip
+        engine.warmup()
+        engine.reuse_prefixes = False  # every round prefills the long prompt whole
+        runs = []
+        for _ in range(repeats):
+            stamps: list[float] = []  # when each piece of the running client's text arrived
+            running = engine.submit(
+                GenerationRequest((1, 2, 3), engine.max_seq_len - 3), lambda _, s=stamps: s.append(time.perf_counter())
+            )
+            while len(stamps) < 5:  # decoding steadily
+                time.sleep(0.01)
+            submitted = time.perf_counter()
+            first, _ = first_token_s(engine, prompt, 2)
+            while stamps[-1] <= submitted + first:  # its first text after the long prompt's first token
+                time.sleep(0.01)
+            # Its gaps from the long prompt's arrival to the first text after the long one's first.
+            ends = [i for i, at in enumerate(stamps) if at > submitted]
+            last = next(i for i in ends if stamps[i] > submitted + first)
+            gaps = [stamps[i] - stamps[i - 1] for i in range(ends[0], last + 1)]
+            running.cancel()
+            runs.append((max(gaps), statistics.median(gaps), first))
+        engine.shutdown()
+        largest, median, first = (statistics.median(r[i] for r in runs) for i in range(3))
+        print(f"| {chunk} | {largest * 1000:.0f} | {median * 1000:.0f} | {first * 1000:.0f} |", flush=True)
+        torch._dynamo.reset()
 
 
 def main() -> None:
@@ -107,6 +156,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--shared-prefix", type=int, default=0, help="prefix tokens (the shared-prefix mode)")
+    parser.add_argument("--long-prompt", type=int, default=0, help="prompt tokens (the chunked-prefill mode)")
+    parser.add_argument("--prefill-chunks", default="64,256,1024", help="--prefill-chunk values (--long-prompt)")
     args = parser.parse_args()
 
     loaded = load(args.model, "auto", args.dtype, args.threads)
@@ -122,6 +173,11 @@ def main() -> None:
         print(f"warm-up {engine.warmup():.0f} s", flush=True)
         shared_prefix(engine, loaded.tokenizer, args.shared_prefix, args.tokens, args.repeats)
         engine.shutdown()
+        return
+    if args.long_prompt:
+        print(f"# {info['device']} | torch {info['torch']} | {loaded.path.name} {args.dtype} | long prompt")
+        chunks = [int(c) for c in args.prefill_chunks.split(",")]
+        long_prompt(loaded, args.long_prompt, chunks, args.repeats, args.compile)
         return
     print(
         f"# {info['device']} | torch {info['torch']} | {loaded.path.name} {args.dtype} | "

@@ -231,6 +231,8 @@ class LlmLadder(Ladder):
     def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
         """greedy_match: the share of the baseline's greedy tokens reproduced before the first
         difference; same_as_compile, for speculative rows: the same against the compile row."""
+        from genfast.llm.generate import common_prefix
+
         tokens = output.token_ids[0]
         if row.step in (self.recipe.baseline, COMPILE):
             (workdir / f"tokens-{row.step}.json").write_text(json.dumps(tokens))
@@ -241,15 +243,6 @@ class LlmLadder(Ladder):
                 reference = json.loads(path.read_text())
                 result[key] = common_prefix(tokens, reference) / max(len(reference), 1)
         return result
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def bench_command(args: Any) -> int:

@@ -132,14 +132,25 @@ def positions(gen: Generator, start: int, n: int) -> tuple[Tensor, Tensor]:
     return input_pos, attention_mask(input_pos, gen.max_seq_len if gen.static_kv else start + n)
 
 
-def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    """How many leading tokens of `prompt` equal those of `cached` (the tokens a cache holds),
-    short of its last token, which always runs: its logits give the next token."""
-    common = 0
-    for held, token in zip(cached, prompt[:-1]):
-        if held != token:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
             break
-        common += 1
+        n += 1
+    return n
+
+
+def reusable_prefix(cached: Sequence[int], prompt: Sequence[int], max_rewind: int | None = None) -> int:
+    """How many leading tokens of `prompt` a cache holding `cached` (its tokens, in order) can
+    skip: those equal to the cached ones, short of the prompt's last token, which always runs (its
+    logits give the next token). `max_rewind`: the model's (Transformer.max_rewind); where the
+    cache holds more than that beyond the common prefix, a sliding-window ring has overwritten the
+    keys just before it, and nothing is reusable."""
+    common = common_prefix(cached, prompt[:-1])
+    if max_rewind is not None and len(cached) - common > max_rewind:
+        return 0
     return common
 
 
@@ -278,11 +289,7 @@ class Generator:
         the last prompt token is always run, for its logits."""
         if not self.reuse_prefix or len(prompts) != 1 or self.max_batch_size != 1:
             return 0
-        common = reusable_prefix(self.cached_tokens, prompts[0])
-        limit = self.model.max_rewind()
-        if limit is not None and len(self.cached_tokens) - common > limit:
-            return 0  # the keys just before the common prefix were overwritten in a ring
-        return common
+        return reusable_prefix(self.cached_tokens, prompts[0], self.model.max_rewind())
 
     def _check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
         """Validate a generate() request; return the prompt lengths."""

@@ -101,6 +101,16 @@ class KVCache(nn.Module):
             return self.k[:, :, :kv_len], self.v[:, :, :kv_len]
         return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
 
+    def read_span(self, row: int, start: int, end: int) -> Tensor:
+        """Keys and values of positions start..end-1 of cache row `row`: [2, kv_heads, end - start, head_dim]."""
+        return torch.stack([self.k[row, :, start:end], self.v[row, :, start:end]])
+
+    def write_span(self, row: int, start: int, kv: Tensor) -> None:
+        """Put keys and values [2, kv_heads, n, head_dim] (read_span's) at positions start.. of row `row`."""
+        end = start + kv.shape[2]
+        self.k[row, :, start:end] = kv[0]
+        self.v[row, :, start:end] = kv[1]
+
 
 class WindowKVCache(nn.Module):
     """The cache of a sliding-window layer: a ring of `size` slots per row (the window plus
@@ -110,7 +120,12 @@ class WindowKVCache(nn.Module):
     A call's queries attend over the ring as it was before the call (its slots at or past the
     call's first position are stale: a rewound sequence, rejected drafts) and over the call's
     own keys, so a prefill longer than the ring needs nothing evicted before it is used; then the
-    call's last `size` positions are written."""
+    call's last `size` positions are written.
+
+    The last position a cache of `max_len` slots holds, max_len - 1, is never written to the ring:
+    no later call has a query beyond it that could read it back, and the serve engine runs its
+    idle rows' dummy tokens there, which must not overwrite the ring of a row that is between two
+    prefill chunks or keeps a finished request's keys for reuse (genfast/serve/engine.py)."""
 
     def __init__(
         self,
@@ -119,11 +134,12 @@ class WindowKVCache(nn.Module):
         n_kv_heads: int,
         head_dim: int,
         window: int,
+        max_len: int,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.size, self.window = size, window
+        self.size, self.window, self.max_len = size, window, max_len
         shape = (batch, n_kv_heads, size + 1, head_dim)  # + 1: where the writes that are dropped go
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -150,12 +166,32 @@ class WindowKVCache(nn.Module):
         attended = attended & shared.gather(-1, at)
         keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
 
-        last = torch.arange(seqlen, device=k.device) >= seqlen - self.size
-        slots = torch.where(last, pos % self.size, self.size)  # earlier ones to the spare slot
+        kept = (torch.arange(seqlen, device=k.device) >= seqlen - self.size) & (pos < self.max_len - 1)
+        slots = torch.where(kept, pos % self.size, self.size)  # the others to the spare slot
         self.k[rows[:, None], :, slots] = k.transpose(1, 2)
         self.v[rows[:, None], :, slots] = v.transpose(1, 2)
         self.pos[rows[:, None], slots] = pos
         return keys, values, attended
+
+    def held_positions(self, row: int) -> set[int]:
+        """The positions whose keys and values the ring of row `row` holds."""
+        return {p for p in self.pos[row, : self.size].tolist() if p >= 0}
+
+    def read_span(self, row: int, start: int, end: int) -> Tensor:
+        """Keys and values of positions start..end-1 of row `row`, which the ring must hold (see
+        `held_positions`): [2, kv_heads, end - start, head_dim]."""
+        slots = torch.arange(start, end, device=self.k.device) % self.size
+        return torch.stack([self.k[row, :, slots], self.v[row, :, slots]])
+
+    def write_span(self, row: int, start: int, kv: Tensor) -> None:
+        """Make row `row`'s ring hold exactly the keys and values [2, kv_heads, n, head_dim] (n at
+        most `size`) at positions start..: as if they were the only positions written so far."""
+        positions = torch.arange(start, start + kv.shape[2], device=self.k.device)
+        slots = positions % self.size
+        self.pos[row] = -1
+        self.k[row, :, slots] = kv[0]
+        self.v[row, :, slots] = kv[1]
+        self.pos[row, slots] = positions
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -60,7 +60,7 @@ class Transformer(nn.Module):
             heads, window = layer.attention.n_kv_heads, layer.attention.sliding_window
             if window is not None and window + WINDOW_SLACK < max_seq_len:  # a ring of the window
                 cache = WindowKVCache(
-                    batch_size, window + WINDOW_SLACK, heads, self.args.head_dim, window, dtype, device
+                    batch_size, window + WINDOW_SLACK, heads, self.args.head_dim, window, max_seq_len, dtype, device
                 )
             else:
                 cache = KVCache(batch_size, max_seq_len, heads, self.args.head_dim, dtype, device, window)

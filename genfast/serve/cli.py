@@ -41,9 +41,17 @@ def register(commands: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--prefill-chunk",
         type=positive_int,
-        default=512,
+        default=256,
         help="prompt tokens prefilled between two decode steps: a long prompt is prefilled in "
-        "chunks while the other requests keep decoding (default 512)",
+        "chunks while the other requests keep decoding (default 256)",
+    )
+    g.add_argument(
+        "--prefix-cache-mib",
+        type=non_negative_int,
+        default=1024,
+        metavar="MIB",
+        help="memory for the prefix cache: keys and values of earlier prompts, reused by any request "
+        "that starts the same way (default 1024; 0: only each slot's own last request is reused)",
     )
     g.add_argument(
         "--api-key",

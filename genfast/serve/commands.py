@@ -63,6 +63,7 @@ def serve_command(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         compile=settings.compile,
         prefill_chunk=args.prefill_chunk,
+        prefix_cache_mib=args.prefix_cache_mib,
     )
     if not is_main_rank():
         engine.follow()

@@ -16,12 +16,14 @@ soon as it stops. Greedy output is token-identical to `Generator.generate` for t
 (tests/serve): rows never attend to each other, and free slots run a dummy token at the last
 cache position, which no request's tokens reach.
 
-Prefix reuse: a slot's cache row keeps the keys and values of its last request after it leaves.
-A new request takes the free slot whose row shares the longest prefix with its prompt (ties: the
-least recently used) and prefills only the rest, so a chat client resending its conversation, or
-requests sharing a system prompt, skip what is cached; the slots' rows are the cache's memory
-budget, and taking a slot evicts what its row held. Not with sliding-window rings, whose old
-slots the dummy steps and later positions overwrite.
+Prefix reuse, at two levels. A slot's cache row keeps the keys and values of its last request
+after it leaves: a new request takes the free slot whose row shares the longest prefix with its
+prompt (ties: the least recently used), so a chat client resending its conversation continues in
+place. Beyond the rows, a prefix cache (genfast/serve/prefix_cache.py) keeps blocks of every
+request's keys and values under its own memory budget, stored as each prefill chunk ends and when
+a request leaves; a request whose prompt begins with stored blocks, longer than what its row
+holds, copies them into its row. Either way only the rest of the prompt is prefilled. A
+sliding-window ring is reused only where it still holds the window before the reused prefix.
 
 Results are pushed to a per-request `Sink` (a callable) from the scheduler thread: `Delta`s of
 final text as it is produced, then exactly one `Finished`. The HTTP layer (genfast/serve/app.py)
@@ -58,6 +60,7 @@ from genfast.llm.streaming import TextStream
 from genfast.llm.tensor_parallel import current_world_size
 from genfast.llm.tokenizer import Tokenizer
 from genfast.serve.constraints import Constraints, Matcher
+from genfast.serve.prefix_cache import BLOCK_SIZE, CacheRows, PrefixCache
 from genfast.serve.tensor_parallel import KEEPALIVE_S, Op, StepBroadcast
 
 if TYPE_CHECKING:
@@ -128,7 +131,7 @@ class Finished:
     prompt_tokens: int
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids, when asked for
-    cached_tokens: int = 0  # of prompt_tokens, those found in the slot's cache row (not prefilled)
+    cached_tokens: int = 0  # of prompt_tokens, those found in the slot's row or the prefix cache (not prefilled)
 
     @property
     def completion_tokens(self) -> int:
@@ -190,8 +193,11 @@ class EngineObserver(Protocol):
 class Ticket:
     """A submitted request: cancel it at any time (queued or running); its sink gets `Finished`."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest, sink: Sink, ticket_id: int) -> None:
+    def __init__(
+        self, engine: Engine, request: GenerationRequest, sink: Sink, ticket_id: int, matcher: Matcher | None = None
+    ) -> None:
         self.engine, self.request, self.sink, self.id = engine, request, sink, ticket_id
+        self.matcher = matcher  # the request's grammar state, built when it was validated
         self.cancelled = False
         self.submitted = time.perf_counter()
 
@@ -220,8 +226,9 @@ class _Sequence:
     token_time: float = 0.0  # when the last token was taken (perf_counter)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     unsent: int = 0  # of `logprobs`, how many no Delta has carried yet
-    cached: int = 0  # leading prompt tokens already in the slot's cache row
+    cached: int = 0  # leading prompt tokens not prefilled: held by the slot's row or copied from the prefix cache
     prefilled: int = 0  # prompt tokens in the row so far (chunked prefill); then decoding starts
+    looked_up: bool = False  # the prefix cache was asked for the prompt
     matcher: Matcher | None = None  # the request's grammar state (structured output)
 
 
@@ -236,7 +243,10 @@ class EngineStats:
     max_seq_len: int
     cached_tokens: int  # held in the KV cache by the running requests
     prompt_tokens: int  # of every request prefilled so far
-    reused_prompt_tokens: int  # of those, found in a slot's cache row
+    reused_prompt_tokens: int  # of those, found in a slot's row or the prefix cache
+    prefix_cache_bytes: int = 0  # held by the prefix cache's blocks
+    prefix_cache_budget: int = 0  # its budget (0: no prefix cache)
+    prefix_cache_evicted: int = 0  # blocks evicted to make room, since the start
 
 
 OMP_PAUSE_HARD = 2  # omp.h's omp_pause_resource_t
@@ -266,6 +276,8 @@ class Engine:
 
     max_queue: requests allowed to wait for a slot; beyond that `submit` raises QueueFull
     (back-pressure: memory stays bounded however many clients connect).
+    prefix_cache_mib: the prefix cache's budget in MiB (0: none; there is none under tensor
+    parallelism, whose ranks would all have to copy alike); prefix_block: its tokens per block.
     """
 
     def __init__(
@@ -277,12 +289,16 @@ class Engine:
         max_queue: int = 64,
         max_seq_len: int | None = None,
         compile: bool = True,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = 256,  # docs/performance.md, "Chunked prefill"
+        prefix_cache_mib: float = 1024,
+        prefix_block: int = BLOCK_SIZE,
     ) -> None:
         if max_batch < 1 or max_queue < 0:
             raise UserError(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
         if prefill_chunk < 1:
             raise UserError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+        if prefix_cache_mib < 0:
+            raise UserError(f"--prefix-cache-mib must be >= 0, got {prefix_cache_mib}")
         self.prefill_chunk = prefill_chunk
         self.model, self.tokenizer = model, tokenizer
         self.constraints = Constraints(tokenizer, model.args.vocab_size)
@@ -317,7 +333,13 @@ class Engine:
         # after its request leaves: prefix reuse, see the module doc) and when it was last used.
         self._row_tokens: list[list[int]] = [[] for _ in range(max_batch)]
         self._row_used = [0.0] * max_batch
-        self.reuse_prefixes = model.max_rewind() is None  # not with sliding-window rings
+        self.rows = CacheRows(model)
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_mib > 0 and current_world_size() == 1:
+            self.prefix_cache = PrefixCache(self.rows, int(prefix_cache_mib * 2**20), prefix_block)
+        elif prefix_cache_mib > 0:
+            log.info("no prefix cache under tensor parallelism: each slot reuses only its own row")
+        self.reuse_prefixes = True  # look prompts up in the rows and the prefix cache (benchmarks switch it off)
         self.prompt_tokens = self.reused_prompt_tokens = 0
 
     # Two functions, not one: dynamo keeps graphs per code object, so prefill's dynamic prompt
@@ -385,7 +407,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest, sink: Sink) -> Ticket:
         """Queue a request; raises UserError (invalid), QueueFull or EngineStopped."""
-        self.validate(request)
+        matcher = self.validate(request)
         with self._cond:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
@@ -394,12 +416,14 @@ class Engine:
                 raise QueueFull(
                     f"all {self.max_batch} slots are busy and {len(self._pending)} requests are waiting; retry later"
                 )
-            ticket = Ticket(self, request, sink, next(self._ids))
+            ticket = Ticket(self, request, sink, next(self._ids), matcher)
             self._pending.append(ticket)
             self._cond.notify_all()
         return ticket
 
-    def validate(self, request: GenerationRequest) -> None:
+    def validate(self, request: GenerationRequest) -> Matcher | None:
+        """Raise UserError for a request the engine cannot run; return its grammar's matcher (None:
+        free text)."""
         n = len(request.prompt_ids)
         if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
             raise UserError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {request.logprobs}")
@@ -416,8 +440,12 @@ class Engine:
         vocab = self.model.args.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise UserError(f"prompt token ids must be in [0, {vocab})")
-        if request.grammar is not None and not self.constraints.matcher(request.grammar).allowed().any():
+        if request.grammar is None:
+            return None
+        matcher = self.constraints.matcher(request.grammar)
+        if not matcher.allowed().any():
             raise UserError("no token of this model's vocabulary can start a reply in the requested format")
+        return matcher
 
     def generate(self, request: GenerationRequest, on_text: Callable[[str], None] | None = None) -> Finished:
         """Submit and wait (blocking) for the result; `on_text` gets each Delta's text."""
@@ -461,6 +489,7 @@ class Engine:
         return self._stopping
 
     def stats(self) -> EngineStats:
+        cache = self.prefix_cache
         with self._cond:
             running = [s for s in self._slots if s is not None]
             return EngineStats(
@@ -474,6 +503,9 @@ class Engine:
                 sum(s.pos for s in running),
                 self.prompt_tokens,
                 self.reused_prompt_tokens,
+                prefix_cache_bytes=cache.nbytes if cache is not None else 0,
+                prefix_cache_budget=cache.budget if cache is not None else 0,
+                prefix_cache_evicted=cache.evicted if cache is not None else 0,
             )
 
     def shutdown(self, timeout: float = 0.0) -> None:
@@ -557,17 +589,38 @@ class Engine:
         """The free slot whose row shares the longest prefix with `prompt` (among equals, the least
         recently used: its row is the one evicted), and how many prompt tokens its row holds."""
         free = [slot for slot, seq in enumerate(self._slots) if seq is None]
-        held = {slot: reusable_prefix(self._row_tokens[slot], prompt) if self.reuse_prefixes else 0 for slot in free}
+        held = {slot: self._row_prefix(slot, prompt) if self.reuse_prefixes else 0 for slot in free}
         slot = max(free, key=lambda slot: (held[slot], -self._row_used[slot]))
         return slot, held[slot]
+
+    def _row_prefix(self, slot: int, prompt: Sequence[int]) -> int:
+        common = reusable_prefix(self._row_tokens[slot], prompt)
+        return self.rows.reusable(slot, common) if common else 0
+
+    def _restore(self, slot: int, seq: _Sequence) -> None:
+        """Copy the longest prefix of the prompt the prefix cache holds into the slot's row, where
+        it is longer than what the row holds already."""
+        seq.looked_up = True
+        if self.prefix_cache is None or not self.reuse_prefixes:
+            return
+        prompt = seq.ticket.request.prompt_ids
+        prefix = self.prefix_cache.match(prompt)
+        if prefix.length <= seq.cached:
+            return
+        seq.cached = seq.prefilled = self.prefix_cache.restore(slot, prefix, seq.cached)
+        self._row_tokens[slot] = list(prompt[: seq.prefilled])
+
+    def _keep(self, slot: int) -> None:
+        """Store what the slot's row holds in the prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(slot, self._row_tokens[slot])
 
     def _new_sequence(self, ticket: Ticket) -> _Sequence:
         req = ticket.request
         generator = None
         if req.seed is not None and not req.params.greedy:
             generator = torch.Generator(self.device).manual_seed(req.seed)
-        matcher = None if req.grammar is None else self.constraints.matcher(req.grammar)
-        return _Sequence(ticket, TextStream(self.tokenizer, req.stop), generator, matcher=matcher)
+        return _Sequence(ticket, TextStream(self.tokenizer, req.stop), generator, matcher=ticket.matcher)
 
     @staticmethod
     def _decoding(seq: _Sequence) -> bool:
@@ -589,6 +642,8 @@ class Engine:
         prompt is in, take the first token. Returns the tokens prefilled."""
         seq = self._slots[slot]
         assert seq is not None
+        if not seq.looked_up:
+            self._restore(slot, seq)
         prompt = seq.ticket.request.prompt_ids
         start = seq.prefilled
         n = min(budget, len(prompt) - start)
@@ -601,12 +656,15 @@ class Engine:
         self._row_tokens[slot] = list(prompt[: seq.prefilled])  # what the row holds so far
         self._row_used[slot] = time.monotonic()
         if not self._decoding(seq):
+            self._keep(slot)  # requests running beside this one may share its prompt's start
             return n
         self.prompt_tokens += len(prompt)
         self.reused_prompt_tokens += seq.cached
         seq.pos = len(prompt)
         token, logprob = self._sample(logits, [seq])[0]
-        self._accept(slot, token, logprob)
+        self._accept(slot, token, logprob)  # the first token goes out before the prompt is stored
+        if self._slots[slot] is seq:
+            self._keep(slot)
         return n
 
     def _step(self) -> None:
@@ -704,6 +762,7 @@ class Engine:
         tail = seq.stream.finish()
         if tail or seq.unsent:
             seq.ticket.sink(Delta(tail, self._unsent_logprobs(seq)))
+        self._keep(slot)
         with self._cond:
             self._slots[slot] = None
         logprobs = tuple(seq.logprobs) if seq.ticket.request.logprobs is not None else None

@@ -3,8 +3,9 @@
 Counted as requests run (the engine calls the `EngineObserver` methods from its thread):
 finished requests by finish reason, prompt and generated tokens, time to first token,
 inter-token latency and request duration. Read from the engine when scraped: running and
-waiting requests, decode steps, the KV cache in use (tokens held over the slots' capacity) and
-prefix reuse (prompt tokens found in a slot's cache row, and their share of all prompt tokens).
+waiting requests, decode steps, the KV cache in use (tokens held over the slots' capacity),
+prefix reuse (prompt tokens found in a slot's row or the prefix cache, and their share of all
+prompt tokens) and the prefix cache's memory, budget and evictions.
 Each app has its own registry, so several engines in one process (tests) never share counters.
 """
 
@@ -93,4 +94,15 @@ class _EngineState(Collector):
         yield GaugeMetricFamily(
             "genfast_prefix_cache_hit_ratio", "Prompt tokens found in the cache over all prompt tokens prefilled",
             value=stats.reused_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "genfast_prefix_cache_bytes", "Memory held by the prefix cache's blocks", value=stats.prefix_cache_bytes
+        )
+        yield GaugeMetricFamily(
+            "genfast_prefix_cache_budget_bytes", "The prefix cache's memory budget (0: none)",
+            value=stats.prefix_cache_budget,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "genfast_prefix_cache_evicted_blocks", "Prefix-cache blocks evicted to make room",
+            value=stats.prefix_cache_evicted,
         )  # fmt: skip

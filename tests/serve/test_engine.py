@@ -235,7 +235,7 @@ def test_a_prompt_sharing_a_prefix_with_a_slots_last_request_prefills_only_the_r
     first, second, other = system + [20, 21], system + [30, 31, 32], [200, 201, 202]
     gen = Generator(*load_tiny(tiny_dir), max_seq_len=1024, compile=False)
     want = {tuple(p): gen.generate([p], 12).token_ids[0] for p in (first, second, other)}
-    engine = Engine(*load_tiny(tiny_dir), max_batch=1, compile=False).start()
+    engine = Engine(*load_tiny(tiny_dir), max_batch=1, compile=False, prefix_cache_mib=0).start()
 
     def run(prompt: list[int]) -> Finished:
         done = engine.generate(GenerationRequest(tuple(prompt), 12))
@@ -264,15 +264,101 @@ def test_requests_go_to_the_slot_that_holds_their_prefix(tiny_dir):
     engine.shutdown()
 
 
-def test_sliding_window_rings_are_not_reused(tmp_path):
+def block_bytes(engine: Engine) -> int:
+    """The memory of one prefix-cache block of `engine`'s model (fp32 keys and values)."""
+    args = engine.model.args
+    return args.n_layers * 2 * args.n_kv_heads * engine.prefix_cache.block_size * args.head_dim * 4
+
+
+def test_the_prefix_cache_shares_a_running_requests_prompt_with_another_slot(tiny_dir):
+    """B arrives while A, which shares its first 64 tokens, is still decoding in the other slot:
+    B copies A's four stored blocks into its own (empty) row instead of prefilling them, and both
+    give their uncached greedy tokens."""
+    system = [(5 * i) % 300 + 3 for i in range(64)]
+    a, b = system + [20, 21, 22], system + [30, 31]
+    gen = Generator(*load_tiny(tiny_dir), max_seq_len=1024, compile=False)
+    want_a, want_b = (gen.generate([p], n).token_ids[0] for p, n in ((a, 60), (b, 8)))
+    engine = Engine(*load_tiny(tiny_dir), max_batch=2, compile=False, prefix_block=16).start()
+    events: queue.Queue = queue.Queue()
+    engine.submit(GenerationRequest(tuple(a), 60), events.put)
+    assert isinstance(events.get(timeout=30), Delta)  # A is decoding
+    got_b = engine.generate(GenerationRequest(tuple(b), 8))
+    assert engine.stats().active == 1  # A still runs
+    assert got_b.cached_tokens == 64 and got_b.token_ids == want_b
+    while not isinstance(got_a := events.get(timeout=30), Finished):
+        pass
+    assert got_a.cached_tokens == 0 and got_a.token_ids == want_a
+    engine.shutdown()
+
+
+def test_the_prefix_cache_evicts_least_recently_used_blocks_to_stay_in_its_budget(tiny_dir):
+    """A budget of five 16-token blocks: Y's four blocks evict X's last three (its first, the
+    parent of the others, is evicted last), so X again finds one block in the cache and its row
+    holds Y; outputs stay the uncached ones."""
+    x, y = [[(k * (i + 1)) % 300 + 3 for i in range(66)] for k in (7, 11)]
+    gen = Generator(*load_tiny(tiny_dir), max_seq_len=1024, compile=False)
+    want = {tuple(p): gen.generate([p], 4).token_ids[0] for p in (x, y)}
+    engine = Engine(*load_tiny(tiny_dir), max_batch=1, compile=False, prefix_block=16)
+    budget = 5 * block_bytes(engine)
+    engine = Engine(*load_tiny(tiny_dir), max_batch=1, compile=False, prefix_block=16, prefix_cache_mib=budget / 2**20)
+    engine.start()
+    results = [engine.generate(GenerationRequest(tuple(p), 4)) for p in (x, y, x)]
+    assert [r.token_ids for r in results] == [want[tuple(x)], want[tuple(y)], want[tuple(x)]]
+    assert [r.cached_tokens for r in results] == [0, 0, 16]
+    stats = engine.stats()
+    assert stats.prefix_cache_budget == budget and stats.prefix_cache_bytes <= budget
+    assert stats.prefix_cache_evicted == 3 + 3  # X's last three, then Y's last three
+    assert len(engine.prefix_cache) == 5
+    engine.shutdown()
+
+
+def test_without_a_prefix_cache_only_rows_are_reused(tiny_dir):
+    engine = Engine(*load_tiny(tiny_dir), max_batch=2, compile=False, prefix_cache_mib=0).start()
+    assert engine.prefix_cache is None and engine.stats().prefix_cache_budget == 0
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory):
+    """Gemma 2 with a 6-token window (rings of 38 slots) on every other layer."""
     from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
 
     hf = make_hf_model("gemma2")
-    directory = save_hf_model(hf, tmp_path / "gemma2")
+    directory = save_hf_model(hf, tmp_path_factory.mktemp("gemma2"))
     word_tokenizer(hf.config.vocab_size).save(directory)
-    engine = Engine(*load_tiny(directory), max_batch=1, max_seq_len=128, compile=False).start()
-    engine.generate(GenerationRequest(tuple(range(3, 23)), 4))
-    assert engine.generate(GenerationRequest(tuple(range(3, 25)), 4)).cached_tokens == 0
+    return directory
+
+
+def test_ring_rows_keep_their_keys_between_prefill_chunks(gemma2_dir):
+    """Idle rows run decode steps at the last cache position; a ring must not store that write,
+    or a row between two prefill chunks loses a key inside its window."""
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((70, 5, 41, 16, 90))]
+    gen = Generator(*load_tiny(gemma2_dir), max_seq_len=128, compile=False)
+    want = [gen.generate([p], 10).token_ids[0] for p in prompts]
+    engine = Engine(*load_tiny(gemma2_dir), max_batch=2, max_seq_len=128, compile=False, prefill_chunk=5).start()
+    got = run_concurrently(engine, [GenerationRequest(tuple(p), 10) for p in prompts])
+    assert [r.token_ids for r in got] == want
+    engine.shutdown()
+
+
+def test_sliding_window_models_reuse_rows_and_blocks_whose_window_is_held(gemma2_dir):
+    """A chat turn continues in its row (the ring holds the window before the reused prefix); a
+    prompt sharing A's first 32 tokens restores them from the prefix cache (block 1 was stored with
+    its ring keys right after A's prefill; block 0 was not, the ring having moved past it), and
+    one sharing only 16 finds nothing usable: neither block 0 nor A's row holds the window before
+    position 16. Every output equals its uncached one."""
+    a = [(3 * i) % 250 + 3 for i in range(40)]
+    gen = Generator(*load_tiny(gemma2_dir), max_seq_len=128, compile=False)
+    reply = gen.generate([a], 8).token_ids[0]
+    turn = a + reply + [9, 10, 11]
+    b, c = a[:32] + [100, 101, 102], a[:16] + [100, 101, 102]
+    want = [gen.generate([p], 8).token_ids[0] for p in (turn, b, c)]
+    engine = Engine(*load_tiny(gemma2_dir), max_batch=2, max_seq_len=128, compile=False, prefix_block=16)
+    engine.start()
+    assert engine.generate(GenerationRequest(tuple(a), 8)).token_ids == reply
+    results = [engine.generate(GenerationRequest(tuple(p), 8)) for p in (turn, b, c)]
+    assert [r.token_ids for r in results] == want
+    assert [r.cached_tokens for r in results] == [len(a) + 7, 32, 0]
     engine.shutdown()
 
 

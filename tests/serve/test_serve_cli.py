@@ -14,7 +14,7 @@ import pytest
 
 from genfast.cli import main
 from tests.serve.conftest import Server, start_cli_server
-from tests.serve.test_server import long_stream
+from tests.serve.test_server import long_stream, scrape
 
 
 def run_generate(*args: str) -> str:
@@ -61,8 +61,12 @@ def test_cli_serves_and_shuts_down_gracefully(tiny_dir):
         "tiny",
         "--shutdown-timeout",
         "180",
+        "--prefix-cache-mib",
+        "3",
     )
     try:
+        metrics = scrape(_Port(port))
+        assert metrics["genfast_prefix_cache_budget_bytes"] == 3 * 2**20
         assert_sigterm_lets_a_stream_finish(proc, port, max_tokens=600, timeout=200)
     finally:
         if proc.poll() is None:

@@ -396,3 +396,30 @@ def test_a_conversation_resent_with_a_new_turn_reports_its_cached_tokens(serve, 
     assert metrics["genfast_prompt_tokens_cached_total"] == cached
     total = first.usage.prompt_tokens + second.usage.prompt_tokens
     assert abs(metrics["genfast_prefix_cache_hit_ratio"] - cached / total) < 1e-9
+
+
+def test_a_client_sharing_a_system_prompt_with_a_running_one_reuses_its_blocks(serve, reference):
+    """Two clients with one system prompt: the second arrives while the first still streams in
+    the other slot, so its own row holds nothing; it copies the shared prefix from the blocks the
+    first stored after its prefill (whole 16-token blocks of its prompt), says so in its usage,
+    and replies as without the cache."""
+    server = serve(max_batch=2, prefix_block=16)
+    client = server.client()
+    system = {"role": "system", "content": words(*range(10, 90))}
+    first = [system, {"role": "user", "content": PROMPT}]
+    second = [system, {"role": "user", "content": words(7, 8, 9)}]
+    stream = client.chat.completions.create(model="tiny", messages=first, max_tokens=600, temperature=0, stream=True)
+    try:
+        next(iter(stream))  # the first client is decoding
+        reply = client.chat.completions.create(model="tiny", messages=second, max_tokens=8, temperature=0)
+        assert scrape(server)["genfast_requests_running"] == 1
+    finally:
+        stream.close()
+    tok = reference.tokenizer
+    text = tok.apply_chat_template(second)
+    a, b = tok.encode(tok.apply_chat_template(first)), tok.encode(text)
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert common > 64 and reply.usage.prompt_tokens_details.cached_tokens == min(common, len(a) // 16 * 16)
+    assert reply.choices[0].message.content == reference(text, 8).texts[0]
+    metrics = scrape(server)
+    assert 0 < metrics["genfast_prefix_cache_bytes"] <= metrics["genfast_prefix_cache_budget_bytes"]
