@@ -423,3 +423,32 @@ def test_a_client_sharing_a_system_prompt_with_a_running_one_reuses_its_blocks(s
     assert reply.choices[0].message.content == reference(text, 8).texts[0]
     metrics = scrape(server)
     assert 0 < metrics["genfast_prefix_cache_bytes"] <= metrics["genfast_prefix_cache_budget_bytes"]
+
+
+def test_a_small_prefix_cache_evicts_and_what_is_left_is_still_reused(serve, reference, tiny_dir):
+    """A prefix cache of four 16-token blocks and one slot: conversation A stores three blocks,
+    B's three evict A's last two, so A resent finds only its first block (its row holds B) and
+    replies as without the cache; /metrics counts the evictions."""
+    from genfast.serve.engine import Engine
+
+    args = Engine(*load_tiny(tiny_dir), compile=False, max_seq_len=64).model.args
+    block = args.n_layers * 2 * args.n_kv_heads * 16 * args.head_dim * 4  # fp32 keys and values
+    server = serve(max_batch=1, prefix_block=16, prefix_cache_mib=4 * block / 2**20)
+    client = server.client()
+
+    def chat(first_word: int):
+        messages = [{"role": "system", "content": words(*range(first_word, first_word + 48))},
+                    {"role": "user", "content": PROMPT}]  # fmt: skip
+        return messages, client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+
+    _, a = chat(10)
+    _, b = chat(100)
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    assert b.usage.prompt_tokens_details.cached_tokens == 1  # the role word A's row began with too
+    metrics = scrape(server)
+    assert metrics["genfast_prefix_cache_evicted_blocks_total"] == 2
+    assert metrics["genfast_prefix_cache_bytes"] == metrics["genfast_prefix_cache_budget_bytes"] == 4 * block
+    messages, again = chat(10)
+    assert again.usage.prompt_tokens_details.cached_tokens == 16
+    text = reference.tokenizer.apply_chat_template(messages)
+    assert again.choices[0].message.content == a.choices[0].message.content == reference(text, 8).texts[0]
