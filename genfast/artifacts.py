@@ -28,7 +28,9 @@ import torch
 from genfast import __version__
 from genfast.hub import genfast_home
 
-FORMAT = 2  # bump when the layout of an artifact directory changes (2: artifact.json lists the kernels)
+# Bump when the layout of an artifact directory changes, or when steps saved before would now be
+# compiled differently (2: artifact.json lists the kernels; 3: one-row bf16 linears take the kernel).
+FORMAT = 3
 
 
 def root() -> Path:

@@ -37,8 +37,10 @@ def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Te
     machine's full read bandwidth (measured on a 2-core Zen 4, bf16 SmolLM2 decode shapes:
     48 GB/s, against 18 GB/s for aten::mm and 33 GB/s for a pre-packed oneDNN linear), and it
     fuses with the neighbouring element-wise ops. Eagerly it would materialize an N x K product,
-    so `Linear` only takes this path under torch.compile. `scales` (per output channel) serves
-    quantized weights: the weight is upcast inside the same loop.
+    so `Linear` only takes this path under torch.compile, and only where the few-row kernel does
+    not apply (fp32 weights, no kernel for this CPU): inside a whole compiled decode step the
+    kernel was as fast on Zen 4 and 1.4x faster on an Intel Xeon (docs/performance.md). `scales`
+    (per output channel) serves quantized weights: the weight is upcast inside the same loop.
     """
     out = (x.float().reshape(1, -1) * weight.float()).sum(dim=-1)
     if scales is not None:
@@ -58,7 +60,7 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _few_rows_apply(x: Tensor, weight: Tensor, min_rows: int | None = None) -> bool:
+def _few_rows_apply(x: Tensor, weight: Tensor) -> bool:
     rows = x.numel() // x.shape[-1]
     # A dynamic row count (a prefill's length) keeps aten's GEMM: testing it would add a guard.
     return (
@@ -67,7 +69,7 @@ def _few_rows_apply(x: Tensor, weight: Tensor, min_rows: int | None = None) -> b
         and x.device.type == "cpu"
         and weight.shape[1] % 32 == 0
         and few_rows_kernel_available()
-        and statically_known_true(rows >= (min_rows or few_rows_min_rows()))
+        and statically_known_true(rows >= 1)
         and statically_known_true(rows <= MAX_FEW_ROWS)
     )
 
@@ -75,14 +77,6 @@ def _few_rows_apply(x: Tensor, weight: Tensor, min_rows: int | None = None) -> b
 @torch.compiler.assume_constant_result  # run (and build the kernel) while tracing, not traced
 def few_rows_kernel_available() -> bool:
     return few_rows_unavailable_reason() is None
-
-
-@torch.compiler.assume_constant_result
-def few_rows_min_rows() -> int:
-    """The fewest rows the kernel takes. AVX-512: 2, one row is inductor's reduction, which
-    streams bf16 weights at 48 GB/s on Zen 4; AVX2: 1, that reduction reaches ~9 GB/s on Zen 3
-    (docs/performance.md, "AVX2")."""
-    return 2 if LINEAR_FEW_ROWS.loaded_isa() == "avx512" else 1
 
 
 class Linear(nn.Linear):
@@ -126,8 +120,7 @@ def expert_linear(x: Tensor, experts: Tensor, weight: Tensor) -> Tensor:
 
     def matmul(rows: Tensor, expert: int) -> Tensor:
         w = weight[expert]
-        # Eager, so the kernel serves one row too (Linear leaves that to a compiled reduction).
-        if _few_rows_apply(rows, w, min_rows=1):
+        if _few_rows_apply(rows, w):
             return few_rows_linear(rows, w)
         return F.linear(rows, w.to(rows.dtype))
 

@@ -10,7 +10,6 @@ from genfast.nn import (
     MAX_FEW_ROWS,
     Linear,
     auto_weight_dtype,
-    few_rows_min_rows,
     few_rows_unavailable_reason,
     row_linear,
     store_linear_weights,
@@ -84,8 +83,8 @@ def test_compiled_linear_takes_the_few_row_kernel_up_to_its_limit(bias, monkeypa
             got = compiled(x)
         assert got.shape == (1, rows, 40) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)  # bf16 output rounding
-    # One row: inductor's reduction where it is fast (AVX-512); more rows than the limit: aten's GEMM.
-    assert traced == [(1, rows, 96) for rows in range(few_rows_min_rows(), MAX_FEW_ROWS + 1)]
+    # More rows than the limit: aten's GEMM.
+    assert traced == [(1, rows, 96) for rows in range(1, MAX_FEW_ROWS + 1)]
 
 
 @needs_few_rows_kernel
