@@ -228,8 +228,11 @@ class _Sequence:
     unsent: int = 0  # of `logprobs`, how many no Delta has carried yet
     cached: int = 0  # leading prompt tokens not prefilled: held by the slot's row or copied from the prefix cache
     prefilled: int = 0  # prompt tokens in the row so far (chunked prefill); then decoding starts
-    looked_up: bool = False  # the prefix cache was asked for the prompt
-    matcher: Matcher | None = None  # the request's grammar state (structured output)
+
+    @property
+    def matcher(self) -> Matcher | None:
+        """The request's grammar state (structured output)."""
+        return self.ticket.matcher
 
 
 @dataclass
@@ -569,12 +572,16 @@ class Engine:
                         self._cancel_all_locked()
                         self._cond.notify_all()
                         return
+                    admitted = []
                     while self._pending and None in self._slots:
                         ticket = self._pending.popleft()
                         slot, cached = self._pick_slot(ticket.request.prompt_ids)
                         self._slots[slot] = self._new_sequence(ticket)
                         self._slots[slot].cached = self._slots[slot].prefilled = cached
+                        admitted.append(slot)
                 try:
+                    for slot in admitted:  # outside the lock: a copy of up to the whole context
+                        self._restore(slot)
                     self._prefill_some()
                     self._drop_cancelled()
                     if any(s is not None and self._decoding(s) for s in self._slots):
@@ -594,13 +601,13 @@ class Engine:
         return slot, held[slot]
 
     def _row_prefix(self, slot: int, prompt: Sequence[int]) -> int:
-        common = reusable_prefix(self._row_tokens[slot], prompt)
-        return self.rows.reusable(slot, common) if common else 0
+        return self.rows.reusable(slot, reusable_prefix(self._row_tokens[slot], prompt))
 
-    def _restore(self, slot: int, seq: _Sequence) -> None:
-        """Copy the longest prefix of the prompt the prefix cache holds into the slot's row, where
+    def _restore(self, slot: int) -> None:
+        """Copy the longest prefix of the slot's prompt the prefix cache holds into its row, where
         it is longer than what the row holds already."""
-        seq.looked_up = True
+        seq = self._slots[slot]
+        assert seq is not None
         if self.prefix_cache is None or not self.reuse_prefixes:
             return
         prompt = seq.ticket.request.prompt_ids
@@ -620,7 +627,7 @@ class Engine:
         generator = None
         if req.seed is not None and not req.params.greedy:
             generator = torch.Generator(self.device).manual_seed(req.seed)
-        return _Sequence(ticket, TextStream(self.tokenizer, req.stop), generator, matcher=ticket.matcher)
+        return _Sequence(ticket, TextStream(self.tokenizer, req.stop), generator)
 
     @staticmethod
     def _decoding(seq: _Sequence) -> bool:
@@ -642,8 +649,6 @@ class Engine:
         prompt is in, take the first token. Returns the tokens prefilled."""
         seq = self._slots[slot]
         assert seq is not None
-        if not seq.looked_up:
-            self._restore(slot, seq)
         prompt = seq.ticket.request.prompt_ids
         start = seq.prefilled
         n = min(budget, len(prompt) - start)

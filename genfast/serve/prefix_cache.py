@@ -60,7 +60,7 @@ class CacheRows:
     def reusable(self, row: int, common: int) -> int:
         """How many of the `common` leading positions that row `row` shares with a prompt the
         request can skip: all, unless a ring no longer holds the window just before them."""
-        held = self.ring_positions(row)
+        held = self.ring_positions(row) if common else None
         if held is None or all(p in held for p in range(max(0, common - self.window), common)):
             return common
         return 0
