@@ -2,15 +2,17 @@
 (Llama-2-7B and Llama-3.1-8B shapes: fused qkv, o, fused gate/up, down) streams the weights
 fastest, per weight format and batch size.
 
-    python benchmarks/cuda_linear.py [--rows 1,8]
+    python benchmarks/cuda_linear.py [--rows 1,8] [--sweep]
 
 Variants per format, each compiled with the decode step's inductor options:
 - bf16: F.linear (cuBLAS) and row_linear (inductor's fused multiply-sum);
-- int8 (per-channel): row_linear over the int8 codes (gpt-fast's form), `_weight_int8pack_mm`, and
-  F.linear over the codes upcast in the graph;
-- int4 in groups of 32 and 128: tinygemm (`_weight_int4pack_mm`) with 2, 4 and 8 inner k-tiles,
-  and row_linear over codes dequantized in the graph (QuantLinear's "dequantize" kernel).
-A block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Median of
+- int8 (per-channel): genfast's Triton kernel (QuantLinear's "triton"), row_linear over the int8
+  codes (gpt-fast's form), `_weight_int8pack_mm`, and F.linear over the codes upcast in the graph;
+- int4 in groups of 32 and 128: genfast's Triton kernel, tinygemm (`_weight_int4pack_mm`) with 2, 4
+  and 8 inner k-tiles, and row_linear over codes dequantized in the graph ("dequantize").
+`--sweep` first times the Triton kernels' block sizes on the same blocks (each block's four launches
+captured in a CUDA graph, so only kernel time counts), the table genfast/kernels/qlinear_triton.py's
+defaults come from. A block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Median of
 CUDA-event timings; GB/s counts the weight bytes only (codes and scales).
 """
 
@@ -55,14 +57,16 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
     torch.manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in shapes]
     bf16_bytes = sum(w.numel() * 2 for w in weights)
-    int8 = [QuantLinear(quantize(w, 8)) for w in weights]
+    int8 = [QuantLinear(quantize(w, 8), kernel="int8pack") for w in weights]
     int8_bytes = sum(q.weight_int8.numel() + q.channel_scales.numel() * 2 for q in int8)
 
     def block(linear):
         return lambda xs: [linear(i, x) for i, x in enumerate(xs)]
 
+    int8_triton = [QuantLinear(quantize(w, 8), kernel="triton") for w in weights]
     out = {
         "bf16 F.linear": (block(lambda i, x: F.linear(x, weights[i])), bf16_bytes, True),
+        "int8 triton": (block(lambda i, x: int8_triton[i](x)), int8_bytes, True),
         "bf16 row_linear": (block(lambda i, x: row_linear(x, weights[i])), bf16_bytes, False),
         "int8 row_linear": (
             block(lambda i, x: row_linear(x, int8[i].weight_int8, scales=int8[i].channel_scales)),
@@ -82,6 +86,9 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
     )
     for group in (32, 128):
         qweights = [quantize(w, 4, group) for w in weights]
+        triton_layers = [QuantLinear(q, kernel="triton") for q in qweights]
+        nbytes = sum(q.codes.numel() // 2 + q.scales.numel() * 4 for q in qweights)
+        out[f"int4 g{group} triton"] = (block(lambda i, x, layers=triton_layers: layers[i](x)), nbytes, True)
         for tiles in (2, 4, 8):
             packed = [(int4pack(q.codes, tiles), int4pack_scales_and_zeros(q)) for q in qweights]
             nbytes = sum(p.numel() * p.element_size() + sz.numel() * 2 for p, sz in packed)
@@ -118,12 +125,65 @@ def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+def graph_ms(fn, xs: list[torch.Tensor]) -> float:
+    """Median time of `fn(xs)` replayed from a CUDA graph (launch gaps out)."""
+    fn(xs)  # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(xs)
+    return median_ms(lambda _: graph.replay(), xs)
+
+
+def sweep(shape: str, rows: int) -> None:
+    """The Triton kernels' block sizes, one block's linears per format, best first."""
+    from itertools import product
+
+    from genfast.kernels.qlinear_triton import qlinear
+
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in SHAPES[shape]]
+    xs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _, k in SHAPES[shape]]
+    if rows == 1:
+        keys = ("BLOCK_N", "UNROLL", "SUB", "num_warps")
+        configs = list(product((4, 8, 16), (1, 2, 4), (128, 256, 512), (4, 8)))
+    else:
+        keys = ("BLOCK_M", "BLOCK_N", "SUB", "num_warps")
+        configs = list(product((max(16, rows),), (32, 64, 128), (64, 128, 256), (4, 8)))
+    bf16 = graph_ms(lambda xs: [F.linear(x, w) for x, w in zip(xs, weights)], xs)
+    nbytes = sum(w.numel() * 2 for w in weights)
+    print(f"| {shape} | bf16 (cuBLAS) | {rows} | | {bf16:.3f} | {nbytes / bf16 / 1e6:.0f} |")
+    for bits, group in ((8, None), (4, 32), (4, 128)):
+        qweights = [quantize(w, bits, group) for w in weights]
+        stored = [(pack_nibbles(q.codes) if bits == 4 else q.codes, q.scales, q.mins, q.group_size) for q in qweights]
+        nbytes = sum(c.numel() + s.numel() * 4 for c, s, _, _ in stored)
+        label = f"int{bits} {f'g{group}' if group else 'per channel'}"
+        timed = []
+        for values in configs:
+            config = dict(zip(keys, values, strict=True))
+            fn = lambda xs, config=config: [qlinear(x, c, s, m, bits, g, config) for x, (c, s, m, g) in zip(xs, stored)]  # noqa: E731
+            try:
+                timed.append((graph_ms(fn, xs), config))
+            except Exception as e:  # a configuration Triton cannot build here (registers, shared memory)
+                print(f"| {shape} | {label} | {rows} | {config} | failed: {type(e).__name__} | |")
+        for ms, config in sorted(timed, key=lambda t: t[0])[:5]:
+            print(f"| {shape} | {label} | {rows} | {config} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--sweep", action="store_true", help="first time the Triton kernels' block sizes")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    if args.sweep:
+        print("| shapes | format | rows | Triton block sizes | ms per block (CUDA graph) | weight GB/s |")
+        print("|---|---|---|---|---|---|")
+        for shape in args.shapes.split(","):
+            for rows in (int(r) for r in args.rows.split(",")):
+                sweep(shape, rows)
+        print()
     print("| shapes | variant | rows | ms per block | weight GB/s |")
     print("|---|---|---|---|---|")
     for shape in args.shapes.split(","):

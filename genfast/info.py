@@ -48,9 +48,14 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
         if kernels.QLINEAR.available()
         else "dequantize path: saves memory, but decode is slower than unquantized"
     )
-    lines.append(("--quant int8/int4", quant))
+    lines.append(("--quant int8/int4", f"{quant} (on the CPU)"))
     cuda = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none visible"
     lines.append(("CUDA", cuda))
+    if torch.cuda.is_available():
+        from genfast.quant.linear import triton_available
+
+        on_cuda = "Triton kernels" if triton_available() else "dequantize path (Triton is not installed)"
+        lines.append(("--quant on CUDA", on_cuda))
     return lines
 
 

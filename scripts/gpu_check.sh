@@ -5,7 +5,10 @@
 # Usage: bash scripts/gpu_check.sh [OUTPUT.md]          (default: gpu-check.md)
 #   STAGES   which parts, comma-separated (default: all of them, in this order):
 #            tests       pytest tests/cuda (plus what else PYTEST_ARGS names)
-#            linear      benchmarks/cuda_linear.py: decode's matrix-vector products per weight format
+#            decode      benchmarks/cuda_decode.py: a compiled decode step's time, GPU-busy share,
+#                        launches and CUDA-graph replays per token, per weight format and kernel
+#            linear      benchmarks/cuda_linear.py: the Triton kernels' block sizes, then decode's
+#                        matrix-vector products per weight format
 #            llm-7b      genfast bench llm on Llama-2-7B's shape (--model random:llama-2-7b)
 #            llm-8b      the same on Llama-3.1-8B's shape
 #            llm-70b     the int4 row on Llama-2-70B's shape (its bf16 weights do not fit one GPU)
@@ -17,6 +20,7 @@
 #            instead of `pip install -e .[test]`: for machines with torch but no network.
 #   LLM_STEPS, NEW_TOKENS, REPEATS: the LLM ladder's rows (default bf16,compile,int8,int4,spec-int4), 256, 3.
 #   PYTEST_ARGS  more pytest arguments for the tests stage (split at spaces)
+#   STAGE_TIMEOUT  seconds one stage may run before it is stopped and reported (default: no limit)
 # GPU time is scarce: one pass gives every table; a stage that fails is reported in the file and
 # the others still run.
 set -uo pipefail
@@ -24,7 +28,7 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 out=$(realpath -m "${1:-gpu-check.md}")
 work=${WORKDIR:-/tmp/genfast-gpu}
-stages=${STAGES:-tests,linear,llm-7b,llm-8b,llm-70b,serve,sam-b,sam-h,diffusion}
+stages=${STAGES:-tests,decode,linear,llm-7b,llm-8b,llm-70b,serve,sam-b,sam-h,diffusion}
 python=${PYTHON:-python3}
 mkdir -p "$work"
 export PYTHONUNBUFFERED=1
@@ -59,7 +63,7 @@ stage() {
     [[ ",$stages," == *",$name,"* ]] || return 0
     local log="$work/$name.log" start=$SECONDS
     echo "== $name: $*" >&2
-    "$@" 2>&1 | tee "$log"
+    timeout "${STAGE_TIMEOUT:-0}" "$@" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}
     {
         echo
@@ -77,18 +81,22 @@ stage() {
     } >> "$out"
 }
 
-llm_ladder() {  # random weights at the shape, drawn on the GPU (genfast/llm/random_model.py)
-    "${genfast[@]}" bench llm --model "random:$1" --device cuda --steps "$2" --prompt-tokens 128 \
-        --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --json "$work/llm-$1.json" --force
+llm_ladder() {  # sets `ladder`: random weights at the shape, drawn on the GPU (genfast/llm/random_model.py)
+    ladder=("${genfast[@]}" bench llm --model "random:$1" --device cuda --steps "$2" --prompt-tokens 128
+        --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --json "$work/llm-$1.json" --force)
 }
 
 read -ra pytest_args <<< "${PYTEST_ARGS:-}"
 stage tests "CUDA tests" "$python" -m pytest -q -p no:cacheprovider tests/cuda "${pytest_args[@]}"
-stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py --rows 1,8
+stage decode "A compiled decode step, Llama-2-7B shape cut to 4 blocks" "$python" benchmarks/cuda_decode.py
+stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py --rows 1,8 --sweep
 ladder_steps=${LLM_STEPS:-bf16,compile,int8,int4,spec-int4}
-stage llm-7b "LLM ladder, Llama-2-7B shape (random weights)" llm_ladder llama-2-7b "$ladder_steps"
-stage llm-8b "LLM ladder, Llama-3.1-8B shape (random weights)" llm_ladder llama-3.1-8b "$ladder_steps"
-stage llm-70b "Llama-2-70B shape in int4 on one GPU (random weights)" llm_ladder llama-2-70b int4
+llm_ladder llama-2-7b "$ladder_steps"
+stage llm-7b "LLM ladder, Llama-2-7B shape (random weights)" "${ladder[@]}"
+llm_ladder llama-3.1-8b "$ladder_steps"
+stage llm-8b "LLM ladder, Llama-3.1-8B shape (random weights)" "${ladder[@]}"
+llm_ladder llama-2-70b int4
+stage llm-70b "Llama-2-70B shape in int4 on one GPU (random weights)" "${ladder[@]}"
 stage serve "Serving throughput, Llama-3.1-8B shape (random weights)" "$python" benchmarks/serve_load.py \
     --model random:llama-3.1-8b --clients 8 --tokens 128 --batches 1,8 --repeats 3
 stage sam-b "SAM ladder, vit_b (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_b \

@@ -162,6 +162,8 @@ def run(ladder: Ladder, args: argparse.Namespace) -> int:
                 result = {"step": row.step, **row.group, "group": list(row.group), "note": "failed (see the error)"}
             elif result.get(ladder.speed_key) is not None:
                 print(f"    {ladder.speed_key} {result[ladder.speed_key]:.4g}", file=sys.stderr, flush=True)
+            if result is not None:  # the whole row as it comes: a run stopped early keeps it
+                print(f"    {json.dumps(result, default=str)}", file=sys.stderr, flush=True)
             results.append(result)
     speedups(ladder, results)
     ladder.finish(results)
@@ -254,8 +256,18 @@ def measure_row(spec: dict[str, Any]) -> dict[str, Any]:
     notes = [f"{step}: {note}" for step, note in plan.notes] if plan else []
     notes += [f"{step} left out: {why}" for step, why in plan.skipped] if plan else []
     notes += case.notes()
+    notes += _cuda_graph_notes()
     result["note"] = "; ".join(notes) or result.get("note")
     return result
+
+
+def _cuda_graph_notes() -> list[str]:
+    """A row whose compiled code was meant to replay CUDA graphs and did not says so: launch
+    overhead then counts in its time (inductor logs why only under TORCH_LOGS=cudagraphs)."""
+    from torch._dynamo.utils import counters
+
+    skipped = counters["inductor"]["cudagraph_skips"]
+    return [f"CUDA graphs skipped in {skipped} compiled graph(s) (TORCH_LOGS=cudagraphs says why)"] if skipped else []
 
 
 def main(argv: list[str]) -> int:

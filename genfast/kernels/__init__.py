@@ -11,6 +11,9 @@ variants of a kernel register the same ops with the same semantics, so one proce
 Where no variant fits, the compiler fails or `GENFAST_NATIVE_KERNELS=0`, the caller takes its
 pure-PyTorch path (the portable fallback), and the reason says why.
 
+CUDA's kernels are Triton's (`qlinear_triton.py`, imported only where a GPU uses it): they compile
+on first use through Triton and need nothing from this registry.
+
 Adding a variant (e.g. ARM NEON): write `<name>_<isa>.cpp` next to the others, add the ISA level to
 genfast.hardware.ISA_LEVELS with its CPU flags, and list the variant in its Kernel below.
 """

@@ -32,9 +32,16 @@ class LlmSettings:
 
 def _quantized_decode_note(target: Target) -> str | None:
     """What quantized weights cost here when genfast's native kernel cannot run them."""
-    if target.device.type == "cpu" and not steps.native_int8_note(target):
+    if target.device.type == "cpu":
+        why = steps.native_int8_note(target)
+    elif target.device.type == "cuda":
+        from genfast.quant.linear import triton_available
+
+        why = None if triton_available() else "Triton is not installed"
+    else:
+        why = f"no quantized kernel for {target.device.type}"
+    if not why:
         return None
-    why = "not on the CPU" if target.device.type != "cpu" else steps.native_int8_note(target)
     return (
         f"quantized weights use the slow dequantize path ({why}): they save memory, but decode is slower "
         "than unquantized here (`genfast info` says why)"

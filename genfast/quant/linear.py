@@ -8,9 +8,12 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
   qlinear_<isa>.cpp, the variant chosen at run time), for any number of rows, eager or compiled.
   Weight-only layers quantize activations to int8 per block of 32, dynamic ones per token; both
   variants compute the same integer sums.
-- "int4pack", CUDA (compute capability 8.0+), weight-only int4 with bf16 activations: torch's
+- "triton", CUDA where Triton is installed (it ships with torch's CUDA wheels), weight-only int8
+  and int4 of any group size: genfast/kernels/qlinear_triton.py reads the storage form's codes
+  directly, one pass over the weight for up to 64 rows; longer inputs dequantize and use cuBLAS.
+- "int4pack", CUDA without Triton (compute capability 8.0+), int4 with bf16 activations: torch's
   tinygemm kernel (`_weight_int4pack_mm`), which wants w = (u - 8) * scale + zero per group.
-- "int8pack", CUDA, weight-only int8 with one scale per output channel: the codes as int8; one
+- "int8pack", CUDA without Triton, weight-only int8 with one scale per output channel: the codes as int8; one
   row (decode) under torch.compile is a fused multiply-sum that reads the int8 codes once
   (`row_linear`), more rows a matmul over the upcast codes. (torch 2.11's CUDA
   `_weight_int8pack_mm` streamed a Llama-2-7B block at ~100 GB/s on an H100, 10-20x slower:
@@ -22,7 +25,9 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +59,18 @@ def _unpack(packed: Tensor, bits: int, rows: int, n: int, k: int, group_size: in
     return codes[:n], scales[:n], mins[:n]
 
 
+# The Triton kernels' activations, and the most rows they take (more: dequantize and cuBLAS).
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_GEMM_ROWS = 64
+
 # tinygemm's layout: K in tiles of 16 x inner_k_tiles, N in tiles of 8 (aten's checks).
 INT4PACK_INNER_K_TILES = 8
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
+
+
+@cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def choose_kernel(qweight: QuantizedWeight, dynamic: bool) -> str:
@@ -66,6 +80,8 @@ def choose_kernel(qweight: QuantizedWeight, dynamic: bool) -> str:
         return "native" if packing.available() else "dequantize"
     if device.type != "cuda" or dynamic:
         return "dequantize"
+    if triton_available():
+        return "triton"
     n, k = qweight.codes.shape
     if qweight.bits == 8 and qweight.group_size == k:
         return "int8pack"
@@ -113,7 +129,10 @@ def int4unpack(packed: Tensor, scales_and_zeros: Tensor, k: int, group_size: int
 class QuantLinear(nn.Module):
     """y = x @ dequantize(weight)^T + bias, from a QuantizedWeight (or `from_linear`)."""
 
-    def __init__(self, qweight: QuantizedWeight, bias: Tensor | None = None, dynamic: bool = False) -> None:
+    def __init__(
+        self, qweight: QuantizedWeight, bias: Tensor | None = None, dynamic: bool = False, kernel: str | None = None
+    ) -> None:
+        """`kernel` overrides `choose_kernel` (tests and benchmarks compare the CUDA kernels)."""
         super().__init__()
         if dynamic and (qweight.bits != 8 or qweight.group_size != qweight.codes.shape[1]):
             raise ValueError("dynamic int8 needs 8-bit weights with one scale per output channel")
@@ -121,7 +140,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.padded_in_features = qweight.codes.shape[1]
-        self.kernel = choose_kernel(qweight, dynamic)
+        self.kernel = kernel or choose_kernel(qweight, dynamic)
         self.native = self.kernel == "native"
         # Buffers hold the kernel's layout; `quantized_weight()` gives back the canonical form.
         if self.native:
@@ -199,10 +218,23 @@ class QuantLinear(nn.Module):
             return out if self.bias is None else out + self.bias.to(out.dtype)
         if self.kernel == "int8pack":
             return self._int8pack_forward(x)
+        if self.kernel == "triton" and x.dtype in TRITON_DTYPES and x.numel() <= MAX_GEMM_ROWS * x.shape[-1]:
+            return self._triton_forward(x)
         weight = self.dequantize(x.dtype)
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
             return row_linear(x, weight, self.bias)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    def _triton_forward(self, x: Tensor) -> Tensor:
+        from genfast.kernels import qlinear_triton  # noqa: F401  (registers the op; imports triton)
+
+        rows = x.reshape(-1, self.in_features)
+        if self.padded_in_features != self.in_features:
+            rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+        out = torch.ops.genfast.qlinear_triton(rows.contiguous(), self.codes, self.scales, self.mins, self.bits,
+                                               self.group_size)  # fmt: skip
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def _int8pack_forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)

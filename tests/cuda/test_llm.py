@@ -1,6 +1,6 @@
 """The LLM path on a CUDA GPU: logits against the CPU in fp32, compiled (CUDA graphs) against
-eager, torch's int8/int4 kernels against the dequantized weights, no host syncs in the decode
-loop, speculative decoding and the serving engine."""
+eager, the int8/int4 kernels (genfast's Triton ones, torch's) against the dequantized weights, no
+host syncs in the decode loop, speculative decoding and the serving engine."""
 
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def test_compiled_decode_with_cuda_graphs_matches_eager_and_prefill_does_not_rec
     for n in (3, 17, 33):  # other prompt lengths: the same graphs
         compiled.generate([(PROMPT * 4)[:n]], 8, stop_at_eos=False)
     assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["inductor"]["cudagraph_skips"] == 0
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -87,34 +88,59 @@ def test_the_decode_loop_does_not_synchronize(model_dir, compile):
     assert syncs == [], f"{len(syncs)} host syncs in generate(): {syncs[:3]}"
 
 
-@pytest.mark.parametrize("bits,kernel", [(8, "int8pack"), (4, "int4pack")])
-def test_torch_kernels_match_the_dequantized_weight(bits, kernel):
+def check_rows(layer, compiled, reference: torch.Tensor, dtypes) -> None:
+    for dtype, rows in ((d, r) for d in dtypes for r in (1, 5, 64, 100)):
+        x = torch.randn(rows, 512, device="cuda", dtype=dtype)
+        want = F.linear(x.double(), reference)
+        for fn in (layer, compiled):
+            got = fn(x)
+            assert got.dtype == dtype
+            error = ((got.double() - want).norm() / want.norm()).item()
+            assert error < (1e-5 if dtype == torch.float32 else 1e-2), (dtype, rows, fn, error)
+
+
+@pytest.mark.parametrize(
+    "bits,group,kernel",
+    [(8, None, "triton"), (4, 32, "triton"), (4, 128, "triton"), (8, 64, "triton"), (8, None, "int8pack"),
+     (4, 32, "int4pack")],
+)  # fmt: skip
+def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel):
     torch.manual_seed(0)
-    weight = torch.randn(384, 512, device="cuda") * 0.05
-    qweight = quantize(weight, bits, 32 if bits == 4 else None)
-    layer = QuantLinear(qweight)
-    assert layer.kernel == kernel
-    reference = qweight.dequantize(torch.float32)
-    # The canonical form reads back exactly (int4: through tinygemm's own layout).
+    weight = torch.randn(392, 512, device="cuda") * 0.05  # 392 rows: not a whole number of blocks
+    qweight = quantize(weight, bits, group)
+    layer = QuantLinear(qweight, kernel=kernel)
+    reference = qweight.dequantize(torch.float64)
+    # The canonical form reads back exactly (int4pack: through tinygemm's own layout).
     back = layer.quantized_weight()
     assert torch.equal(back.codes, qweight.codes) and torch.equal(back.scales, qweight.scales)
-    compiled = torch.compile(layer, fullgraph=True)
-    for rows in (1, 5, 64):
-        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
-        want = F.linear(x.float(), reference)
-        for fn in (layer, compiled):
-            got = fn(x).float()
-            assert ((got - want).norm() / want.norm()).item() < 1e-2, (rows, fn)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    dtypes = (torch.bfloat16, torch.float32) if kernel == "triton" else (torch.bfloat16,)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=16):  # a graph per row count and dtype
+        check_rows(layer, compiled, reference, dtypes)
+    if kernel == "triton":
+        # the one-row kernel does not depend on its block sizes (a fixed summation order)
+        from genfast.kernels.qlinear_triton import qlinear
+
+        x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+        outputs = [qlinear(x, layer.codes, layer.scales, layer.mins, bits, layer.group_size,
+                           dict(BLOCK_N=n, UNROLL=u, SUB=256, num_warps=4)) for n, u in ((4, 1), (16, 2))]  # fmt: skip
+        assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_models_compiled_match_eager(model_dir, quant):
+    from torch._dynamo.utils import counters
+
     eager = generator(load(model_dir, "cuda", "bfloat16", quant), compile=False)
     compiled = generator(load(model_dir, "cuda", "bfloat16", quant), compile=True)
     kernels = {m.kernel for m in compiled.model.modules() if isinstance(m, QuantLinear)}
-    assert kernels == ({"int8pack"} if quant == "int8" else {"int4pack", "int8pack"})  # int4: an int8 head
+    assert kernels == {"triton"}
     want = eager.generate([PROMPT], 32, stop_at_eos=False).token_ids
+    counters.clear()
     assert compiled.generate([PROMPT], 32, stop_at_eos=False).token_ids == want
+    # The Triton kernels are captured in the decode step's CUDA graph, not launched around it.
+    assert counters["inductor"]["cudagraph_skips"] == 0
 
 
 @pytest.mark.parametrize("draft", ["int4", "layers:1", "prompt-lookup"])

@@ -1,0 +1,113 @@
+"""Where a compiled CUDA decode step spends its time, per weight format and linear kernel.
+
+    python benchmarks/cuda_decode.py [--shape llama-2-7b] [--layers 4] [--tokens 128]
+
+The model is `random:SHAPE` cut to its first `--layers` blocks (a block's cost is what differs
+between formats; fewer blocks compile faster). Each variant is compiled as `genfast generate`
+compiles it (CUDA graphs for decode), then timed over `--tokens` greedy tokens, median of 3, and
+profiled for one more run: the table gives ms per token, the share of it the GPU was busy, the
+number of CUDA-graph replays and kernel launches per token seen from the host (a replayed step
+launches no kernels of its own), inductor's count of compiled graphs that skipped CUDA graphs, and
+the kernels that took the most GPU time.
+
+Variants: bf16; int8 per channel and int4 in groups of 32, each with genfast's Triton kernels and
+with torch's (QuantLinear's "int8pack": inductor's fused multiply-sum over int8 codes; "int4pack":
+tinygemm).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from statistics import median
+
+import torch
+from torch._dynamo.utils import counters
+
+from genfast.llm.session import LoadedModel, load
+from genfast.llm.speculative import make_generator
+from genfast.quant.linear import QuantLinear
+
+TORCH_KERNELS = {8: "int8pack", 4: "int4pack"}  # by bits (int4 models keep an int8 output head)
+VARIANTS = {  # name -> (quant, whether its linears take torch's kernels instead of genfast's Triton ones)
+    "bf16": ("none", False),
+    "int8 triton": ("int8", False),
+    "int8 torch": ("int8", True),
+    "int4 g32 triton": ("int4", False),
+    "int4 g32 torch": ("int4", True),
+}
+
+
+def build(shape: str, layers: int, quant: str, torch_kernels: bool) -> LoadedModel:
+    loaded = load(f"random:{shape}", "cuda", "bfloat16", quant=quant)
+    loaded.model.layers = loaded.model.layers[:layers]
+    for name, layer in list(loaded.model.named_modules()):
+        if torch_kernels and isinstance(layer, QuantLinear):
+            kernel = TORCH_KERNELS[layer.bits]
+            loaded.model.set_submodule(name, QuantLinear(layer.quantized_weight(), layer.bias, kernel=kernel))
+    return loaded
+
+
+def profile_step(generate, tokens: int) -> tuple[float, Counter, int, int]:
+    """One profiled run: GPU-busy ms per token, kernel ms per token by name, launch counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        generate()
+    kernels: Counter = Counter()
+    busy = 0.0
+    replays = launches = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name[:60]] += event.device_time / 1000 / tokens
+            busy += event.device_time / 1000
+        elif event.name == "cudaGraphLaunch":
+            replays += 1
+        elif event.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+            launches += 1
+    return busy / tokens, kernels, replays, launches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-2-7b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; random:{args.shape}, {args.layers} blocks\n")
+    rows, tops = [], []
+    prompt = list(range(10, 42))
+    for name in args.variants.split(","):
+        quant, torch_kernels = VARIANTS[name]
+        torch._dynamo.reset()
+        counters.clear()
+        loaded = build(args.shape, args.layers, quant, torch_kernels)
+        generator = make_generator(loaded, len(prompt) + args.tokens + 8, 1, True)
+
+        def generate(generator=generator):
+            return generator.generate([prompt], args.tokens, stop_at_eos=False)
+
+        for _ in range(2):  # compile, then record the CUDA graphs
+            generate()
+        rates = [generate().decode_tok_s for _ in range(3)]
+        ms = 1000 / median(rates)
+        busy, kernels, replays, launches = profile_step(generate, args.tokens)
+        skips = counters["inductor"]["cudagraph_skips"]
+        per_token = f"{replays / args.tokens:.2f} | {launches / args.tokens:.1f}"
+        rows.append(f"| {name} | {ms:.3f} | {busy / ms:.0%} | {per_token} | {skips} |")
+        top = ", ".join(f"{k} {v:.3f}" for k, v in kernels.most_common(4))
+        tops.append(f"| {name} | {top} |")
+        print(rows[-1], flush=True)
+        del generator, loaded
+        torch.cuda.empty_cache()
+    print("\n| variant | ms per token | GPU busy | graph replays per token | kernel launches per token "
+          "| graphs that skipped CUDA graphs |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print("\n| variant | kernels with the most GPU time (ms per token) |\n|---|---|")
+    print("\n".join(tops))
+
+
+if __name__ == "__main__":
+    main()
