@@ -142,16 +142,11 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def reusable_prefix(cached: Sequence[int], prompt: Sequence[int], max_rewind: int | None = None) -> int:
-    """How many leading tokens of `prompt` a cache holding `cached` (its tokens, in order) can
-    skip: those equal to the cached ones, short of the prompt's last token, which always runs (its
-    logits give the next token). `max_rewind`: the model's (Transformer.max_rewind); where the
-    cache holds more than that beyond the common prefix, a sliding-window ring has overwritten the
-    keys just before it, and nothing is reusable."""
-    common = common_prefix(cached, prompt[:-1])
-    if max_rewind is not None and len(cached) - common > max_rewind:
-        return 0
-    return common
+def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many leading tokens of `prompt` a cache row holding `cached` (its tokens, in order)
+    shares with it, short of the prompt's last token, which always runs (its logits give the next
+    token). Whether the row still holds their keys is the cache's to say (CacheRows.reusable)."""
+    return common_prefix(cached, prompt[:-1])
 
 
 def cache_length(model: Transformer, max_seq_len: int | None) -> int:
@@ -289,7 +284,7 @@ class Generator:
         the last prompt token is always run, for its logits."""
         if not self.reuse_prefix or len(prompts) != 1 or self.max_batch_size != 1:
             return 0
-        return reusable_prefix(self.cached_tokens, prompts[0], self.model.max_rewind())
+        return self.model.cache_rows().reusable(0, reusable_prefix(self.cached_tokens, prompts[0]))
 
     def _check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
         """Validate a generate() request; return the prompt lengths."""

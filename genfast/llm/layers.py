@@ -12,6 +12,7 @@ Layout choices, all for decode speed:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -204,6 +205,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class CacheRows:
+    """A model's KV caches seen as rows of positions (one row per sequence of the batch), split
+    into full caches and sliding-window rings (all of one shape per position: the same kv heads
+    and head dim in every layer). `Transformer.cache_rows()` makes one."""
+
+    def __init__(self, caches: Sequence[KVCache | WindowKVCache]) -> None:
+        self.full = [c for c in caches if isinstance(c, KVCache)]
+        self.rings = [c for c in caches if isinstance(c, WindowKVCache)]
+        # The positions before a kept prefix that the rings must hold: the longest window.
+        self.window = max((ring.window for ring in self.rings), default=0)
+
+    def ring_positions(self, row: int) -> set[int] | None:
+        """The positions the rings of row `row` hold (all rings are written alike); None: no rings."""
+        return self.rings[0].held_positions(row) if self.rings else None
+
+    def reusable(self, row: int, common: int) -> int:
+        """How many of the `common` leading positions that row `row` shares with a new call's
+        tokens the call can skip: all, unless a ring has overwritten part of the window just
+        before them (a ring keeps only its latest positions)."""
+        held = self.ring_positions(row) if common else None
+        if held is None or all(p in held for p in range(max(0, common - self.window), common)):
+            return common
+        return 0
 
 
 class Attention(nn.Module):

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from genfast.llm import families
 from genfast.llm.config import ModelArgs, rope_inverse_frequencies
-from genfast.llm.layers import WINDOW_SLACK, KVCache, WindowKVCache
+from genfast.llm.layers import WINDOW_SLACK, CacheRows, KVCache, WindowKVCache
 from genfast.nn import Linear
 
 
@@ -67,14 +67,9 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = cache
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
 
-    def max_rewind(self) -> int | None:
-        """How many cached positions a new call may go back over and still find the keys before
-        them in the cache: a sliding-window ring overwrites older slots (see WindowKVCache), so
-        after writing up to position P it holds the window before position P - WINDOW_SLACK + 1 at
-        the earliest. None: no limit (full caches)."""
-        rings = [layer.attention.kv_cache for layer in self.layers]
-        slack = [c.size - c.window for c in rings if isinstance(c, WindowKVCache)]
-        return min(slack) if slack else None
+    def cache_rows(self) -> CacheRows:
+        """The KV caches (`setup_caches`) as rows of positions: what a new call may reuse of them."""
+        return CacheRows([layer.attention.kv_cache for layer in self.layers])
 
     def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
         """fp32 cos and sin of the rotary angles at `input_pos` [S]: [S, rotary_dim // 2] each; for

@@ -60,7 +60,7 @@ from genfast.llm.streaming import TextStream
 from genfast.llm.tensor_parallel import current_world_size
 from genfast.llm.tokenizer import Tokenizer
 from genfast.serve.constraints import Constraints, Matcher
-from genfast.serve.prefix_cache import BLOCK_SIZE, CacheRows, PrefixCache
+from genfast.serve.prefix_cache import BLOCK_SIZE, PrefixCache
 from genfast.serve.tensor_parallel import KEEPALIVE_S, Op, StepBroadcast
 
 if TYPE_CHECKING:
@@ -336,7 +336,7 @@ class Engine:
         # after its request leaves: prefix reuse, see the module doc) and when it was last used.
         self._row_tokens: list[list[int]] = [[] for _ in range(max_batch)]
         self._row_used = [0.0] * max_batch
-        self.rows = CacheRows(model)
+        self.rows = model.cache_rows()
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_mib > 0 and current_world_size() == 1:
             self.prefix_cache = PrefixCache(self.rows, int(prefix_cache_mib * 2**20), prefix_block)

@@ -36,34 +36,9 @@ import torch
 from torch import Tensor
 
 from genfast.llm.generate import common_prefix
-from genfast.llm.layers import KVCache, WindowKVCache
-from genfast.llm.model import Transformer
+from genfast.llm.layers import CacheRows, KVCache, WindowKVCache
 
 BLOCK_SIZE = 16  # tokens per block: a prompt reuses whole blocks and prefills the rest
-
-
-class CacheRows:
-    """A model's KV caches seen as rows of positions, split into full caches and sliding-window
-    rings (all of one shape per position: the same kv heads and head dim in every layer)."""
-
-    def __init__(self, model: Transformer) -> None:
-        caches = [layer.attention.kv_cache for layer in model.layers]
-        self.full = [c for c in caches if isinstance(c, KVCache)]
-        self.rings = [c for c in caches if isinstance(c, WindowKVCache)]
-        # The positions before a restored prefix that the rings must hold: the longest window.
-        self.window = max((ring.window for ring in self.rings), default=0)
-
-    def ring_positions(self, row: int) -> set[int] | None:
-        """The positions the rings of row `row` hold (all rings are written alike); None: no rings."""
-        return self.rings[0].held_positions(row) if self.rings else None
-
-    def reusable(self, row: int, common: int) -> int:
-        """How many of the `common` leading positions that row `row` shares with a prompt the
-        request can skip: all, unless a ring no longer holds the window just before them."""
-        held = self.ring_positions(row) if common else None
-        if held is None or all(p in held for p in range(max(0, common - self.window), common)):
-            return common
-        return 0
 
 
 @dataclass(eq=False)  # compared and hashed by identity: a block is part of its children's keys

@@ -9,7 +9,7 @@ import torch
 
 from genfast.llm.layers import WindowKVCache
 from genfast.llm.model import attention_mask
-from genfast.serve.prefix_cache import CacheRows, PrefixCache
+from genfast.serve.prefix_cache import PrefixCache
 from tests.llm.hf_fixtures import tiny_genfast_model
 
 BLOCK = 16
@@ -37,7 +37,7 @@ def test_a_restored_row_holds_exactly_what_the_stored_row_held(name, tmp_path):
     model.setup_caches(2, 128)
     tokens = [(7 * i) % 200 + 3 for i in range(48)]
     prefill(model, 0, tokens)
-    rows = CacheRows(model)
+    rows = model.cache_rows()
     cache = PrefixCache(rows, 2**30, BLOCK)
     with torch.inference_mode():
         cache.store(0, tokens)
@@ -61,7 +61,7 @@ def test_blocks_are_keyed_by_their_whole_prefix_and_a_last_block_may_match_in_pa
     model.setup_caches(1, 128)
     tokens = list(range(3, 51))  # three blocks
     prefill(model, 0, tokens)
-    cache = PrefixCache(CacheRows(model), 2**30, BLOCK)
+    cache = PrefixCache(model.cache_rows(), 2**30, BLOCK)
     with torch.inference_mode():
         cache.store(0, tokens)
     assert cache.match(tokens).length == 47  # the last token always runs, for its logits
@@ -82,7 +82,7 @@ def test_eviction_takes_the_least_recently_used_leaves_and_keeps_the_budget(tmp_
     a = list(range(3, 51))
     b = a[:16] + list(range(100, 116))
     c = list(range(150, 182))
-    cache = PrefixCache(CacheRows(model), 0, BLOCK)
+    cache = PrefixCache(model.cache_rows(), 0, BLOCK)
     with torch.inference_mode():
         for tokens in (a, b):
             prefill(model, 0, tokens)
@@ -109,7 +109,7 @@ def test_a_budget_smaller_than_a_block_stores_nothing(tmp_path):
     model.setup_caches(1, 128)
     tokens = list(range(3, 35))
     prefill(model, 0, tokens)
-    cache = PrefixCache(CacheRows(model), 100, BLOCK)
+    cache = PrefixCache(model.cache_rows(), 100, BLOCK)
     with torch.inference_mode():
         cache.store(0, tokens)
     assert len(cache) == 0 and cache.nbytes == 0 and cache.match(tokens + [1]).length == 0
