@@ -1,0 +1,115 @@
+"""Diffusion on a CUDA GPU, tiny random pipelines (SD 1.5, SDXL, PixArt): fp32 against the CPU,
+each recipe step within its budget against fp32 on the GPU (bf16, SDPA, fused QKV, dynamic int8
+through torch._int_mm, the feature cache), the regionally compiled denoiser against eager, and no
+host syncs inside the denoising loop (CUDA's sync-debug mode, around the denoiser's calls)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from genfast.diffusion.pipelines import DenoiserWrapper, denoiser_name, denoiser_of, tiny_pipeline
+from genfast.diffusion.quality import psnr
+from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe
+from genfast.quant.linear import QuantLinear
+from genfast.recipe import Target
+from tests.cuda.syncs import needs_cuda
+from tests.diffusion.test_recipe import BF16_PSNR, CACHE_PSNR, FP32_EXACT, INT8_PSNR, generate
+
+pytestmark = needs_cuda
+
+GPU = Target(torch.device("cuda"), "bfloat16")
+
+
+def settings(step: str, **changes) -> DiffusionSettings:
+    """The cumulative recipe of `step` as planned for the GPU, eager unless `changes` say otherwise."""
+    return replace(RECIPE.plan(step, GPU).settings, **{"compile": "none", "dynamic_shapes": False, **changes})
+
+
+def pipeline(arch: str, recipe: DiffusionSettings):
+    return apply_recipe(tiny_pipeline(arch).to("cuda"), recipe)
+
+
+@pytest.fixture(scope="module", params=["sd15", "sdxl", "pixart"])
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def baseline(arch):
+    return generate(pipeline(arch, settings("baseline")))
+
+
+def test_fp32_on_the_gpu_matches_the_cpu(arch, baseline):
+    """TF32 convolutions (cuDNN's default) keep images within 40 dB of the CPU's."""
+    cpu = generate(apply_recipe(tiny_pipeline(arch), RECIPE.plan("baseline", Target(torch.device("cpu"))).settings))
+    assert psnr(baseline.cpu(), cpu) >= 40
+
+
+@pytest.mark.parametrize("step", ["sdpa", "fused-qkv"])
+def test_fp32_rewrites_are_exact_on_the_gpu(arch, baseline, step):
+    image = generate(pipeline(arch, settings(step, dtype="float32")))
+    assert (image - baseline).abs().max().item() <= 10 * FP32_EXACT  # TF32 convolutions round differently
+
+
+def test_bf16_within_budget_on_the_gpu(arch, baseline):
+    assert psnr(generate(pipeline(arch, settings("conv1x1-linear"))), baseline) >= BF16_PSNR
+
+
+def test_dynamic_int8_within_budget_on_the_gpu(arch, baseline):
+    pipe = pipeline(arch, settings("dynamic-int8", int8_min_features=1, int8_conv=False))
+    assert any(isinstance(m, QuantLinear) for m in denoiser_of(pipe).modules())
+    assert psnr(generate(pipe), baseline) >= INT8_PSNR
+
+
+def test_feature_cache_on_the_gpu(arch):
+    if arch == "pixart":
+        pytest.skip("the feature cache is implemented for UNets")
+    exact = settings("feature-cache", dtype="float32", dynamic_int8=False, int8_conv=False, group_norm_kernel=False)
+    uncached = generate(pipeline(arch, replace(exact, feature_cache_interval=0)), steps=8)
+    cached = generate(pipeline(arch, exact), steps=8)
+    assert psnr(cached, uncached) >= CACHE_PSNR
+
+
+def test_regionally_compiled_denoiser_matches_eager(arch):
+    eager = generate(pipeline(arch, settings("regional-compile")))
+    compiled = generate(pipeline(arch, settings("regional-compile", compile="regional")))
+    assert psnr(compiled, eager) >= BF16_PSNR
+
+
+class SyncWatched(DenoiserWrapper):
+    """Collects the host syncs that CUDA's sync-debug mode reports inside the denoiser's calls."""
+
+    def __init__(self, denoiser: torch.nn.Module) -> None:
+        super().__init__(denoiser)
+        self.syncs: list[str] = []
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return self.denoiser(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                self.syncs += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("step", ["dynamic-int8", "feature-cache"])
+def test_the_denoising_loop_does_not_synchronize(arch, step):
+    if step == "feature-cache" and arch == "pixart":
+        pytest.skip("the feature cache is implemented for UNets")
+    pipe = pipeline(arch, settings(step, int8_min_features=1, int8_conv=False, compile="regional"))
+    generate(pipe)  # compile first
+    watched = SyncWatched(denoiser_of(pipe))
+    setattr(pipe, denoiser_name(pipe), watched)
+    generate(pipe)
+    assert watched.calls == 4
+    assert watched.syncs == [], f"{len(watched.syncs)} host syncs in the denoiser: {watched.syncs[:3]}"

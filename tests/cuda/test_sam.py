@@ -1,0 +1,106 @@
+"""Segment Anything on a CUDA GPU: every recipe step within its budget against fp32 on the GPU
+(FlexAttention for the fused step, dynamic int8 through torch._int_mm, 2:4 sparse kernels), fp32
+against the CPU, the compiled encoder against eager, and no host syncs in the encoder or the
+prompt path (CUDA's sync-debug mode)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from genfast.recipe import Target
+from genfast.sam.build import build_random_sam
+from genfast.sam.predictor import SamPredictor
+from genfast.sam.recipe import RECIPE, SamSettings, apply_recipe
+from tests.cuda.syncs import host_syncs, needs_cuda
+from tests.sam.test_recipe import BUDGETS, SMALL, _images, _prompts
+
+pytestmark = needs_cuda
+
+GPU = Target(torch.device("cuda"), "bfloat16")
+
+
+def predictor(step: str, device: str = "cuda", compile: bool = False) -> SamPredictor:
+    settings = SamSettings(**{**RECIPE.plan(step, GPU).settings.__dict__, "compile": compile})
+    return SamPredictor(apply_recipe(build_random_sam(SMALL).to(device), settings))
+
+
+def low_res_logits(step: str, device: str = "cuda") -> list[np.ndarray]:
+    pred = predictor(step, device)
+    images = _images()
+    pred.set_images(images)
+    if RECIPE.plan(step, GPU).settings.batched_prompts:
+        results = pred.predict_batch(_prompts(images), multimask_output=False)
+    else:
+        results = [pred.predict(**p, multimask_output=False, image_index=i) for i, p in enumerate(_prompts(images))]
+    return [low_res[0] for _, _, low_res in results]
+
+
+def error_and_iou(logits: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """Relative error, and the IoU of both thresholded at the reference's median (half-full masks:
+    random weights put most logits on one side of 0)."""
+    error = np.linalg.norm(logits - reference) / np.linalg.norm(reference)
+    threshold = np.median(reference)
+    mask, base = logits > threshold, reference > threshold
+    return float(error), float(np.logical_and(mask, base).sum() / np.logical_or(mask, base).sum())
+
+
+@pytest.fixture(scope="module")
+def baseline() -> list[np.ndarray]:
+    return low_res_logits("baseline")
+
+
+def test_fp32_on_the_gpu_matches_the_cpu(baseline):
+    """cuDNN may run the patch embedding's convolution in TF32: within 1%."""
+    for logits, reference in zip(baseline, low_res_logits("baseline", "cpu")):
+        error, iou = error_and_iou(logits, reference)
+        assert error < 1e-2 and iou > 0.99, (error, iou)
+
+
+@pytest.mark.parametrize("step", list(BUDGETS))
+def test_step_stays_within_its_budget_on_the_gpu(step, baseline):
+    max_error, min_iou = BUDGETS[step]
+    for logits, reference in zip(low_res_logits(step), baseline):
+        error, iou = error_and_iou(logits, reference)
+        assert error <= max_error and iou >= min_iou, (step, error, iou)
+
+
+def test_sparse_2_4_runs_on_semi_structured_weights():
+    """Pruning changes the model, so the step has no budget: it must run, on sparse weights."""
+    from torch.sparse import SparseSemiStructuredTensor
+
+    pred = predictor("sparse-2:4")
+    encoder_weights = [m.weight for m in pred.model.image_encoder.modules() if isinstance(m, torch.nn.Linear)]
+    assert any(isinstance(w, SparseSemiStructuredTensor) for w in encoder_weights)
+    images = _images()
+    pred.set_images(images)
+    masks, _, low_res = pred.predict(**_prompts(images)[0], multimask_output=False, image_index=0)
+    assert np.isfinite(low_res).all() and masks.shape == (1, *images[0].shape[:2])
+
+
+def test_compiled_encoder_matches_eager():
+    eager, compiled = predictor("fused-attention"), predictor("fused-attention", compile=True)
+    images = _images()[:1]
+    eager.set_images(images)
+    compiled.set_images(images)
+    expected, actual = eager.get_image_embedding().float(), compiled.get_image_embedding().float()
+    assert (actual - expected).abs().max() <= 0.05 * expected.abs().max()
+
+
+@pytest.mark.parametrize("step", ["fused-attention", "dynamic-int8"])
+def test_the_encoder_and_the_prompt_path_do_not_synchronize(step):
+    pred = predictor(step, compile=True)
+    image = _images()[0]
+    transformed = pred.transform.apply_image_torch(torch.from_numpy(image).permute(2, 0, 1)[None].float().cuda())
+    coords = pred.transform.apply_coords_torch(torch.tensor([[[20.0, 30.0], [40.0, 50.0]]]), image.shape[:2]).cuda()
+    labels = torch.tensor([[1, 0]], dtype=torch.int32, device="cuda")
+    boxes = pred.transform.apply_boxes_torch(torch.tensor([[10.0, 10.0, 60.0, 70.0]]), image.shape[:2]).cuda()
+    for _ in range(2):  # compile first
+        pred.set_torch_image(transformed, image.shape[:2])
+        want = pred.predict_torch(coords, labels, boxes)
+    with host_syncs() as syncs:
+        pred.set_torch_image(transformed, image.shape[:2])
+        got = pred.predict_torch(coords, labels, boxes)
+    assert syncs == [], f"{len(syncs)} host syncs: {syncs[:3]}"
+    assert torch.equal(got[0], want[0])
