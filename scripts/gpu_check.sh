@@ -11,7 +11,8 @@
 #                        matrix-vector products per weight format
 #            llm-7b      genfast bench llm on Llama-2-7B's shape (--model random:llama-2-7b)
 #            llm-8b      the same on Llama-3.1-8B's shape
-#            llm-70b     the int4 row on Llama-2-70B's shape (its bf16 weights do not fit one GPU)
+#            llm-70b     Llama-2-70B's shape in int4 (its bf16 weights do not fit one GPU), alone and
+#                        with a Llama-2-7B draft
 #            serve       benchmarks/serve_load.py at --max-batch 1 and 8 on the 8B shape
 #            sam-b, sam-h  genfast bench sam on CUDA, vit_b and vit_h
 #            diffusion   genfast bench diffusion (SDXL 1024x1024, 30 steps) on CUDA
@@ -83,7 +84,7 @@ stage() {
 
 llm_ladder() {  # sets `ladder`: random weights at the shape, drawn on the GPU (genfast/llm/random_model.py)
     ladder=("${genfast[@]}" bench llm --model "random:$1" --device cuda --steps "$2" --prompt-tokens 128
-        --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --json "$work/llm-$1.json" --force)
+        --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --json "$work/llm-$1.json" --force "${@:3}")
 }
 
 read -ra pytest_args <<< "${PYTEST_ARGS:-}"
@@ -95,8 +96,10 @@ llm_ladder llama-2-7b "$ladder_steps"
 stage llm-7b "LLM ladder, Llama-2-7B shape (random weights)" "${ladder[@]}"
 llm_ladder llama-3.1-8b "$ladder_steps"
 stage llm-8b "LLM ladder, Llama-3.1-8B shape (random weights)" "${ladder[@]}"
-llm_ladder llama-2-70b int4
-stage llm-70b "Llama-2-70B shape in int4 on one GPU (random weights)" "${ladder[@]}"
+# 70B fits one GPU only quantized: int4, then speculative decoding of that int4 model with a bf16
+# Llama-2-7B draft (gpt-fast's 70B pairing).
+llm_ladder llama-2-70b int4,spec-model:random:llama-2-7b --spec-target int4
+stage llm-70b "Llama-2-70B shape in int4 on one GPU, with a Llama-2-7B draft (random weights)" "${ladder[@]}"
 stage serve "Serving throughput, Llama-3.1-8B shape (random weights)" "$python" benchmarks/serve_load.py \
     --model random:llama-3.1-8b --clients 8 --tokens 128 --batches 1,8 --repeats 3
 stage sam-b "SAM ladder, vit_b (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_b \

@@ -152,6 +152,23 @@ def test_bench_llm_writes_json_rows(smollm2_gguf, tmp_path):
     assert "| bf16 |" in done.stdout
 
 
+@pytest.mark.slow
+def test_bench_llm_speculates_for_the_step_spec_target_names(smollm2_gguf, tmp_path):
+    """--spec-target: the spec- rows run on that step's model (here the eager bf16 one, as a
+    quantized 70B would on one GPU) and report their tokens against its row's."""
+    out = tmp_path / "rows.json"
+    common = ["--model", str(smollm2_gguf), "--dtype", "bfloat16", "--prompt-tokens", "16", "--new-tokens", "8"]
+    done = run_cli("bench", "llm", *common, "--steps", "bf16,spec-prompt-lookup", "--spec-target", "bf16",
+                   "--repeats", "1", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    assert [r["step"] for r in rows] == ["bf16", "spec-prompt-lookup"]
+    spec = rows[1]
+    assert spec["what"].startswith("bf16 step, speculative decoding") and spec["same_as_target"] == 1.0
+    assert not spec["compiled"] and spec["tokens_per_pass"] >= 1
+    assert main(["bench", "llm", *common, "--spec-target", "warp-speed"]) == 2
+
+
 def _subparsers(parser) -> dict:
     import argparse
 

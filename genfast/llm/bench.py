@@ -78,7 +78,7 @@ class LlmLadder(Ladder):
         COMPILE_TIME, ("greedy_match", "same greedy tokens", ".0%"), ("acceptance", "drafts accepted", ".0%"),
         ("tokens_per_pass", "tokens/target pass", ".2f"), ("draft_share", "drafting share", ".0%"),
         ("first_token_s", "first token s after launch", ".1f"),
-        ("same_as_compile", "same tokens as compile", ".0%"), ("dtype", "dtype", ""), NOTE,
+        ("same_as_target", "same tokens as target", ".0%"), ("dtype", "dtype", ""), NOTE,
     )
     # fmt: on
 
@@ -103,6 +103,7 @@ class LlmLadder(Ladder):
             "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens,
             "speculate_k": args.speculate_k,
+            "spec_target": self.recipe.step(args.spec_target).name,  # checked: a step of the recipe
             "tp": args.tp or 1,
             "peak_bw": peak_bw,
         }
@@ -152,10 +153,10 @@ class LlmLadder(Ladder):
             return super().skip_reason(row, options, target)
         if options["tp"] > 1:
             return "speculative decoding does not combine with --tp yet"
-        return super().skip_reason(Row(COMPILE), options, target)
+        return super().skip_reason(Row(options["spec_target"]), options, target)
 
     def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
-        from genfast.llm.generate import GenerationResult
+        from genfast.llm.generate import GenerationResult, common_prefix
         from genfast.llm.precompiled import attach
         from genfast.llm.sampling import SamplingParams
         from genfast.llm.session import apply_recipe, load
@@ -164,7 +165,7 @@ class LlmLadder(Ladder):
         from genfast.llm.tensor_parallel import check_same_tokens, join
 
         draft = draft_of(row.step)
-        settings = (plan or self.recipe.plan(COMPILE, target)).settings
+        settings = (plan or self.recipe.plan(options["spec_target"], target)).settings
         tp = options["tp"]
         if tp > 1:
             join(tp)
@@ -198,12 +199,19 @@ class LlmLadder(Ladder):
 
         def measure(results: list[GenerationResult], seconds: list[float]) -> dict[str, Any]:
             check_same_tokens([results[-1].token_ids[0]])
+            # A speculative row's greedy tokens against its target's row (run before it, if asked for).
+            target_tokens = workdir / f"tokens-{options['spec_target']}.json"
+            same_as_target = (
+                common_prefix(results[-1].token_ids[0], json.loads(target_tokens.read_text())) / options["new_tokens"]
+                if draft and target_tokens.exists()
+                else None
+            )
             decode = median([r.decode_tok_s for r in results])
             mid = min(results, key=lambda r: abs(r.decode_tok_s - decode))
             traffic = replace(decode_traffic(loaded.model, mid), steps_per_s=decode)  # at the median rate
             spec = draft is not None  # a target pass yields several tokens: bytes per token and MBU do not apply
             return {
-                "what": f"{COMPILE} step, speculative decoding with draft {draft}"
+                "what": f"{options['spec_target']} step, speculative decoding with draft {draft}"
                 if spec
                 else self.recipe.step(row.step).changes,
                 "dtype": loaded.dtype_label(),
@@ -222,6 +230,7 @@ class LlmLadder(Ladder):
                 "tokens_per_pass": mid.tokens_per_pass if spec else None,
                 "draft_share": mid.draft_s / mid.decode_s if spec and mid.decode_s else None,
                 "speculate_k": mid.speculate_k or None,
+                "same_as_target": same_as_target,
                 "prompt": options["prompt"],
                 "peak_bw_gb_s": options["peak_bw"] / 1e9,
             }
@@ -230,19 +239,18 @@ class LlmLadder(Ladder):
 
     def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
         """greedy_match: the share of the baseline's greedy tokens reproduced before the first
-        difference; same_as_compile, for speculative rows: the same against the compile row."""
+        difference. Every recipe row leaves its tokens for the rows after it (a speculative row
+        compares itself with its target's, in `build`)."""
         from genfast.llm.generate import common_prefix
 
         tokens = output.token_ids[0]
-        if row.step in (self.recipe.baseline, COMPILE):
+        if draft_of(row.step) is None:
             (workdir / f"tokens-{row.step}.json").write_text(json.dumps(tokens))
-        result = {}
-        for step, key in ((self.recipe.baseline, "greedy_match"), (COMPILE, "same_as_compile")):
-            path = workdir / f"tokens-{step}.json"
-            if path.exists() and (key == "greedy_match" or draft_of(row.step)):
-                reference = json.loads(path.read_text())
-                result[key] = common_prefix(tokens, reference) / max(len(reference), 1)
-        return result
+        path = workdir / f"tokens-{self.recipe.baseline}.json"
+        if not path.exists():
+            return {}
+        reference = json.loads(path.read_text())
+        return {"greedy_match": common_prefix(tokens, reference) / max(len(reference), 1)}
 
 
 def bench_command(args: Any) -> int:

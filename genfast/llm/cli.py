@@ -217,8 +217,16 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
         default=4,
         metavar="K",
         help="tokens drafted per verify pass in spec- rows (default 4); --steps also takes spec-<draft> "
-        "rows (spec-int4, spec-int8, spec-layers:N, spec-prompt-lookup, spec-model:PATH: the compile "
-        "step plus speculative decoding) and 'speculative' (compile and the first four of those)",
+        "rows (spec-int4, spec-int8, spec-layers:N, spec-prompt-lookup, spec-model:PATH: the "
+        "--spec-target step plus speculative decoding) and 'speculative' (compile and the first four of those)",
+    )
+    g.add_argument(
+        "--spec-target",
+        default="compile",
+        metavar="STEP",
+        help="the recipe step whose model the spec- rows speculate for (default compile: the model in "
+        "bf16); int4 or int8 for a model that fits the device only quantized, e.g. --model "
+        "random:llama-2-70b --steps int4,spec-model:random:llama-2-7b --spec-target int4",
     )
     add_tp_arg(g, launches=False)
     b.set_defaults(run=lazy("genfast.llm.bench", "bench_command"))
