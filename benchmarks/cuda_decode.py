@@ -61,9 +61,9 @@ def profile_step(generate, tokens: int) -> tuple[float, Counter, int, int]:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name[:60]] += event.device_time / 1000 / tokens
             busy += event.device_time / 1000
-        elif event.name == "cudaGraphLaunch":
+        elif "GraphLaunch" in event.name:  # cudaGraphLaunch (a versioned name on some runtimes)
             replays += 1
-        elif event.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+        elif "LaunchKernel" in event.name:  # cudaLaunchKernel, cuLaunchKernel(Ex) (Triton's), ...
             launches += 1
     return busy / tokens, kernels, replays, launches
 
