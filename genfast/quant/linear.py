@@ -13,9 +13,9 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
   directly, one pass over the weight for up to 64 rows; longer inputs dequantize and use cuBLAS.
 - "int4pack", CUDA without Triton (compute capability 8.0+), int4 with bf16 activations: torch's
   tinygemm kernel (`_weight_int4pack_mm`), which wants w = (u - 8) * scale + zero per group.
-- "int8pack", CUDA without Triton, weight-only int8 with one scale per output channel: the codes as int8; one
-  row (decode) under torch.compile is a fused multiply-sum that reads the int8 codes once
-  (`row_linear`), more rows a matmul over the upcast codes. (torch 2.11's CUDA
+- "int8pack", CUDA without Triton, weight-only int8 with one scale per output channel: the codes
+  as int8; one row (decode) under torch.compile is a fused multiply-sum that reads the int8 codes
+  once (`row_linear`), more rows a matmul over the upcast codes. (torch 2.11's CUDA
   `_weight_int8pack_mm` streamed a Llama-2-7B block at ~100 GB/s on an H100, 10-20x slower:
   benchmarks/cuda_linear.py.)
 - "dequantize" elsewhere, weight-only: dequantize to the activation dtype and matmul. Under
@@ -66,6 +66,9 @@ MAX_GEMM_ROWS = 64
 # tinygemm's layout: K in tiles of 16 x inner_k_tiles, N in tiles of 8 (aten's checks).
 INT4PACK_INNER_K_TILES = 8
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
+
+
+KERNELS = ("native", "triton", "int4pack", "int8pack", "dequantize")  # see the module docstring
 
 
 @cache
@@ -140,6 +143,8 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.padded_in_features = qweight.codes.shape[1]
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; one of {', '.join(KERNELS)}")
         self.kernel = kernel or choose_kernel(qweight, dynamic)
         self.native = self.kernel == "native"
         # Buffers hold the kernel's layout; `quantized_weight()` gives back the canonical form.

@@ -101,6 +101,13 @@ def test_quantized_weight_round_trips_through_the_layer(bits, group_size):
     assert (back.bits, back.group_size, back.in_features) == (qw.bits, qw.group_size, qw.in_features)
 
 
+def test_a_named_kernel_overrides_the_choice_and_an_unknown_one_is_refused():
+    qw = quantize(torch.randn(40, 64), 4, 32)
+    assert QuantLinear(qw, kernel="dequantize").kernel == "dequantize"
+    with pytest.raises(ValueError, match="unknown kernel 'tinygemm'"):
+        QuantLinear(qw, kernel="tinygemm")
+
+
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
 def test_compiled_layer_matches_eager(native, monkeypatch):
     """One-row decode shape and a dynamic number of rows behind a fused op (prefill shape)."""
