@@ -30,6 +30,14 @@ class LlmSettings:
     transforms: tuple[Step, ...] = ()  # steps that bring their own transform (genfast.recipe.apply_transforms)
 
 
+# What the only end-to-end CUDA measurement so far found (docs/performance.md, "CUDA (NVIDIA H100)").
+CUDA_QUANT_NOTE = (
+    "on CUDA, int8 decode measured slower than compiled bf16 so far (117 against 174 tok/s, Llama-2-7B "
+    "shape on an H100; under investigation) and int4 is not yet measured end to end: quantized "
+    "weights save memory"
+)
+
+
 def _quantized_decode_note(target: Target) -> str | None:
     """What quantized weights cost here when genfast's native kernel cannot run them."""
     if target.device.type == "cpu":
@@ -37,7 +45,9 @@ def _quantized_decode_note(target: Target) -> str | None:
     elif target.device.type == "cuda":
         from genfast.quant.linear import triton_available
 
-        why = None if triton_available() else "Triton is not installed"
+        if triton_available():
+            return CUDA_QUANT_NOTE
+        why = "Triton is not installed"
     else:
         why = f"no quantized kernel for {target.device.type}"
     if not why:

@@ -4,9 +4,10 @@ combine into the settings a command loads with."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from genfast.errors import UserError
-from genfast.llm.recipe import LlmSettings
+from genfast.llm.recipe import RECIPE, LlmSettings
 from genfast.llm.session import plan
 from tests.cpus import ZEN3, ZEN4, pretend_cpu
 
@@ -47,3 +48,17 @@ def test_quantized_steps_say_when_they_are_slower_than_unquantized(monkeypatch):
     assert step == "int8" and "slow dequantize path" in note and "slower than unquantized" in note
     pretend_cpu(monkeypatch, ZEN4)
     assert not plan("int4", "cpu").notes
+
+
+def test_quantized_steps_on_cuda_say_what_was_measured(monkeypatch):
+    """With Triton, the CUDA kernels run, but the one end-to-end measurement is stated; without
+    it, the dequantize path and why (the device's type alone decides: no GPU needed here)."""
+    import genfast.quant.linear as linear
+    from genfast.recipe import Target
+
+    cuda = Target(torch.device("cuda"))
+    monkeypatch.setattr(linear, "triton_available", lambda: True)
+    assert "int8 decode measured slower than compiled bf16" in RECIPE.step("int8").fallback(cuda)
+    monkeypatch.setattr(linear, "triton_available", lambda: False)
+    note = RECIPE.step("int4").fallback(cuda)
+    assert "slow dequantize path (Triton is not installed)" in note
