@@ -52,21 +52,28 @@ def compiled(fn):
     return torch.compile(fn, fullgraph=True, dynamic=False, options=inductor_options("cuda", decode=False))
 
 
+def stored_bytes(qweights: list[QuantizedWeight]) -> int:
+    """Bytes of the storage form, what genfast's kernels read: codes (int4 two per byte) and the
+    fp16 scales and minima."""
+    return sum(q.codes.numel() * q.bits // 8 + q.scales.nbytes + q.mins.nbytes for q in qweights)
+
+
 def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bool]]:
     """name -> (block function of the inputs, weight bytes read, whether it takes more than one row)."""
     torch.manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in shapes]
     bf16_bytes = sum(w.numel() * 2 for w in weights)
-    int8 = [QuantLinear(quantize(w, 8), kernel="int8pack") for w in weights]
+    int8_weights = [quantize(w, 8) for w in weights]
+    int8 = [QuantLinear(q, kernel="int8pack") for q in int8_weights]
     int8_bytes = sum(q.weight_int8.numel() + q.channel_scales.numel() * 2 for q in int8)
 
     def block(linear):
         return lambda xs: [linear(i, x) for i, x in enumerate(xs)]
 
-    int8_triton = [QuantLinear(quantize(w, 8), kernel="triton") for w in weights]
+    int8_triton = [QuantLinear(q, kernel="triton") for q in int8_weights]
     out = {
         "bf16 F.linear": (block(lambda i, x: F.linear(x, weights[i])), bf16_bytes, True),
-        "int8 triton": (block(lambda i, x: int8_triton[i](x)), int8_bytes, True),
+        "int8 triton": (block(lambda i, x: int8_triton[i](x)), stored_bytes(int8_weights), True),
         "bf16 row_linear": (block(lambda i, x: row_linear(x, weights[i])), bf16_bytes, False),
         "int8 row_linear": (
             block(lambda i, x: row_linear(x, int8[i].weight_int8, scales=int8[i].channel_scales)),
@@ -87,8 +94,11 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
     for group in (32, 128):
         qweights = [quantize(w, 4, group) for w in weights]
         triton_layers = [QuantLinear(q, kernel="triton") for q in qweights]
-        nbytes = sum(q.codes.numel() // 2 + q.scales.numel() * 4 for q in qweights)
-        out[f"int4 g{group} triton"] = (block(lambda i, x, layers=triton_layers: layers[i](x)), nbytes, True)
+        out[f"int4 g{group} triton"] = (
+            block(lambda i, x, layers=triton_layers: layers[i](x)),
+            stored_bytes(qweights),
+            True,
+        )
         for tiles in (2, 4, 8):
             packed = [(int4pack(q.codes, tiles), int4pack_scales_and_zeros(q)) for q in qweights]
             nbytes = sum(p.numel() * p.element_size() + sz.numel() * 2 for p, sz in packed)
@@ -99,7 +109,7 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
                 True,
             )  # fmt: skip
         stored = [(pack_nibbles(q.codes), q.scales, q.mins) for q in qweights]
-        nbytes = sum(c.numel() + s.numel() * 2 + m.numel() * 2 for c, s, m in stored)
+        nbytes = stored_bytes(qweights)
 
         def dequantized(i: int, dtype: torch.dtype, stored=stored, group=group) -> torch.Tensor:
             packed_codes, scales, mins = stored[i]  # in the graph: nibbles unpacked and scaled in one pass
@@ -156,7 +166,7 @@ def sweep(shape: str, rows: int) -> None:
     for bits, group in ((8, None), (4, 32), (4, 128)):
         qweights = [quantize(w, bits, group) for w in weights]
         stored = [(pack_nibbles(q.codes) if bits == 4 else q.codes, q.scales, q.mins, q.group_size) for q in qweights]
-        nbytes = sum(c.numel() + s.numel() * 4 for c, s, _, _ in stored)
+        nbytes = stored_bytes(qweights)
         label = f"int{bits} {f'g{group}' if group else 'per channel'}"
         timed = []
         for values in configs:

@@ -156,7 +156,7 @@ class LlmLadder(Ladder):
         return super().skip_reason(Row(options["spec_target"]), options, target)
 
     def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
-        from genfast.llm.generate import GenerationResult, common_prefix
+        from genfast.llm.generate import GenerationResult
         from genfast.llm.precompiled import attach
         from genfast.llm.sampling import SamplingParams
         from genfast.llm.session import apply_recipe, load
@@ -200,12 +200,7 @@ class LlmLadder(Ladder):
         def measure(results: list[GenerationResult], seconds: list[float]) -> dict[str, Any]:
             check_same_tokens([results[-1].token_ids[0]])
             # A speculative row's greedy tokens against its target's row (run before it, if asked for).
-            target_tokens = workdir / f"tokens-{options['spec_target']}.json"
-            same_as_target = (
-                common_prefix(results[-1].token_ids[0], json.loads(target_tokens.read_text())) / options["new_tokens"]
-                if draft and target_tokens.exists()
-                else None
-            )
+            same_as_target = agreement(results[-1].token_ids[0], workdir, options["spec_target"]) if draft else None
             decode = median([r.decode_tok_s for r in results])
             mid = min(results, key=lambda r: abs(r.decode_tok_s - decode))
             traffic = replace(decode_traffic(loaded.model, mid), steps_per_s=decode)  # at the median rate
@@ -241,16 +236,23 @@ class LlmLadder(Ladder):
         """greedy_match: the share of the baseline's greedy tokens reproduced before the first
         difference. Every recipe row leaves its tokens for the rows after it (a speculative row
         compares itself with its target's, in `build`)."""
-        from genfast.llm.generate import common_prefix
-
         tokens = output.token_ids[0]
         if draft_of(row.step) is None:
             (workdir / f"tokens-{row.step}.json").write_text(json.dumps(tokens))
-        path = workdir / f"tokens-{self.recipe.baseline}.json"
-        if not path.exists():
-            return {}
-        reference = json.loads(path.read_text())
-        return {"greedy_match": common_prefix(tokens, reference) / max(len(reference), 1)}
+        match = agreement(tokens, workdir, self.recipe.baseline)
+        return {} if match is None else {"greedy_match": match}
+
+
+def agreement(tokens: list[int], workdir: Path, step: str) -> float | None:
+    """The share of `step`'s row's greedy tokens (left in `workdir` by `LlmLadder.compare`) that
+    `tokens` reproduce before the first difference; None where that row did not run."""
+    from genfast.llm.generate import common_prefix
+
+    path = workdir / f"tokens-{step}.json"
+    if not path.exists():
+        return None
+    reference = json.loads(path.read_text())
+    return common_prefix(tokens, reference) / max(len(reference), 1)
 
 
 def bench_command(args: Any) -> int:

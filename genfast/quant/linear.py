@@ -200,27 +200,33 @@ class QuantLinear(nn.Module):
             return (self.weight_int8.float() * self.channel_scales.float()[:, None])[:, : self.in_features].to(dtype)
         return self.quantized_weight().dequantize(dtype)
 
+    def _rows(self, x: Tensor) -> Tensor:
+        """x [..., in_features] as the kernels' rows [R, padded_in_features] (zero columns added)."""
+        rows = x.reshape(-1, self.in_features)
+        if self.padded_in_features != self.in_features:
+            rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+        return rows
+
+    def _outputs(self, out: Tensor, x: Tensor) -> Tensor:
+        """A kernel's [R, out_features] back in x's leading shape, plus the bias."""
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.native and x.dtype in (torch.float32, torch.bfloat16):
-            rows = x.reshape(-1, self.in_features)
-            if self.padded_in_features != self.in_features:
-                rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+            rows = self._rows(x)
             if self.dynamic:  # per-token activations, int32 sums over all of K (compute-bound layers)
                 out = torch.ops.genfast.qlinear_dynamic(rows, self.packed, self.out_features)
             else:  # activations per block of 32 (weight-only quantization: decode, LLM prefill)
                 out = torch.ops.genfast.qlinear(rows, self.packed, self.bits, self.group_size, self.out_features)
-            out = out.reshape(*x.shape[:-1], self.out_features)
-            return out if self.bias is None else out + self.bias.to(out.dtype)
+            return self._outputs(out, x)
         if self.dynamic:
             return self._dynamic_int8_fallback(x)
         # (other dtypes than bf16 take the dequantize path below: correct, slow, rare on CUDA)
         if self.kernel == "int4pack" and x.dtype == torch.bfloat16:
-            rows = x.reshape(-1, self.in_features)
-            if self.padded_in_features != self.in_features:
-                rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+            rows = self._rows(x)
             out = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group_size, self.scales_and_zeros)
-            out = out.reshape(*x.shape[:-1], self.out_features)
-            return out if self.bias is None else out + self.bias.to(out.dtype)
+            return self._outputs(out, x)
         if self.kernel == "int8pack":
             return self._int8pack_forward(x)
         if self.kernel == "triton" and x.dtype in TRITON_DTYPES and x.numel() <= MAX_GEMM_ROWS * x.shape[-1]:
@@ -233,32 +239,24 @@ class QuantLinear(nn.Module):
     def _triton_forward(self, x: Tensor) -> Tensor:
         from genfast.kernels import qlinear_triton  # registers the op; imports triton
 
-        rows = x.reshape(-1, self.in_features)
-        if self.padded_in_features != self.in_features:
-            rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+        rows = self._rows(x)
         args = (rows.contiguous(), self.codes, self.scales, self.mins, self.bits, self.group_size)
         # Eagerly the kernel is launched directly, without the op's dispatch: host time per call
         # counts wherever no CUDA graph replays the step. Compiled code needs the op.
         compiling = torch.compiler.is_compiling()
         out = torch.ops.genfast.qlinear_triton(*args) if compiling else qlinear_triton.qlinear(*args)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+        return self._outputs(out, x)
 
     def _int8pack_forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.padded_in_features != self.in_features:
-            rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+        rows = self._rows(x)
         if torch.compiler.is_compiling() and rows.shape[0] == 1:
             out = row_linear(rows, self.weight_int8, scales=self.channel_scales)
         else:
             out = F.linear(rows, self.weight_int8.to(x.dtype)) * self.channel_scales.to(x.dtype)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+        return self._outputs(out, x)
 
     def _dynamic_int8_fallback(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features).float()
-        if self.padded_in_features != self.in_features:
-            rows = F.pad(rows, (0, self.padded_in_features - self.in_features))
+        rows = self._rows(x).float()
         row_scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
         xq = torch.round(rows / row_scales).to(torch.int8)
         wq = (self.codes ^ 0x80).view(torch.int8)  # u - 128

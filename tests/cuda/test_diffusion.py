@@ -5,7 +5,6 @@ host syncs inside the denoising loop (CUDA's sync-debug mode, around the denoise
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 
 import pytest
@@ -18,7 +17,7 @@ from genfast.diffusion.quality import psnr
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe
 from genfast.quant.linear import QuantLinear
 from genfast.recipe import Target
-from tests.cuda.syncs import needs_cuda
+from tests.cuda.syncs import host_syncs, needs_cuda
 from tests.diffusion.test_recipe import BF16_PSNR, CACHE_PSNR, FP32_EXACT, INT8_PSNR, generate
 
 pytestmark = needs_cuda
@@ -92,14 +91,10 @@ class SyncWatched(DenoiserWrapper):
 
     def forward(self, *args, **kwargs):
         self.calls += 1
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                return self.denoiser(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-                self.syncs += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        with host_syncs() as found:
+            out = self.denoiser(*args, **kwargs)
+        self.syncs += found
+        return out
 
 
 @pytest.mark.parametrize("step", ["dynamic-int8", "feature-cache"])

@@ -14,7 +14,7 @@ from genfast.sam.build import build_random_sam
 from genfast.sam.predictor import SamPredictor
 from genfast.sam.recipe import RECIPE, SamSettings, apply_recipe
 from tests.cuda.syncs import host_syncs, needs_cuda
-from tests.sam.test_recipe import BUDGETS, SMALL, _images, _prompts
+from tests.sam.test_recipe import BUDGETS, SMALL, _images, _prompts, error_and_iou
 
 pytestmark = needs_cuda
 
@@ -35,15 +35,6 @@ def low_res_logits(step: str, device: str = "cuda") -> list[np.ndarray]:
     else:
         results = [pred.predict(**p, multimask_output=False, image_index=i) for i, p in enumerate(_prompts(images))]
     return [low_res[0] for _, _, low_res in results]
-
-
-def error_and_iou(logits: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
-    """Relative error, and the IoU of both thresholded at the reference's median (half-full masks:
-    random weights put most logits on one side of 0)."""
-    error = np.linalg.norm(logits - reference) / np.linalg.norm(reference)
-    threshold = np.median(reference)
-    mask, base = logits > threshold, reference > threshold
-    return float(error), float(np.logical_and(mask, base).sum() / np.logical_or(mask, base).sum())
 
 
 @pytest.fixture(scope="module")
