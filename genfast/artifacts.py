@@ -47,6 +47,7 @@ def environment() -> dict[str, Any]:
         "genfast": __version__,
         "python": list(sys.version_info[:2]),
         "isa": hardware.isa(),
+        "code_target": hardware.code_target(),
         "kernels": {k.name: (k.choose()[0].isa if k.choose()[0] else None) for k in kernels.KERNELS},
     }
 

@@ -23,7 +23,10 @@ def part_dir(part: str) -> Path:
     import os
 
     if part == "inductor":
-        return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or genfast_home() / "inductor")
+        # genfast's own choice is one folder per kind of CPU inside this part (compile.py).
+        ours = genfast_home() / "inductor"
+        chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        return Path(chosen) if chosen and Path(chosen).parent != ours else ours
     if part == "kernels":
         return Path(os.environ.get("GENFAST_KERNEL_DIR") or genfast_home() / "kernels")
     return genfast_home() / part

@@ -45,6 +45,9 @@ def compile_fn(fn: Callable, device: torch.device | str, *, decode: bool, model:
 
 
 def use_persistent_cache() -> None:
-    """Keep inductor's compiled artifacts under GENFAST_HOME (not /tmp), unless the user chose a
+    """Keep inductor's compiled artifacts under GENFAST_HOME (not /tmp), one folder per kind of CPU
+    (`hardware.code_target`: inductor's keys do not tell CPUs apart), unless the user chose a
     place. Inductor reads the variable once, so this must run before anything compiles."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(genfast_home() / "inductor"))
+    from genfast import hardware
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(genfast_home() / "inductor" / hardware.code_target()))

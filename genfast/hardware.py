@@ -4,11 +4,14 @@ CPU's instruction set is (and which native-kernel variants it allows), synchroni
 ISA levels, best first: `avx512` (AVX-512 F/BW/VL; a kernel variant may need more, such as VNNI
 or BF16), `avx2` (AVX2 + FMA + F16C) and `none` (portable PyTorch code only). `GENFAST_ISA`
 caps the level, so an AVX-512 machine can run and test the AVX2 and portable paths; it never
-raises the level above what the CPU has.
+raises the level above what the CPU has. A capped level also stands for a CPU without VNNI or
+native bf16 (the Zen 3 profile), and `torch_isa_env` gives the variables that cap PyTorch's own
+kernels the same way, for a new process that should behave as such a CPU throughout.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import resource
@@ -28,6 +31,11 @@ ISA_CPU_FLAGS = {
     "none": (),
 }
 ISA_ENV = "GENFAST_ISA"
+# Variables that cap PyTorch's own CPU code (ATen's kernels and inductor's generated code, oneDNN,
+# MKL) to a level. Each is read once, at import or first use, so they only act on a new process.
+TORCH_ISA_ENV = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
 
 DTYPES = {
     "float32": torch.float32,
@@ -92,6 +100,39 @@ def isa() -> str:
 def isa_allows(level: str) -> bool:
     """Whether code written for `level` may run under the active ISA level."""
     return ISA_LEVELS.index(level) >= ISA_LEVELS.index(isa())
+
+
+# Feature flags that decide which instructions compiled CPU code may use (x86 and ARM names).
+CODE_FLAG_PREFIXES = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "asimd", "sve", "fp", "neon")
+
+
+def code_target() -> str:
+    """A name for what compiled CPU code depends on: the CPU's instruction-set flags and the caps
+    on PyTorch's own ISA. Inductor's cache keys include neither, so a cache shared between two
+    kinds of CPU (a home directory on a network file system) or used under a cap loads code built
+    for the other: seen here, a compiled linear built for AVX-512 gave wrong results under
+    ATEN_CPU_CAPABILITY=avx2, and the reverse crashed. genfast keeps one cache per target."""
+    flags = sorted(f for f in cpu_flags() if f.startswith(CODE_FLAG_PREFIXES))
+    caps = [os.environ.get(var, "") for var in sorted({v for caps in TORCH_ISA_ENV.values() for v in caps})]
+    digest = hashlib.sha256(" ".join(flags + ["|"] + caps).encode()).hexdigest()[:10]
+    return f"{detected_isa()}-{digest}"
+
+
+def torch_isa_env(level: str) -> dict[str, str]:
+    """The environment for a process that runs as a CPU of `level` would: GENFAST_ISA for genfast's
+    kernels plus the caps on PyTorch's own (`scripts/with_isa.sh` runs a command so)."""
+    if level not in ISA_LEVELS:
+        raise UserError(f"{level!r} is not an ISA level; use one of {', '.join(ISA_LEVELS)}")
+    return {ISA_ENV: level, **TORCH_ISA_ENV.get(level, {})}
+
+
+def has_vnni() -> bool:
+    """Whether int8 dot products sum u8 x s8 pairs in int32 (AVX512-VNNI, AVX-VNNI, AMX) rather than
+    in saturating int16 (AVX2's vpmaddubsw). Under a GENFAST_ISA cap there is none: a capped level
+    stands for the CPUs of that level without it, as the caps of `torch_isa_env` make oneDNN."""
+    if isa_override() is not None and not isa_allows("avx512"):
+        return False
+    return any(f in cpu_flags() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 def has_native_bf16() -> bool:

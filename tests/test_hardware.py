@@ -34,6 +34,56 @@ def test_an_unknown_override_is_a_user_error(monkeypatch):
         hardware.isa()
 
 
+ALDER_LAKE = ZEN3 | {"avx_vnni"}  # AVX-VNNI without AVX-512
+
+
+@pytest.mark.parametrize(
+    "flags,cap,vnni",
+    [
+        (ZEN4, None, True),
+        (ALDER_LAKE, None, True),
+        (ZEN3, None, False),
+        (SKYLAKE_X, None, False),
+        (ZEN4, "avx2", False),
+    ],
+)
+def test_vnni_per_cpu_and_under_a_cap(monkeypatch, flags, cap, vnni):
+    """int32 sums of u8 x s8 pairs (the int8 convolution's full 8-bit activations) where the CPU has
+    VNNI; a cap below AVX-512 stands for a CPU without it, as `torch_isa_env` makes oneDNN."""
+    pretend_cpu(monkeypatch, flags, cap)
+    assert hardware.has_vnni() == vnni
+
+
+def test_torch_isa_env():
+    assert hardware.torch_isa_env("avx2") == {
+        "GENFAST_ISA": "avx2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    }
+    assert hardware.torch_isa_env("none") == {"GENFAST_ISA": "none"}
+    with pytest.raises(UserError, match="not an ISA level"):
+        hardware.torch_isa_env("sse9")
+
+
+def test_compiled_code_is_kept_apart_per_cpu_and_cap(monkeypatch):
+    """Inductor's cache keys ignore the CPU: genfast keeps its caches apart by `code_target`."""
+    for var in hardware.TORCH_ISA_ENV["avx2"]:
+        monkeypatch.delenv(var, raising=False)
+    pretend_cpu(monkeypatch, ZEN4)
+    zen4 = hardware.code_target()
+    assert zen4.startswith("avx512-") and zen4 == hardware.code_target()
+    pretend_cpu(monkeypatch, ZEN4 | {"md_clear", "hypervisor"})  # flags that do not change code
+    assert hardware.code_target() == zen4
+    pretend_cpu(monkeypatch, ZEN4 | {"amx_tile"})
+    assert hardware.code_target() != zen4
+    pretend_cpu(monkeypatch, ZEN3)
+    assert hardware.code_target().startswith("avx2-")
+    pretend_cpu(monkeypatch, ZEN4)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert hardware.code_target() != zen4
+
+
 @pytest.mark.parametrize(
     "flags,cap,expected",
     [

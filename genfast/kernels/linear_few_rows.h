@@ -1,7 +1,8 @@
 // The host side that every linear_few_rows_<isa>.cpp variant shares: argument checks and the
 // dispatch on the row count. A variant is a struct with
 //
-//   using Input = ...;                          what it multiplies the weight with (x is converted)
+//   using Input = ...;                          what it multiplies the weight with
+//   static at::Tensor input(x)                  x as the tiles read it: [M, K] of Input, contiguous
 //   template <int M, int R> tiles(x, w, y, n0, n1, N, K)   output rows [n0, n1), R at a time
 //   template <int M> static constexpr int rows_per_tile    R for M input rows
 
@@ -33,7 +34,7 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(M >= 1 && M <= 8, "linear_few_rows: 1 to 8 rows");
   TORCH_CHECK(K % 32 == 0, "linear_few_rows: K must be a multiple of 32");
   using Input = typename V::Input;
-  const at::Tensor xs = x.to(c10::CppTypeToScalarType<Input>::value).contiguous(), w = weight.contiguous();
+  const at::Tensor xs = V::input(x), w = weight.contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const auto* xp = xs.data_ptr<Input>();
   const auto* wp = w.data_ptr<at::BFloat16>();

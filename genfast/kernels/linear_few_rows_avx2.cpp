@@ -4,12 +4,14 @@
 // Why: without AVX512-BF16 there is no bf16 dot-product instruction, and both aten's bf16 GEMM
 // and inductor's one-row reduction convert and multiply element by element: on a 2-core Zen 3,
 // compiled bf16 decode of SmolLM2 streamed its weights at ~9 GB/s of the ~24 GB/s the machine
-// reads. A bf16 weight widens to fp32 exactly (a 16-bit shift), so here each 8-weight vector is
+// reads. A bf16 weight widens to fp32 exactly (a 16-bit shift), so here each 16-weight vector is
 // loaded once, widened, and multiplied into all M rows (fp32 FMA) while the next ones stream in:
 // the weights are read once at close to the memory's speed, whatever M.
 //
-// Tiling: R = 8 / M output rows (at least 1) times the M rows: at most 8 accumulators of 8 fp32
-// lanes, summed horizontally once per output. The input rows are widened to fp32 once per call.
+// Each thread walks its output rows one by one, so it reads one contiguous run of the weight, with
+// software prefetch 8 KB ahead (measured on an Intel Xeon capped to AVX2, 2 threads, SmolLM2's 121
+// matrices: 8 rows side by side without prefetch 16 GB/s for one input row, 10 for four; one by
+// one with prefetch 20 and 18; `benchmarks/linear_kernels.py --rows 1,4`).
 // K must be a multiple of 32 (the Python side checks and otherwise uses F.linear).
 
 #include <ATen/ATen.h>
@@ -28,36 +30,85 @@ namespace {
 
 using namespace genfast_avx2;
 
-// Output rows [n0, n1) (a multiple of R apart), R at a time, for the M input rows (fp32, [M, K]).
-template <int M, int R>
-void tiles(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {
-  static_assert(M * R <= 8, "8 accumulators at most");
-  for (int64_t n = n0; n < n1; n += R) {
-    __m256 acc[M * R];
-    for (int i = 0; i < M * R; ++i) acc[i] = _mm256_setzero_ps();
-    const at::BFloat16* rows[R];
-    for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * K;
-    for (int64_t k = 0; k < K; k += 8) {
-      __m256 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = load8(rows[r] + k);
-      for (int m = 0; m < M; ++m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-        for (int r = 0; r < R; ++r) acc[r * M + m] = _mm256_fmadd_ps(wv[r], xv, acc[r * M + m]);
+// The input rows as the tiles read them: in each 16-column chunk, the 8 even columns, then the 8
+// odd ones. A 32-byte load of 16 bf16 weights holds the even ones in the low halves of its 32-bit
+// lanes and the odd ones in the high halves, so a shift and a mask widen both to fp32 in place
+// (no cross-lane shuffle, which has one port on most x86 cores); each meets its half of x.
+at::Tensor arrange(const at::Tensor& x) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(xf);
+  const float* src = xf.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t chunk = 0; chunk < xf.numel(); chunk += 16) {
+    for (int j = 0; j < 8; ++j) {
+      dst[chunk + j] = src[chunk + 2 * j];
+      dst[chunk + 8 + j] = src[chunk + 2 * j + 1];
+    }
+  }
+  return out;
+}
+
+// Output rows [n0, n1), one at a time, for the M arranged input rows. One output row reads one
+// contiguous weight row, so each thread streams a single run of memory (reading R rows side by
+// side, R streams of K * 2 bytes, was measured slower). U 16-column chunks per iteration and
+// separate even/odd accumulators keep up to 8 FMA chains in flight.
+constexpr int64_t kPrefetchBytes = 8192;  // 4-16 KB measured alike
+
+template <int M>
+void rows_one_by_one(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {
+  constexpr int U = M >= 4 ? 1 : 4 / M;       // chunks per iteration
+  constexpr int A = M * U * 2 <= 8 ? 2 : 1;  // accumulators per (row, chunk): even/odd apart or together
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t n = n0; n < n1; ++n) {
+    const at::BFloat16* row = w + n * K;
+    __m256 acc[M][U][A];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {
+#pragma GCC unroll 2
+        for (int a = 0; a < A; ++a) acc[m][u][a] = _mm256_setzero_ps();
       }
     }
-    for (int r = 0; r < R; ++r) {
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = hsum(acc[r * M + m]);
+    auto step = [&](int64_t k, int u) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const float* xm = x + m * K + k;
+        acc[m][u][0] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xm), acc[m][u][0]);
+        acc[m][u][A - 1] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xm + 8), acc[m][u][A - 1]);
+      }
+    };
+    int64_t k = 0;
+    for (; k + 16 * U <= K; k += 16 * U) {
+      for (int u = 0; u < U; u += 2) {  // one 64-byte line per two chunks
+        _mm_prefetch(reinterpret_cast<const char*>(row + k + 16 * u) + kPrefetchBytes, _MM_HINT_T0);
+      }
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) step(k + 16 * u, u);
+    }
+    for (; k < K; k += 16) step(k, 0);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      __m256 total = acc[m][0][0];
+      for (int u = 0; u < U; ++u) {
+        for (int a = 0; a < A; ++a) total = (u == 0 && a == 0) ? total : _mm256_add_ps(total, acc[m][u][a]);
+      }
+      y[m * N + n] = hsum(total);
     }
   }
 }
 
 struct Avx2 {
   using Input = float;  // bf16 rows widen exactly
+  static at::Tensor input(const at::Tensor& x) { return arrange(x); }
   template <int M>
-  static constexpr int rows_per_tile = std::max(1, 8 / M);
+  static constexpr int rows_per_tile = 1;
   template <int M, int R>
   static void tiles(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {
-    ::tiles<M, R>(x, w, y, n0, n1, N, K);
+    rows_one_by_one<M>(x, w, y, n0, n1, N, K);
   }
 };
 

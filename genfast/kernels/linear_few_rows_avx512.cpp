@@ -71,6 +71,7 @@ void tiles(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0, i
 
 struct Avx512 {
   using Input = at::BFloat16;  // fp32 rows are rounded to bf16: the products are bf16 x bf16
+  static at::Tensor input(const at::Tensor& x) { return x.to(at::kBFloat16).contiguous(); }
   template <int M>
   static constexpr int rows_per_tile = 16 / M;  // output rows per tile: M * R of the 16 accumulators
   template <int M, int R>

@@ -54,8 +54,7 @@ def supports(conv: nn.Conv2d) -> bool:
 def activation_levels() -> int:
     """Largest uint8 activation code: 255 where the CPU sums u8 x s8 products in int32 (VNNI,
     AMX), 127 where oneDNN's int16 pair sums would otherwise saturate (see the module notes)."""
-    flags = hardware.cpu_flags()
-    return 255 if any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8")) else 127
+    return 255 if hardware.has_vnni() else 127
 
 
 def int8_conv_unavailable_reason(device: torch.device | str) -> str | None:

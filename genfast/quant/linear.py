@@ -20,7 +20,8 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
   benchmarks/cuda_linear.py.)
 - "dequantize" elsewhere, weight-only: dequantize to the activation dtype and matmul. Under
   torch.compile a one-row input becomes a single fused loop that reads the codes (`row_linear`).
-- dynamic int8 off the CPU: activations quantized per token, `torch._int_mm`, rescaled.
+- dynamic int8 without the native kernel: activations quantized per token, `torch._int_mm`,
+  rescaled; on a CPU without VNNI the same integer product in fp32 (`_int8_product`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast import hardware
 from genfast.kernels import QLINEAR
 from genfast.nn import ExpertLinear, grouped_by_expert, row_linear
 from genfast.quant import packing
@@ -260,22 +262,34 @@ class QuantLinear(nn.Module):
         row_scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
         xq = torch.round(rows / row_scales).to(torch.int8)
         wq = (self.codes ^ 0x80).view(torch.int8)  # u - 128
-        # torch._int_mm wants more than 16 rows on CUDA; pad with zero rows.
-        m = xq.shape[0]
-        if m <= 16:
-            xq = F.pad(xq, (0, 0, 0, 17 - m))
-        acc = torch._int_mm(xq, wq.t())[:m]
-        out = acc.float() * row_scales * self.scales[:, 0].float()
+        out = _int8_product(xq, wq.t()) * row_scales * self.scales[:, 0].float()
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = f"native-{QLINEAR.loaded_isa()}" if self.native else ("int_mm" if self.dynamic else self.kernel)
+        kernel = self.kernel
+        if self.native:
+            kernel = f"native-{QLINEAR.loaded_isa()}"
+        elif self.dynamic:
+            kernel = "int_mm" if self.codes.device.type != "cpu" or hardware.has_vnni() else "fp32-matmul"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"group_size={self.group_size}, bias={self.bias is not None}, kernel={kernel}"
         )
+
+
+def _int8_product(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for int8 [M, K] x [K, N], as fp32. On a CPU without VNNI, oneDNN's int8 GEMM (behind
+    torch._int_mm) sums u8 x s8 pairs in saturating int16: off by up to ~15% of the largest output
+    (measured under ONEDNN_MAX_CPU_ISA=AVX2, also with 7-bit activations). There the same integer
+    product runs in fp32, exact while the sums stay under 2**24 and within fp32 rounding above."""
+    if a.device.type == "cpu" and not hardware.has_vnni():
+        return a.float() @ b.float()
+    m = a.shape[0]
+    if m <= 16:  # torch._int_mm wants more than 16 rows on CUDA; pad with zero rows
+        a = F.pad(a, (0, 0, 0, 17 - m))
+    return torch._int_mm(a, b)[:m].float()
 
 
 @torch.library.custom_op("genfast::expert_qlinear", mutates_args=())

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from genfast.quant import packing as kernels
 from genfast.quant.grids import QuantizedWeight, check_group_size, pack_nibbles, quantize, unpack_nibbles
-from genfast.quant.linear import QuantLinear, quantize_linears
+from genfast.quant.linear import QuantLinear, _int8_product, quantize_linears
+from tests.cpus import ZEN3, pretend_cpu
 
 NATIVE = kernels.available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: {kernels.unavailable_reason()}")
@@ -168,7 +169,8 @@ def test_quantized_weight_dequantize_drops_padding():
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
 @pytest.mark.parametrize("rows", [1, 40, 130])
 def test_dynamic_int8_matches_reference(native, rows, monkeypatch):
-    """Per-token int8 activations (native kernel, or torch._int_mm): within 2% of the float layer."""
+    """Per-token int8 activations (native kernel, or torch._int_mm; fp32 on a CPU without VNNI, where
+    oneDNN's int8 GEMM saturates): within 2% of the float layer."""
     if not native:
         monkeypatch.setattr(kernels, "available", lambda: False)
     torch.manual_seed(0)
@@ -178,6 +180,19 @@ def test_dynamic_int8_matches_reference(native, rows, monkeypatch):
         got = layer(x)
         assert got.dtype == dtype
         assert rel_err(got, reference(layer, x)) < NATIVE_REL_TOL
+
+
+@pytest.mark.parametrize("flags", [ZEN3, None])
+def test_int8_product_is_exact_with_or_without_vnni(flags, monkeypatch):
+    """Full-range int8 operands, the case where oneDNN's int8 GEMM without VNNI saturates; a ZEN3
+    CPU takes the fp32 product, this machine its own path."""
+    if flags is not None:
+        pretend_cpu(monkeypatch, flags)
+    torch.manual_seed(0)
+    for m in (1, 17, 40):
+        a = torch.randint(-128, 128, (m, 288), dtype=torch.int8)
+        b = torch.randint(-128, 128, (288, 40), dtype=torch.int8)
+        assert torch.equal(_int8_product(a, b).long(), a.long() @ b.long())
 
 
 @needs_native
