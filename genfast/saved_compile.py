@@ -41,8 +41,11 @@ Kwargs = Mapping[str, Any]
 
 def call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """What is compiled: the module's own forward, with the module an argument, so that its
-    weights are inputs (its instance `forward` is the SavedForward that calls this)."""
-    return type(module).forward(module, *args, **kwargs)
+    weights are inputs (its instance `forward` is the SavedForward that calls this). The class's
+    forward is reached through the instance (`_class_forward`, set by compile_saved), not through
+    `type(module)`: dynamo cannot trace an attribute of a class marked allow-in-graph, as
+    diffusers marks its transformer blocks."""
+    return module._class_forward(*args, **kwargs)
 
 
 def structure(module: nn.Module) -> list[Any]:
@@ -94,9 +97,27 @@ def compile_saved(module: nn.Module, what: str, depends_on: Mapping[str, Any], o
     """Compile `module` in place, ahead of time per input signature, kept on disk (see the module
     docstring), and return it. `what` names it in messages ("SAM image encoder"); `depends_on`:
     JSON-able settings the code depends on beyond the module's structure; `options`: inductor's
-    (`freezing` is dropped: the weights stay inputs). It runs with gradients off: for inference."""
+    (`freezing` is dropped: the weights stay inputs). It runs with gradients off: for inference.
+    The module must be savable (`unsavable_reason`)."""
+    reason = unsavable_reason(module)
+    if reason is not None:
+        raise ValueError(f"the {what} cannot be compiled ahead of time and saved: {reason}")
+    module._class_forward = type(module).forward.__get__(module)
     module.forward = SavedForward(module, what, depends_on, options, log)
     return module
+
+
+def unsavable_reason(module: nn.Module) -> str | None:
+    """Why `module`'s compiled code cannot be saved, or None. Opaque tensors kept as attributes (oneDNN's
+    prepacked int8 convolution weights, genfast/quant/conv.py) are guarded on by identity and
+    shape, and dynamo cannot serialize such guards (it remakes each tensor on the meta device,
+    which has no mkldnn layout)."""
+    for name, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if isinstance(value, Tensor) and value.layout == torch._mkldnn:
+                where = f"{name}.{attr}" if name else attr
+                return f"oneDNN's prepacked weights cannot be saved ({where})"
+    return None
 
 
 class SavedForward:

@@ -97,6 +97,24 @@ def test_a_corrupt_artifact_is_rebuilt_with_a_message(x):
     assert path.stat().st_size > 100  # saved again
 
 
+@torch._dynamo.allow_in_graph
+class InGraphBlock(Block):
+    """A class marked allow-in-graph, as diffusers marks its transformer blocks."""
+
+
+def test_a_class_marked_allow_in_graph_compiles_and_loads(x):
+    """Compiled code reaches the class's forward through the instance: dynamo cannot trace an
+    attribute of an allow-in-graph class (`type(module).forward` failed on diffusers' blocks)."""
+    torch.manual_seed(0)
+    block = InGraphBlock().eval()
+    expected = block(x)
+    first = _saved(copy.deepcopy(block), [])
+    torch.testing.assert_close(first(x), expected, rtol=1e-5, atol=1e-5)
+    again = _saved(copy.deepcopy(block), [])
+    torch.testing.assert_close(again(x), expected, rtol=1e-5, atol=1e-5)
+    assert again.forward.events[0].startswith("loaded in")
+
+
 def test_compiled_in_place_the_module_keeps_its_class_and_state_dict(x):
     block = Block().eval()
     names = list(block.state_dict())

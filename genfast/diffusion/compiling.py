@@ -16,6 +16,8 @@ compiles and CUDA (not yet run) compile when first called, with inductor's own c
 from __future__ import annotations
 
 import functools
+import itertools
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +26,7 @@ import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
-from genfast.saved_compile import compile_saved
+from genfast.saved_compile import compile_saved, unsavable_reason
 
 
 def diffusion_inductor_options(
@@ -44,7 +46,7 @@ def diffusion_inductor_options(
 
 
 def _device_of(module: nn.Module) -> torch.device:
-    return next(module.parameters()).device
+    return next(itertools.chain(module.parameters(), module.buffers())).device
 
 
 def _traced_with(compiled: Callable[..., Any], *, duck_sizing: bool, graphs: int) -> Callable[..., Any]:
@@ -79,8 +81,12 @@ def compile_module(
     its forward's code may compile (see _traced_with); `saved`: see the module docstring; `what`
     names it in messages (default: its class)."""
     options = diffusion_inductor_options(_device_of(module), whole_model=whole_model, dynamic=dynamic)
+    what = what or type(module).__name__
     if saved is not None and not dynamic and _device_of(module).type == "cpu":
-        return compile_saved(module, what or type(module).__name__, saved, options)
+        reason = unsavable_reason(module)
+        if reason is None:
+            return compile_saved(module, what, saved, options)
+        _not_saved_note(what, reason)
     if not dynamic and graphs is None:
         module.compile(fullgraph=True, options=options)
         return module
@@ -90,6 +96,11 @@ def compile_module(
         compiled, duck_sizing=not dynamic, graphs=max(graphs or 0, dynamo_config.recompile_limit)
     )
     return module
+
+
+@functools.cache  # once per kind of module (a UNet's residual blocks are many)
+def _not_saved_note(what: str, reason: str) -> None:
+    print(f"genfast: the {what} is compiled for this run only: {reason}", file=sys.stderr)
 
 
 def compile_vae_decoder(vae: nn.Module, *, dynamic: bool = False, saved: Mapping[str, Any] | None = None) -> None:

@@ -12,11 +12,14 @@ pytest.importorskip("diffusers")
 
 from torch._dynamo.utils import counters
 
-from genfast.diffusion.compiling import compile_regions, repeated_blocks
+from genfast import artifacts
+from genfast.diffusion.compiling import compile_module, compile_regions, repeated_blocks
 from genfast.diffusion.pipelines import call_kwargs, tiny_pipeline
 from genfast.diffusion.quality import psnr
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe
+from genfast.quant.conv import DynamicInt8Conv2d, int8_conv_unavailable_reason
 from genfast.recipe import Target
+from genfast.saved_compile import compile_saved
 
 CPU_BF16 = Target(torch.device("cpu"), "bfloat16")
 
@@ -35,6 +38,25 @@ def generate(pipe, size: int | tuple[int, int]) -> torch.Tensor:
         generator=torch.Generator().manual_seed(0),
         output_type="pt",
     ).images.float()
+
+
+@pytest.mark.skipif(int8_conv_unavailable_reason("cpu") is not None, reason="no oneDNN int8 convolution")
+def test_int8_convolutions_compile_for_the_run_when_they_cannot_be_saved(capsys):
+    """oneDNN's prepacked weights are opaque tensors dynamo cannot serialize: a module holding them
+    is compiled as usual, not saved, and the user is told (saving raised before)."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(16, 24, 3, padding=1)
+    module = torch.nn.Sequential(DynamicInt8Conv2d(conv), torch.nn.SiLU()).eval()
+    x = torch.randn(1, 16, 12, 12)
+    with torch.no_grad():
+        expected = module(x)
+        with pytest.raises(ValueError, match="prepacked weights cannot be saved"):
+            compile_saved(module, "int8 block", {}, {})
+        compile_module(module, saved={"recipe": "test"}, what="int8 block")
+        got = module(x)
+    assert "the int8 block is compiled for this run only: oneDNN's prepacked weights" in capsys.readouterr().err
+    assert artifacts.entries() == []
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
