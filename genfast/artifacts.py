@@ -29,8 +29,9 @@ from genfast import __version__
 from genfast.hub import genfast_home
 
 # Bump when the layout of an artifact directory changes, or when steps saved before would now be
-# compiled differently (2: artifact.json lists the kernels; 3: one-row bf16 linears take the kernel).
-FORMAT = 3
+# compiled differently (2: artifact.json lists the kernels; 3: one-row bf16 linears take the kernel;
+# 4: fp32 compute with bf16 weights keeps a bf16 KV cache).
+FORMAT = 4
 
 
 def root() -> Path:

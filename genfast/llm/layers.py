@@ -76,7 +76,9 @@ class KVCache(nn.Module):
     def attend_inputs(
         self, input_pos: Tensor, k: Tensor, v: Tensor, mask: Tensor, rows: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Store this call's k/v and return the keys, values and mask its queries attend over."""
+        """Store this call's k/v and return the keys, values (in the cache's dtype, which may be
+        narrower than the model's: `Transformer.cache_dtype`) and mask its queries attend over."""
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         self.update(input_pos, k, v, rows)
         keys, values = self.read(mask.shape[-1], rows)
         return keys, values, mask if self.window is None else window_mask(mask, input_pos, self.window)
@@ -151,6 +153,7 @@ class WindowKVCache(nn.Module):
         self, input_pos: Tensor, k: Tensor, v: Tensor, mask: Tensor, rows: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         bsz, _, seqlen, _ = k.shape
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if rows is None:
             rows = torch.arange(bsz, device=k.device)
         ring = slice(0, self.size)
@@ -267,6 +270,7 @@ class Attention(nn.Module):
         """Attention of q [B, H, S, D] over the valid keys and values [B, KV, L, D]: [B, H, S, D]."""
         if q.shape[2] == 1 and torch.compiler.is_compiling():
             return self._decode_attention(q, keys, values, mask)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under fp32 compute
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -33,6 +33,9 @@ class Transformer(nn.Module):
         self.reset_rope()
         self.max_batch_size = 0
         self.max_seq_len = 0
+        # The KV caches' dtype; None: the compute dtype. bf16 where fp32 compute keeps bf16 weights
+        # (--dtype auto on a CPU without native bf16): decode reads half the cache's bytes.
+        self.cache_dtype: torch.dtype | None = None
 
     def reset_rope(self) -> None:
         """(Re)compute the rotary inverse frequencies in fp32 on the model's device, and those of
@@ -52,9 +55,10 @@ class Transformer(nn.Module):
         """Allocate static KV caches (in the model's dtype and device) for `max_seq_len` slots."""
         if max_seq_len > self.args.max_seq_len:
             raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
-        if (batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len):
+        dtype = self.cache_dtype or self.norm.weight.dtype  # norm: the compute dtype (linears may store bf16)
+        current = self.layers[0].attention.kv_cache
+        if (batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len) and current.k.dtype == dtype:
             return
-        dtype = self.norm.weight.dtype  # the compute dtype (linears may store theirs in bf16, or codes)
         device = self.norm.weight.device
         for layer in self.layers:  # the layer's own kv heads: a tensor-parallel shard holds a slice
             heads, window = layer.attention.n_kv_heads, layer.attention.sliding_window

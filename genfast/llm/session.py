@@ -31,16 +31,17 @@ class LoadedModel:
     dtype: torch.dtype
     quant: str = "none"  # how the weights are stored, e.g. "int4-g32" (also for quantized checkpoints)
     tp: int = 1  # tensor-parallel ranks: the model is this rank's shard (genfast/llm/tensor_parallel.py)
-    weight_dtype: torch.dtype | None = None  # unquantized linears' storage, when not `dtype` (auto on AVX2: bf16)
+    # Unquantized linears' and the KV cache's storage, when not `dtype` (auto on AVX2: bf16).
+    weight_dtype: torch.dtype | None = None
     # The `load` arguments that give this model again (another process compiling for it reloads it).
     load_args: dict[str, Any] = field(default_factory=dict)
     transforms: tuple[str, ...] = ()  # recipe steps whose own transform changed the model (apply_recipe)
 
     def dtype_label(self) -> str:
-        """e.g. 'bfloat16', or 'float32 (bfloat16 linear weights)'."""
+        """e.g. 'bfloat16', or 'float32 (bfloat16 linear weights and KV cache)'."""
         label = str(self.dtype).removeprefix("torch.")
         if self.weight_dtype is not None:
-            label += f" ({str(self.weight_dtype).removeprefix('torch.')} linear weights)"
+            label += f" ({str(self.weight_dtype).removeprefix('torch.')} linear weights and KV cache)"
         return label
 
 
@@ -126,6 +127,8 @@ def load(
     if bits is not None:
         quantize_loaded(path, transformer, bits, group_size)  # what is left: the output head
     store_linear_weights(transformer, weight_dt)  # the head (and an embedding table tied to it)
+    if weight_dt != dt:
+        transformer.cache_dtype = weight_dt
     return LoadedModel(
         path,
         transformer,
