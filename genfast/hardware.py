@@ -113,8 +113,9 @@ def code_target() -> str:
     for the other: seen here, a compiled linear built for AVX-512 gave wrong results under
     ATEN_CPU_CAPABILITY=avx2, and the reverse crashed. genfast keeps one cache per target."""
     flags = sorted(f for f in cpu_flags() if f.startswith(CODE_FLAG_PREFIXES))
-    caps = [os.environ.get(var, "") for var in sorted({v for caps in TORCH_ISA_ENV.values() for v in caps})]
-    digest = hashlib.sha256(" ".join(flags + ["|"] + caps).encode()).hexdigest()[:10]
+    variables = sorted({var for caps in TORCH_ISA_ENV.values() for var in caps})
+    values = [os.environ.get(var, "") for var in variables]
+    digest = hashlib.sha256(" ".join(flags + ["|"] + values).encode()).hexdigest()[:10]
     return f"{detected_isa()}-{digest}"
 
 

@@ -80,9 +80,10 @@ def compile_module(
     With `dynamic`, sizes are symbolic and independent of each other; `graphs`: the most graphs
     its forward's code may compile (see _traced_with); `saved`: see the module docstring; `what`
     names it in messages (default: its class)."""
-    options = diffusion_inductor_options(_device_of(module), whole_model=whole_model, dynamic=dynamic)
+    device = _device_of(module)
+    options = diffusion_inductor_options(device, whole_model=whole_model, dynamic=dynamic)
     what = what or type(module).__name__
-    if saved is not None and not dynamic and _device_of(module).type == "cpu":
+    if saved is not None and not dynamic and device.type == "cpu":
         reason = unsavable_reason(module)
         if reason is None:
             return compile_saved(module, what, saved, options)

@@ -272,11 +272,16 @@ class QuantLinear(nn.Module):
         if self.native:
             kernel = f"native-{QLINEAR.loaded_isa()}"
         elif self.dynamic:
-            kernel = "int_mm" if self.codes.device.type != "cpu" or hardware.has_vnni() else "fp32-matmul"
+            kernel = "fp32-matmul" if _int_mm_saturates(self.codes.device) else "int_mm"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"group_size={self.group_size}, bias={self.bias is not None}, kernel={kernel}"
         )
+
+
+def _int_mm_saturates(device: torch.device) -> bool:
+    """Whether torch._int_mm sums in saturating int16 on `device` (a CPU without VNNI)."""
+    return device.type == "cpu" and not hardware.has_vnni()
 
 
 def _int8_product(a: Tensor, b: Tensor) -> Tensor:
@@ -284,7 +289,7 @@ def _int8_product(a: Tensor, b: Tensor) -> Tensor:
     torch._int_mm) sums u8 x s8 pairs in saturating int16: off by up to ~15% of the largest output
     (measured under ONEDNN_MAX_CPU_ISA=AVX2, also with 7-bit activations). There the same integer
     product runs in fp32, exact while the sums stay under 2**24 and within fp32 rounding above."""
-    if a.device.type == "cpu" and not hardware.has_vnni():
+    if _int_mm_saturates(a.device):
         return a.float() @ b.float()
     m = a.shape[0]
     if m <= 16:  # torch._int_mm wants more than 16 rows on CUDA; pad with zero rows
