@@ -286,7 +286,7 @@ def _int_mm_saturates(device: torch.device) -> bool:
 
 def _int8_product(a: Tensor, b: Tensor) -> Tensor:
     """a @ b for int8 [M, K] x [K, N], as fp32. On a CPU without VNNI, oneDNN's int8 GEMM (behind
-    torch._int_mm) sums u8 x s8 pairs in saturating int16: off by up to ~15% of the largest output
+    torch._int_mm) sums u8 x s8 pairs in saturating int16: off by up to a quarter of the largest output
     (measured under ONEDNN_MAX_CPU_ISA=AVX2, also with 7-bit activations). There the same integer
     product runs in fp32, exact while the sums stay under 2**24 and within fp32 rounding above."""
     if _int_mm_saturates(a.device):
