@@ -139,7 +139,15 @@ GROUP_NORM = Kernel(
         Variant("avx2", "group_norm_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
     ),
 )
-KERNELS = (QLINEAR, LINEAR_FEW_ROWS, REL_POS_ATTENTION, GROUP_NORM)
+DECODE_ATTENTION = Kernel(
+    "decode_attention",
+    "decode attention kernel",
+    (
+        Variant("avx512", "decode_attention_avx512.cpp", ("avx512f", "avx512bw"), _AVX512),
+        Variant("avx2", "decode_attention_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
+    ),
+)
+KERNELS = (QLINEAR, LINEAR_FEW_ROWS, REL_POS_ATTENTION, GROUP_NORM, DECODE_ATTENTION)
 _LOADED: set[str] = set()  # names of the kernels whose library this process has loaded
 
 

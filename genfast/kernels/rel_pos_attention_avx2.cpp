@@ -38,25 +38,6 @@ constexpr int kKeyVectors = 3;       // 8-key vectors per register tile of S: 4 
 constexpr int kChannelVectors = 2;   // 8-channel vectors per register tile of O: 4 x 2 accumulators
 constexpr int64_t kKeyChunk = 64;    // keys per chunk of O = P V (64 x C fp32 of V: 16 KB at C = 64)
 
-// exp(x) for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor
-// polynomial (relative error < 2e-7). x is clamped at -87 so 2^n stays a normal float.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
 // S[r, 8 * (kb + t) + l] = q[r] . k[8 * (kb + t) + l] for R rows and KV blocks of 8 keys.
 // q: R rows of C floats; kp: [N_pad/8][C][8].
 template <int R, int KV>

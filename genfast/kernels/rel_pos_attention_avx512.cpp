@@ -28,31 +28,17 @@
 #include <cstring>
 #include <vector>
 
+#include "avx512_vectors.h"
+
 namespace {
+
+using genfast_avx512::exp_nonpositive;
 
 constexpr int64_t kQueryBlock = 32;  // query rows per task
 constexpr int kRows = 4;             // query rows per register tile
 constexpr int kKeyVectors = 4;       // 16-key vectors per register tile of S
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
-
-// exp(x) for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor
-// polynomial (relative error < 2e-7, far below the bf16 rounding of P that follows).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // S[r, j0 + 16t + l] = q[r] . k[j0 + 16t + l] for R rows and KV vectors of 16 keys.
 // q: rows of C/2 channel pairs; kp: [C/2][n_pad] channel pairs.

@@ -6,7 +6,8 @@ Layout choices, all for decode speed:
 - q/k/v are one fused projection and gate/up another, so a layer runs four matmuls, not seven.
 - The KV cache is a fixed buffer per layer; attention reads only its valid prefix, whose length
   is the attention mask's last dimension. Compiled with that dimension dynamic, one graph
-  serves every length.
+  serves every length. One query per sequence (decode) attends through a native kernel on CPUs
+  with one (genfast/llm/decode_attention.py), eager or compiled.
 - Rotary embeddings use the Hugging Face (rotate-half) layout, so HF weights load unpermuted.
 """
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.llm import decode_attention
 from genfast.llm.moe import MoEFeedForward
 from genfast.nn import Linear
 
@@ -268,6 +270,8 @@ class Attention(nn.Module):
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
         """Attention of q [B, H, S, D] over the valid keys and values [B, KV, L, D]: [B, H, S, D]."""
+        if decode_attention.applies(q, keys, mask):
+            return decode_attention.decode_attention(q, keys, values, mask, self.head_dim**-0.5)
         if q.shape[2] == 1 and torch.compiler.is_compiling():
             return self._decode_attention(q, keys, values, mask)
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under fp32 compute
@@ -285,7 +289,9 @@ class Attention(nn.Module):
         return q, k, v
 
     def _decode_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """One query per sequence, grouped by KV head (no KV repeat), in fp32, as multiply-sums.
+        """One query per sequence, grouped by KV head (no KV repeat), in fp32, as multiply-sums:
+        decode's attention where the native kernel does not apply (a CPU without a variant, a
+        head size it does not take).
 
         Compiled, this fuses into a few loops over the valid cache prefix. SDPA's CPU flash kernel
         is tiled for long queries and costs ~0.45 us per cached token per layer for one query:

@@ -101,6 +101,7 @@ VARIANT_TESTS = [
     "tests/test_nn.py",
     "tests/sam/test_attention.py",
     "tests/diffusion/test_group_norm.py",
+    "tests/llm/test_decode_attention.py",
 ]
 
 
