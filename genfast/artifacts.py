@@ -116,13 +116,17 @@ class Artifacts:
         tmp = self.path(name).with_suffix(f".tmp{os.getpid()}")
         compiled.save_compiled_function(str(tmp))
         tmp.replace(self.path(name))
-        info = self.dir / "artifact.json"
-        if not info.exists():
-            from genfast import kernels
+        from genfast import kernels
 
-            loaded = [k.name for k in kernels.KERNELS if k.loaded()]  # what `load` must load first
+        # What `load` must load first: every kernel any saved step may call. A later step can use
+        # one the first did not (decode's attention kernel, not prefill's), so the list grows.
+        recorded = self.saved_description().get("kernels")
+        loaded = {k.name for k in kernels.KERNELS if k.loaded()}
+        if recorded is None or not loaded <= set(recorded):
+            info = self.dir / "artifact.json"
             staged = info.with_suffix(f".tmp{os.getpid()}")
-            document = {**self.description, "environment": environment(), "kernels": loaded}
+            names = sorted(loaded | set(recorded or ()))
+            document = {**self.description, "environment": environment(), "kernels": names}
             staged.write_text(json.dumps(document, indent=1, default=str))
             staged.replace(info)
 

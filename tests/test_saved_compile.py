@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from genfast import artifacts, cache, saved_compile
+from genfast import artifacts, cache, kernels, saved_compile
 from genfast.progress import Ticker
 from genfast.saved_compile import compile_notes, compile_saved
 
@@ -95,6 +95,25 @@ def test_a_corrupt_artifact_is_rebuilt_with_a_message(x):
     assert saved.forward.events[0].startswith("compiled in")
     torch.testing.assert_close(out, block(x), rtol=1e-5, atol=1e-5)
     assert path.stat().st_size > 100  # saved again
+
+
+def test_the_kernels_to_load_first_grow_with_each_saved_step(monkeypatch):
+    """A saved decode step calls the decode attention kernel that the prefill saved before it did
+    not; a later run must load it before either step (it failed so when the list was written once)."""
+
+    class Compiled:
+        def save_compiled_function(self, path: str) -> None:
+            with open(path, "wb") as f:
+                f.write(b"compiled")
+
+    store = artifacts.Artifacts("steps", {"what": "two steps"})
+    monkeypatch.setattr(kernels, "_LOADED", {"qlinear"})
+    store.save("prefill", Compiled())
+    assert store.saved_description()["kernels"] == ["qlinear"]
+    monkeypatch.setattr(kernels, "_LOADED", {"qlinear", "decode_attention"})
+    store.save("decode", Compiled())
+    assert store.saved_description()["kernels"] == ["decode_attention", "qlinear"]
+    assert store.saved_description()["what"] == "two steps"
 
 
 @torch._dynamo.allow_in_graph

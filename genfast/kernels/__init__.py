@@ -8,7 +8,8 @@ with the local C++ compiler (torch.utils.cpp_extension, into GENFAST_KERNEL_DIR,
 GENFAST_HOME/kernels, once per source, headers, flags and torch version) and loads it; the library
 registers its ops with torch.library, so torch.compile calls them without a graph break. All
 variants of a kernel register the same ops with the same semantics, so one process loads one.
-Where no variant fits, the compiler fails or `GENFAST_NATIVE_KERNELS=0`, the caller takes its
+Where no variant fits, the compiler fails or `GENFAST_NATIVE_KERNELS=0` (all of them; `-NAME,...`:
+those named, e.g. `-decode_attention` to compare a step with and without it), the caller takes its
 pure-PyTorch path (the portable fallback), and the reason says why.
 
 CUDA's kernels are Triton's (`qlinear_triton.py`, imported only where a GPU uses it): they compile
@@ -63,8 +64,9 @@ class Kernel:
 
     def choose(self) -> tuple[Variant | None, str]:
         """The variant this machine runs and why (or None and why none)."""
-        if os.environ.get(DISABLE_ENV, "1") == "0":
-            return None, f"disabled by {DISABLE_ENV}=0"
+        setting = os.environ.get(DISABLE_ENV, "1")
+        if setting == "0" or f"-{self.name}" in setting.split(","):
+            return None, f"disabled by {DISABLE_ENV}={setting}"
         passed_over = []
         for variant in self.variants:
             missing = [flag for flag in variant.cpu_flags if flag not in hardware.cpu_flags()]

@@ -18,22 +18,18 @@ def chosen(kernel: kernels.Kernel) -> str | None:
     return variant.isa if variant else None
 
 
-AVX2 = {"qlinear": "avx2", "linear_few_rows": "avx2", "rel_pos_attention": "avx2", "group_norm": "avx2"}
-NONE = {"qlinear": None, "linear_few_rows": None, "rel_pos_attention": None, "group_norm": None}
+AVX2 = {name: "avx2" for name in ("qlinear", "linear_few_rows", "rel_pos_attention", "group_norm", "decode_attention")}
+NONE = dict.fromkeys(AVX2)
 
 
 @pytest.mark.parametrize(
     "flags,cap,expected",
     [
-        (
-            ZEN4,
-            None,
-            {"qlinear": "avx512", "linear_few_rows": "avx512", "rel_pos_attention": "avx512", "group_norm": "avx512"},
-        ),
+        (ZEN4, None, dict.fromkeys(AVX2, "avx512")),
         (ZEN4, "avx2", AVX2),
         (ZEN4, "none", NONE),
-        # AVX-512 without VNNI or BF16: the AVX2 kernels but the plain AVX-512 GroupNorm.
-        (SKYLAKE_X, None, {**AVX2, "group_norm": "avx512"}),
+        # AVX-512 without VNNI or BF16: the AVX2 kernels but the plain AVX-512 GroupNorm and attention.
+        (SKYLAKE_X, None, {**AVX2, "group_norm": "avx512", "decode_attention": "avx512"}),
         (ZEN3, None, AVX2),
         (OLD_X86, None, NONE),
     ],
@@ -54,6 +50,10 @@ def test_reasons_name_what_is_missing(monkeypatch):
     monkeypatch.setenv(kernels.DISABLE_ENV, "0")
     assert kernels.QLINEAR.choose() == (None, "disabled by GENFAST_NATIVE_KERNELS=0")
     assert kernels.QLINEAR.unavailable_reason() == "disabled by GENFAST_NATIVE_KERNELS=0"
+    setting = "-group_norm,-decode_attention"
+    monkeypatch.setenv(kernels.DISABLE_ENV, setting)
+    assert kernels.DECODE_ATTENTION.choose() == (None, f"disabled by GENFAST_NATIVE_KERNELS={setting}")
+    assert kernels.QLINEAR.choose()[0].isa == "avx2"  # the kernels not named keep their variant
 
 
 def test_every_variant_has_its_source_and_matching_compiler_flags():
