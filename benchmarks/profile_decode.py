@@ -17,6 +17,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
+from genfast.compile import use_persistent_cache
 from genfast.llm.session import load
 from genfast.llm.speculative import make_generator
 
@@ -37,6 +38,7 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="profile-decode-inductor-")
         inductor_config.cpp.enable_kernel_profile = True
+    use_persistent_cache()  # inductor's cache per kind of CPU (and ISA cap), as the CLI keeps it
     loaded = load(args.model, "cpu", args.dtype, quant=args.quant, group_size=args.group_size)
     if args.cache_dtype is not None:
         loaded.model.cache_dtype = getattr(torch, args.cache_dtype)

@@ -47,7 +47,12 @@ def compile_fn(fn: Callable, device: torch.device | str, *, decode: bool, model:
 def use_persistent_cache() -> None:
     """Keep inductor's compiled artifacts under GENFAST_HOME (not /tmp), one folder per kind of CPU
     (`hardware.code_target`: inductor's keys do not tell CPUs apart), unless the user chose a
-    place. Inductor reads the variable once, so this must run before anything compiles."""
+    place. Inductor reads the variable at each use but writes its default into it on the first
+    (some imports do that), so that default counts as unchosen."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from genfast import hardware
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(genfast_home() / "inductor" / hardware.code_target()))
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(genfast_home() / "inductor" / hardware.code_target())

@@ -46,3 +46,25 @@ def test_unknown_part_is_one_line(tmp_path, monkeypatch, capsys):
     assert main(["cache", "clear", "everything"]) == 2
     assert capsys.readouterr().err.startswith("genfast: error: unknown cache part everything")
     assert os.listdir(tmp_path) == []
+
+
+def test_inductor_cache_is_kept_per_code_target_unless_the_user_chose_a_place(tmp_path, monkeypatch):
+    """Inductor writes its default place into TORCHINDUCTOR_CACHE_DIR on first use (importing
+    genfast.nn does): that counts as unchosen, or a benchmark script would share AVX-512 and
+    AVX2-capped code in one folder (it crashed so)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from genfast import hardware
+    from genfast.compile import use_persistent_cache
+
+    monkeypatch.setenv("GENFAST_HOME", str(tmp_path))
+    expected = str(tmp_path / "inductor" / hardware.code_target())
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    use_persistent_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == expected
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    use_persistent_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == expected
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    use_persistent_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
