@@ -50,5 +50,5 @@ def applies(q: Tensor, keys: Tensor, mask: Tensor) -> bool:
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
     """softmax(scale * q k^T masked) v for q [B, H, 1, D] over keys and values [B, KV, L, D]
     (grouped heads: H a multiple of KV) and a boolean mask [B or 1, 1, 1, L]: [B, H, 1, D] in q's
-    dtype, computed in fp32."""
+    dtype, computed in fp32. Call it where `applies` says so (which also loads the kernel)."""
     return torch.ops.genfast.decode_attention(q, keys, values, mask, scale)
