@@ -2,9 +2,8 @@
 // dispatch on the row count. A variant is a struct with
 //
 //   using Input = ...;                          what it multiplies the weight with
-//   static at::Tensor input(x)                  x as the tiles read it: [M, K] of Input, contiguous
-//   template <int M, int R> tiles(x, w, y, n0, n1, N, K)   output rows [n0, n1), R at a time
-//   template <int M> static constexpr int rows_per_tile    R for M input rows
+//   static at::Tensor input(x)                  x as the kernel reads it: [M, K] of Input, contiguous
+//   template <int M> rows(x, w, y, n0, n1, N, K)   output rows [n0, n1) for the M input rows
 
 #pragma once
 
@@ -17,12 +16,8 @@ namespace genfast_few_rows {
 
 template <class V, int M>
 void linear_rows(const typename V::Input* x, const at::BFloat16* w, float* y, int64_t N, int64_t K) {
-  constexpr int R = V::template rows_per_tile<M>;
-  const int64_t tiles_total = N / R, tail = tiles_total * R;
-  at::parallel_for(0, tiles_total, 64 / R + 1, [&](int64_t begin, int64_t end) {
-    V::template tiles<M, R>(x, w, y, begin * R, end * R, N, K);
-  });
-  V::template tiles<M, 1>(x, w, y, tail, N, N, K);  // the last N % R rows
+  // Each thread takes a contiguous run of output rows: one stream of the weight.
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { V::template rows<M>(x, w, y, begin, end, N, K); });
 }
 
 template <class V>

@@ -30,7 +30,7 @@ namespace {
 
 using namespace genfast_avx2;
 
-// The input rows as the tiles read them: in each 16-column chunk, the 8 even columns, then the 8
+// The input rows as the kernel reads them: in each 16-column chunk, the 8 even columns, then the 8
 // odd ones. A 32-byte load of 16 bf16 weights holds the even ones in the low halves of its 32-bit
 // lanes and the odd ones in the high halves, so a shift and a mask widen both to fp32 in place
 // (no cross-lane shuffle, which has one port on most x86 cores); each meets its half of x.
@@ -105,9 +105,7 @@ struct Avx2 {
   using Input = float;  // bf16 rows widen exactly
   static at::Tensor input(const at::Tensor& x) { return arrange(x); }
   template <int M>
-  static constexpr int rows_per_tile = 1;
-  template <int M, int R>
-  static void tiles(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {
+  static void rows(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {
     rows_one_by_one<M>(x, w, y, n0, n1, N, K);
   }
 };

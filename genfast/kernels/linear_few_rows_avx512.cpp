@@ -8,9 +8,13 @@
 // multiplied into all M rows in registers (AVX512-BF16 `vdpbf16ps`: 32 bf16 products summed in
 // pairs into 16 fp32 lanes), so the weights are read once whatever M.
 //
-// Tiling: a tile is R = 16 / M output rows times the M input rows: at most 16 fp32 accumulator
-// vectors, summed lane-wise at the end by one transpose-and-add tree into a vector of the tile's
-// dot products. K must be a multiple of 32 (the Python side checks and otherwise uses F.linear).
+// Each thread walks its output rows one by one, reading one contiguous run of the weight with
+// software prefetch ahead, as the AVX2 variant does. Tiles of 16 output rows side by side (16
+// streams per thread, one transpose-and-add tree for their sums) were slower on a 2-core Zen 4
+// (SmolLM2's 121 matrices, `benchmarks/linear_kernels.py --rows 1,4`, two interleaved rounds):
+// one input row 11.7 / 13.8 ms against 11.3 / 10.5, four rows 17.8 / 17.9 against 13.7 / 14.5; a
+// decode step gained 5-31% (a noisy host; docs/performance.md). K must be a multiple of 32 (the
+// Python side checks and otherwise uses F.linear).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,42 +33,42 @@ inline __m512bh load_bf16x32(const at::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(p)));
 }
 
-// v[i] = sum of the 16 lanes of a[i], for i in 0..15.
-inline __m512 reduce16(const __m512* a) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i) {
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  }
-  // Per 128-bit lane, b[i] holds partial sums of (a[2i], a[2i+1], a[2i], a[2i+1]).
-  for (int i = 0; i < 4; ++i) {
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  // Per 128-bit lane j, c[i] holds lane j's sums of a[4i..4i+3]; add the four lanes.
-  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
-}
+// Output rows [n0, n1), one at a time, for the M input rows. U 32-column chunks per iteration keep
+// up to 4 `vdpbf16ps` chains in flight for one or two input rows.
+constexpr int64_t kPrefetchBytes = 8192;  // 2-16 KB measured alike on Zen 4 (8 KB kept on the Xeon, AVX2)
 
-// Output rows [n0, n1) (a multiple of R apart), R at a time, for the M input rows; y is [M, N] fp32.
-template <int M, int R>
-void tiles(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {
-  static_assert(M * R <= 16, "16 accumulators at most");
-  alignas(64) float sums[16];
-  for (int64_t n = n0; n < n1; n += R) {
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-      __m512bh xs[M];
-      for (int m = 0; m < M; ++m) xs[m] = load_bf16x32(x + m * K + k);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh wv = load_bf16x32(w + (n + r) * K + k);
-        for (int m = 0; m < M; ++m) acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], wv, xs[m]);
+template <int M>
+void rows_one_by_one(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N,
+                     int64_t K) {
+  constexpr int U = M >= 4 ? 1 : 4 / M;
+  for (int64_t n = n0; n < n1; ++n) {
+    const at::BFloat16* row = w + n * K;
+    __m512 acc[M][U];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+    }
+    auto step = [&](int64_t k, int u) {
+      const __m512bh wv = load_bf16x32(row + k);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, load_bf16x32(x + m * K + k));
+    };
+    int64_t k = 0;
+    for (; k + 32 * U <= K; k += 32 * U) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {  // one 64-byte line per chunk
+        _mm_prefetch(reinterpret_cast<const char*>(row + k + 32 * u) + kPrefetchBytes, _MM_HINT_T0);
+        step(k + 32 * u, u);
       }
     }
-    _mm512_store_ps(sums, reduce16(acc));
-    for (int r = 0; r < R; ++r) {
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = sums[r * M + m];
+    for (; k < K; k += 32) step(k, 0);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      __m512 total = acc[m][0];
+#pragma GCC unroll 4
+      for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[m][u]);
+      y[m * N + n] = _mm512_reduce_add_ps(total);
     }
   }
 }
@@ -73,11 +77,9 @@ struct Avx512 {
   using Input = at::BFloat16;  // fp32 rows are rounded to bf16: the products are bf16 x bf16
   static at::Tensor input(const at::Tensor& x) { return x.to(at::kBFloat16).contiguous(); }
   template <int M>
-  static constexpr int rows_per_tile = 16 / M;  // output rows per tile: M * R of the 16 accumulators
-  template <int M, int R>
-  static void tiles(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N,
-                    int64_t K) {
-    ::tiles<M, R>(x, w, y, n0, n1, N, K);
+  static void rows(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N,
+                   int64_t K) {
+    rows_one_by_one<M>(x, w, y, n0, n1, N, K);
   }
 };
 
