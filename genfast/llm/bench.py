@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, SPEEDUP, STEP, Case, Ladder, Options, Row
-from genfast.bench.table import median
+from genfast.bench.table import median, write_json_atomic
 from genfast.errors import UserError
 from genfast.llm.corpus import pydoc_text
 from genfast.llm.recipe import RECIPE
@@ -238,7 +238,8 @@ class LlmLadder(Ladder):
         compares itself with its target's, in `build`)."""
         tokens = output.token_ids[0]
         if draft_of(row.step) is None:
-            (workdir / f"tokens-{row.step}.json").write_text(json.dumps(tokens))
+            # Atomically: under --tp every rank writes the same file while the others may read it.
+            write_json_atomic(workdir / f"tokens-{row.step}.json", tokens)
         match = agreement(tokens, workdir, self.recipe.baseline)
         return {} if match is None else {"greedy_match": match}
 
