@@ -26,12 +26,13 @@ from typing import Any
 import torch
 
 from genfast import __version__
+from genfast.files import write_json_atomic
 from genfast.hub import genfast_home
 
 # Bump when the layout of an artifact directory changes, or when steps saved before would now be
 # compiled differently (2: artifact.json lists the kernels; 3: one-row bf16 linears take the kernel;
-# 4: fp32 compute with bf16 weights keeps a bf16 KV cache).
-FORMAT = 4
+# 4: fp32 compute with bf16 weights keeps a bf16 KV cache; 5: CPU decode without size asserts).
+FORMAT = 5
 
 
 def root() -> Path:
@@ -123,12 +124,9 @@ class Artifacts:
         recorded = self.saved_description().get("kernels")
         loaded = {k.name for k in kernels.KERNELS if k.loaded()}
         if recorded is None or not loaded <= set(recorded):
-            info = self.dir / "artifact.json"
-            staged = info.with_suffix(f".tmp{os.getpid()}")
             names = sorted(loaded | set(recorded or ()))
             document = {**self.description, "environment": environment(), "kernels": names}
-            staged.write_text(json.dumps(document, indent=1, default=str))
-            staged.replace(info)
+            write_json_atomic(self.dir / "artifact.json", document, indent=1)
 
     def saved_description(self) -> dict[str, Any]:
         """The description saved with the artifacts ({} when there is none or it is unreadable)."""

@@ -5,8 +5,10 @@ host's noise). Weights stay graph inputs: with dynamo's `prepare_freezing` they 
 and inductor folds their fp32 upcast, doubling the bytes each decode step reads (57 vs ~100 tok/s).
 `max_autotune` was measured and did not help (docs/performance.md). `cpp_wrapper` (the graph's
 calls made from C++, not Python) speeds up the decode of models whose linears are genfast's native
-quantized kernels (+6-8% int4/int8 decode on SmolLM2: 121 extern kernel calls per step) and slows
-bf16 decode (-3-5%), so it is used there only; not with tensor parallelism (untested there).
+quantized kernels (+6-8% int4/int8 decode on SmolLM2: 121 extern kernel calls per step), and bf16
+decode only 1.04x (an in-process A/B) for twice the compile time, so it is used for the quantized
+ones only; not with tensor parallelism (untested there). CPU decode also drops inductor's input
+size asserts (1.035x).
 CUDA: CUDA graphs remove the per-kernel launch cost of decode.
 """
 
@@ -29,6 +31,11 @@ def inductor_options(device: torch.device | str, *, decode: bool, native_kernels
     if device.type == "cuda":
         return {"triton.cudagraphs": decode, "coordinate_descent_tuning": True}
     options: dict[str, Any] = {"freezing": True}
+    if decode:
+        # Inductor's checks of every input's sizes and strides (~400 a SmolLM2 step, in Python):
+        # genfast builds the inputs and the guards checked them on the first call. Without them
+        # the step ran 1.035x faster (in-process A/B, Zen 4; docs/performance.md, "Huge pages").
+        options["size_asserts"] = False
     if decode and native_kernels and not (dist.is_available() and dist.is_initialized()):
         options["cpp_wrapper"] = True
     return options

@@ -10,7 +10,7 @@ import platform
 
 import torch
 
-from genfast import __version__, hardware, kernels
+from genfast import __version__, hardware, hugepages, kernels
 from genfast.bench.machine import peak_read_bandwidth
 
 
@@ -29,6 +29,7 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
                 f"{peak_read_bandwidth(cpu) / 1e9:.1f} GB/s (measured, {torch.get_num_threads()} threads)",
             )
         )
+    lines.append(("LLM weights on the CPU", hugepages.describe()))
     auto = hardware.auto_dtype(cpu)
     why = (
         "native bf16 dot products"

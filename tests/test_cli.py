@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from genfast import hugepages
 from genfast.cli import main
 
 
@@ -150,6 +151,7 @@ def test_bench_llm_writes_json_rows(smollm2_gguf, tmp_path):
             assert row[key] > 0, key
     assert rows[0]["greedy_match"] == 1.0
     assert "| bf16 |" in done.stdout
+    assert f"Weights {hugepages.describe()}." in done.stdout  # where decode read them from
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """`genfast info`: the machine, the ISA and which kernel variant runs, as a user would read it."""
 
-from genfast import cli, hardware, kernels
+from genfast import cli, hardware, hugepages, kernels
 
 
 def test_info_names_the_isa_and_every_kernel(capsys):
@@ -12,6 +12,19 @@ def test_info_names_the_isa_and_every_kernel(capsys):
         isa = kernel.loaded_isa()
         assert (f"native {isa}" in line) if isa else ("PyTorch path" in line)
     assert "--dtype auto:" in out and "read bandwidth" not in out
+
+
+def test_info_says_where_llm_weights_live(capsys, monkeypatch):
+    def weights_line() -> str:
+        assert cli.main(["info", "--no-bandwidth"]) == 0
+        return next(x for x in capsys.readouterr().out.splitlines() if x.startswith("LLM weights on the CPU:"))
+
+    monkeypatch.setenv(hugepages.ENV, "0")
+    assert weights_line().endswith(" in 4 KB pages (GENFAST_HUGEPAGES=0)")
+    monkeypatch.delenv(hugepages.ENV)
+    line = weights_line()
+    reason = hugepages.unavailable_reason()
+    assert (f"({reason})" in line) if reason else (f"transparent huge pages: {hugepages.thp_mode()}" in line)
 
 
 def test_info_without_native_kernels_says_quantization_is_slow(capsys, monkeypatch):

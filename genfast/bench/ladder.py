@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from genfast.bench.table import check_writable, median, report, write_json_atomic
+from genfast.bench.table import check_writable, median, report
 from genfast.errors import UserError
+from genfast.files import write_json_atomic
 from genfast.recipe import Plan, Recipe, Target
 from genfast.startup import since_launch
 

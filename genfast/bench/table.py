@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from genfast.bench.machine import describe_machine
 from genfast.errors import UserError
+from genfast.files import write_json_atomic
 
 
 def median(values: Sequence[float]) -> float:
@@ -58,16 +56,3 @@ def check_writable(path: str | Path, force: bool) -> Path:
     if not path.parent.exists():
         raise UserError(f"directory {path.parent} does not exist")
     return path
-
-
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

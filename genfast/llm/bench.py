@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, SPEEDUP, STEP, Case, Ladder, Options, Row
-from genfast.bench.table import median, write_json_atomic
+from genfast.bench.table import median
 from genfast.errors import UserError
+from genfast.files import write_json_atomic
 from genfast.llm.corpus import pydoc_text
 from genfast.llm.recipe import RECIPE
 from genfast.recipe import Plan, Target
@@ -127,10 +128,14 @@ class LlmLadder(Ladder):
         return options["model"]
 
     def footnote(self, options: Options, rows: list[dict[str, Any]]) -> str:
+        from genfast import hugepages
+        from genfast.hardware import resolve_device
+
+        on_cpu = resolve_device(options["device"]).type == "cpu"
         return (
             f"MBU: bytes read per decode step (weights + valid KV cache) x steps/s / {options['peak_bw'] / 1e9:.1f} "
             "GB/s measured read bandwidth. vs compile: decode against the compile row (the quantized and "
-            "speculative rows' reference)."
+            "speculative rows' reference)." + (f" Weights {hugepages.describe()}." if on_cpu else "")
         )
 
     def finish(self, rows: list[dict[str, Any]]) -> None:

@@ -165,7 +165,8 @@ def _log(message: str, end: str = "\n") -> None:
 
 def eval_ppl_command(args: argparse.Namespace) -> int:
     """`genfast eval ppl`: one summary line on stdout, optional JSON (never over a file unasked)."""
-    from genfast.bench.table import check_writable, write_json_atomic
+    from genfast.bench.table import check_writable
+    from genfast.files import write_json_atomic
     from genfast.llm.session import apply_recipe, load, plan
 
     json_path = check_writable(args.json_path, args.force) if args.json_path else None

@@ -163,6 +163,9 @@ def test_compiled_native_quantized_decode_uses_the_cpp_wrapper_and_matches_eager
     assert inductor_options("cpu", decode=True, native_kernels=True).get("cpp_wrapper")
     assert not inductor_options("cpu", decode=False, native_kernels=True).get("cpp_wrapper")
     assert not inductor_options("cpu", decode=True).get("cpp_wrapper")
+    # Decode drops inductor's per-call input size asserts (genfast builds the inputs), prefill keeps them.
+    assert inductor_options("cpu", decode=True)["size_asserts"] is False
+    assert "size_asserts" not in inductor_options("cpu", decode=False)
     tok = word_tokenizer(hf.config.vocab_size)
     prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12]]
     eager = Generator(model, tok, max_seq_len=64, max_batch_size=2, compile=False).generate(prompts, 12)
