@@ -5,13 +5,14 @@ In 4 KB pages that is a page walk per 4 KB read (under a hypervisor a two-level 
 hardware prefetchers stop at each 4 KB boundary. Linux backs an anonymous mapping with 2 MB
 pages where the program asks for them (`madvise(MADV_HUGEPAGE)`; the default THP mode of most
 distributions is `madvise`, under which PyTorch's allocator never asks). On a 2-core Zen 4 VM the
-bf16 linears of a SmolLM2 decode step ran 1.2-1.3x faster from one huge-page mapping than from
-their own allocations, and the compiled step gained 9-19% (docs/performance.md, "Huge pages").
+bf16 linears of a SmolLM2 decode step ran 1.13-1.49x faster from one huge-page mapping than from
+their own allocations, and decode gained 6-20% (docs/performance.md, "Huge pages").
 
 `move_to_hugepages(module)` copies a module's parameters and persistent buffers into one new
 mapping, each tensor its own storage (so nothing aliases in the compiled code's inputs), and
-frees the old memory as it goes: peak memory grows by one tensor, not by the module. The mapping
-lives as long as any tensor in it. `GENFAST_HUGEPAGES=0` turns this off.
+frees the old memory as it goes, handing it back to the system every RELEASE_EVERY bytes (peak
+memory grows by about that much, not by the module). The mapping lives as long as any tensor in
+it. `GENFAST_HUGEPAGES=0` turns this off.
 """
 
 from __future__ import annotations
@@ -182,7 +183,9 @@ def _smaps() -> list[tuple[int, int, bool, int]]:
 
 def placement(module: nn.Module) -> tuple[int, int, int]:
     """Bytes of `module`'s parameters and buffers: in all, in huge-page-advised mappings, and in
-    2 MB pages the kernel actually granted (it may not, e.g. when memory is fragmented)."""
+    2 MB pages the kernel actually granted (it may not, e.g. when memory is fragmented). Tensors
+    that were not moved can be in advised memory too: other code may have advised memory that the
+    allocator later reuses (numpy, for one, advises its large buffers; seen in the test suite)."""
     mappings = _smaps()
     tensors = {t.untyped_storage().data_ptr(): t.nbytes for t in [*module.parameters(), *module.buffers()]}
     total = sum(tensors.values())

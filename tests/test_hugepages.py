@@ -53,7 +53,9 @@ def test_moves_large_tensors_into_one_advised_mapping_and_keeps_values_identity_
     small = model.up.bias
     assert small.nbytes < hugepages.MIN_BYTES and small.data_ptr() not in range(addresses[0], addresses[-1])
     total, advised, granted = hugepages.placement(model)
-    assert advised == moved and total > advised and 0 <= granted <= advised
+    # Small tensors may sit in advised memory too: in the full suite some did (memory that other code,
+    # numpy for one, advised and the allocator later reused).
+    assert moved <= advised < total and 0 <= granted <= advised
     # The module still computes the same thing.
     x = torch.randn(3, 256).bfloat16()
     assert torch.equal(model.up(x), nn.functional.linear(x, before["up.weight"], before["up.bias"]))
@@ -94,8 +96,13 @@ def test_a_loaded_llm_has_its_weights_in_huge_pages_and_the_same_logits(tmp_path
     placed = load(path, "cpu", "float32").model
     monkeypatch.setenv(hugepages.ENV, "0")
     plain = load(path, "cpu", "float32").model
-    _, advised, _ = hugepages.placement(placed)
-    assert advised > 0 and hugepages.placement(plain)[1] == 0
+
+    def large(model: nn.Module) -> int:  # what move_to_hugepages takes: one count per storage
+        storages = {t.untyped_storage().data_ptr(): t.nbytes for t in model.parameters()}
+        return sum(n for n in storages.values() if n >= hugepages.MIN_BYTES)
+
+    assert hugepages.placement(placed)[1] >= large(placed) > 0
+    assert hugepages.placement(plain)[1] < large(plain)  # not moved (see the first test on small ones)
     tokens = torch.randint(0, 100, (1, 9))
     for model in (placed, plain):
         model.setup_caches(1, 16)
