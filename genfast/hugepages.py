@@ -18,9 +18,11 @@ it. `GENFAST_HUGEPAGES=0` turns this off.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import sys
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -80,9 +82,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     or in PyTorch's own where `unavailable_reason()`."""
     if unavailable_reason() is not None:
         return torch.empty(shape, dtype=dtype)
-    count = 1
-    for size in shape:
-        count *= size
+    count = math.prod(shape)
     buffer, start = _mapping(count * dtype.itemsize)
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=start).view(shape)
 
@@ -100,17 +100,13 @@ def move_to_hugepages(module: nn.Module) -> int:
     # holding the old ones would keep their memory until the end
     offsets: dict[int, int] = {}  # old storage address -> offset in the new mapping
     total = 0
-    for owner in module.modules():
-        persistent = [(n, b) for n, b in owner._buffers.items() if n not in owner._non_persistent_buffers_set]
-        for name, tensor in [*owner._parameters.items(), *persistent]:
-            if not _movable(tensor):
-                continue
-            # Read now: replacing a parameter's .data changes the address it reports.
-            address = tensor.untyped_storage().data_ptr()
-            entries.append((owner, name, address))
-            if address not in offsets:
-                offsets[address] = total
-                total += -(-tensor.nbytes // ALIGNMENT) * ALIGNMENT
+    for owner, name, tensor in movable_tensors(module):
+        # Read now: replacing a parameter's .data changes the address it reports.
+        address = tensor.untyped_storage().data_ptr()
+        entries.append((owner, name, address))
+        if address not in offsets:
+            offsets[address] = total
+            total += -(-tensor.nbytes // ALIGNMENT) * ALIGNMENT
     if not entries:
         return 0
     buffer, start = _mapping(total)
@@ -151,6 +147,15 @@ def _release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def movable_tensors(module: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """(owner, name, tensor) of each parameter and persistent buffer `move_to_hugepages` moves."""
+    for owner in module.modules():
+        persistent = [(n, b) for n, b in owner._buffers.items() if n not in owner._non_persistent_buffers_set]
+        for name, tensor in [*owner._parameters.items(), *persistent]:
+            if _movable(tensor):
+                yield owner, name, tensor
 
 
 def _movable(tensor: torch.Tensor | None) -> bool:

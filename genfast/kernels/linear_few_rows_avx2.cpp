@@ -52,7 +52,7 @@ at::Tensor arrange(const at::Tensor& x) {
 // contiguous weight row, so each thread streams a single run of memory (reading R rows side by
 // side, R streams of K * 2 bytes, was measured slower). U 16-column chunks per iteration and
 // separate even/odd accumulators keep up to 8 FMA chains in flight.
-constexpr int64_t kPrefetchBytes = 8192;  // 4-16 KB measured alike
+using genfast_few_rows::kPrefetchBytes;
 
 template <int M>
 void rows_one_by_one(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {

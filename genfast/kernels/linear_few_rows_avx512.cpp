@@ -35,7 +35,7 @@ inline __m512bh load_bf16x32(const at::BFloat16* p) {
 
 // Output rows [n0, n1), one at a time, for the M input rows. U 32-column chunks per iteration keep
 // up to 4 `vdpbf16ps` chains in flight for one or two input rows.
-constexpr int64_t kPrefetchBytes = 8192;  // 2-16 KB measured alike on Zen 4 (8 KB kept on the Xeon, AVX2)
+using genfast_few_rows::kPrefetchBytes;
 
 template <int M>
 void rows_one_by_one(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N,
