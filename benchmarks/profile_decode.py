@@ -18,6 +18,8 @@ import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
 from genfast.compile import use_persistent_cache
+from genfast.llm.precompiled import attach
+from genfast.llm.sampling import SamplingParams
 from genfast.llm.session import load
 from genfast.llm.speculative import make_generator
 
@@ -46,6 +48,8 @@ def main() -> None:
     if args.prompt_tokens:
         prompt = (prompt * (args.prompt_tokens // len(prompt) + 1))[: args.prompt_tokens]
     generator = make_generator(loaded, len(prompt) + 128 + args.tokens, 1, compile=True)
+    # The steps `genfast generate` runs: compiled ahead of time, loaded from disk (or compiled here).
+    attach(generator, loaded, SamplingParams(), print)
     generator.warmup()
     cache = loaded.model.layers[0].attention.kv_cache.k
     print(f"KV cache {cache.dtype}, prompt {len(prompt)} tokens")

@@ -5,6 +5,7 @@ runs (a background compile, then loaded steps)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 
 from genfast import artifacts
 from genfast.llm.generate import Generator
-from genfast.llm.precompiled import PrecompiledSteps, attach, key_parts
+from genfast.llm.precompiled import PrecompiledSteps, attach, key_parts, lower_priority
 from genfast.llm.sampling import SamplingParams
 from genfast.llm.session import load
 from tests.cpus import ZEN4, pretend_cpu
@@ -138,6 +139,28 @@ def test_steps_that_do_not_fit_the_model_fall_back_to_eager(model_dir, tmp_path)
     assert not steps.artifacts.complete(["prefill"]) and not steps.artifacts.complete(["decode"])
 
 
+def priorities(pid: int) -> tuple[int, int]:
+    """A process's nice value and its session group's (autogroup; the process's own where the
+    kernel has no such groups or does not let them be changed here)."""
+    nice = os.getpriority(os.PRIO_PROCESS, pid)
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    if not os.access(autogroup, os.W_OK):
+        return nice, nice
+    return nice, int(autogroup.read_text().split()[-1])
+
+
+def test_a_worker_in_its_own_session_gets_the_lowest_priority_against_every_process():
+    worker = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert priorities(worker.pid)[0] == os.getpriority(os.PRIO_PROCESS, 0)
+        lower_priority(worker.pid)
+        assert priorities(worker.pid) == (19, 19)
+    finally:
+        worker.kill()
+        worker.wait()
+    lower_priority(worker.pid)  # ended: nothing to do, no error
+
+
 def test_the_cli_compiles_in_the_background_then_starts_with_the_compiled_steps(model_dir, tmp_path):
     """First run: streams eagerly and leaves a background compile; second run: prefills eagerly
     and loads the compiled decode step after the first token. Both print the same completion and
@@ -151,9 +174,14 @@ def test_the_cli_compiles_in_the_background_then_starts_with_the_compiled_steps(
     assert "compiled in the background when this run ends" in first.stderr and "first token" in first.stderr
     compiled = tmp_path / "home" / "compiled"
     deadline = time.monotonic() + 600
+    worker_priorities = set()
     while not any(compiled.glob("*/decode.aot")) or any(compiled.glob("*/compiling.lock")):
         assert time.monotonic() < deadline, "the background compile did not finish"
-        time.sleep(1)
+        for lock in compiled.glob("*/compiling.lock"):  # holds the worker's pid
+            with contextlib.suppress(OSError, ValueError):  # gone meanwhile, or not written yet
+                worker_priorities.add(priorities(int(lock.read_text())))
+        time.sleep(0.2)
+    assert worker_priorities == {(19, 19)}
     for threads in ("2", "1"):  # the background compile ran on one thread: the thread count is no key
         second = subprocess.run([*argv, "--threads", threads], capture_output=True, text=True, timeout=600, env=env)
         assert second.returncode == 0, second.stderr
