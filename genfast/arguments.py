@@ -54,8 +54,15 @@ def add_device(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
 
 
-def add_threads(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's choice)")
+def add_threads(p: argparse.ArgumentParser | argparse._ArgumentGroup, beside_other_work: bool = False) -> None:
+    """`beside_other_work`: the command leaves cores that other processes keep busy to them
+    (genfast/threads.py)."""
+    default = (
+        "one per physical core, less the CPUs that other processes kept busy while the model loaded"
+        if beside_other_work
+        else "torch's choice: one per physical core"
+    )
+    p.add_argument("--threads", type=positive_int, default=None, help=f"CPU threads (default: {default})")
 
 
 DTYPE_HELP = (

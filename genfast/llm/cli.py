@@ -61,7 +61,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=4096,
         help="KV-cache slots: prompt + new tokens must fit (default 4096, capped at the model's context)",
     )
-    add_threads(g)
+    add_threads(g, beside_other_work=True)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from genfast.llm.precompiled import attach
 from genfast.llm.quantize import HEAD, describe_quantization, quantize_loaded
 from genfast.llm.recipe import RECIPE, LlmSettings
 from genfast.llm.sampling import SamplingParams
-from genfast.llm.session import LoadedModel, apply_recipe, load, plan
+from genfast.llm.session import LoadedModel, load, load_for_command, plan
 from genfast.llm.speculative import make_generator
 from genfast.llm.stats import format_stats
 from genfast.llm.tensor_parallel import check_same_tokens, from_main_rank, is_main_rank
@@ -100,9 +100,7 @@ def load_announced(args: argparse.Namespace) -> tuple[LoadedModel, LlmSettings]:
     --quant and --no-compile on top), and say on stderr what was loaded and how it runs."""
     recipe = plan(args.recipe, args.device, args.dtype, args.quant, args.compile)
     settings = recipe.settings
-    loaded = apply_recipe(
-        load(args.model, args.device, settings.dtype, args.threads, settings.quant, args.group_size, args.tp), settings
-    )
+    loaded = load_for_command(args, settings, _log, args.tp)
     dtype = loaded.dtype_label()
     quant = "" if loaded.quant == "none" else f", {loaded.quant} weights"
     ranks = "" if loaded.tp == 1 else f" | tensor parallel over {loaded.tp} ranks"

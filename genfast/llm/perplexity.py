@@ -167,12 +167,11 @@ def eval_ppl_command(args: argparse.Namespace) -> int:
     """`genfast eval ppl`: one summary line on stdout, optional JSON (never over a file unasked)."""
     from genfast.bench.table import check_writable
     from genfast.files import write_json_atomic
-    from genfast.llm.session import apply_recipe, load, plan
+    from genfast.llm.session import load_for_command, plan
 
     json_path = check_writable(args.json_path, args.force) if args.json_path else None
     settings = plan(args.recipe, args.device, args.dtype, args.quant, compile=False).settings  # scored eagerly
-    loaded = apply_recipe(load(args.model, args.device, settings.dtype, args.threads, settings.quant, args.group_size),
-                          settings)  # fmt: skip
+    loaded = load_for_command(args, settings, _log)
     dtype = loaded.dtype_label()
     _log(
         f"genfast: {loaded.path} | {loaded.model.args.describe_size()} | "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from genfast.llm.tokenizer import Tokenizer, load_tokenizer, pydoc_tokenizer
 from genfast.nn import auto_weight_dtype, store_linear_weights
 from genfast.quant import INT4_GROUP_SIZES, QUANT_MODES
 from genfast.recipe import Plan, Target, apply_transforms
+from genfast.threads import OtherWork, avoid_busy_cores
 
 
 @dataclass
@@ -69,6 +72,21 @@ def apply_recipe(loaded: LoadedModel, settings: LlmSettings) -> LoadedModel:
     "model"). Compiling is the generator's (make_generator)."""
     apply_transforms(settings, {"model": loaded.model})
     loaded.transforms += tuple(step.name for step in settings.transforms)
+    return loaded
+
+
+def load_for_command(args: argparse.Namespace, settings: LlmSettings, log: Callable[[str], None],
+                     tp: int = 1) -> LoadedModel:  # fmt: skip
+    """The model that a run command's flags name (--model, --device, --threads, --group-size),
+    loaded and run as `settings` say. Without --threads, on the CPU and in one process, the thread
+    count leaves the cores that other processes kept busy while it loaded to them
+    (genfast/threads.py), and `log` says so."""
+    other_work = OtherWork() if args.threads is None else None
+    loaded = apply_recipe(
+        load(args.model, args.device, settings.dtype, args.threads, settings.quant, args.group_size, tp), settings
+    )
+    if other_work is not None and loaded.device.type == "cpu" and loaded.tp == 1:
+        avoid_busy_cores(other_work, log)
     return loaded
 
 

@@ -1,0 +1,89 @@
+"""How many CPU threads to compute on when other processes keep some cores busy.
+
+PyTorch's default is one thread per physical core. Every parallel region of a step (an LLM decode
+step has hundreds) ends when its slowest thread does, so a thread that shares its core with a busy
+process at the same priority holds the whole team back: one busy loop beside a 2-core decode took
+it from 93.7 to 23.7 tok/s on two threads, where one thread ran at 56.8 (AMD EPYC Zen 4;
+docs/performance.md, "Threads beside other work"). `OtherWork` samples how many cores other
+processes keep busy (Linux: /proc), and `threads_beside` leaves those cores to them.
+
+Work at a lower priority (nice > 0, such as genfast's own background compile) yields to this
+process and does not count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# Shorter samples are too coarse: /proc counts CPU time in 10 ms ticks.
+MIN_SAMPLE_S = 0.25
+
+
+def _ticks() -> tuple[int, int] | None:
+    """(CPU ticks spent at normal priority by the whole machine, by this process) so far, or None
+    where /proc does not say."""
+    try:
+        machine = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if machine[0] != "cpu" or len(machine) < 8:
+        return None
+    user, system, irq, softirq = (int(machine[i]) for i in (1, 3, 6, 7))  # not nice, idle, iowait, steal
+    # Its own time and its finished children's (a kernel build's compiler): utime, stime, cutime,
+    # cstime. Counted as "nice", not "user", when this process runs niced itself.
+    mine = sum(int(own[i]) for i in (11, 12, 13, 14)) if os.getpriority(os.PRIO_PROCESS, 0) <= 0 else 0
+    return user + system + irq + softirq, mine
+
+
+class OtherWork:
+    """The cores other processes keep busy at normal priority, on average from creation to
+    `busy_cores()`."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.start = _ticks()
+
+    def busy_cores(self) -> float | None:
+        """Waits until MIN_SAMPLE_S have passed since creation; None where /proc says nothing."""
+        if self.start is None:
+            return None
+        time.sleep(max(0.0, self.started + MIN_SAMPLE_S - time.monotonic()))
+        end = _ticks()
+        if end is None:
+            return None
+        seconds = time.monotonic() - self.started
+        others = (end[0] - self.start[0]) - (end[1] - self.start[1])
+        return max(0.0, others / os.sysconf("SC_CLK_TCK") / seconds)
+
+
+def threads_beside(busy_cores: float, threads: int, cpus: int) -> int:
+    """Threads to use out of `threads` (one per physical core) on `cpus` logical CPUs while other
+    processes keep `busy_cores` busy: no more than the CPUs they leave free, at least one. With
+    two logical CPUs per core there is room for the other work beside the team."""
+    return max(1, min(threads, cpus - math.floor(busy_cores + 0.5)))
+
+
+def avoid_busy_cores(sample: OtherWork, log: Callable[[str], None]) -> None:
+    """Set torch's thread count for the work measured by `sample` (started before the model loaded),
+    and say so when it is fewer than torch's default. Not where the user chose a count
+    (OMP_NUM_THREADS; --threads callers do not call this)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    busy = sample.busy_cores()
+    if busy is None:
+        return
+    default = torch.get_num_threads()
+    threads = threads_beside(busy, default, len(os.sched_getaffinity(0)))
+    if threads < default:
+        torch.set_num_threads(threads)
+        log(
+            f"genfast: other processes kept {busy:.1f} CPUs busy while the model loaded: computing on "
+            f"{threads} thread{'s' if threads > 1 else ''}, not {default} (--threads N to choose)"
+        )

@@ -1,0 +1,115 @@
+"""Threads beside other work (genfast/threads.py): what a busy process at normal priority counts
+for and what a niced one does not, the thread count chosen from it, and the CLI's choice with a
+busy loop beside it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from genfast import threads
+from genfast.threads import OtherWork, avoid_busy_cores, threads_beside
+
+needs_proc = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="samples /proc (Linux)")
+BUSY_LOOP = [sys.executable, "-c", "while True: pass"]
+
+
+@contextmanager
+def busy_loop(nice: int = 0) -> Iterator[None]:
+    """One process spinning on a core, at nice `nice` in a session of its own (niced as a whole:
+    genfast.llm.precompiled.lower_priority)."""
+    from genfast.llm.precompiled import lower_priority
+
+    loop = subprocess.Popen(BUSY_LOOP, start_new_session=True)
+    try:
+        if nice:
+            lower_priority(loop.pid)
+        time.sleep(0.2)  # running
+        yield
+    finally:
+        loop.kill()
+        loop.wait()
+
+
+@pytest.mark.parametrize(
+    ("busy", "default", "cpus", "expected"),
+    [
+        (0.0, 2, 2, 2),
+        (0.4, 2, 2, 2),  # less than half a core: not worth a thread
+        (0.8, 2, 2, 1),
+        (1.9, 2, 2, 1),  # never fewer than one
+        (1.0, 4, 8, 4),  # two logical CPUs per core: room beside the team
+        (5.2, 4, 8, 3),
+    ],
+)
+def test_the_thread_count_leaves_the_busy_cpus_to_the_other_work(busy, default, cpus, expected):
+    assert threads_beside(busy, default, cpus) == expected
+
+
+@needs_proc
+def test_a_busy_process_counts_and_a_niced_one_does_not():
+    with busy_loop():
+        busy = OtherWork().busy_cores()
+    with busy_loop(nice=19):
+        niced = OtherWork().busy_cores()
+    assert busy is not None and niced is not None
+    assert busy >= 0.6, busy
+    assert niced < 0.4, niced
+
+
+@needs_proc
+def test_this_process_own_work_and_its_children_do_not_count():
+    sample = OtherWork()
+    end = time.monotonic() + threads.MIN_SAMPLE_S
+    while time.monotonic() < end:
+        pass
+    subprocess.run([*BUSY_LOOP[:2], "import time; end = time.monotonic() + 0.3\nwhile time.monotonic() < end: pass"])
+    busy = sample.busy_cores()
+    assert busy is not None and busy < 0.4, busy
+
+
+def test_the_count_is_set_and_said_only_when_it_is_fewer(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    chosen = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    messages: list[str] = []
+    for busy in (0.0, None):
+        monkeypatch.setattr(OtherWork, "busy_cores", lambda self, busy=busy: busy)
+        avoid_busy_cores(OtherWork(), messages.append)
+    assert chosen == [] and messages == []
+    monkeypatch.setattr(OtherWork, "busy_cores", lambda self: 1.0)
+    avoid_busy_cores(OtherWork(), messages.append)
+    assert chosen == [1]
+    assert messages == [
+        "genfast: other processes kept 1.0 CPUs busy while the model loaded: computing on 1 thread, not 2 "
+        "(--threads N to choose)"
+    ]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice
+    avoid_busy_cores(OtherWork(), messages.append)
+    assert chosen == [1] and len(messages) == 1
+
+
+@needs_proc
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_generate_computes_on_fewer_threads_beside_a_busy_loop_unless_told(smollm2_gguf):
+    argv = [sys.executable, "-m", "genfast", "generate", "hello", "--model", str(smollm2_gguf), "--no-compile",
+            "--dtype", "float32", "-n", "2"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    with busy_loop():
+        chosen = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+        told = subprocess.run([*argv, "--threads", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert chosen.returncode == 0 and told.returncode == 0, chosen.stderr + told.stderr
+    physical = int(subprocess.check_output([sys.executable, "-c", "import torch; print(torch.get_num_threads())"]))
+    if physical >= 2:
+        assert "CPUs busy while the model loaded: computing on" in chosen.stderr
+    assert "CPUs busy" not in told.stderr
