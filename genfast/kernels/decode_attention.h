@@ -165,10 +165,12 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const T* k, int64_t
   }
 }
 
-template <class V, typename T>
-void attend_all(const float* q, const T* k, const T* v, const bool* mask, int64_t mask_rows, float* out,
-                int64_t batch, int64_t heads, int64_t kv_heads, int64_t keys, int64_t d, float scale,
-                const int64_t* q_strides, const int64_t* k_strides, const int64_t* v_strides) {
+// q and out in Q (fp32 or bf16: read and written in their own dtype, so a call needs no conversion
+// ops), the cache in T.
+template <class V, typename T, typename Q>
+void attend_all(const Q* q, const T* k, const T* v, const bool* mask, int64_t mask_rows, Q* out, int64_t batch,
+                int64_t heads, int64_t kv_heads, int64_t keys, int64_t d, float scale, const int64_t* q_strides,
+                const int64_t* k_strides, const int64_t* v_strides) {
   const int64_t groups = heads / kv_heads;
   // Enough tasks to share the keys evenly between the threads, and at least 32 keys per task.
   const int64_t threads = at::get_num_threads();
@@ -184,8 +186,8 @@ void attend_all(const float* q, const T* k, const T* v, const bool* mask, int64_
       const int64_t b = t / (kv_heads * chunks), h = (t / chunks) % kv_heads, c = t % chunks;
       const int64_t j0 = c * chunk, j1 = std::min(keys, j0 + chunk);
       for (int64_t g = 0; g < groups; ++g) {
-        const float* row = q + b * q_strides[0] + (h * groups + g) * q_strides[1];
-        for (int64_t i = 0; i < d; ++i) scaled[g * d + i] = row[i] * scale;
+        const Q* row = q + b * q_strides[0] + (h * groups + g) * q_strides[1];
+        for (int64_t i = 0; i < d; ++i) scaled[g * d + i] = static_cast<float>(row[i]) * scale;
       }
       attend_chunk<V, T>(scaled.data(), groups, d, k + b * k_strides[0] + h * k_strides[1],
                          k_strides[2], v + b * v_strides[0] + h * v_strides[1], v_strides[2],
@@ -193,25 +195,28 @@ void attend_all(const float* q, const T* k, const T* v, const bool* mask, int64_
                          part_o.data() + t * groups * d, part_m.data() + t * groups, part_l.data() + t * groups);
     }
   });
+  std::vector<float> sum(d);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t first = (b * kv_heads + h) * chunks;
       for (int64_t g = 0; g < groups; ++g) {
-        float* dst = out + (b * heads + h * groups + g) * d;
-        std::fill(dst, dst + d, 0.0f);
+        std::fill(sum.begin(), sum.end(), 0.0f);
         float top = kNegInf;
         for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part_m[(first + c) * groups + g]);
-        if (top == kNegInf) continue;
-        float total = 0.0f;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const float chunk_max = part_m[(first + c) * groups + g];
-          if (chunk_max == kNegInf) continue;
-          const float w = std::exp(chunk_max - top);
-          total += w * part_l[(first + c) * groups + g];
-          const float* o = part_o.data() + ((first + c) * groups + g) * d;
-          for (int64_t i = 0; i < d; ++i) dst[i] += w * o[i];
+        float total = 1.0f;  // a head whose keys are all masked keeps its zeros
+        if (top != kNegInf) {
+          total = 0.0f;
+          for (int64_t c = 0; c < chunks; ++c) {
+            const float chunk_max = part_m[(first + c) * groups + g];
+            if (chunk_max == kNegInf) continue;
+            const float w = std::exp(chunk_max - top);
+            total += w * part_l[(first + c) * groups + g];
+            const float* o = part_o.data() + ((first + c) * groups + g) * d;
+            for (int64_t i = 0; i < d; ++i) sum[i] += w * o[i];
+          }
         }
-        for (int64_t i = 0; i < d; ++i) dst[i] /= total;
+        Q* dst = out + (b * heads + h * groups + g) * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Q>(sum[i] / total);
       }
     }
   }
@@ -236,23 +241,28 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   mask.size(3) == keys && (mask.size(0) == 1 || mask.size(0) == batch),
               "decode_attention: mask must be bool [B or 1, 1, 1, L]");
   TORCH_CHECK(keys > 0, "decode_attention: no keys");
-  const at::Tensor qf = q.to(at::kFloat);  // no copy for fp32; scaled per task
-  TORCH_CHECK(qf.stride(3) == 1, "decode_attention: q must be contiguous in the head size");
+  TORCH_CHECK(q.stride(3) == 1, "decode_attention: q must be contiguous in the head size");
   const at::Tensor m = mask.reshape({mask.size(0), keys}).contiguous();
-  at::Tensor out = at::empty({batch, heads, 1, d}, q.options().dtype(at::kFloat));
-  const int64_t q_strides[2] = {qf.stride(0), qf.stride(1)};
+  at::Tensor out = at::empty({batch, heads, 1, d}, q.options());
+  const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
   const int64_t k_strides[3] = {k.stride(0), k.stride(1), k.stride(2)};
   const int64_t v_strides[3] = {v.stride(0), v.stride(1), v.stride(2)};
-  if (k.scalar_type() == at::kFloat) {
-    attend_all<V, float>(qf.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), m.data_ptr<bool>(),
-                         m.size(0), out.data_ptr<float>(), batch, heads, kv_heads, keys, d, static_cast<float>(scale),
-                         q_strides, k_strides, v_strides);
+  auto run = [&](auto* query, auto* output) {
+    if (k.scalar_type() == at::kFloat) {
+      attend_all<V>(query, k.data_ptr<float>(), v.data_ptr<float>(), m.data_ptr<bool>(), m.size(0), output, batch,
+                    heads, kv_heads, keys, d, static_cast<float>(scale), q_strides, k_strides, v_strides);
+    } else {
+      attend_all<V>(query, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), m.data_ptr<bool>(), m.size(0),
+                    output, batch, heads, kv_heads, keys, d, static_cast<float>(scale), q_strides, k_strides,
+                    v_strides);
+    }
+  };
+  if (q.scalar_type() == at::kFloat) {
+    run(q.data_ptr<float>(), out.data_ptr<float>());
   } else {
-    attend_all<V, c10::BFloat16>(qf.data_ptr<float>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(),
-                                 m.data_ptr<bool>(), m.size(0), out.data_ptr<float>(), batch, heads, kv_heads, keys, d,
-                                 static_cast<float>(scale), q_strides, k_strides, v_strides);
+    run(q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
   }
-  return out.to(q.scalar_type());
+  return out;
 }
 
 }  // namespace genfast_decode_attention

@@ -34,16 +34,24 @@ using namespace genfast_avx2;
 // odd ones. A 32-byte load of 16 bf16 weights holds the even ones in the low halves of its 32-bit
 // lanes and the odd ones in the high halves, so a shift and a mask widen both to fp32 in place
 // (no cross-lane shuffle, which has one port on most x86 cores); each meets its half of x.
-at::Tensor arrange(const at::Tensor& x) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty_like(xf);
-  const float* src = xf.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for (int64_t chunk = 0; chunk < xf.numel(); chunk += 16) {
+// Read in the rows' own dtype (fp32 or bf16): no dispatched conversion (~1-3 µs a call).
+template <typename T>
+void arrange_rows(const T* src, float* dst, int64_t numel) {
+  for (int64_t chunk = 0; chunk < numel; chunk += 16) {
     for (int j = 0; j < 8; ++j) {
-      dst[chunk + j] = src[chunk + 2 * j];
-      dst[chunk + 8 + j] = src[chunk + 2 * j + 1];
+      dst[chunk + j] = static_cast<float>(src[chunk + 2 * j]);
+      dst[chunk + 8 + j] = static_cast<float>(src[chunk + 2 * j + 1]);
     }
+  }
+}
+
+at::Tensor arrange(const at::Tensor& x) {
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));
+  if (xc.scalar_type() == at::kFloat) {
+    arrange_rows(xc.data_ptr<float>(), out.data_ptr<float>(), xc.numel());
+  } else {
+    arrange_rows(xc.data_ptr<at::BFloat16>(), out.data_ptr<float>(), xc.numel());
   }
   return out;
 }

@@ -75,7 +75,10 @@ void rows_one_by_one(const at::BFloat16* x, const at::BFloat16* w, float* y, int
 
 struct Avx512 {
   using Input = at::BFloat16;  // fp32 rows are rounded to bf16: the products are bf16 x bf16
-  static at::Tensor input(const at::Tensor& x) { return x.to(at::kBFloat16).contiguous(); }
+  static at::Tensor input(const at::Tensor& x) {
+    // bf16 rows as they come: no dispatched `to` (~1 µs of a ~2 µs call, 121 calls a step).
+    return x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kBFloat16).contiguous();
+  }
   template <int M>
   static void rows(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N,
                    int64_t K) {
