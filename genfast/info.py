@@ -1,6 +1,6 @@
 """`genfast info`: what this machine is and how genfast runs on it, so a user can see why it is fast
-or slow here: CPU, ISA level, threads, measured read bandwidth, what `--dtype auto` means, and
-which variant of each native kernel runs (and why)."""
+or slow here: CPU, ISA level, threads, measured read bandwidth, the CPUs other processes keep busy,
+what `--dtype auto` means, and which variant of each native kernel runs (and why)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import torch
 
 from genfast import __version__, hardware, hugepages, kernels
 from genfast.bench.machine import peak_read_bandwidth
+from genfast.threads import OtherWork, threads_beside
 
 
 def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
     """(label, value) lines; building the chosen kernel variants (once, cached) checks that they work."""
     cpu = torch.device("cpu")
+    other_work = OtherWork()  # sampled while the report is made (the bandwidth measurement: ~1 s)
     lines = [
         ("genfast", f"{__version__} (torch {torch.__version__}, Python {platform.python_version()})"),
         ("CPU", f"{hardware.cpu_model()}, {os.cpu_count()} logical cores, {torch.get_num_threads()} threads"),
@@ -30,6 +32,16 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
             )
         )
     lines.append(("LLM weights on the CPU", hugepages.describe()))
+    busy = other_work.busy_cores()
+    if busy is not None:
+        threads = threads_beside(busy, torch.get_num_threads(), len(os.sched_getaffinity(0)))
+        lines.append(
+            (
+                "other work now",
+                f"{busy:.1f} CPUs busy with other processes at normal priority: generate, chat and serve "
+                f"would compute on {threads} thread{'s' if threads > 1 else ''} (without --threads)",
+            )
+        )
     auto = hardware.auto_dtype(cpu)
     why = (
         "native bf16 dot products"

@@ -1,6 +1,10 @@
 """`genfast info`: the machine, the ISA and which kernel variant runs, as a user would read it."""
 
-from genfast import cli, hardware, hugepages, kernels
+import os
+
+import torch
+
+from genfast import cli, hardware, hugepages, kernels, threads
 
 
 def test_info_names_the_isa_and_every_kernel(capsys):
@@ -39,3 +43,12 @@ def test_a_bad_isa_override_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setenv(hardware.ISA_ENV, "avx9000")
     assert cli.main(["info", "--no-bandwidth"]) == 2
     assert "GENFAST_ISA='avx9000' is not an ISA level" in capsys.readouterr().err
+
+
+def test_info_says_how_many_cpus_other_work_keeps_busy(capsys, monkeypatch):
+    monkeypatch.setattr(threads.OtherWork, "busy_cores", lambda self: 1.0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert cli.main(["info", "--no-bandwidth"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("other work now:"))
+    assert "1.0 CPUs busy with other processes" in line and "would compute on 1 thread " in line

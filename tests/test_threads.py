@@ -23,20 +23,22 @@ BUSY_LOOP = [sys.executable, "-c", "while True: pass"]
 
 
 @contextmanager
-def busy_loop(nice: int = 0) -> Iterator[None]:
-    """One process spinning on a core, at nice `nice` in a session of its own (niced as a whole:
-    genfast.llm.precompiled.lower_priority)."""
+def busy_loop(nice: int = 0, count: int = 1) -> Iterator[None]:
+    """`count` processes spinning on a core each, in sessions of their own, niced as a whole with
+    `nice` (genfast.llm.precompiled.lower_priority)."""
     from genfast.llm.precompiled import lower_priority
 
-    loop = subprocess.Popen(BUSY_LOOP, start_new_session=True)
+    loops = [subprocess.Popen(BUSY_LOOP, start_new_session=True) for _ in range(count)]
     try:
         if nice:
-            lower_priority(loop.pid)
+            for loop in loops:
+                lower_priority(loop.pid)
         time.sleep(0.2)  # running
         yield
     finally:
-        loop.kill()
-        loop.wait()
+        for loop in loops:
+            loop.kill()
+            loop.wait()
 
 
 @pytest.mark.parametrize(
@@ -105,7 +107,7 @@ def test_generate_computes_on_fewer_threads_beside_a_busy_loop_unless_told(smoll
     argv = [sys.executable, "-m", "genfast", "generate", "hello", "--model", str(smollm2_gguf), "--no-compile",
             "--dtype", "float32", "-n", "2"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    with busy_loop():
+    with busy_loop(count=2):  # more than a CPU busy however the load competes with them
         chosen = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
         told = subprocess.run([*argv, "--threads", "1"], capture_output=True, text=True, timeout=300, env=env)
     assert chosen.returncode == 0 and told.returncode == 0, chosen.stderr + told.stderr
