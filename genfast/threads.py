@@ -1,7 +1,7 @@
 """How many CPU threads to compute on when other processes keep some cores busy.
 
-PyTorch's default is one thread per physical core. Every parallel region of a step (an LLM decode
-step has hundreds) ends when its slowest thread does, so a thread that shares its core with a busy
+PyTorch's default is one thread per physical core. Every parallel region of a step (~150 in a
+SmolLM2 decode step) ends when its slowest thread does, so a thread that shares its core with a busy
 process at the same priority holds the whole team back: one busy loop beside a 2-core decode took
 it from 93.7 to 23.7 tok/s on two threads, where one thread ran at 56.8 (AMD EPYC Zen 4;
 docs/performance.md, "Threads beside other work"). `OtherWork` samples how many cores other
