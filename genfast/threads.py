@@ -23,6 +23,9 @@ import torch
 
 # Shorter samples are too coarse: /proc counts CPU time in 10 ms ticks.
 MIN_SAMPLE_S = 0.25
+# Other work that keeps at least this many CPUs busy on average takes a thread away (and a
+# benchmark row timed beside it says so).
+BUSY_CPUS_THAT_COUNT = 0.5
 
 
 def _ticks() -> tuple[int, int] | None:
@@ -67,7 +70,7 @@ def threads_beside(busy_cores: float, threads: int, cpus: int) -> int:
     """Threads to use out of `threads` (one per physical core) on `cpus` logical CPUs while other
     processes keep `busy_cores` busy: no more than the CPUs they leave free, at least one. With
     two logical CPUs per core there is room for the other work beside the team."""
-    return max(1, min(threads, cpus - math.floor(busy_cores + 0.5)))
+    return max(1, min(threads, cpus - math.floor(busy_cores + 1 - BUSY_CPUS_THAT_COUNT)))
 
 
 def avoid_busy_cores(sample: OtherWork, log: Callable[[str], None]) -> None:

@@ -221,6 +221,7 @@ def measure_row(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from genfast.hardware import peak_memory_bytes, resolve_device
+    from genfast.threads import BUSY_CPUS_THAT_COUNT, OtherWork
 
     ladder = _ladder(spec)
     row, options, workdir = Row(**spec["row"]), spec["options"], Path(spec["workdir"])
@@ -240,10 +241,12 @@ def measure_row(spec: dict[str, Any]) -> dict[str, Any]:
     first_s = time.perf_counter() - start
     result.update(case.first(output, started))
     outputs, seconds = [], []
+    other_work = OtherWork()  # honest numbers: say when other processes competed for the CPU
     for _ in range(options["repeats"]):
         start = time.perf_counter()
         outputs.append(case.run())
         seconds.append(time.perf_counter() - start)
+    busy = other_work.busy_cores() if target.device.type == "cpu" else None
     result.update(
         {
             "seconds": median(seconds),
@@ -258,6 +261,8 @@ def measure_row(spec: dict[str, Any]) -> dict[str, Any]:
     notes += [f"{step} left out: {why}" for step, why in plan.skipped] if plan else []
     notes += case.notes()
     notes += _cuda_graph_notes()
+    if busy is not None and busy >= BUSY_CPUS_THAT_COUNT:
+        notes.append(f"other processes kept {busy:.1f} CPUs busy while it was timed: slower than this machine runs it")
     result["note"] = "; ".join(notes) or result.get("note")
     return result
 

@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from genfast.bench.ladder import NOTE, SPEEDUP, STEP, Case, Ladder, Options, Row, run, speedups
 from genfast.recipe import Plan, Recipe, Step, Target
+from tests.busy import busy_loop
 
 
 @dataclass(frozen=True)
@@ -116,3 +119,14 @@ def test_a_failing_row_is_reported_and_the_other_rows_still_run(tmp_path, capsys
     ]  # fmt: skip
     assert all(r["note"].startswith("failed") for r in rows if r["step"] == "half")
     assert "| half |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="samples /proc (Linux)")
+def test_a_row_timed_beside_other_work_says_so(tmp_path):
+    out = tmp_path / "rows.json"
+    args = argparse.Namespace(list_steps=False, json_path=str(out), force=False, steps="baseline", device="cpu",
+                              dtype="auto", repeats=2, threads=None)  # fmt: skip
+    with busy_loop(count=2):  # more than a CPU busy, however the rows compete with them
+        assert run(ToyLadder(), args) == 0
+    rows = json.loads(out.read_text())
+    assert all("CPUs busy while it was timed: slower than this machine runs it" in r["note"] for r in rows)

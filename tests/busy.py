@@ -1,0 +1,30 @@
+"""Processes that keep CPUs busy, for the tests of what genfast does beside other work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+BUSY_LOOP = [sys.executable, "-c", "while True: pass"]
+
+
+@contextmanager
+def busy_loop(nice: int = 0, count: int = 1) -> Iterator[None]:
+    """`count` processes spinning on a core each, in sessions of their own, niced as a whole with
+    `nice` (genfast.llm.precompiled.lower_priority)."""
+    from genfast.llm.precompiled import lower_priority
+
+    loops = [subprocess.Popen(BUSY_LOOP, start_new_session=True) for _ in range(count)]
+    try:
+        if nice:
+            for loop in loops:
+                lower_priority(loop.pid)
+        time.sleep(0.2)  # running
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
