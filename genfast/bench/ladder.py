@@ -246,7 +246,9 @@ def measure_row(spec: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         outputs.append(case.run())
         seconds.append(time.perf_counter() - start)
-    busy = other_work.busy_cores() if target.device.type == "cpu" else None
+    # Tensor-parallel ranks (a launcher's processes) run side by side: the others are not other work.
+    alone = target.device.type == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    busy = other_work.busy_cores() if alone else None
     result.update(
         {
             "seconds": median(seconds),
