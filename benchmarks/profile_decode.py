@@ -7,6 +7,8 @@ python benchmarks/profile_decode.py [--model PATH] [--dtype bfloat16] [--quant i
 set before torch compiles anything, and with a fresh inductor cache so the loops are regenerated);
 otherwise the compiled step is one row. --cache-dtype overrides the KV cache's dtype that `--dtype`
 chose (`Transformer.cache_dtype`), to compare a bf16 cache with an fp32 one in the same model.
+Without either, it profiles the steps `genfast generate` runs (saved ahead-of-time compiled
+steps, no dynamo cache lookup per step); with either, torch.compile's lazy path.
 """
 
 import argparse
@@ -49,7 +51,10 @@ def main() -> None:
         prompt = (prompt * (args.prompt_tokens // len(prompt) + 1))[: args.prompt_tokens]
     generator = make_generator(loaded, len(prompt) + 128 + args.tokens, 1, compile=True)
     # The steps `genfast generate` runs: compiled ahead of time, loaded from disk (or compiled here).
-    attach(generator, loaded, SamplingParams(), print)
+    # Not with --kernels (the loops must be compiled afresh, with profiling on) or --cache-dtype
+    # (the saved steps' key does not hold it): those keep torch.compile's lazy path.
+    if not args.kernels and args.cache_dtype is None:
+        attach(generator, loaded, SamplingParams(), print)
     generator.warmup()
     cache = loaded.model.layers[0].attention.kv_cache.k
     print(f"KV cache {cache.dtype}, prompt {len(prompt)} tokens")
