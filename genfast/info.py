@@ -12,7 +12,7 @@ import torch
 
 from genfast import __version__, hardware, hugepages, kernels
 from genfast.bench.machine import peak_read_bandwidth
-from genfast.threads import OtherWork, threads_beside
+from genfast.threads import OtherWork, threads_for
 
 
 def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
@@ -34,7 +34,7 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
     lines.append(("LLM weights on the CPU", hugepages.describe()))
     busy = other_work.busy_cores()
     if busy is not None:
-        threads = threads_beside(busy, torch.get_num_threads(), len(os.sched_getaffinity(0)))
+        threads = threads_for(busy)
         lines.append(
             (
                 "other work now",

@@ -73,6 +73,11 @@ def threads_beside(busy_cores: float, threads: int, cpus: int) -> int:
     return max(1, min(threads, cpus - math.floor(busy_cores + 1 - BUSY_CPUS_THAT_COUNT)))
 
 
+def threads_for(busy_cores: float) -> int:
+    """`threads_beside` for this process: out of torch's count, on the CPUs it may run on."""
+    return threads_beside(busy_cores, torch.get_num_threads(), len(os.sched_getaffinity(0)))
+
+
 def avoid_busy_cores(sample: OtherWork, log: Callable[[str], None]) -> None:
     """Set torch's thread count for the work measured by `sample` (started before the model loaded),
     and say so when it is fewer than torch's default. Not where the user chose a count
@@ -83,7 +88,7 @@ def avoid_busy_cores(sample: OtherWork, log: Callable[[str], None]) -> None:
     if busy is None:
         return
     default = torch.get_num_threads()
-    threads = threads_beside(busy, default, len(os.sched_getaffinity(0)))
+    threads = threads_for(busy)
     if threads < default:
         torch.set_num_threads(threads)
         log(
