@@ -53,11 +53,15 @@ class OtherWork:
         self.started = time.monotonic()
         self.start = _ticks()
 
-    def busy_cores(self) -> float | None:
-        """Waits until MIN_SAMPLE_S have passed since creation; None where /proc says nothing."""
+    def busy_cores(self, wait: bool = True) -> float | None:
+        """Waits until MIN_SAMPLE_S have passed since creation (`wait`; otherwise None if they have
+        not); None where /proc says nothing."""
         if self.start is None:
             return None
-        time.sleep(max(0.0, self.started + MIN_SAMPLE_S - time.monotonic()))
+        left = self.started + MIN_SAMPLE_S - time.monotonic()
+        if left > 0 and not wait:
+            return None
+        time.sleep(max(0.0, left))
         end = _ticks()
         if end is None:
             return None
@@ -73,16 +77,33 @@ def threads_beside(busy_cores: float, threads: int, cpus: int) -> int:
     return max(1, min(threads, cpus - math.floor(busy_cores + 1 - BUSY_CPUS_THAT_COUNT)))
 
 
-def threads_for(busy_cores: float) -> int:
-    """`threads_beside` for this process: out of torch's count, on the CPUs it may run on."""
-    return threads_beside(busy_cores, torch.get_num_threads(), len(os.sched_getaffinity(0)))
+def threads_for(busy_cores: float, most: int | None = None) -> int:
+    """`threads_beside` for this process: out of `most` (default: torch's count), on the CPUs it
+    may run on."""
+    most = torch.get_num_threads() if most is None else most
+    return threads_beside(busy_cores, most, len(os.sched_getaffinity(0)))
+
+
+def _users_count() -> bool:
+    """Whether the user chose the thread count through the environment (--threads callers do not
+    ask)."""
+    return "OMP_NUM_THREADS" in os.environ
+
+
+def use_threads(threads: int | None) -> OtherWork | None:
+    """The user's count (--threads), set now; without one, a sample of the other work that starts
+    now, for `avoid_busy_cores` once the model has loaded on the CPU."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+        return None
+    return OtherWork()
 
 
 def avoid_busy_cores(sample: OtherWork, log: Callable[[str], None]) -> None:
     """Set torch's thread count for the work measured by `sample` (started before the model loaded),
     and say so when it is fewer than torch's default. Not where the user chose a count
     (OMP_NUM_THREADS; --threads callers do not call this)."""
-    if "OMP_NUM_THREADS" in os.environ:
+    if _users_count():
         return
     busy = sample.busy_cores()
     if busy is None:
@@ -95,3 +116,19 @@ def avoid_busy_cores(sample: OtherWork, log: Callable[[str], None]) -> None:
             f"genfast: other processes kept {busy:.1f} CPUs busy while the model loaded: computing on "
             f"{threads} thread{'s' if threads > 1 else ''}, not {default} (--threads N to choose)"
         )
+
+
+def follow_other_work(sample: OtherWork, most: int, log: Callable[[str], None]) -> None:
+    """Fit the thread count, at most `most`, to the other work measured by `sample` since it was
+    taken (a chat's wait for the user, a server's last few seconds; shorter than MIN_SAMPLE_S:
+    nothing changes, it does not wait to measure), back to `most` once that work stops; `log` says
+    when the count changes. Only where `avoid_busy_cores` chose the count. A change between steps
+    is safe for the compiled steps genfast saves: they read the count at run time."""
+    busy = None if _users_count() else sample.busy_cores(wait=False)
+    if busy is None:
+        return
+    now, threads = torch.get_num_threads(), threads_for(busy, most)
+    if threads != now:
+        torch.set_num_threads(threads)
+        log(f"genfast: other processes kept {busy:.1f} CPUs busy: computing on {threads} thread"
+            f"{'s' if threads > 1 else ''}, not {now}")  # fmt: skip

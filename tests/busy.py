@@ -7,8 +7,14 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
 
 BUSY_LOOP = [sys.executable, "-c", "while True: pass"]
+
+needs_proc = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="samples /proc (Linux)")
 
 
 @contextmanager
@@ -28,3 +34,14 @@ def busy_loop(nice: int = 0, count: int = 1) -> Iterator[None]:
         for loop in loops:
             loop.kill()
             loop.wait()
+
+
+@contextmanager
+def threads_restored() -> Iterator[int]:
+    """For a command run in this process, which may change torch's thread count: the count before
+    it, restored afterwards."""
+    before = torch.get_num_threads()
+    try:
+        yield before
+    finally:
+        torch.set_num_threads(before)

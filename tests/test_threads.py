@@ -8,16 +8,13 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from genfast import threads
 from genfast.threads import OtherWork, avoid_busy_cores, threads_beside
-from tests.busy import BUSY_LOOP, busy_loop
-
-needs_proc = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="samples /proc (Linux)")
+from tests.busy import BUSY_LOOP, busy_loop, needs_proc
 
 
 @pytest.mark.parametrize(
@@ -94,3 +91,44 @@ def test_generate_computes_on_fewer_threads_beside_a_busy_loop_unless_told(smoll
     if physical >= 2:
         assert "CPUs busy while the model loaded: computing on" in chosen.stderr
     assert "CPUs busy" not in told.stderr
+
+
+@needs_proc
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_chat_follows_other_work_that_starts_and_stops_between_turns(smollm2_gguf):
+    """Measured while the chat waits for the user: busy loops that start after the first turn take
+    a thread away at the next one, and it comes back once they stop."""
+    argv = [sys.executable, "-m", "genfast", "chat", "--model", str(smollm2_gguf), "--no-compile",
+            "--dtype", "float32", "-n", "2"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    chat = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)  # fmt: skip
+
+    def turn(message: str) -> str:
+        """What the chat said on stderr up to the turn's summary line."""
+        chat.stdin.write(message + "\n")
+        chat.stdin.flush()
+        said = []
+        while not (line := chat.stderr.readline()).startswith("["):
+            assert line, "the chat ended early: " + "".join(said)
+            said.append(line)
+        return "".join(said)
+
+    try:
+        first = turn("Hello")
+        with busy_loop(count=2):
+            time.sleep(1.0)  # the user typing
+            busy = turn("And then?")
+        time.sleep(1.0)
+        idle = turn("Thanks")
+        chat.stdin.close()
+        assert chat.wait(timeout=60) == 0
+    finally:
+        chat.kill()
+    physical = int(subprocess.check_output([sys.executable, "-c", "import torch; print(torch.get_num_threads())"]))
+    assert "CPUs busy" not in first
+    if physical >= 2:
+        assert f"CPUs busy: computing on 1 thread, not {physical}" in busy
+        assert f"CPUs busy: computing on {physical} threads, not 1" in idle
+    else:
+        assert "CPUs busy" not in busy + idle

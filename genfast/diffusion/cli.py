@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from genfast.arguments import add_bench_args, add_device, add_recipe, lazy, positive_int
+from genfast.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int
 from genfast.diffusion.recipe import DEFAULT_STEP, RECIPE
 
 IMAGINE_DESCRIPTION = """Generate an image from a prompt with a diffusers pipeline, made fast by genfast's recipe
@@ -36,6 +36,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--negative", default=None, metavar="TEXT", help="negative prompt")
     add_recipe(p, RECIPE, DEFAULT_STEP)
     add_device(p)
+    add_threads(p, beside_other_work=True)
     p.add_argument(
         "--random-weights",
         action="store_true",

@@ -60,6 +60,7 @@ def imagine_command(args: argparse.Namespace) -> int:
     from genfast.diffusion.recipe import RECIPE, apply_recipe
     from genfast.hardware import DTYPES, dtype_name, resolve_device
     from genfast.recipe import Target
+    from genfast.threads import avoid_busy_cores, use_threads
 
     width, height = parse_size(args.size)
     output = Path(args.output).expanduser()
@@ -73,7 +74,10 @@ def imagine_command(args: argparse.Namespace) -> int:
     if args.random_weights:
         print(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}", file=sys.stderr)
     start = time.perf_counter()
+    other_work = use_threads(args.threads)
     pipe, description = load(args, DTYPES[recipe.dtype], device)
+    if other_work is not None and device.type == "cpu":
+        avoid_busy_cores(other_work, lambda message: print(message, file=sys.stderr))
     apply_recipe(pipe, recipe)
     # Saved compiles (CPU, static shapes) show their own progress (genfast/saved_compile.py).
     compiles_lazily = recipe.compile != "none" and (recipe.dynamic_shapes or device.type != "cpu")

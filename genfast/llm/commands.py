@@ -10,6 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from genfast import __version__
 from genfast.bench.machine import peak_read_bandwidth
 from genfast.errors import UserError
@@ -21,13 +23,14 @@ from genfast.llm.precompiled import attach
 from genfast.llm.quantize import HEAD, describe_quantization, quantize_loaded
 from genfast.llm.recipe import RECIPE, LlmSettings
 from genfast.llm.sampling import SamplingParams
-from genfast.llm.session import LoadedModel, load, load_for_command, plan
+from genfast.llm.session import LoadedModel, genfast_chooses_threads, load, load_for_command, plan
 from genfast.llm.speculative import make_generator
 from genfast.llm.stats import format_stats
 from genfast.llm.tensor_parallel import check_same_tokens, from_main_rank, is_main_rank
 from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 from genfast.recipe import Target
 from genfast.startup import Phases
+from genfast.threads import OtherWork, follow_other_work
 
 
 def _log(message: str) -> None:
@@ -154,7 +157,10 @@ def generate_command(args: argparse.Namespace) -> int:
 
 
 def chat_command(args: argparse.Namespace) -> int:
+    default_threads = torch.get_num_threads()  # before the load leaves busy CPUs to other work
     loaded, settings, generator, params = _prepare(args, 1)
+    # Other work that starts or stops during a chat is measured while it waits for the user.
+    follows = genfast_chooses_threads(args, loaded)
     tokenizer = loaded.tokenizer
     if not tokenizer.chat_template:
         raise UserError(f"{loaded.path} has no chat template; use `genfast generate` instead")
@@ -169,6 +175,7 @@ def chat_command(args: argparse.Namespace) -> int:
         if interactive:
             sys.stderr.write("> ")
             sys.stderr.flush()
+        waiting = OtherWork() if follows else None
         line = from_main_rank(sys.stdin.readline)
         if not line:
             break
@@ -181,6 +188,8 @@ def chat_command(args: argparse.Namespace) -> int:
             history.clear()
             _log("(conversation cleared)")
             continue
+        if waiting is not None:
+            follow_other_work(waiting, default_threads, _log)
         history.append({"role": "user", "content": message})
         ids = _fit_conversation(generator, system, history, args.max_new_tokens)
 

@@ -85,9 +85,15 @@ def load_for_command(args: argparse.Namespace, settings: LlmSettings, log: Calla
     loaded = apply_recipe(
         load(args.model, args.device, settings.dtype, args.threads, settings.quant, args.group_size, tp), settings
     )
-    if other_work is not None and loaded.device.type == "cpu" and loaded.tp == 1:
+    if other_work is not None and genfast_chooses_threads(args, loaded):
         avoid_busy_cores(other_work, log)
     return loaded
+
+
+def genfast_chooses_threads(args: argparse.Namespace, loaded: LoadedModel) -> bool:
+    """Whether the thread count is genfast's to fit beside other work: no --threads, on the CPU, in
+    one process (genfast/threads.py also leaves a count from OMP_NUM_THREADS alone)."""
+    return args.threads is None and loaded.device.type == "cpu" and loaded.tp == 1
 
 
 def load(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from genfast.arguments import add_bench_args, add_device, add_recipe, lazy, positive_int, unit_float
+from genfast.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int, unit_float
 from genfast.sam.recipe import DEFAULT_STEP, RECIPE
 
 DTYPE_HELP = """the recipe's bf16 step: float32 (the default: no bf16 step, masks as the original model makes them),
@@ -105,6 +105,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "every output is labelled so",
     )
     add_device(g)
+    add_threads(g, beside_other_work=True)
     add_recipe(g, RECIPE, DEFAULT_STEP, dtype_default="float32", dtype_help=DTYPE_HELP)
     p.set_defaults(run=lazy("genfast.sam.commands", "segment_command"))
 

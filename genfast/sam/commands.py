@@ -277,6 +277,7 @@ def segment_command(args: argparse.Namespace) -> int:
     from genfast.hardware import dtype_name, resolve_device
     from genfast.recipe import Target
     from genfast.sam.recipe import RECIPE, apply_recipe
+    from genfast.threads import avoid_busy_cores, use_threads
 
     prompt = parse_prompt(args)
     device = resolve_device(args.device)
@@ -288,7 +289,10 @@ def segment_command(args: argparse.Namespace) -> int:
     height, width = image.shape[:2]
     check_prompt_inside(prompt, height, width)
 
+    other_work = use_threads(args.threads)
     loaded = load_model(args, device)
+    if other_work is not None and device.type == "cpu":
+        avoid_busy_cores(other_work, _log)
     apply_recipe(loaded.model, plan.settings)
     if loaded.random_weights:
         _log(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}")

@@ -42,9 +42,11 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 def serve_command(args: argparse.Namespace) -> int:
     require_serve_extra()
+    import torch
     import uvicorn
 
     from genfast.llm.commands import load_announced
+    from genfast.llm.session import genfast_chooses_threads
     from genfast.llm.tensor_parallel import is_main_rank
     from genfast.serve.app import create_app
     from genfast.serve.engine import Engine
@@ -54,6 +56,7 @@ def serve_command(args: argparse.Namespace) -> int:
         # Ctrl-C and SIGTERM reach every rank, and a follower that died first would cut them off.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    default_threads = torch.get_num_threads()  # before the load leaves busy CPUs to other work
     loaded, settings = load_announced(args)
     engine = Engine(
         loaded.model,
@@ -69,6 +72,8 @@ def serve_command(args: argparse.Namespace) -> int:
         engine.follow()
         return 0
     steps = engine.precompile(loaded, _log)
+    if genfast_chooses_threads(args, loaded):
+        engine.follow_other_work(default_threads, _log)
     engine.start()
     api_key = args.api_key or os.environ.get("GENFAST_API_KEY") or None
     if args.host not in LOCAL_HOSTS and api_key is None:

@@ -62,6 +62,7 @@ from genfast.llm.tokenizer import Tokenizer
 from genfast.serve.constraints import Constraints, Matcher
 from genfast.serve.prefix_cache import BLOCK_SIZE, PrefixCache
 from genfast.serve.tensor_parallel import KEEPALIVE_S, Op, StepBroadcast
+from genfast.threads import OtherWork, follow_other_work
 
 if TYPE_CHECKING:
     from genfast.llm.session import LoadedModel
@@ -253,6 +254,9 @@ class EngineStats:
 
 
 OMP_PAUSE_HARD = 2  # omp.h's omp_pause_resource_t
+# How often a server measures the other work beside it (Engine.follow_other_work): long enough
+# for /proc's 10 ms ticks and for a change to last, short against a session of requests.
+FOLLOW_OTHER_WORK_S = 5.0
 
 
 def release_openmp_workers() -> None:
@@ -344,6 +348,8 @@ class Engine:
             log.info("no prefix cache under tensor parallelism: each slot reuses only its own row")
         self.reuse_prefixes = True  # look prompts up in the rows and the prefix cache (benchmarks switch it off)
         self.prompt_tokens = self.reused_prompt_tokens = 0
+        # `follow_other_work`: the other work measured since when, the most threads, and the log.
+        self._other_work: tuple[OtherWork, int, Callable[[str], None]] | None = None
 
     # Two functions, not one: dynamo keeps graphs per code object, so prefill's dynamic prompt
     # length and decode's fixed batch never share (or evict) each other's graphs.
@@ -400,6 +406,21 @@ class Engine:
                     self._run_decode(tokens[:, None], positions[:, None], kv_len=arg)
 
     # ---- public API (any thread) ----
+
+    def follow_other_work(self, most_threads: int, log: Callable[[str], None]) -> None:
+        """Between steps, every FOLLOW_OTHER_WORK_S, fit the scheduler thread's count (at most
+        `most_threads`) to the CPUs that other processes kept busy meanwhile (genfast/threads.py),
+        so that a server follows other work that starts or stops while it runs. Only where the
+        thread count is genfast's to choose (genfast.llm.session.genfast_chooses_threads)."""
+        self._other_work = (OtherWork(), most_threads, log)
+
+    def _follow_other_work(self) -> None:
+        if self._other_work is None:
+            return
+        sample, most, log = self._other_work
+        if time.monotonic() - sample.started >= FOLLOW_OTHER_WORK_S:
+            follow_other_work(sample, most, log)  # on this thread: OpenMP's count is per thread
+            self._other_work = (OtherWork(), most, log)
 
     def start(self) -> Engine:
         if self._thread is None:
@@ -580,6 +601,7 @@ class Engine:
                         self._slots[slot].cached = self._slots[slot].prefilled = cached
                         admitted.append(slot)
                 try:
+                    self._follow_other_work()
                     for slot in admitted:  # outside the lock: a copy of up to the whole context
                         self._restore(slot)
                     self._prefill_some()

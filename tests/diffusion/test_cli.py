@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 from genfast import cli
+from tests.busy import busy_loop, needs_proc, threads_restored
 
 SMOKE = ["--model", "tiny-sd15", "--random-weights", "--size", "32x32", "--denoising-steps", "2", "--seed", "3"]
 
@@ -177,3 +178,24 @@ def test_a_compiled_recipe_is_saved_by_the_first_run_and_loaded_by_the_next(tmp_
     ):
         assert np.array_equal(np.asarray(a), np.asarray(b))
         assert np.abs(np.asarray(a, np.int16) - np.asarray(e, np.int16)).max() <= 2
+
+
+@needs_proc
+def test_beside_busy_work_it_computes_on_fewer_threads_unless_told(tmp_path, capsys, monkeypatch):
+    """Two busy loops keep more than a CPU busy while the pipeline loads: the run leaves that CPU to
+    them and says so, with the same image; --threads keeps the count it is given."""
+    import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with threads_restored() as default, busy_loop(count=2):
+        chosen, told = tmp_path / "chosen.png", tmp_path / "told.png"
+        assert cli.main(["imagine", "x", *SMOKE, "-o", str(chosen)]) == 0
+        err = capsys.readouterr().err
+        if default >= 2:
+            assert "CPUs busy while the model loaded: computing on 1 thread, not" in err
+            assert torch.get_num_threads() == 1
+        torch.set_num_threads(default)
+        assert cli.main(["imagine", "x", *SMOKE, "-o", str(told), "--threads", str(default)]) == 0
+        assert "CPUs busy" not in capsys.readouterr().err and torch.get_num_threads() == default
+    with Image.open(chosen) as a, Image.open(told) as b:
+        assert np.array_equal(np.asarray(a), np.asarray(b))

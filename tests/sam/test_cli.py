@@ -17,6 +17,7 @@ from genfast.cli import main
 from genfast.sam.build import build_sam, load_sam_checkpoint
 from genfast.sam.commands import RANDOM_WEIGHTS_WARNING
 from genfast.sam.predictor import SamPredictor
+from tests.busy import busy_loop, needs_proc, threads_restored
 from tests.sam.oracle import randomize_
 from tests.sam.test_modeling import TINY
 
@@ -341,3 +342,23 @@ def test_a_compiled_encoder_is_saved_by_the_first_run_and_loaded_by_the_next(fil
         err = capsys.readouterr().err
         assert says in err and "start-up: the model was first called" in err
         assert (read_mask(out) == expected).mean() > 0.995
+
+
+@needs_proc
+def test_beside_busy_work_it_computes_on_fewer_threads_unless_told(files, predictor, tmp_path, capsys, monkeypatch):
+    """Two busy loops keep more than a CPU busy while the model loads: the run leaves that CPU to
+    them and says so, with the same masks; --threads keeps the count it is given."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    masks, scores, _ = predictor.predict(np.array([[10, 20]]), np.array([1]), multimask_output=True)
+    with threads_restored() as default, busy_loop(count=2):
+        chosen, told = tmp_path / "chosen.png", tmp_path / "told.png"
+        assert segment(files, "--point", "10,20", "-o", str(chosen), "--no-overlay") == 0
+        err = capsys.readouterr().err
+        if default >= 2:
+            assert "CPUs busy while the model loaded: computing on 1 thread, not" in err
+            assert torch.get_num_threads() == 1
+        torch.set_num_threads(default)
+        assert segment(files, "--point", "10,20", "-o", str(told), "--no-overlay", "--threads", str(default)) == 0
+        assert "CPUs busy" not in capsys.readouterr().err and torch.get_num_threads() == default
+    for out in (chosen, told):
+        assert np.array_equal(read_mask(out), masks[int(np.argmax(scores))])

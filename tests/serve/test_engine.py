@@ -3,15 +3,20 @@ as requests join and leave, per-row sampling, cancellation, shutdown, and no rec
 
 from __future__ import annotations
 
+import os
 import queue
+import re
 import threading
+import time
 
 import pytest
 import torch
 
 from genfast.llm.generate import Generator
 from genfast.llm.sampling import SamplingParams
+from genfast.serve import engine as engine_module
 from genfast.serve.engine import Delta, Engine, EngineStopped, Finished, GenerationRequest
+from tests.busy import busy_loop, needs_proc, threads_restored
 from tests.serve.conftest import load_tiny, wait_until
 
 PROMPTS = [[5, 17, 3], [9] * 12, [200, 1, 33, 7, 7, 7, 2], [44, 45], [300, 2, 8, 1, 9], [12, 13, 14, 15, 16, 17]]
@@ -395,3 +400,28 @@ def test_a_long_prompt_does_not_stall_the_running_requests(tiny_dir):
     assert wait_until(lambda: "first" in steps_at, timeout=60)
     assert steps_at["first"] - steps_at["submitted"] >= 9
     engine.shutdown(timeout=0)
+
+
+@needs_proc
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_scheduler_follows_other_work_that_starts_and_stops(tiny_dir, monkeypatch):
+    """Busy loops beside a running server take a thread from its next step after they were
+    measured; it comes back once they stop. The tokens stay the same."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(engine_module, "FOLLOW_OTHER_WORK_S", 0.5)
+    request = GenerationRequest(tuple(PROMPTS[0]), 8)
+    messages: list[str] = []
+    with threads_restored():
+        engine = Engine(*load_tiny(tiny_dir), max_batch=2, compile=False)
+        engine.follow_other_work(2, messages.append)
+        engine.start()
+        with busy_loop(count=2):
+            time.sleep(0.6)
+            beside = engine.generate(request)
+        time.sleep(0.6)
+        alone = engine.generate(request)
+        engine.shutdown()
+    assert beside.token_ids == alone.token_ids
+    assert len(messages) == 2, messages
+    assert re.fullmatch(r"genfast: other processes kept [\d.]+ CPUs busy: computing on 1 thread, not 2", messages[0])
+    assert re.fullmatch(r"genfast: other processes kept [\d.]+ CPUs busy: computing on 2 threads, not 1", messages[1])
