@@ -98,7 +98,7 @@ def main() -> None:
         rows.append(f"| {name} | {ms:.3f} | {busy / ms:.0%} | {per_token} | {skips} |")
         top = ", ".join(f"{k} {v:.3f}" for k, v in kernels.most_common(4))
         tops.append(f"| {name} | {top} |")
-        print(rows[-1], flush=True)
+        print(rows[-1], tops[-1], sep="\n", flush=True)  # as each finishes: a stopped run keeps them
         del generator, loaded
         torch.cuda.empty_cache()
     print("\n| variant | ms per token | GPU busy | graph replays per token | kernel launches per token "

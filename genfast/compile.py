@@ -9,7 +9,7 @@ quantized kernels (+6-8% int4/int8 decode on SmolLM2: 121 extern kernel calls pe
 decode only 1.04x (an in-process A/B) for twice the compile time, so it is used for the quantized
 ones only; not with tensor parallelism (untested there). CPU decode also drops inductor's input
 size asserts (1.035x).
-CUDA: CUDA graphs remove the per-kernel launch cost of decode.
+CUDA: CUDA graphs remove the per-kernel launch cost of decode; coordinate-descent tuning for decode only.
 """
 
 from __future__ import annotations
@@ -21,15 +21,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from genfast.hub import genfast_home
 
+# CUDA graphs recorded or replayed on a thread that Python started (the server's scheduler) fail
+# in torch before 2.13: cudagraph trees kept their state only for the main thread and autograd's
+# (pytorch/pytorch#123177). Seen with torch 2.11 on an H200: every served request ended after its
+# first token.
+CUDA_GRAPHS_IN_THREADS = TorchVersion(torch.__version__) >= (2, 13)
 
-def inductor_options(device: torch.device | str, *, decode: bool, native_kernels: bool = False) -> dict[str, Any]:
-    """`native_kernels`: the compiled model's linears call genfast's native quantized kernels."""
+
+def inductor_options(
+    device: torch.device | str, *, decode: bool, native_kernels: bool = False, cuda_graphs: bool = True
+) -> dict[str, Any]:
+    """`native_kernels`: the compiled model's linears call genfast's native quantized kernels.
+    `cuda_graphs`: a CUDA decode step replays a CUDA graph (False: launches its kernels)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return {"triton.cudagraphs": decode, "coordinate_descent_tuning": True}
+        # Coordinate-descent tuning of the generated kernels' block sizes is for decode, whose
+        # every kernel is a small memory-bound one; other steps are mostly cuBLAS GEMMs and
+        # attention (prefill's compile was ~100 s of a 7B row's ~250 s on an H100, tuned).
+        return {"triton.cudagraphs": decode and cuda_graphs, "coordinate_descent_tuning": decode}
     options: dict[str, Any] = {"freezing": True}
     if decode:
         # Inductor's checks of every input's sizes and strides (~400 a SmolLM2 step, in Python):
@@ -41,14 +54,15 @@ def inductor_options(device: torch.device | str, *, decode: bool, native_kernels
     return options
 
 
-def compile_fn(fn: Callable, device: torch.device | str, *, decode: bool, model: nn.Module | None = None) -> Callable:
+def compile_fn(
+    fn: Callable, device: torch.device | str, *, decode: bool, model: nn.Module | None = None, cuda_graphs: bool = True
+) -> Callable:
     """Compile one step function (fullgraph: a graph break is a bug, not a slowdown) of `model`."""
     from genfast.quant.linear import uses_native_kernels
 
     native = model is not None and uses_native_kernels(model)
-    return torch.compile(
-        fn, fullgraph=True, dynamic=False, options=inductor_options(device, decode=decode, native_kernels=native)
-    )
+    options = inductor_options(device, decode=decode, native_kernels=native, cuda_graphs=cuda_graphs)
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 
 def use_persistent_cache() -> None:

@@ -20,8 +20,12 @@
 #   WHEELS   a folder of wheels to install offline (no index, no dependencies) into WORKDIR/site
 #            instead of `pip install -e .[test]`: for machines with torch but no network.
 #   LLM_STEPS, NEW_TOKENS, REPEATS: the LLM ladder's rows (default bf16,compile,int8,int4,spec-int4), 256, 3.
+#   SAM_ARGS, DIFFUSION_ARGS: more `genfast bench sam|diffusion` flags (split at spaces; they come
+#            last, so they override), e.g. SAM_ARGS="--batch-size 1 --steps original,baseline,compile".
 #   PYTEST_ARGS  more pytest arguments for the tests stage (split at spaces)
-#   STAGE_TIMEOUT  seconds one stage may run before it is stopped and reported (default: no limit)
+#   STAGE_TIMEOUT  seconds a stage may run before it is stopped and reported: N for every stage, or
+#            NAME=N,NAME=N for those named (default: no limit). A stopped stage keeps what it printed:
+#            every benchmark prints each row as it finishes, the tests each outcome.
 # GPU time is scarce: one pass gives every table; a stage that fails is reported in the file and
 # the others still run.
 set -uo pipefail
@@ -54,7 +58,32 @@ genfast=("$python" -m genfast)
     "$python" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
     echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo '```'
+    # A machine whose own torch is older than genfast's pin (WHEELS installs no torch): say what
+    # differs there, so that its tables are read with it.
+    "$python" - <<'PY'
+import torch
+from torch.torch_version import TorchVersion
+if TorchVersion(torch.__version__) < (2, 13):
+    print(f"\n**torch {torch.__version__} is older than the 2.13 genfast requires.** Known differences: "
+          "`genfast serve` decodes without CUDA graphs (torch < 2.13 cannot replay them on its scheduler "
+          "thread), so serving throughput is understated.")
+PY
 } > "$out"
+
+stage_limit() {  # STAGE_TIMEOUT's seconds for stage $1 (0: no limit)
+    local spec=${STAGE_TIMEOUT:-0} item
+    if [[ $spec != *=* ]]; then
+        echo "$spec"
+        return
+    fi
+    for item in ${spec//,/ }; do
+        if [[ ${item%%=*} == "$1" ]]; then
+            echo "${item#*=}"
+            return
+        fi
+    done
+    echo 0
+}
 
 # stage NAME TITLE COMMAND...: run a stage if STAGES names it; its output (a markdown table at the
 # end, as every benchmark here prints) and wall time go to the file, its whole log beside it.
@@ -64,7 +93,7 @@ stage() {
     [[ ",$stages," == *",$name,"* ]] || return 0
     local log="$work/$name.log" start=$SECONDS
     echo "== $name: $*" >&2
-    timeout "${STAGE_TIMEOUT:-0}" "$@" 2>&1 | tee "$log"
+    timeout "$(stage_limit "$name")" "$@" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}
     {
         echo
@@ -72,7 +101,7 @@ stage() {
         echo
         echo "\`$*\` (exit $rc, $((SECONDS - start)) s)"
         echo
-        grep -E '^(\||#|[0-9]+ (passed|failed)|=+ .*(passed|failed|error))' "$log" | grep -v '^#$' || true
+        grep -E '^(\||#|[0-9]+ (passed|failed)|=+ .*(passed|failed|error)|(FAILED|ERROR) )' "$log" | grep -v '^#$' || true
         if [ "$rc" != 0 ]; then
             echo
             echo '```'
@@ -88,7 +117,18 @@ llm_ladder() {  # sets `ladder`: random weights at the shape, drawn on the GPU (
 }
 
 read -ra pytest_args <<< "${PYTEST_ARGS:-}"
-stage tests "CUDA tests" "$python" -m pytest -q -p no:cacheprovider tests/cuda "${pytest_args[@]}"
+# The tests compile small models: CPU-bound, so they run in parallel where pytest-xdist is installed,
+# each worker with few compile threads. -v names every outcome as it comes (a stage stopped at its
+# limit keeps them); pytest-timeout, where installed, ends a hung test rather than the stage.
+compile_threads=()
+if "$python" -c 'import xdist' 2>/dev/null; then
+    pytest_args=(-n "$(( $(nproc) > 8 ? 8 : $(nproc) ))" "${pytest_args[@]}")
+    compile_threads=(env "TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2}")
+fi
+if "$python" -c 'import pytest_timeout' 2>/dev/null; then
+    pytest_args=(--timeout 600 "${pytest_args[@]}")
+fi
+stage tests "CUDA tests" "${compile_threads[@]}" "$python" -m pytest -v -p no:cacheprovider tests/cuda "${pytest_args[@]}"
 stage decode "A compiled decode step, Llama-2-7B shape cut to 4 blocks" "$python" benchmarks/cuda_decode.py
 stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py --rows 1,8 --sweep
 ladder_steps=${LLM_STEPS:-bf16,compile,int8,int4,spec-int4}
@@ -102,10 +142,13 @@ llm_ladder llama-2-70b int4,spec-model:random:llama-2-7b --spec-target int4
 stage llm-70b "Llama-2-70B shape in int4 on one GPU, with a Llama-2-7B draft (random weights)" "${ladder[@]}"
 stage serve "Serving throughput, Llama-3.1-8B shape (random weights)" "$python" benchmarks/serve_load.py \
     --model random:llama-3.1-8b --clients 8 --tokens 128 --batches 1,8 --repeats 3
+read -ra sam_args <<< "${SAM_ARGS:-}"
+read -ra diffusion_args <<< "${DIFFUSION_ARGS:-}"
 stage sam-b "SAM ladder, vit_b (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_b \
-    --json "$work/sam-vit_b.json" --force
+    --json "$work/sam-vit_b.json" --force "${sam_args[@]}"
 stage sam-h "SAM ladder, vit_h (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_h \
-    --json "$work/sam-vit_h.json" --force
+    --json "$work/sam-vit_h.json" --force "${sam_args[@]}"
 stage diffusion "Diffusion ladder, SDXL 1024x1024, 30 steps (random weights)" "${genfast[@]}" bench diffusion \
-    --device cuda --arch sdxl --size 1024 --denoising-steps 30 --json "$work/diffusion.json" --force
+    --device cuda --arch sdxl --size 1024 --denoising-steps 30 --json "$work/diffusion.json" --force \
+    "${diffusion_args[@]}"
 echo "gpu_check: wrote $out" >&2

@@ -34,10 +34,12 @@ PROMPT = "a photograph of a lighthouse on a rocky coast at dusk"
 REFERENCES = {"baseline": "psnr_db", "fp32-sdpa": "psnr_vs_sdpa_db"}
 
 
-def _pipeline(arch: str) -> Any:
+def _pipeline(arch: str, device: torch.device) -> Any:
     from genfast.diffusion.pipelines import random_pipeline, tiny_pipeline
 
-    return tiny_pipeline(arch.removeprefix("tiny-")) if arch.startswith("tiny-") else random_pipeline(arch)
+    if arch.startswith("tiny-"):
+        return tiny_pipeline(arch.removeprefix("tiny-")).to(device)
+    return random_pipeline(arch, device=device).to(device)
 
 
 class _TimedDenoiser(DenoiserWrapper):
@@ -100,12 +102,12 @@ class DiffusionLadder(Ladder):
 
     def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
         from genfast.diffusion.attention import set_attention
-        from genfast.diffusion.pipelines import denoiser_name, denoiser_of
+        from genfast.diffusion.pipelines import denoiser_name, denoiser_of, initial_latents
         from genfast.diffusion.recipe import apply_recipe
 
         assert plan is not None  # every row is a recipe step
         settings, size, steps = plan.settings, options["size"], options["denoising_steps"]
-        pipe = _pipeline(options["arch"]).to(target.device)
+        pipe = _pipeline(options["arch"], target.device)
         apply_recipe(pipe, settings)
         timer = _TimedDenoiser(denoiser_of(pipe), target.device)  # around the feature cache too: what the loop calls
         setattr(pipe, denoiser_name(pipe), timer)
@@ -119,6 +121,7 @@ class DiffusionLadder(Ladder):
                         height=height,
                         width=width,
                         num_inference_steps=steps,
+                        latents=initial_latents(pipe, height, width, seed=0),
                         generator=generator,
                         output_type="pt",
                     )

@@ -56,7 +56,7 @@ def load(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
 
 
 def imagine_command(args: argparse.Namespace) -> int:
-    from genfast.diffusion.pipelines import call_kwargs
+    from genfast.diffusion.pipelines import call_kwargs, initial_latents
     from genfast.diffusion.recipe import RECIPE, apply_recipe
     from genfast.hardware import DTYPES, dtype_name, resolve_device
     from genfast.recipe import Target
@@ -100,6 +100,7 @@ def imagine_command(args: argparse.Namespace) -> int:
             width=width,
             num_inference_steps=args.denoising_steps,
             guidance_scale=args.guidance,
+            latents=initial_latents(pipe, height, width, seed),
             generator=generator,
             **negative,
             **call_kwargs(pipe),

@@ -179,10 +179,40 @@ RESOLUTION_BIN_SAMPLE_SIZES = (32, 64, 128)
 
 def call_kwargs(pipe: Any) -> dict[str, Any]:
     """Pipeline-specific call arguments: resolution binning off where the pipeline has no table."""
-    binning = "use_resolution_binning" in inspect.signature(pipe.__call__).parameters
-    if binning and denoiser_of(pipe).config.sample_size not in RESOLUTION_BIN_SAMPLE_SIZES:
+    if _bins_resolution(pipe) and denoiser_of(pipe).config.sample_size not in RESOLUTION_BIN_SAMPLE_SIZES:
         return {"use_resolution_binning": False}
     return {}
+
+
+def _bins_resolution(pipe: Any) -> bool:
+    return "use_resolution_binning" in inspect.signature(pipe.__call__).parameters
+
+
+def _latent_size(pipe: Any, height: int, width: int) -> tuple[int, int]:
+    """The height and width the pipeline generates at when asked for `height` x `width` (PixArt
+    snaps them to its aspect-ratio table, and resizes the image back at the end)."""
+    if not _bins_resolution(pipe) or call_kwargs(pipe):
+        return height, width
+    from diffusers.pipelines.pixart_alpha import pipeline_pixart_alpha as pixart
+
+    tables = {128: pixart.ASPECT_RATIO_1024_BIN, 64: pixart.ASPECT_RATIO_512_BIN, 32: pixart.ASPECT_RATIO_256_BIN}
+    table = tables[denoiser_of(pipe).config.sample_size]
+    return pipe.image_processor.classify_height_width_bin(height, width, ratios=table)
+
+
+def initial_latents(pipe: Any, height: int, width: int, seed: int, images: int = 1) -> torch.Tensor:
+    """The noise a `seed` starts from, for the pipeline's `latents` argument: drawn in fp32 from a
+    CPU generator, then cast to the denoiser's dtype and device. diffusers draws it in the
+    pipeline's dtype, and torch's CPU sampler need not give bf16 noise that is fp32's rounded
+    (torch 2.13's does; with 2.11's, on a GPU machine, every bf16 image of the tests and the bench
+    was another image than its fp32 baseline, 12-13 dB apart): drawn here, a seed gives the same
+    image in every precision."""
+    denoiser = denoiser_of(pipe)
+    height, width = _latent_size(pipe, height, width)
+    factor = pipe.vae_scale_factor
+    shape = (images, denoiser.config.in_channels, int(height) // factor, int(width) // factor)
+    noise = torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+    return noise.to(device=denoiser.device, dtype=denoiser.dtype)
 
 
 def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:
@@ -315,15 +345,18 @@ def _text_encoder(fields: dict, projection: bool) -> torch.nn.Module:
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
 
-def random_pipeline(arch: str, seed: int = 0) -> Any:
-    """SD 1.5 ("sd15") or SDXL ("sdxl") at the real architecture sizes with random weights (fp32,
-    CPU), for benchmarks: speed does not depend on weight values. Prompts go through the tiny byte
-    tokenizer (the real one is not available offline)."""
+def random_pipeline(arch: str, seed: int = 0, device: torch.device | str = "cpu") -> Any:
+    """SD 1.5 ("sd15") or SDXL ("sdxl") at the real architecture sizes with random weights (fp32),
+    for benchmarks: speed does not depend on weight values. The weights are drawn on `device` (on
+    a GPU in a fraction of the seconds SDXL's 3.5 G parameters take on a CPU), the same ones for the
+    same seed and device. Prompts go through the tiny byte tokenizer (the real one is not
+    available offline)."""
     if arch not in REAL_ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(REAL_ARCHS)}")
     diffusers = _import_diffusers()
     sdxl = arch == "sdxl"
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         unet = diffusers.UNet2DConditionModel(**(_SDXL_UNET if sdxl else _SD15_UNET)).eval()
         vae = diffusers.AutoencoderKL(**_VAE, sample_size=1024 if sdxl else 512).eval()

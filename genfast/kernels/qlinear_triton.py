@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 
 @triton.jit
@@ -181,24 +182,22 @@ def qlinear(
         config = dict(config or gemv_config(n, k, bits))
         gs, ng = sub_block(k, group_size, config.pop("SUB"))
         grid = (triton.cdiv(n, config["BLOCK_N"]),)
-        _gemv[grid](x, codes, scales, mins, out, n, k, codes.stride(0), scales.stride(0), BITS=bits,
-                    GROUP=group_size, GS=gs, NG=ng, LANES=gs // 2 if bits == 4 else gs, **config)  # fmt: skip
+        wrap_triton(_gemv)[grid](x, codes, scales, mins, out, n, k, codes.stride(0), scales.stride(0), BITS=bits,
+                                 GROUP=group_size, GS=gs, NG=ng, LANES=gs // 2 if bits == 4 else gs,
+                                 **config)  # fmt: skip
         return out
     config = dict(config or gemm_config(m, n, k, bits))
     gs, ng = sub_block(k, group_size, config.pop("SUB"))
     grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]))
-    _gemm[grid](x, codes, scales, mins, out, m, n, k, x.stride(0), out.stride(0), codes.stride(0), scales.stride(0),
-                BITS=bits, GROUP=group_size, GS=gs, NG=ng, SUB=gs * ng, IEEE=x.dtype == torch.float32,
-                **config)  # fmt: skip
+    wrap_triton(_gemm)[grid](x, codes, scales, mins, out, m, n, k, x.stride(0), out.stride(0), codes.stride(0),
+                             scales.stride(0), BITS=bits, GROUP=group_size, GS=gs, NG=ng, SUB=gs * ng,
+                             IEEE=x.dtype == torch.float32, **config)  # fmt: skip
     return out
 
 
-@torch.library.custom_op("genfast::qlinear_triton", mutates_args=())
+@torch.library.triton_op("genfast::qlinear_triton", mutates_args=())
 def qlinear_op(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor, bits: int, group_size: int) -> Tensor:
-    """`qlinear` as an op torch.compile keeps whole (and CUDA graphs capture)."""
+    """`qlinear` as an op whose kernels torch.compile sees: inductor traces into it and generates
+    the launches into its own code (captured with the rest of a CUDA graph), where an opaque
+    custom op would be called through the dispatcher and Triton's Python launcher."""
     return qlinear(x, codes, scales, mins, bits, group_size)
-
-
-@qlinear_op.register_fake
-def _qlinear_fake(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor, bits: int, group_size: int) -> Tensor:
-    return x.new_empty(x.shape[0], codes.shape[0])

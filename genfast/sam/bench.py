@@ -92,7 +92,8 @@ def _run_original(config: SamConfig, model: torch.nn.Module, images: list[np.nda
     from genfast.sam.original import build_original_sam, import_segment_anything
     from genfast.sam.transforms import ResizeLongestSide
 
-    original = build_original_sam(config)
+    device = next(model.parameters()).device
+    original = build_original_sam(config).to(device)  # (built on the CPU: a GPU bench ran it there)
     original.load_state_dict(model.state_dict())
     predictor = import_segment_anything().SamPredictor(original)
     resize = ResizeLongestSide(config.image_size)
@@ -102,7 +103,7 @@ def _run_original(config: SamConfig, model: torch.nn.Module, images: list[np.nda
         for image, prompt in zip(images, prompts):
             # Its own set_image resizes through PIL (torchvision, unavailable): same pixels, given as a tensor.
             predictor.set_torch_image(
-                torch.from_numpy(resize.apply_image(image)).permute(2, 0, 1)[None], image.shape[:2]
+                torch.from_numpy(resize.apply_image(image)).permute(2, 0, 1)[None].to(device), image.shape[:2]
             )
             masks, _, low_res = predictor.predict(**prompt, multimask_output=False)
             out.append((masks[0], low_res[0]))

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from genfast.compile import compile_fn
+from genfast.compile import CUDA_GRAPHS_IN_THREADS, compile_fn
 from genfast.errors import UserError
 from genfast.llm.generate import cache_length, reusable_prefix
 from genfast.llm.model import Transformer, attention_mask
@@ -318,8 +318,15 @@ class Engine:
         self.static_kv = self.device.type == "cuda"
         self.compiled = compile
         if compile:
+            graphs = CUDA_GRAPHS_IN_THREADS  # the steps run on the scheduler's thread
+            if self.device.type == "cuda" and not graphs:
+                log.warning(
+                    "torch %s cannot replay CUDA graphs on the server's scheduler thread (torch >= 2.13 can): "
+                    "decode steps launch their kernels one by one, slower",
+                    torch.__version__,
+                )
             self._prefill = compile_fn(self._prefill_step, self.device, decode=False)
-            self._decode = compile_fn(self._decode_step, self.device, decode=True, model=model)
+            self._decode = compile_fn(self._decode_step, self.device, decode=True, model=model, cuda_graphs=graphs)
         else:
             self._prefill, self._decode = self._prefill_step, self._decode_step
 

@@ -25,6 +25,20 @@ pytestmark = needs_cuda
 GPU = Target(torch.device("cuda"), "bfloat16")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fp32_is_fp32():
+    """cuDNN runs fp32 convolutions in TF32 by default: inputs rounded to 10-bit mantissas, so a
+    difference of one ulp before a convolution (a fused QKV product) grew to 1.4e-3 in an image
+    on an H200. The fp32 references here are computed in fp32."""
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 def settings(step: str, **changes) -> DiffusionSettings:
     """The cumulative recipe of `step` as planned for the GPU, eager unless `changes` say otherwise."""
     return replace(RECIPE.plan(step, GPU).settings, **{"compile": "none", "dynamic_shapes": False, **changes})
@@ -45,7 +59,6 @@ def baseline(arch):
 
 
 def test_fp32_on_the_gpu_matches_the_cpu(arch, baseline):
-    """TF32 convolutions (cuDNN's default) keep images within 40 dB of the CPU's."""
     cpu = generate(apply_recipe(tiny_pipeline(arch), RECIPE.plan("baseline", Target(torch.device("cpu"))).settings))
     assert psnr(baseline.cpu(), cpu) >= 40
 
@@ -53,7 +66,7 @@ def test_fp32_on_the_gpu_matches_the_cpu(arch, baseline):
 @pytest.mark.parametrize("step", ["sdpa", "fused-qkv"])
 def test_fp32_rewrites_are_exact_on_the_gpu(arch, baseline, step):
     image = generate(pipeline(arch, settings(step, dtype="float32")))
-    assert (image - baseline).abs().max().item() <= 10 * FP32_EXACT  # TF32 convolutions round differently
+    assert (image - baseline).abs().max().item() <= 10 * FP32_EXACT  # other cuBLAS/cuDNN kernels for other shapes
 
 
 def test_bf16_within_budget_on_the_gpu(arch, baseline):

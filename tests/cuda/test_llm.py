@@ -130,10 +130,13 @@ def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel):
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_models_compiled_match_eager(model_dir, quant):
+    """In fp32: compiled bf16 code rounds differently from eager (inductor fuses the norms and
+    rotary embedding), which flipped a near-tie of this random model's int4 logits at the fifth
+    token on an H200; the Triton kernels' own agreement is checked per kernel above."""
     from torch._dynamo.utils import counters
 
-    eager = generator(load(model_dir, "cuda", "bfloat16", quant), compile=False)
-    compiled = generator(load(model_dir, "cuda", "bfloat16", quant), compile=True)
+    eager = generator(load(model_dir, "cuda", "float32", quant), compile=False)
+    compiled = generator(load(model_dir, "cuda", "float32", quant), compile=True)
     kernels = {m.kernel for m in compiled.model.modules() if isinstance(m, QuantLinear)}
     assert kernels == {"triton"}
     want = eager.generate([PROMPT], 32, stop_at_eos=False).token_ids
@@ -184,6 +187,7 @@ def test_serve_engine_batches_requests_on_the_gpu(model_dir):
         got = run_concurrently(engine, [GenerationRequest(tuple(p), 12 + i) for i, p in enumerate(prompts)])
     finally:
         engine.shutdown()
+    assert [r.error for r in got] == [None] * 3  # (a failed decode step ends every running request)
     assert [r.token_ids for r in got] == want
 
 

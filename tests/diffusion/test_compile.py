@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from genfast import artifacts
 from genfast.diffusion.compiling import compile_module, compile_regions, repeated_blocks
-from genfast.diffusion.pipelines import call_kwargs, tiny_pipeline
+from genfast.diffusion.pipelines import call_kwargs, initial_latents, tiny_pipeline
 from genfast.diffusion.quality import psnr
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe
 from genfast.quant.conv import DynamicInt8Conv2d, int8_conv_unavailable_reason
@@ -35,6 +35,7 @@ def generate(pipe, size: int | tuple[int, int]) -> torch.Tensor:
         height=height,
         width=width,
         **call_kwargs(pipe),
+        latents=initial_latents(pipe, height, width, seed=0),
         generator=torch.Generator().manual_seed(0),
         output_type="pt",
     ).images.float()

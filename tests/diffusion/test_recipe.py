@@ -16,7 +16,7 @@ from genfast.diffusion.conv1x1 import Conv1x1AsLinear, conv1x1_to_linear, linear
 from genfast.diffusion.feature_cache import DeepCacheUNet
 from genfast.diffusion.group_norm import ChannelsLastGroupNorm
 from genfast.diffusion.group_norm import unavailable_reason as group_norm_unavailable
-from genfast.diffusion.pipelines import call_kwargs, denoiser_of, tiny_pipeline
+from genfast.diffusion.pipelines import call_kwargs, denoiser_of, initial_latents, tiny_pipeline
 from genfast.diffusion.quality import psnr
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe
 from genfast.errors import UserError
@@ -37,6 +37,7 @@ def generate(pipe, size: int = 32, steps: int = 4) -> torch.Tensor:
         height=size,
         width=size,
         **call_kwargs(pipe),
+        latents=initial_latents(pipe, size, size, seed=0),
         generator=torch.Generator().manual_seed(0),
         output_type="pt",
     ).images.float()

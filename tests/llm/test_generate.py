@@ -150,6 +150,15 @@ def test_steady_decode_falls_back_to_full_guards(tiny):
     assert out.tolist() == [1] and len(calls) == 2 and gen.guard_fallbacks == 1
 
 
+def test_cuda_steps_replay_cuda_graphs_for_decode_only_and_tune_decode_only():
+    from genfast.compile import inductor_options
+
+    decode, prefill = inductor_options("cuda", decode=True), inductor_options("cuda", decode=False)
+    assert decode["triton.cudagraphs"] and decode["coordinate_descent_tuning"]
+    assert not prefill["triton.cudagraphs"] and not prefill["coordinate_descent_tuning"]
+    assert not inductor_options("cuda", decode=True, cuda_graphs=False)["triton.cudagraphs"]
+
+
 @pytest.mark.skipif(not kernels.available(), reason="no native quantized kernel on this machine")
 def test_compiled_native_quantized_decode_uses_the_cpp_wrapper_and_matches_eager(tmp_path):
     """Decode of a model on genfast's native int4/int8 kernels compiles with inductor's C++
