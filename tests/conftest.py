@@ -7,6 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Where no GPU is (CI), genfast's Triton kernels run through Triton's interpreter on the CPU
+# (tests/kernels/test_qlinear_triton.py). Triton reads the variable when it decorates a kernel,
+# its own library's included, so it is set before anything imports Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Keep the suite deterministic and within CI's two cores.
 torch.manual_seed(0)
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -1,0 +1,81 @@
+"""genfast's Triton int8/int4 linears (genfast/kernels/qlinear_triton.py) run by Triton's
+interpreter on the CPU: their indexing, masks, nibble order, groups and remainders are checked in
+CI, where no GPU is; tests/cuda runs the same kernels compiled, on a GPU. The interpreter computes
+a bf16 `tl.dot` wrongly (~1e11 where the GPU is right), so the few-row kernel is checked here in
+fp32 and fp16, and in bf16 on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from genfast.quant.grids import quantize  # noqa: E402
+from genfast.quant.linear import QuantLinear  # noqa: E402
+
+if not triton.knobs.runtime.interpret:
+    pytest.skip("Triton's interpreter is off (a GPU is here: tests/cuda runs these kernels)", allow_module_level=True)
+
+from genfast.kernels import qlinear_triton  # noqa: E402
+
+FORMATS = [(8, None), (8, 64), (4, 32), (4, 64), (4, 128)]  # (bits, group size; None: per channel)
+
+
+def layer(bits: int, group: int | None, n: int = 37, k: int = 512, bias: bool = False) -> QuantLinear:
+    """37 output rows: not a whole number of any block; k = 384 leaves a remainder after the
+    unrolled loop."""
+    torch.manual_seed(bits * 1000 + (group or 0) + k)
+    weight = torch.randn(n, k) * 0.05
+    return QuantLinear(quantize(weight, bits, group), torch.randn(n) if bias else None, kernel="triton")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def run(lin: QuantLinear, x: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    return qlinear_triton.qlinear(x, lin.codes, lin.scales, lin.mins, lin.bits, lin.group_size, config)
+
+
+@pytest.mark.parametrize("k", [512, 384])
+@pytest.mark.parametrize("bits,group", FORMATS)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+def test_one_row_kernel_matches_the_dequantized_weight(bits, group, k, dtype, tolerance):
+    lin = layer(bits, group, k=k)
+    x = torch.randn(1, k).to(dtype)
+    got = run(lin, x)
+    assert got.dtype == dtype and got.shape == (1, 37)
+    assert relative_error(got, F.linear(x.double(), lin.dequantize(torch.float64))) < tolerance
+
+
+@pytest.mark.parametrize("rows", [2, 5, 17, 64])
+@pytest.mark.parametrize("bits,group", FORMATS)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+def test_few_row_kernel_matches_the_dequantized_weight(bits, group, rows, dtype, tolerance):
+    lin = layer(bits, group)
+    x = torch.randn(rows, 512).to(dtype)
+    got = run(lin, x)
+    assert got.dtype == dtype and got.shape == (rows, 37)
+    assert relative_error(got, F.linear(x.double(), lin.dequantize(torch.float64))) < tolerance
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
+def test_the_one_row_result_does_not_depend_on_the_block_sizes(bits, group):
+    """The summation order is the sub-block's: every tuned configuration gives the same bits, so
+    eager and compiled code agree exactly whatever sizes each picks."""
+    lin = layer(bits, group)
+    x = torch.randn(1, 512, dtype=torch.bfloat16)
+    outputs = [run(lin, x, dict(BLOCK_N=n, UNROLL=u, SUB=128, num_warps=4)) for n, u in ((4, 1), (8, 2), (16, 4))]
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 512), (2, 3, 512)])
+def test_quant_linear_runs_its_triton_kernel_with_bias_and_leading_dimensions(shape):
+    lin = layer(4, 32, bias=True)
+    x = torch.randn(shape)
+    want = F.linear(x.double(), lin.dequantize(torch.float64), lin.bias.double())
+    got = lin(x)
+    assert got.shape == (*shape[:-1], 37)
+    assert relative_error(got, want) < 1e-6
