@@ -10,9 +10,10 @@ Variants per format, each compiled with the decode step's inductor options:
   codes (gpt-fast's form), `_weight_int8pack_mm`, and F.linear over the codes upcast in the graph;
 - int4 in groups of 32 and 128: genfast's Triton kernel, tinygemm (`_weight_int4pack_mm`) with 2, 4
   and 8 inner k-tiles, and row_linear over codes dequantized in the graph ("dequantize").
-`--sweep` first times the Triton kernels' block sizes on the same blocks (each block's four launches
-captured in a CUDA graph, so only kernel time counts), the table genfast/kernels/qlinear_triton.py's
-defaults come from. A block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Median of
+`--sweep` first times the Triton kernels' block sizes: for one row per linear shape (K split
+into slices among them), for more rows on the same blocks (each block's four launches captured in
+a CUDA graph, so only kernel time counts), the tables genfast/kernels/qlinear_triton.py's defaults
+come from. A block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Median of
 CUDA-event timings; GB/s counts the weight bytes only (codes and scales).
 """
 
@@ -145,6 +146,57 @@ def graph_ms(fn, xs: list[torch.Tensor]) -> float:
     return median_ms(lambda _: graph.replay(), xs)
 
 
+ONE_ROW_CONFIGS = {  # the one-row kernel's block sizes swept per linear shape
+    "BLOCK_N": (4, 8),
+    "UNROLL": (1, 2),
+    "SUB": (256, 512),
+    "num_warps": (4, 8),
+    "SPLIT_K": (1, 2, 4, 8),
+}
+ABOVE_L2_BYTES = 512 * 2**20  # each timed call reads another copy of the weight: no L2 hits
+
+
+def sweep_one_row(shapes: list[tuple[int, int]]) -> None:
+    """The one-row kernel's block sizes (SPLIT_K among them) per linear shape and format, each
+    call of a CUDA graph reading another copy of the weight (one matrix fits an H200's 60 MB L2):
+    the best three, and the best that does not split K."""
+    from itertools import product
+
+    from genfast.kernels.qlinear_triton import qlinear
+
+    print("| out x in | format | block sizes | us per call | weight GB/s | vs bf16 (cuBLAS) |")
+    print("|---|---|---|---|---|---|")
+    for n, k in shapes:
+        torch.manual_seed(0)
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        copies = -(-ABOVE_L2_BYTES // weight.nbytes)
+        bf16 = [weight.clone() for _ in range(copies)]
+        xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        bf16_us = 1000 * graph_ms(lambda xs: [F.linear(x, w) for x, w in zip(xs, bf16)], xs) / copies
+        print(f"| {n} x {k} | bf16 (cuBLAS) | | {bf16_us:.1f} | {weight.nbytes / bf16_us / 1e3:.0f} | 1 |")
+        for bits, group in ((8, None), (4, 32), (4, 128)):
+            q = quantize(weight, bits, group)
+            codes = pack_nibbles(q.codes) if bits == 4 else q.codes
+            stored = [(codes.clone(), q.scales.clone(), q.mins.clone()) for _ in range(copies)]
+            nbytes = stored_bytes([q])
+            label = f"int{bits} {f'g{group}' if group else 'per channel'}"
+            timed = []
+            for values in product(*ONE_ROW_CONFIGS.values()):
+                config = dict(zip(ONE_ROW_CONFIGS, values, strict=True))
+                fn = lambda xs, config=config: [  # noqa: E731
+                    qlinear(x, c, s, m, bits, q.group_size, config) for x, (c, s, m) in zip(xs, stored)
+                ]
+                try:
+                    timed.append((1000 * graph_ms(fn, xs) / copies, config))
+                except Exception as e:  # a configuration Triton cannot build here (registers, shared memory)
+                    print(f"| {n} x {k} | {label} | {config} | failed: {type(e).__name__} | | |")
+            timed.sort(key=lambda t: t[0])
+            unsplit = next(t for t in timed if t[1]["SPLIT_K"] == 1)
+            for us, config in [*timed[:3], *([unsplit] if unsplit not in timed[:3] else [])]:
+                print(f"| {n} x {k} | {label} | {config} | {us:.1f} | {nbytes / us / 1e3:.0f} | {bf16_us / us:.2f}x |")
+        torch.cuda.empty_cache()
+
+
 def sweep(shape: str, rows: int) -> None:
     """The Triton kernels' block sizes, one block's linears per format, best first."""
     from itertools import product
@@ -188,12 +240,18 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     if args.sweep:
-        print("| shapes | format | rows | Triton block sizes | ms per block (CUDA graph) | weight GB/s |")
-        print("|---|---|---|---|---|---|")
-        for shape in args.shapes.split(","):
-            for rows in (int(r) for r in args.rows.split(",")):
-                sweep(shape, rows)
-        print()
+        rows_wanted = [int(r) for r in args.rows.split(",")]
+        if 1 in rows_wanted:
+            linears = dict.fromkeys(nk for shape in args.shapes.split(",") for nk in SHAPES[shape])
+            sweep_one_row(list(linears))
+            print()
+        if any(rows > 1 for rows in rows_wanted):
+            print("| shapes | format | rows | Triton block sizes | ms per block (CUDA graph) | weight GB/s |")
+            print("|---|---|---|---|---|---|")
+            for shape in args.shapes.split(","):
+                for rows in (r for r in rows_wanted if r > 1):
+                    sweep(shape, rows)
+            print()
     print("| shapes | variant | rows | ms per block | weight GB/s |")
     print("|---|---|---|---|---|")
     for shape in args.shapes.split(","):

@@ -21,8 +21,10 @@ minima fp16 [N, K // group_size]. Two kernels:
   so the weight is still read once per BLOCK_M rows.
 
 Longer inputs (prefill) are compute-bound: the caller dequantizes and uses cuBLAS.
-The summation order depends on SUB alone, never on the tuned block sizes, so every configuration
-gives the same result bit for bit (compiled and eager agree).
+The summation order depends on SUB (and, for one row, SPLIT_K: K cut into that many slices, one
+program each, whose fp32 partial sums are added in order afterwards, for matrices with few rows
+and many columns), never on the other block sizes, so eager and compiled code, which take the
+same configuration for the same shape, agree bit for bit.
 """
 
 from __future__ import annotations
@@ -79,23 +81,28 @@ def _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, mins_ptr, rows, row_ok, k, stri
 
 
 @triton.jit
-def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, stride_codes, stride_grid,
+def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride_codes, stride_grid,
           BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr, LANES: tl.constexpr,
           BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+    """Program (i, j): rows i * BLOCK_N.., columns j * K_SPLIT.. up to K_SPLIT of them, its sum
+    stored to out[j] (one split: the output itself; several: fp32 partial sums)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     acc = tl.zeros([BLOCK_N, NG, LANES], dtype=tl.float32)
     sub = GS * NG
     block_k = sub * UNROLL
-    whole = K - K % block_k
-    for k0 in range(0, whole, block_k):
+    begin = tl.program_id(1) * K_SPLIT
+    end = tl.minimum(begin + K_SPLIT, K)
+    whole = end - (end - begin) % block_k
+    for k0 in range(begin, whole, block_k):
         for j in tl.static_range(UNROLL):
             acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, mins_ptr, rows, row_ok, k0 + j * sub, stride_codes,
                             stride_grid, BITS, GROUP, GS, NG, LANES)  # fmt: skip
-    for k in range(whole, K, sub):
+    for k in range(whole, end, sub):
         acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, mins_ptr, rows, row_ok, k, stride_codes, stride_grid,
                         BITS, GROUP, GS, NG, LANES)  # fmt: skip
-    tl.store(out_ptr + rows, tl.sum(tl.sum(acc, axis=2), axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
+    out = out_ptr + tl.program_id(1) * N + rows
+    tl.store(out, tl.sum(tl.sum(acc, axis=2), axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -151,6 +158,12 @@ def sub_block(k: int, group_size: int, cap: int) -> tuple[int, int]:
     return gs, sub // gs
 
 
+def k_splits(k: int, sub: int, wanted: int) -> tuple[int, int]:
+    """K cut into at most `wanted` slices of whole sub-blocks: (slices, columns per slice)."""
+    per_split = triton.cdiv(triton.cdiv(k, wanted), sub) * sub
+    return triton.cdiv(k, per_split), per_split
+
+
 def gemv_config(n: int, k: int, bits: int) -> dict[str, int]:
     """Block sizes for one row, 8 output rows per program, from the sweep of 108 configurations on
     Llama-2-7B's linears on an H100 that offered sub-blocks of 512 columns (benchmarks/
@@ -181,11 +194,19 @@ def qlinear(
     if m == 1:
         config = dict(config or gemv_config(n, k, bits))
         gs, ng = sub_block(k, group_size, config.pop("SUB"))
-        grid = (triton.cdiv(n, config["BLOCK_N"]),)
-        wrap_triton(_gemv)[grid](x, codes, scales, mins, out, n, k, codes.stride(0), scales.stride(0), BITS=bits,
-                                 GROUP=group_size, GS=gs, NG=ng, LANES=gs // 2 if bits == 4 else gs,
+        splits, k_split = k_splits(k, gs * ng, config.pop("SPLIT_K", 1))
+        # Several splits of K: fp32 partial sums, added in a fixed order (no atomics: the same bits every run).
+        partial = out if splits == 1 else torch.empty(splits, n, dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(n, config["BLOCK_N"]), splits)
+        wrap_triton(_gemv)[grid](x, codes, scales, mins, partial, n, k, k_split, codes.stride(0), scales.stride(0),
+                                 BITS=bits, GROUP=group_size, GS=gs, NG=ng, LANES=gs // 2 if bits == 4 else gs,
                                  **config)  # fmt: skip
-        return out
+        if splits == 1:
+            return out
+        total = partial[0:1]
+        for j in range(1, splits):  # one add after another: eager and inductor's fused kernel add alike
+            total = total + partial[j : j + 1]
+        return total.to(x.dtype)
     config = dict(config or gemm_config(m, n, k, bits))
     gs, ng = sub_block(k, group_size, config.pop("SUB"))
     grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]))

@@ -61,14 +61,39 @@ def test_few_row_kernel_matches_the_dequantized_weight(bits, group, rows, dtype,
     assert relative_error(got, F.linear(x.double(), lin.dequantize(torch.float64))) < tolerance
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
-def test_the_one_row_result_does_not_depend_on_the_block_sizes(bits, group):
-    """The summation order is the sub-block's: every tuned configuration gives the same bits, so
-    eager and compiled code agree exactly whatever sizes each picks."""
+def test_the_one_row_result_does_not_depend_on_the_other_block_sizes(bits, group, split_k):
+    """The summation order is the sub-block's and the split's: configurations that differ in
+    their other sizes give the same bits."""
     lin = layer(bits, group)
     x = torch.randn(1, 512, dtype=torch.bfloat16)
-    outputs = [run(lin, x, dict(BLOCK_N=n, UNROLL=u, SUB=128, num_warps=4)) for n, u in ((4, 1), (8, 2), (16, 4))]
+    configs = [dict(BLOCK_N=n, UNROLL=u, SUB=128, SPLIT_K=split_k, num_warps=4) for n, u in ((4, 1), (8, 2), (16, 4))]
+    outputs = [run(lin, x, config) for config in configs]
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+@pytest.mark.parametrize("k", [512, 384])
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+@pytest.mark.parametrize("bits,group", [(8, None), (8, 64), (4, 32), (4, 128)])
+def test_one_row_split_over_k_matches_the_dequantized_weight(bits, group, split_k, k):
+    """K cut into slices (uneven, or fewer than asked where K has fewer sub-blocks), each summed
+    by its own programs, the partial sums added after."""
+    lin = layer(bits, group, k=k)
+    x = torch.randn(1, k)
+    got = run(lin, x, dict(BLOCK_N=8, UNROLL=2, SUB=128, SPLIT_K=split_k, num_warps=4))
+    assert got.dtype == torch.float32 and got.shape == (1, 37)
+    assert relative_error(got, F.linear(x.double(), lin.dequantize(torch.float64))) < 1e-6
+
+
+def test_k_is_split_into_whole_sub_blocks():
+    from genfast.kernels.qlinear_triton import k_splits
+
+    assert k_splits(4096, 512, 1) == (1, 4096)
+    assert k_splits(4096, 512, 4) == (4, 1024)
+    assert k_splits(11008, 256, 4) == (4, 2816)  # 11 sub-blocks each
+    assert k_splits(384, 128, 8) == (3, 128)  # no more slices than sub-blocks
+    assert k_splits(640, 128, 2) == (2, 384)  # 5 sub-blocks: 3 + 2
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 512), (2, 3, 512)])
