@@ -93,7 +93,7 @@ def _run_original(config: SamConfig, model: torch.nn.Module, images: list[np.nda
     from genfast.sam.transforms import ResizeLongestSide
 
     device = next(model.parameters()).device
-    original = build_original_sam(config).to(device)  # (built on the CPU: a GPU bench ran it there)
+    original = build_original_sam(config).to(device)  # the same device as the rows it is compared with
     original.load_state_dict(model.state_dict())
     predictor = import_segment_anything().SamPredictor(original)
     resize = ResizeLongestSide(config.image_size)
