@@ -15,6 +15,8 @@
 #                        with a Llama-2-7B draft
 #            serve       benchmarks/serve_load.py at --max-batch 1 and 8 on the 8B shape
 #            sam-b, sam-h  genfast bench sam on CUDA, vit_b and vit_h
+#            sam-amg     genfast bench sam --automatic on CUDA (vit_b, the automatic mask generator
+#                        against the original package's)
 #            diffusion   genfast bench diffusion (SDXL 1024x1024, 30 steps) on CUDA
 #   WORKDIR  where logs and JSON rows go (default /tmp/genfast-gpu)
 #   WHEELS   a folder of wheels to install offline (no index, no dependencies) into WORKDIR/site
@@ -33,7 +35,7 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 out=$(realpath -m "${1:-gpu-check.md}")
 work=${WORKDIR:-/tmp/genfast-gpu}
-stages=${STAGES:-tests,decode,linear,llm-7b,llm-8b,llm-70b,serve,sam-b,sam-h,diffusion}
+stages=${STAGES:-tests,decode,linear,llm-7b,llm-8b,llm-70b,serve,sam-b,sam-h,sam-amg,diffusion}
 python=${PYTHON:-python3}
 mkdir -p "$work"
 export PYTHONUNBUFFERED=1
@@ -148,6 +150,8 @@ stage sam-b "SAM ladder, vit_b (random weights)" "${genfast[@]}" bench sam --dev
     --json "$work/sam-vit_b.json" --force "${sam_args[@]}"
 stage sam-h "SAM ladder, vit_h (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_h \
     --json "$work/sam-vit_h.json" --force "${sam_args[@]}"
+stage sam-amg "SAM automatic mask generator, vit_b (random weights)" "${genfast[@]}" bench sam --automatic \
+    --device cuda --model vit_b --batch-size 1 --json "$work/sam-amg.json" --force "${sam_args[@]}"
 stage diffusion "Diffusion ladder, SDXL 1024x1024, 30 steps (random weights)" "${genfast[@]}" bench diffusion \
     --device cuda --arch sdxl --size 1024 --denoising-steps 30 --json "$work/diffusion.json" --force \
     "${diffusion_args[@]}"

@@ -288,10 +288,127 @@ def _inference(run: Any) -> Any:
         return run()
 
 
+class SamAutomaticLadder(SamLadder):
+    """`genfast bench sam --automatic`: the automatic mask generator (a grid of point prompts per
+    image, filtering and NMS) per recipe step, against the original package's generator."""
+
+    # fmt: off
+    columns = (
+        STEP, ("batch_size", "images", "d"), ("img_s", "img/s", ".3f"), SPEEDUP, PEAK_MEMORY,
+        ("masks", "masks/img", ".1f"), ("mask_iou", "mask IoU", ".4f"), COMPILE_TIME, NOTE,
+    )
+    # fmt: on
+
+    def options(self, args: argparse.Namespace) -> Options:
+        grid = {"points_per_side": args.points_per_side, "points_per_batch": args.points_per_batch}
+        return {**super().options(args), **grid, "all_masks": args.all_masks}
+
+    def steps(self, text: str | None) -> list[str]:
+        # The generator decodes its points in batches whatever the recipe says: no row of its own.
+        return [step for step in super().steps(text) if text or step != "batched-prompts"]
+
+    def header(self, options: Options, machine: str) -> str:
+        config, side = SamConfig(**options["config"]), options["points_per_side"]
+        filters = "filters off: every candidate mask kept until NMS" if options["all_masks"] else "default filters"
+        return (
+            f"genfast bench sam --automatic: {config.name} with RANDOM weights (speed only) on {machine}; "
+            f"{side}x{side} points per image in batches of {options['points_per_batch']}, {filters}, median of "
+            f"{options['repeats']}; steps from bf16 on in {self._dtype(options)}"
+        )
+
+    def footnote(self, options: Options, rows: list[dict[str, Any]]) -> str:
+        images = next((r["images"] for r in rows if r.get("images")), "-")
+        few = "" if options["all_masks"] else (
+            " Random weights pass few masks through the default quality filters, so the per-mask work (NMS, "
+            "encoding) is lighter than with trained weights: --all-masks turns the filters off."
+        )  # fmt: skip
+        return (
+            f"img/s: generate() for each image in turn, median of {options['repeats']}; masks/img: the masks "
+            "kept after filtering and NMS; mask IoU: each of the first row's masks matched to this row's "
+            f"best-overlapping one, averaged (0 for a mask with no match). Images: {images}.{few}"
+        )
+
+    def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
+        from genfast.sam.build import build_random_sam
+
+        config = SamConfig(**options["config"])
+        images, source = bench_images(row.group["batch_size"])
+        model = build_random_sam(config).to(target.device)
+        model.reset_pixel_stats()
+        grid = {"points_per_side": options["points_per_side"], "points_per_batch": options["points_per_batch"]}
+        if options["all_masks"]:
+            grid |= {"pred_iou_thresh": 0.0, "stability_score_thresh": 0.0}
+        if plan is None:
+            generator, nms = _original_generator(config, model, grid)
+        else:
+            from genfast.sam.automatic import SamAutomaticMaskGenerator
+            from genfast.sam.recipe import apply_recipe
+
+            generator, nms = SamAutomaticMaskGenerator(apply_recipe(model, plan.settings), **grid), None
+
+        def run() -> list[list[np.ndarray]]:
+            return [[record["segmentation"] for record in generator.generate(image)] for image in images]
+
+        def measure(outputs: list, seconds: list[float]) -> dict[str, Any]:
+            return {
+                "img_s": len(images) / np.median(seconds),
+                "images": source,
+                "masks": float(np.mean([len(masks) for masks in outputs[-1]])),
+            }
+
+        def notes() -> list[str]:
+            return compile_notes(model) + ([f"{nms} NMS"] if nms else [])
+
+        return Case(lambda: _inference(run), measure, compiled=plan is not None and plan.settings.compile,
+                    notes=notes)  # fmt: skip
+
+    def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
+        masks = [np.packbits(np.stack(image_masks), axis=-1) if image_masks else None for image_masks in output]
+        reference = workdir / f"automatic-reference-{row.group['batch_size']}.pt"
+        if not reference.exists():
+            torch.save(masks, reference)
+            return {}
+        iou = matched_mask_iou(torch.load(reference, weights_only=False), masks)
+        return {} if iou is None else {"mask_iou": iou}
+
+
+def _original_generator(config: SamConfig, model: torch.nn.Module, grid: dict[str, int]) -> tuple[Any, str]:
+    """The original package's automatic mask generator over `model`'s weights, and whose NMS it
+    calls (torchvision's, or genfast's where torchvision does not import)."""
+    from genfast.sam.original import build_original_sam, import_segment_anything, nms_functions, use_genfast_resize
+
+    functions, nms = nms_functions()
+    segment_anything = import_segment_anything(functions)
+    original = build_original_sam(config).to(next(model.parameters()).device)
+    original.load_state_dict(model.state_dict())
+    generator = segment_anything.SamAutomaticMaskGenerator(original, **grid)
+    use_genfast_resize(generator.predictor)
+    return generator, nms
+
+
+def matched_mask_iou(reference: list[np.ndarray | None], masks: list[np.ndarray | None]) -> float | None:
+    """Per image, each reference mask's IoU with its best-overlapping mask of `masks` (0 without
+    one), averaged over all reference masks (None: the reference has none); masks as bit-packed
+    [N, H, W / 8] arrays (None: no mask)."""
+    ious: list[np.ndarray] = []
+    for ref, ours in zip(reference, masks):
+        if ref is None:
+            continue
+        if ours is None:
+            ious.append(np.zeros(len(ref)))
+            continue
+        a = torch.from_numpy(np.unpackbits(ref, axis=-1).reshape(len(ref), -1)).float()
+        b = torch.from_numpy(np.unpackbits(ours, axis=-1).reshape(len(ours), -1)).float()
+        inter = a @ b.T
+        union = a.sum(1, keepdim=True) + b.sum(1) - inter
+        ious.append((inter / union.clamp(min=1)).max(1).values.numpy())
+    return float(np.concatenate(ious).mean()) if ious else None
+
+
 def bench_command(args: argparse.Namespace) -> int:
     from genfast.bench.ladder import run
 
-    return run(SamLadder(), args)
+    return run(SamAutomaticLadder() if args.automatic else SamLadder(), args)
 
 
 def config_json(config: SamConfig) -> str:

@@ -116,5 +116,21 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
     g.add_argument("--model", "-m", default="vit_b", help="vit_b, vit_l or vit_h (default: vit_b)")
     g.add_argument("--config", default=None, help="an architecture as JSON (SamConfig fields) instead of --model")
     g.add_argument("--batch-size", default="1,8", help="comma-separated images per batch (default: 1,8)")
+    g.add_argument(
+        "--automatic",
+        action="store_true",
+        help="time the automatic mask generator (every object, from a grid of points) against the original "
+        "package's instead of one point per image; --batch-size: images per timed call",
+    )
+    g.add_argument("--points-per-side", type=positive_int, default=32, help="--automatic: grid size (default 32)")
+    g.add_argument(
+        "--points-per-batch", type=positive_int, default=64, help="--automatic: points decoded together (default 64)"
+    )
+    g.add_argument(
+        "--all-masks",
+        action="store_true",
+        help="--automatic: quality filters off, every candidate mask kept until NMS (random weights pass few "
+        "through the default filters, trained weights many)",
+    )
     add_bench_args(b, "sam", repeats=3)
     b.set_defaults(run=lazy("genfast.sam.bench", "bench_command"))

@@ -116,3 +116,24 @@ def build_original_sam(config: SamConfig) -> torch.nn.Module:
         ),
     )
     return sam.eval()
+
+
+def use_genfast_resize(predictor: object) -> None:
+    """Resize numpy images in an original SamPredictor with genfast's resize (the original's goes
+    through PIL by way of torchvision, stubbed out here), so both encode identical pixels."""
+    from genfast.sam.transforms import ResizeLongestSide
+
+    predictor.transform.apply_image = ResizeLongestSide(predictor.transform.target_length).apply_image
+
+
+def nms_functions() -> tuple[dict[str, Callable], str]:
+    """The torchvision functions the original automatic mask generator calls (`stubs` for
+    import_segment_anything), and whose they are: torchvision's where it imports, else genfast's
+    (the same semantics, tested against a plain reference)."""
+    try:
+        from torchvision.ops import boxes
+    except (ImportError, RuntimeError):  # not installed, or built for another torch
+        from genfast.sam import masks
+
+        return {"ops.boxes.batched_nms": masks.batched_nms, "ops.boxes.box_area": masks.box_area}, "genfast's"
+    return {"ops.boxes.batched_nms": boxes.batched_nms, "ops.boxes.box_area": boxes.box_area}, "torchvision's"

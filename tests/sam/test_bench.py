@@ -42,6 +42,37 @@ def test_bench_sam_writes_the_ladder(tiny_config, tmp_path, capsys):
     assert "| original | 2 |" in table and "skipped" in table
 
 
+def test_bench_sam_automatic_times_both_generators(tiny_config, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    grid = "--automatic --all-masks --points-per-side 3 --points-per-batch 4"
+    ladder = "--steps original,baseline,bf16 --dtype bfloat16 --repeats 1 --batch-size 1"
+    code = cli.main(["bench", "sam", "--config", str(tiny_config), *grid.split(), *ladder.split(), "--json", str(out)])
+    assert code == 0
+    rows = {row["step"]: row for row in json.loads(out.read_text())}
+    assert list(rows) == ["original", "baseline", "bf16"]
+    assert all(row["img_s"] > 0 and row["masks"] >= 1 for row in rows.values())
+    assert "NMS" in rows["original"]["note"]
+    # genfast's generator keeps the original's masks in fp32, and close ones in bf16.
+    assert rows["baseline"]["mask_iou"] >= 0.999 and rows["bf16"]["mask_iou"] >= 0.9
+    captured = capsys.readouterr()
+    assert "filters off" in captured.out + captured.err  # the header says what is measured
+
+
+def test_matched_mask_iou():
+    import numpy as np
+
+    from genfast.sam.bench import matched_mask_iou
+
+    def packed(*masks):
+        return np.packbits(np.array(masks, dtype=bool), axis=-1)
+
+    a, b, c = [[1, 1, 0, 0] * 2], [[1, 0, 0, 0] * 2], [[0, 0, 1, 1] * 2]
+    # Reference masks a and c; ours b (half of a) and c: (0.5 + 1) / 2. An image without ours: 0 each.
+    assert matched_mask_iou([packed(a, c)], [packed(b, c)]) == pytest.approx(0.75)
+    assert matched_mask_iou([packed(a, c), packed(a)], [packed(b, c), None]) == pytest.approx(1.5 / 3)
+    assert matched_mask_iou([None], [packed(a)]) is None
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
