@@ -40,7 +40,10 @@ def test_greedy_continuation_equals_transformers(generator, smollm2_hf, prompt):
 
 def test_bf16_logits_stay_close_to_fp32(smollm2_gguf, smollm2_hf):
     """bf16's accuracy budget: logits cosine vs fp32 >= 0.999 on average and >= 0.99 everywhere,
-    top-1 agreement >= 95%; and the same numbers as transformers' own bf16 model."""
+    top-1 agreement >= 95%; and as close to fp32 as transformers' own bf16 model, whose logits it
+    matches on average. Two bf16 implementations round differently position by position: their
+    worst position agreed to 0.9977 on an AMX Xeon (oneDNN's AMX kernels), above 0.999 on Zen 4,
+    while genfast's was the closer of the two to fp32 (0.9976 against 0.9965)."""
     import transformers
 
     fp32 = load_model(smollm2_gguf, torch.float32)
@@ -56,7 +59,9 @@ def test_bf16_logits_stay_close_to_fp32(smollm2_gguf, smollm2_hf):
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
     assert cosine.mean() >= 0.999 and cosine.min() >= 0.99, cosine
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
-    assert torch.nn.functional.cosine_similarity(b, ref, dim=-1).min() >= 0.999
+    theirs = torch.nn.functional.cosine_similarity(ref, a, dim=-1)
+    assert cosine.min() >= theirs.min() - 1e-3 and cosine.mean() >= theirs.mean() - 1e-4, (cosine, theirs)
+    assert torch.nn.functional.cosine_similarity(b, ref, dim=-1).mean() >= 0.9995
 
 
 def test_int8_weights_keep_the_real_model_close(smollm2_gguf):
