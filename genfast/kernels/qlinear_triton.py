@@ -190,25 +190,25 @@ def qlinear(
     weight once per 64 rows (QuantLinear sends those to cuBLAS)."""
     m, k = x.shape
     n = codes.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 1:
         config = dict(config or gemv_config(n, k, bits))
         gs, ng = sub_block(k, group_size, config.pop("SUB"))
         splits, k_split = k_splits(k, gs * ng, config.pop("SPLIT_K", 1))
         # Several splits of K: fp32 partial sums, added in a fixed order (no atomics: the same bits every run).
-        partial = out if splits == 1 else torch.empty(splits, n, dtype=torch.float32, device=x.device)
+        out = torch.empty(splits, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
         grid = (triton.cdiv(n, config["BLOCK_N"]), splits)
-        wrap_triton(_gemv)[grid](x, codes, scales, mins, partial, n, k, k_split, codes.stride(0), scales.stride(0),
+        wrap_triton(_gemv)[grid](x, codes, scales, mins, out, n, k, k_split, codes.stride(0), scales.stride(0),
                                  BITS=bits, GROUP=group_size, GS=gs, NG=ng, LANES=gs // 2 if bits == 4 else gs,
                                  **config)  # fmt: skip
         if splits == 1:
             return out
-        total = partial[0:1]
+        total = out[0:1]
         for j in range(1, splits):  # one add after another: eager and inductor's fused kernel add alike
-            total = total + partial[j : j + 1]
+            total = total + out[j : j + 1]
         return total.to(x.dtype)
     config = dict(config or gemm_config(m, n, k, bits))
     gs, ng = sub_block(k, group_size, config.pop("SUB"))
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]))
     wrap_triton(_gemm)[grid](x, codes, scales, mins, out, m, n, k, x.stride(0), out.stride(0), codes.stride(0),
                              scales.stride(0), BITS=bits, GROUP=group_size, GS=gs, NG=ng, SUB=gs * ng,

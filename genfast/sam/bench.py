@@ -89,12 +89,11 @@ def _config(args: argparse.Namespace) -> SamConfig:
 
 
 def _run_original(config: SamConfig, model: torch.nn.Module, images: list[np.ndarray], prompts: list[dict]):
-    from genfast.sam.original import build_original_sam, import_segment_anything
+    from genfast.sam.original import import_segment_anything
     from genfast.sam.transforms import ResizeLongestSide
 
-    device = next(model.parameters()).device
-    original = build_original_sam(config).to(device)  # the same device as the rows it is compared with
-    original.load_state_dict(model.state_dict())
+    original = _original_model(config, model)
+    device = next(original.parameters()).device
     predictor = import_segment_anything().SamPredictor(original)
     resize = ResizeLongestSide(config.image_size)
 
@@ -248,13 +247,10 @@ class SamLadder(Ladder):
         return None
 
     def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
-        from genfast.sam.build import build_random_sam
-
         config = SamConfig(**options["config"])
         images, source = bench_images(row.group["batch_size"])
         prompts = [_centre_prompt(image) for image in images]
-        model = build_random_sam(config).to(target.device)
-        model.reset_pixel_stats()
+        model = _random_sam(config, target.device)
         run = (
             _run_original(config, model, images, prompts)
             if plan is None
@@ -329,12 +325,9 @@ class SamAutomaticLadder(SamLadder):
         )
 
     def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
-        from genfast.sam.build import build_random_sam
-
         config = SamConfig(**options["config"])
         images, source = bench_images(row.group["batch_size"])
-        model = build_random_sam(config).to(target.device)
-        model.reset_pixel_stats()
+        model = _random_sam(config, target.device)
         grid = {"points_per_side": options["points_per_side"], "points_per_batch": options["points_per_batch"]}
         if options["all_masks"]:
             grid |= {"pred_iou_thresh": 0.0, "stability_score_thresh": 0.0}
@@ -372,16 +365,32 @@ class SamAutomaticLadder(SamLadder):
         return {} if iou is None else {"mask_iou": iou}
 
 
+def _original_model(config: SamConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """The original package's Sam with `model`'s weights, on `model`'s device (the rows it is
+    compared with run there)."""
+    from genfast.sam.original import build_original_sam
+
+    original = build_original_sam(config).to(next(model.parameters()).device)
+    original.load_state_dict(model.state_dict())
+    return original
+
+
+def _random_sam(config: SamConfig, device: torch.device) -> torch.nn.Module:
+    from genfast.sam.build import build_random_sam
+
+    model = build_random_sam(config).to(device)
+    model.reset_pixel_stats()
+    return model
+
+
 def _original_generator(config: SamConfig, model: torch.nn.Module, grid: dict[str, int]) -> tuple[Any, str]:
     """The original package's automatic mask generator over `model`'s weights, and whose NMS it
     calls (torchvision's, or genfast's where torchvision does not import)."""
-    from genfast.sam.original import build_original_sam, import_segment_anything, nms_functions, use_genfast_resize
+    from genfast.sam.original import import_segment_anything, nms_functions, use_genfast_resize
 
     functions, nms = nms_functions()
     segment_anything = import_segment_anything(functions)
-    original = build_original_sam(config).to(next(model.parameters()).device)
-    original.load_state_dict(model.state_dict())
-    generator = segment_anything.SamAutomaticMaskGenerator(original, **grid)
+    generator = segment_anything.SamAutomaticMaskGenerator(_original_model(config, model), **grid)
     use_genfast_resize(generator.predictor)
     return generator, nms
 

@@ -1,7 +1,8 @@
 """The original `segment-anything` package as a test oracle (imported through
 genfast.sam.original, which stubs its torchvision imports).
 
-The stubbed resize raises (give an original predictor genfast's resize with `use_genfast_resize`);
+The stubbed resize raises (give an original predictor genfast's resize with
+`genfast.sam.original.use_genfast_resize`);
 NMS and box areas, which the original automatic mask generator needs, are plain reference
 implementations of torchvision's semantics written here, independent of genfast's.
 """
@@ -15,7 +16,6 @@ import torch
 
 from genfast.sam import original
 from genfast.sam.config import SamConfig
-from genfast.sam.original import use_genfast_resize  # noqa: F401 (the tests' oracle)
 
 
 def reference_box_area(boxes: torch.Tensor) -> torch.Tensor:

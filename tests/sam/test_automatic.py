@@ -18,13 +18,13 @@ from genfast.errors import UserError
 from genfast.sam import masks as M
 from genfast.sam.automatic import SamAutomaticMaskGenerator
 from genfast.sam.build import build_sam
+from genfast.sam.original import use_genfast_resize
 from tests.sam.oracle import (
     build_original_sam,
     import_segment_anything,
     randomize_,
     reference_batched_nms,
     reference_box_area,
-    use_genfast_resize,
 )
 from tests.sam.test_modeling import TINY
 
