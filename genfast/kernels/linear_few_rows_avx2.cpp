@@ -14,7 +14,8 @@
 // one with prefetch 20 and 18; `benchmarks/linear_kernels.py --rows 1,4`).
 // K must be a multiple of 32 (the Python side checks and otherwise uses F.linear).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -16,7 +16,7 @@
 // decode step gained 5-31% (a noisy host; docs/performance.md). K must be a multiple of 32 (the
 // Python side checks and otherwise uses F.linear).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -16,7 +16,9 @@
 // keep their K or V slice in L1 across the block's rows: keys tile-by-tile for S, and chunks of
 // kKeyChunk keys for O (whose accumulators are reloaded from L1 per chunk).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

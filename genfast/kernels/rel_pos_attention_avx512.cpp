@@ -18,7 +18,8 @@
 //
 // Compiled with -mavx512f/bw/bf16; the Python side calls it only when the CPU has them.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -258,9 +258,10 @@ def hf_model_from_config(config: dict, seed: int = 0):
     return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
 
 
-def make_hf_model(name: str, seed: int = 0):
-    """A transformers model with random weights for one of TINY_CONFIGS."""
-    model = hf_model_from_config(TINY_CONFIGS[name], seed)
+def make_hf_model(name: str, seed: int = 0, **changes):
+    """A transformers model with random weights for one of TINY_CONFIGS (`changes`: config fields
+    that differ)."""
+    model = hf_model_from_config({**TINY_CONFIGS[name], **changes}, seed)
     with torch.no_grad():  # HF initializes norms to ones; randomize them so they are tested too
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):
