@@ -33,16 +33,26 @@ CUDA_GRAPHS_IN_THREADS = TorchVersion(torch.__version__) >= (2, 13)
 
 
 def inductor_options(
-    device: torch.device | str, *, decode: bool, native_kernels: bool = False, cuda_graphs: bool = True
+    device: torch.device | str,
+    *,
+    decode: bool,
+    native_kernels: bool = False,
+    cuda_graphs: bool = True,
+    max_autotune: bool = False,
 ) -> dict[str, Any]:
     """`native_kernels`: the compiled model's linears call genfast's native quantized kernels.
-    `cuda_graphs`: a CUDA decode step replays a CUDA graph (False: launches its kernels)."""
+    `cuda_graphs`: a CUDA decode step replays a CUDA graph (False: launches its kernels).
+    `max_autotune` (CUDA): inductor times its Triton GEMM templates, with their pointwise epilogues
+    fused, against cuBLAS for every matrix product's shape and keeps the fastest: minutes more
+    compile for compute-bound graphs (segment-anything-fast's encoder recipe). The CPU ignores it
+    (measured no help there)."""
     device = torch.device(device)
     if device.type == "cuda":
         # Coordinate-descent tuning of the generated kernels' block sizes is for decode, whose
         # every kernel is a small memory-bound one; other steps are mostly cuBLAS GEMMs and
         # attention (prefill's compile was ~100 s of a 7B row's ~250 s on an H100, tuned).
-        return {"triton.cudagraphs": decode and cuda_graphs, "coordinate_descent_tuning": decode}
+        options = {"triton.cudagraphs": decode and cuda_graphs, "coordinate_descent_tuning": decode}
+        return {**options, "max_autotune": True} if max_autotune else options
     options: dict[str, Any] = {"freezing": True}
     if decode:
         # Inductor's checks of every input's sizes and strides (~400 a SmolLM2 step, in Python):
@@ -55,13 +65,21 @@ def inductor_options(
 
 
 def compile_fn(
-    fn: Callable, device: torch.device | str, *, decode: bool, model: nn.Module | None = None, cuda_graphs: bool = True
+    fn: Callable,
+    device: torch.device | str,
+    *,
+    decode: bool,
+    model: nn.Module | None = None,
+    cuda_graphs: bool = True,
+    max_autotune: bool = False,
 ) -> Callable:
     """Compile one step function (fullgraph: a graph break is a bug, not a slowdown) of `model`."""
     from genfast.quant.linear import uses_native_kernels
 
     native = model is not None and uses_native_kernels(model)
-    options = inductor_options(device, decode=decode, native_kernels=native, cuda_graphs=cuda_graphs)
+    options = inductor_options(
+        device, decode=decode, native_kernels=native, cuda_graphs=cuda_graphs, max_autotune=max_autotune
+    )
     return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 

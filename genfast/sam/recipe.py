@@ -36,6 +36,9 @@ class SamSettings:
     dtype: str = "float32"
     attention: str = "math"  # genfast.sam.modeling.attention.ATTENTION_IMPLS
     compile: bool = False
+    # CUDA: the compiled encoder's matrix products tuned at compile time (compile.inductor_options);
+    # the GPU tests turn it off where they check other properties of the compiled encoder.
+    max_autotune: bool = True
     batched_prompts: bool = False  # how the predictor is called (predict_batch), not a model change
     dynamic_int8: bool = False
     sparse_2_4: bool = False
@@ -134,5 +137,7 @@ def apply_recipe(model: Sam, settings: SamSettings) -> Sam:
         options = inductor_options(model.device, decode=False)
         compile_saved(model.image_encoder, "SAM image encoder", settings_key(settings), options)
     elif settings.compile:
-        model.image_encoder = compile_fn(model.image_encoder, model.device, decode=False)
+        model.image_encoder = compile_fn(
+            model.image_encoder, model.device, decode=False, max_autotune=settings.max_autotune
+        )
     return model

@@ -21,8 +21,10 @@ pytestmark = needs_cuda
 GPU = Target(torch.device("cuda"), "bfloat16")
 
 
-def predictor(step: str, device: str = "cuda", compile: bool = False) -> SamPredictor:
-    settings = SamSettings(**{**RECIPE.plan(step, GPU).settings.__dict__, "compile": compile})
+def predictor(step: str, device: str = "cuda", compile: bool = False, max_autotune: bool = False) -> SamPredictor:
+    """`max_autotune` off unless asked: it adds minutes of compile and changes only which GEMM kernels run."""
+    changes = {"compile": compile, "max_autotune": max_autotune}
+    settings = SamSettings(**{**RECIPE.plan(step, GPU).settings.__dict__, **changes})
     return SamPredictor(apply_recipe(build_random_sam(SMALL).to(device), settings))
 
 
@@ -71,7 +73,8 @@ def test_sparse_2_4_runs_on_semi_structured_weights():
 
 
 def test_compiled_encoder_matches_eager():
-    eager, compiled = predictor("fused-attention"), predictor("fused-attention", compile=True)
+    """As the recipe compiles it on CUDA: with max-autotune (segment-anything-fast's setting)."""
+    eager, compiled = predictor("fused-attention"), predictor("fused-attention", compile=True, max_autotune=True)
     images = _images()[:1]
     eager.set_images(images)
     compiled.set_images(images)

@@ -157,6 +157,8 @@ def test_cuda_steps_replay_cuda_graphs_for_decode_only_and_tune_decode_only():
     assert decode["triton.cudagraphs"] and decode["coordinate_descent_tuning"]
     assert not prefill["triton.cudagraphs"] and not prefill["coordinate_descent_tuning"]
     assert not inductor_options("cuda", decode=True, cuda_graphs=False)["triton.cudagraphs"]
+    assert "max_autotune" not in prefill and inductor_options("cuda", decode=False, max_autotune=True)["max_autotune"]
+    assert "max_autotune" not in inductor_options("cpu", decode=False, max_autotune=True)  # measured no help there
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no native quantized kernel on this machine")
