@@ -30,18 +30,23 @@ from genfast.saved_compile import compile_saved, unsavable_reason
 
 
 def diffusion_inductor_options(
-    device: torch.device | str, *, whole_model: bool = True, dynamic: bool = False
+    device: torch.device | str, *, whole_model: bool = True, dynamic: bool = False, max_autotune: bool = True
 ) -> dict[str, Any]:
+    """`max_autotune` (CUDA): diffusion-fast's tuning at compile time, max-autotune's GEMM and
+    convolution templates and coordinate-descent tuning of every generated kernel (minutes more
+    compile); off, the same graphs with inductor's default kernel choices. The CPU ignores it."""
     device = torch.device(device)
     if device.type == "cuda":
-        return {
+        options = {
             "conv_1x1_as_mm": True,
-            "coordinate_descent_tuning": True,
             "epilogue_fusion": False,
-            "coordinate_descent_check_all_directions": True,
-            "max_autotune": True,
             "triton.cudagraphs": whole_model and not dynamic,
         }
+        if max_autotune:
+            options.update(
+                coordinate_descent_tuning=True, coordinate_descent_check_all_directions=True, max_autotune=True
+            )
+        return options
     return {"freezing": True}
 
 
@@ -75,13 +80,14 @@ def compile_module(
     graphs: int | None = None,
     saved: Mapping[str, Any] | None = None,
     what: str | None = None,
+    max_autotune: bool = True,
 ) -> nn.Module:
     """Compile `module`'s forward in place (fullgraph: a graph break is an error, not a slowdown).
     With `dynamic`, sizes are symbolic and independent of each other; `graphs`: the most graphs
     its forward's code may compile (see _traced_with); `saved`: see the module docstring; `what`
-    names it in messages (default: its class)."""
+    names it in messages (default: its class); `max_autotune`: see diffusion_inductor_options."""
     device = _device_of(module)
-    options = diffusion_inductor_options(device, whole_model=whole_model, dynamic=dynamic)
+    options = diffusion_inductor_options(device, whole_model=whole_model, dynamic=dynamic, max_autotune=max_autotune)
     what = what or type(module).__name__
     if saved is not None and not dynamic and device.type == "cpu":
         reason = unsavable_reason(module)
@@ -104,12 +110,14 @@ def _not_saved_note(what: str, reason: str) -> None:
     print(f"genfast: the {what} is compiled for this run only: {reason}", file=sys.stderr)
 
 
-def compile_vae_decoder(vae: nn.Module, *, dynamic: bool = False, saved: Mapping[str, Any] | None = None) -> None:
+def compile_vae_decoder(
+    vae: nn.Module, *, dynamic: bool = False, saved: Mapping[str, Any] | None = None, max_autotune: bool = True
+) -> None:
     """Compile the VAE's `decoder` (the work of `vae.decode`; the 1x1 post-quant conv stays eager)."""
     decoder = getattr(vae, "decoder", None)
     if not isinstance(decoder, nn.Module):
         raise ValueError(f"{type(vae).__name__} has no `decoder` module to compile")
-    compile_module(decoder, dynamic=dynamic, saved=saved, what="VAE decoder")
+    compile_module(decoder, dynamic=dynamic, saved=saved, what="VAE decoder", max_autotune=max_autotune)
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -138,7 +146,9 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def compile_regions(model: nn.Module, *, dynamic: bool = False, saved: Mapping[str, Any] | None = None) -> int:
+def compile_regions(
+    model: nn.Module, *, dynamic: bool = False, saved: Mapping[str, Any] | None = None, max_autotune: bool = True
+) -> int:
     """Regional compilation: compile each repeated block in place, the rest stays eager. Compile
     time is that of one block per distinct shape instead of the whole model; speed is close to
     whole-model compile when the blocks dominate. Returns the number of blocks compiled."""
@@ -146,5 +156,7 @@ def compile_regions(model: nn.Module, *, dynamic: bool = False, saved: Mapping[s
     # One graph per distinct parameter shape per class (twice that, for a second resolution).
     shapes = {(type(b), tuple(p.shape for p in b.parameters())) for b in blocks}
     for block in blocks:
-        compile_module(block, dynamic=dynamic, whole_model=False, graphs=2 * len(shapes), saved=saved)
+        compile_module(
+            block, dynamic=dynamic, whole_model=False, graphs=2 * len(shapes), saved=saved, max_autotune=max_autotune
+        )
     return len(blocks)

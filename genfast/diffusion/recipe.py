@@ -64,6 +64,9 @@ class DiffusionSettings:
     fuse_qkv: bool = False
     conv1x1_linear: bool = False
     compile: str = "none"  # "none" | "full" (denoiser + VAE decoder) | "regional" (repeated blocks + VAE decoder)
+    # CUDA: diffusion-fast's compile-time tuning (compiling.diffusion_inductor_options); the GPU
+    # tests turn it off where they check other properties of the compiled code.
+    max_autotune: bool = True
     dynamic_int8: bool = False
     int8_min_features: int = INT8_MIN_FEATURES
     int8_conv: bool = False
@@ -230,12 +233,13 @@ def apply_recipe(pipe: Any, settings: DiffusionSettings) -> Any:
             use_channels_last_group_norm(model)
     apply_transforms(settings, {"denoiser": denoiser, "vae": vae})
     saved = settings_key(settings)
+    how = {"dynamic": settings.dynamic_shapes, "saved": saved, "max_autotune": settings.max_autotune}
     if settings.compile == "full":
-        compile_module(denoiser, dynamic=settings.dynamic_shapes, saved=saved)
+        compile_module(denoiser, **how)
     elif settings.compile == "regional":
-        compile_regions(denoiser, dynamic=settings.dynamic_shapes, saved=saved)
+        compile_regions(denoiser, **how)
     if settings.compile != "none":
-        compile_vae_decoder(vae, dynamic=settings.dynamic_shapes, saved=saved)
+        compile_vae_decoder(vae, **how)
     if settings.feature_cache_interval:
         setattr(pipe, denoiser_name(pipe), DeepCacheUNet(denoiser, pipe.scheduler, settings.feature_cache_interval))
     return pipe

@@ -116,3 +116,18 @@ def test_dynamic_shapes_reuse_graphs_at_new_sizes(arch):
         image = generate(pipe, size)
         assert counters["stats"]["unique_graphs"] == graphs, f"recompiled at {size}"
         assert psnr(image, generate(eager, size)) >= COMPILED_BF16_PSNR
+
+
+def test_cuda_compiles_tune_kernels_unless_told_not_to():
+    """diffusion-fast's flags on CUDA; `max_autotune` off drops only the compile-time tuning
+    (the GPU tests that check other properties compile so); CUDA graphs for whole static models."""
+    from genfast.diffusion.compiling import diffusion_inductor_options
+
+    tuned = diffusion_inductor_options("cuda")
+    plain = diffusion_inductor_options("cuda", max_autotune=False)
+    assert tuned["max_autotune"] and tuned["coordinate_descent_tuning"] and tuned["conv_1x1_as_mm"]
+    assert {k: v for k, v in tuned.items() if k in plain} == plain
+    assert not any("autotune" in k or "coordinate" in k for k in plain)
+    assert not diffusion_inductor_options("cuda", whole_model=False)["triton.cudagraphs"]
+    assert diffusion_inductor_options("cpu", max_autotune=True) == {"freezing": True}
+    assert DiffusionSettings().max_autotune  # what users get
