@@ -107,10 +107,10 @@ def test_the_kernels_to_load_first_grow_with_each_saved_step(monkeypatch):
                 f.write(b"compiled")
 
     store = artifacts.Artifacts("steps", {"what": "two steps"})
-    monkeypatch.setattr(kernels, "_LOADED", {"qlinear"})
+    monkeypatch.setattr(kernels, "_LOADED", {"qlinear": "avx2"})
     store.save("prefill", Compiled())
     assert store.saved_description()["kernels"] == ["qlinear"]
-    monkeypatch.setattr(kernels, "_LOADED", {"qlinear", "decode_attention"})
+    monkeypatch.setattr(kernels, "_LOADED", {"qlinear": "avx2", "decode_attention": "avx2"})
     store.save("decode", Compiled())
     assert store.saved_description()["kernels"] == ["decode_attention", "qlinear"]
     assert store.saved_description()["what"] == "two steps"

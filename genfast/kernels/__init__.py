@@ -83,6 +83,8 @@ class Kernel:
         variant, why = self.choose()
         if variant is None:
             return why
+        if self.name in _LOADED:  # one variant per process (its ops are registered once), also where
+            return None  # the choice would differ now (a test pretending another CPU)
         return _build(self.name, variant, self.what)
 
     def available(self) -> bool:
@@ -94,7 +96,7 @@ class Kernel:
 
     def loaded_isa(self) -> str | None:
         """The ISA level of the variant in use, or None when the PyTorch path runs."""
-        return self.choose()[0].isa if self.available() else None
+        return _LOADED[self.name] if self.available() else None
 
 
 QLINEAR = Kernel(
@@ -150,7 +152,7 @@ DECODE_ATTENTION = Kernel(
     ),
 )
 KERNELS = (QLINEAR, LINEAR_FEW_ROWS, REL_POS_ATTENTION, GROUP_NORM, DECODE_ATTENTION)
-_LOADED: set[str] = set()  # names of the kernels whose library this process has loaded
+_LOADED: dict[str, str] = {}  # the kernels whose library this process has loaded: name -> its variant's ISA
 
 
 def by_name(name: str) -> Kernel:
@@ -201,5 +203,5 @@ def _build(name: str, variant: Variant, what: str) -> str | None:
         except (OSError, RuntimeError) as exc:  # no compiler, no ninja, build error
             log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
             return f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-    _LOADED.add(name)
+    _LOADED[name] = variant.isa
     return None

@@ -92,6 +92,23 @@ def test_the_chosen_variant_builds_where_the_cpu_supports_it(kernel):
     assert kernel.loaded_isa() == variant.isa
 
 
+def test_a_process_keeps_the_variant_it_loaded(monkeypatch):
+    """Its ops are registered once per process: a test that pretends another CPU afterwards must
+    neither build a second variant nor be told the other one runs (genfast.quant.packing.
+    dynamic_activation_max follows the variant in use)."""
+    if not kernels.QLINEAR.available():
+        pytest.skip(kernels.QLINEAR.unavailable_reason())
+    loaded = kernels.QLINEAR.loaded_isa()
+    pretend_cpu(monkeypatch, ZEN3 if loaded == "avx512" else ZEN4)
+    assert chosen(kernels.QLINEAR) != loaded
+
+    def build(*args):
+        raise AssertionError("a second variant was built")
+
+    monkeypatch.setattr(kernels, "_build", build)
+    assert kernels.QLINEAR.available() and kernels.QLINEAR.loaded_isa() == loaded
+
+
 LOWER_LEVELS = hardware.ISA_LEVELS[hardware.ISA_LEVELS.index(hardware.isa()) + 1 :]
 # The kernels' own tests: each variant against its reference and the portable path; and oneDNN's
 # int8 convolution, whose AVX2 code saturates where its VNNI code does not.
