@@ -49,13 +49,17 @@ FAMILIES = [
 BUDGET = {"int8": (0.08, 1e-4), "int4": (0.5, 3e-3)}
 
 
-@pytest.fixture(scope="module", params=[name for name, _ in FAMILIES])
-def family_model(request, tmp_path_factory) -> tuple[str, object, Path]:
-    name = request.param
-    hf = make_hf_model(name)
-    directory = save_hf_model(hf, tmp_path_factory.mktemp(name) / name)
+def saved_family(name: str, parent: Path, **changes) -> tuple[str, object, Path]:
+    """(name, transformers model, its saved directory with a word tokenizer); `changes`: config fields."""
+    hf = make_hf_model(name, **changes)
+    directory = save_hf_model(hf, parent / name)
     word_tokenizer(hf.config.vocab_size).save(directory)
     return name, hf, directory
+
+
+@pytest.fixture(scope="module", params=[name for name, _ in FAMILIES])
+def family_model(request, tmp_path_factory) -> tuple[str, object, Path]:
+    return saved_family(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _tokens(vocab: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -110,12 +114,7 @@ COMPILED_LAYERS = {
 @pytest.fixture
 def compiled_family(family_model, tmp_path) -> tuple[str, object, Path]:
     name = family_model[0]
-    if name not in COMPILED_LAYERS:
-        return family_model
-    hf = make_hf_model(name, **COMPILED_LAYERS[name])
-    directory = save_hf_model(hf, tmp_path / name)
-    word_tokenizer(hf.config.vocab_size).save(directory)
-    return name, hf, directory
+    return saved_family(name, tmp_path, **COMPILED_LAYERS[name]) if name in COMPILED_LAYERS else family_model
 
 
 def test_compiled_equals_eager_without_recompiling(compiled_family, fresh_dynamo):
