@@ -193,8 +193,9 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
 // then a pair of the stored unsigned codes times them fits vpmaddubsw's int16, so the codes are
 // multiplied as they are, sum u*x, with the minimum applied to sum x. Per 32 products that is
 // vpmaddubsw, vpmaddwd and an add, where the sign trick of the weight-only path (8-bit
-// activations) also needs a vpsignb per activation row: measured 1.2-1.35x faster on SAM's and
-// diffusion's shapes (AVX2-capped Xeon, benchmarks/dynamic_int8.py). A register tile is
+// activations) also needs a vpsignb per activation row: 1.31x faster against the unchanged attention
+// kernel in one SAM profile, 1.15-1.36x in single runs of benchmarks/dynamic_int8.py (AVX2-capped
+// Xeon, a noisy host; docs/performance.md). A register tile is
 // kRowsPerTile activation rows x one 16-row weight tile (two halves): each weight vector serves 4 rows.
 
 constexpr int kRowsPerTile = 4;

@@ -31,8 +31,9 @@ def dynamic_activation_max() -> int:
     """The largest magnitude `qlinear_dynamic` quantizes activations to, per token: 127 (8 bits)
     where the loaded variant has an int8 dot product (VNNI), 63 (7 bits) in the AVX2 variant, whose
     vpmaddubsw sums pairs of u8 x s8 products into int16 (2 x 255 x 63 fits; 2 x 255 x 127 would
-    saturate). Seven bits let that kernel multiply the stored codes directly, ~1.3x faster than
-    8-bit activations with the sign moved onto them (docs/performance.md)."""
+    saturate). Seven bits let that kernel multiply the stored codes directly: 1.31x faster than
+    8-bit activations with the sign moved onto them, measured on an AVX2-capped Xeon
+    (docs/performance.md)."""
     return 63 if QLINEAR.loaded_isa() == "avx2" else 127
 
 
