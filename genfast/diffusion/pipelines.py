@@ -89,18 +89,21 @@ def _byte_symbols() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-def _tiny_tokenizer(directory: Path) -> Any:
+def _tiny_tokenizer() -> Any:
     """A CLIPTokenizer over the 256 byte symbols of CLIP's byte-level BPE (plain and word-final)
-    and no merges: every prompt tokenizes, one token per byte."""
+    and no merges: every prompt tokenizes, one token per byte. It reads its files when built, so
+    they live in a directory removed right after."""
     from transformers import CLIPTokenizer
 
     symbols = _byte_symbols()
     vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols])}
     vocab["<|startoftext|>"] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)
-    (directory / "vocab.json").write_text(json.dumps(vocab))
-    (directory / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"), model_max_length=77)
+    with tempfile.TemporaryDirectory(prefix="genfast-tokenizer-") as name:
+        directory = Path(name)
+        (directory / "vocab.json").write_text(json.dumps(vocab))
+        (directory / "merges.txt").write_text("#version: 0.2\n")
+        return CLIPTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"), model_max_length=77)
 
 
 def _tiny_text_encoder(projection: bool, hidden_size: int, seed: int) -> torch.nn.Module:
@@ -224,7 +227,7 @@ def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:
     with `call_kwargs(pipe)`."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
-    tokenizer = _tiny_tokenizer(Path(tempfile.mkdtemp(prefix="genfast-tiny-tokenizer-")))
+    tokenizer = _tiny_tokenizer()
     if arch == "pixart":
         pipe = _tiny_pixart(seed, tokenizer)
     else:
@@ -365,7 +368,7 @@ def random_pipeline(arch: str, seed: int = 0, device: torch.device | str = "cpu"
     scheduler = diffusers.EulerDiscreteScheduler(
         beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", timestep_spacing="leading", steps_offset=1
     )
-    tokenizer = _tiny_tokenizer(Path(tempfile.mkdtemp(prefix="genfast-tokenizer-")))
+    tokenizer = _tiny_tokenizer()
     components: dict[str, Any] = dict(
         unet=unet, vae=vae, scheduler=scheduler, tokenizer=tokenizer, text_encoder=text_encoder
     )

@@ -82,3 +82,17 @@ def test_initial_latents_follow_pixarts_resolution_bins():
     assert latents.shape[:2] == (1, 4) and latents.shape[2:] != (300 // 8, 200 // 8)
     height, width = latents.shape[2] * 8, latents.shape[3] * 8
     assert abs(height / width - 1.5) < 0.1 and height * width <= 256 * 256 * 1.1
+
+
+def test_building_a_tiny_pipeline_leaves_no_files_behind(tmp_path, monkeypatch):
+    """The byte tokenizer's vocabulary files are read when it is built; every tiny pipeline (the
+    suite builds hundreds, `genfast imagine --model tiny-*` one per run) used to leave their
+    directory in the temporary folder."""
+    import tempfile
+
+    from genfast.diffusion.pipelines import tiny_pipeline
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    pipe = tiny_pipeline("sdxl")
+    assert list(tmp_path.iterdir()) == []
+    assert pipe.tokenizer("a cat").input_ids == [512, 353, 99, 97, 372, 513]
