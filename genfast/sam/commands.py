@@ -281,13 +281,14 @@ def segment_command(args: argparse.Namespace) -> int:
 
     prompt = parse_prompt(args)
     device = resolve_device(args.device)
-    plan = RECIPE.plan(args.recipe, Target(device, dtype_name(args.dtype)))
     multimask_outputs = 3 if args.multimask else 1  # every SAM checkpoint makes 3 (checked below)
     paths = _output_paths(args, multimask_outputs)
     image_files.check_outputs(paths.files(), args.force)  # fail before the slow part
     image = image_files.load_image(args.image)
     height, width = image.shape[:2]
     check_prompt_inside(prompt, height, width)
+    # After the input checks: planning may build a native kernel (seconds on first use).
+    plan = RECIPE.plan(args.recipe, Target(device, dtype_name(args.dtype)))
 
     other_work = use_threads(args.threads)
     loaded = load_model(args, device)

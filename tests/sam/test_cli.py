@@ -210,7 +210,13 @@ def assert_one_line_error(capsys, message: str) -> str:
     return last
 
 
-def test_missing_and_unreadable_images(files, tmp_path, capsys):
+def test_missing_and_unreadable_images(files, tmp_path, capsys, monkeypatch):
+    from genfast.sam.recipe import RECIPE
+
+    def plan(*args):  # planning may build a native kernel first: seconds before a bad path is named
+        raise AssertionError("the recipe was planned before the image was checked")
+
+    monkeypatch.setattr(RECIPE, "plan", plan)
     out = str(tmp_path / "out.png")
     base = ["segment", "--checkpoint", str(files["checkpoint"]), "--point", "1,1", "-o", out]
     assert main([*base, str(tmp_path / "nope.jpg")]) == 2
