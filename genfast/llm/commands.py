@@ -92,6 +92,8 @@ def _draft(args: argparse.Namespace) -> str | None:
 
     if args.self_draft is not None and parse_draft(args.self_draft)[0] not in ("int4", "int8", "layers"):
         raise UserError(f"--self-draft takes int4, int8 or layers:N, got {args.self_draft!r}")
+    if args.draft:
+        resolve_model(args.draft)  # a missing draft is named (a hub one fetched) before the target loads
     spec = f"model:{args.draft}" if args.draft else args.self_draft or ("prompt-lookup" if args.prompt_lookup else None)
     if spec is None and args.speculate_k is not None:
         raise UserError("--speculate-k needs --draft, --self-draft or --prompt-lookup")
@@ -251,22 +253,29 @@ def _is_quantize_output(directory: Path) -> bool:
     return True
 
 
-def gptq_quantize_model(
-    loaded: LoadedModel, group_size: int, calibration: Path | None, n_windows: int, window: int
-) -> str:
-    """Replace the model's linears by GPTQ int4 layers; returns a description of the calibration."""
-    from genfast.llm.calibration import calibrate_gptq, calibration_windows
+def read_calibration(path: Path | None) -> tuple[str, str]:
+    """The GPTQ calibration text and a description of where it came from: the user's file, or the
+    half of the shipped corpus that perplexity does not measure."""
     from genfast.llm.corpus import calibration_text
 
-    if calibration is not None:
-        if not calibration.is_file():
-            raise UserError(f"calibration file not found: {calibration}")
-        try:
-            text, source = calibration.read_text(), str(calibration)
-        except UnicodeDecodeError as e:
-            raise UserError(f"calibration file {calibration} is not UTF-8 text") from e
-    else:
-        text, source = calibration_text(), "pydoc_data.topics (calibration half)"
+    if path is None:
+        return calibration_text(), "pydoc_data.topics (calibration half)"
+    if not path.is_file():
+        raise UserError(f"calibration file not found: {path}")
+    try:
+        return path.read_text(), str(path)
+    except UnicodeDecodeError as e:
+        raise UserError(f"calibration file {path} is not UTF-8 text") from e
+
+
+def gptq_quantize_model(
+    loaded: LoadedModel, group_size: int, calibration: tuple[str, str], n_windows: int, window: int
+) -> str:
+    """Replace the model's linears by GPTQ int4 layers, calibrated on `calibration` (text, source
+    from `read_calibration`); returns a description of the calibration."""
+    from genfast.llm.calibration import calibrate_gptq, calibration_windows
+
+    text, source = calibration
     window = min(window, loaded.model.args.max_seq_len)
     try:
         windows = calibration_windows(loaded.tokenizer, text, n_windows, window)
@@ -300,16 +309,17 @@ def quantize_command(args: argparse.Namespace) -> int:
         raise UserError("--group-size for int8 must be a multiple of 32")
     if args.calibration is not None and args.mode != "int4-gptq":
         raise UserError("--calibration only applies to --mode int4-gptq")
+    calibration_text = read_calibration(args.calibration) if args.mode == "int4-gptq" else None
     path = resolve_model(args.model)
     if checkpoint_format(path) == "genfast":
         raise UserError(f"{path} is already quantized; quantize the original model instead")
     _log(f"genfast: quantizing {path} ({read_model_args(path).describe_size()}) to {args.mode}")
     # Quantization arithmetic runs in fp32; unquantized tensors are stored in --dtype.
     calibration = None
-    if args.mode == "int4-gptq":  # calibrates on the whole float model
+    if calibration_text is not None:  # GPTQ calibrates on the whole float model
         loaded = load(str(path), "cpu", "float32", args.threads)
         calibration = gptq_quantize_model(
-            loaded, group_size, args.calibration, args.calibration_windows, args.calibration_window
+            loaded, group_size, calibration_text, args.calibration_windows, args.calibration_window
         )
     else:  # round-to-nearest, block by block as the model is read: the float model never exists whole
         loaded = load(str(path), "cpu", "float32", args.threads, quant=args.mode, group_size=group_size)
