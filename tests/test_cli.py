@@ -99,7 +99,9 @@ def test_user_errors_are_one_line_and_exit_2(argv, message, capsys):
 def test_prompt_longer_than_context(smollm2_gguf, capsys):
     code = main(["generate", "word " * 50, "--model", str(smollm2_gguf), "--no-compile", "--max-seq-len", "32"])
     assert code == 2
-    assert "context holds 32" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "context holds 32 (model limit 8192)" in err
+    assert re.search(r"pass --max-seq-len 1[78]\d \(or more\)", err), err  # ~50 prompt tokens + 128 new
 
 
 def test_corrupt_gguf(tmp_path, capsys):

@@ -297,11 +297,14 @@ class Generator:
         if min(lengths) == 0:
             raise UserError("a prompt is empty")
         prompt_len = max(lengths)
-        if prompt_len + max_new_tokens > self.max_seq_len:
+        needed = prompt_len + max_new_tokens
+        if needed > self.max_seq_len:
+            fix = "shorten the prompt or lower --max-new-tokens"
+            if needed <= self.model.args.max_seq_len:
+                fix = f"pass --max-seq-len {needed} (or more), or {fix}"
             raise UserError(
                 f"the prompt has {prompt_len} tokens and {max_new_tokens} new tokens were asked for, but the "
-                f"context holds {self.max_seq_len} (model limit {self.model.args.max_seq_len}); "
-                "shorten the prompt or lower --max-new-tokens"
+                f"context holds {self.max_seq_len} (model limit {self.model.args.max_seq_len}); {fix}"
             )
         return lengths
 

@@ -69,8 +69,10 @@ def test_stop_string_truncates_text_and_streaming_matches(tiny):
 def test_prompt_longer_than_context_is_a_clear_error(tiny):
     _, model, tok = tiny
     gen = Generator(model, tok, max_seq_len=16, compile=False)
-    with pytest.raises(UserError, match="context holds 16"):
+    with pytest.raises(UserError, match=r"context holds 16 \(model limit \d+\); pass --max-seq-len 20 \(or more\)"):
         gen.generate([list(range(12))], 8)
+    with pytest.raises(UserError, match=r"holds 16 \(model limit (\d+)\); shorten the prompt"):
+        gen.generate([list(range(12))], model.args.max_seq_len)  # more than the model holds: no flag helps
     with pytest.raises(UserError, match="empty"):
         gen.generate([[]], 8)
 
