@@ -40,6 +40,14 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {value}")
+    return value
+
+
 def unit_float(text: str) -> float:
     try:
         value = float(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from genfast.arguments import lazy, non_negative_int, positive_int
+from genfast.arguments import lazy, non_negative_int, port_number, positive_int
 from genfast.llm.cli import add_model_args, add_tp_arg
 
 SERVE_DESCRIPTION = """Serve the OpenAI API (GET /v1/models, POST /v1/completions and /v1/chat/completions, streamed
@@ -25,7 +25,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         default="127.0.0.1",
         help="address to bind (default 127.0.0.1: this machine only; use 0.0.0.0 with --api-key)",
     )
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    g.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     g.add_argument(
         "--max-batch",
         type=positive_int,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -33,6 +35,37 @@ def require_serve_extra() -> None:
         ) from e
 
 
+def bind_address(host: str, port: int) -> socket.socket:
+    """The server's socket, bound but not yet listening: a taken port or a wrong host is named
+    before minutes of loading and compiling, and clients are refused (not left waiting) until
+    the server is ready. Port 0 picks a free one."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as e:
+        raise UserError(f"cannot serve on --host {host!r}: {e.strerror}") from e
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restarts need no wait
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(
+                f"port {port} on {host} is in use (another server?); choose another --port, or --port 0 for a free one"
+            ) from e
+        if e.errno == errno.EACCES:
+            raise UserError(f"no permission to bind port {port} on {host} (ports below 1024 need privileges)") from e
+        raise UserError(f"cannot bind {host} port {port}: {e.strerror}") from e
+    return sock
+
+
+def url_of(sock: socket.socket, host: str) -> str:
+    port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def served_model_name(args: argparse.Namespace) -> str:
     """What clients pass as `model`: --served-model-name, else the --model file or directory name."""
     if args.served_model_name:
@@ -42,6 +75,24 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 def serve_command(args: argparse.Namespace) -> int:
     require_serve_extra()
+    from genfast.llm.tensor_parallel import from_main_rank, is_main_rank
+
+    if not is_main_rank():
+        # A follower stops when rank 0 says so, after rank 0 has let in-flight requests finish:
+        # Ctrl-C and SIGTERM reach every rank, and a follower that died first would cut them off.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    bound: list[socket.socket] = []  # rank 0's; a taken port stops every rank, before the load
+    from_main_rank(lambda: bound.append(bind_address(args.host, args.port)))
+    sock = bound[0] if bound else None
+    try:
+        return _serve(args, sock)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket | None) -> int:
     import torch
     import uvicorn
 
@@ -51,11 +102,6 @@ def serve_command(args: argparse.Namespace) -> int:
     from genfast.serve.app import create_app
     from genfast.serve.engine import Engine
 
-    if not is_main_rank():
-        # A follower stops when rank 0 says so, after rank 0 has let in-flight requests finish:
-        # Ctrl-C and SIGTERM reach every rank, and a follower that died first would cut them off.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     default_threads = torch.get_num_threads()  # before the load leaves busy CPUs to other work
     loaded, settings = load_announced(args)
     engine = Engine(
@@ -93,11 +139,12 @@ def serve_command(args: argparse.Namespace) -> int:
         f"{engine.max_seq_len} tokens, queue of {args.max_queue}"
     )
     app = create_app(engine, served_model_name(args), api_key, args.shutdown_timeout)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout
-    )
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+    assert sock is not None  # the main rank bound it
+    sock.listen(config.backlog)  # connections from here on wait for uvicorn's first accept
+    _log(f"genfast: running on {url_of(sock, args.host)} (Ctrl-C stops it)")
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(config).run(sockets=[sock])
     finally:  # also when uvicorn could not start (port taken): tensor-parallel followers must stop too
         engine.shutdown()
     return 0

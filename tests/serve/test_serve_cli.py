@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from genfast.cli import main
+from genfast.errors import UserError
 from tests.serve.conftest import Server, start_cli_server
 from tests.serve.test_server import long_stream, scrape
 
@@ -77,6 +79,37 @@ def test_serve_without_the_extra_names_the_pip_command(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     assert main(["serve", "--model", "x"]) == 2
     assert "pip install 'genfast[serve]'" in capsys.readouterr().err
+
+
+def test_a_taken_port_or_foreign_address_is_named_before_the_model_loads(tiny_dir, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tiny_dir), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and "parameters" not in err, err
+    assert main(["serve", "--model", str(tiny_dir), "--host", "192.0.2.1"]) == 2  # TEST-NET: not this machine's
+    assert "cannot bind 192.0.2.1 port 8000" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "70000"])
+    assert "a TCP port is 0 to 65535" in capsys.readouterr().err
+
+
+def test_the_port_is_bound_early_but_refuses_connections_until_the_server_is_ready():
+    from genfast.serve.commands import bind_address, url_of
+
+    sock = bind_address("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        assert port > 0 and url_of(sock, "127.0.0.1") == f"http://127.0.0.1:{port}"
+        with pytest.raises(ConnectionRefusedError):  # not listening yet: clients are not left waiting
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+        with pytest.raises(UserError, match="in use"):
+            sock.listen()  # once listening, a second server on the port is refused at once
+            bind_address("127.0.0.1", port)
+    finally:
+        sock.close()
 
 
 @pytest.mark.slow
