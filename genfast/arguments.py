@@ -48,6 +48,27 @@ def port_number(text: str) -> int:
     return value
 
 
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
+
+
+def seed(text: str) -> int:
+    """A random seed, 0 to 2**63 - 1."""
+    value = non_negative_int(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"a seed is 0 to {MAX_SEED}, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def unit_float(text: str) -> float:
     try:
         value = float(text)

@@ -96,6 +96,19 @@ def test_user_errors_are_one_line_and_exit_2(argv, message, capsys):
     assert err.startswith("genfast: error:") and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "hi", "--seed", str(2**70)], "a seed is 0 to"),  # torch's generators crashed on it
+        (["serve", "--port", "65536"], "a TCP port is 0 to 65535"),
+    ],
+)
+def test_flag_values_out_of_range_are_refused_by_the_parser(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_prompt_longer_than_context(smollm2_gguf, capsys):
     code = main(["generate", "word " * 50, "--model", str(smollm2_gguf), "--no-compile", "--max-seq-len", "32"])
     assert code == 2

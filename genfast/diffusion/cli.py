@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import argparse
 
-from genfast.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int
+from genfast.arguments import (
+    add_bench_args,
+    add_device,
+    add_recipe,
+    add_threads,
+    lazy,
+    non_negative_float,
+    positive_int,
+    seed,
+)
 from genfast.diffusion.recipe import DEFAULT_STEP, RECIPE
 
 IMAGINE_DESCRIPTION = """Generate an image from a prompt with a diffusers pipeline, made fast by genfast's recipe
@@ -30,9 +39,20 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--output", "-o", required=True, metavar="OUT.png", help="the image file (PNG)")
     p.add_argument("--denoising-steps", type=positive_int, default=30, metavar="N", help="denoising steps (default 30)")
-    p.add_argument("--size", default="512x512", metavar="WxH", help="pixels, multiples of 8 (default 512x512)")
-    p.add_argument("--seed", type=int, default=None, help="default: random (printed, and stored in the PNG)")
-    p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default 7.5)")
+    p.add_argument(
+        "--size",
+        default=None,
+        metavar="WxH",
+        help="pixels, multiples of 8 (default: the size the model was trained at, e.g. 512x512 for SD 1.5, "
+        "1024x1024 for SDXL)",
+    )
+    p.add_argument("--seed", type=seed, default=None, help="default: random (printed, and stored in the PNG)")
+    p.add_argument(
+        "--guidance",
+        type=non_negative_float,
+        default=7.5,
+        help="classifier-free guidance scale (default 7.5; 1 or less: no guidance)",
+    )
     p.add_argument("--negative", default=None, metavar="TEXT", help="negative prompt")
     add_recipe(p, RECIPE, DEFAULT_STEP)
     add_device(p)

@@ -1,7 +1,7 @@
 """`genfast imagine`: text to image with a diffusers pipeline and genfast's recipe.
 
     genfast imagine "a lighthouse at dusk" --model ./stable-diffusion-v1-5 -o out.png
-    genfast imagine "a lighthouse at dusk" --model stabilityai/sdxl-turbo --denoising-steps 4 --size 512x512 -o out.png
+    genfast imagine "a lighthouse at dusk" --model stabilityai/sdxl-turbo --denoising-steps 4 -o out.png
     genfast imagine "test" --model tiny-sd15 --random-weights --size 64x64 -o smoke.png   # no weights needed
 
 The PNG carries the prompt, seed, steps, size, model and recipe as text metadata; it is written
@@ -56,13 +56,13 @@ def load(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
 
 
 def imagine_command(args: argparse.Namespace) -> int:
-    from genfast.diffusion.pipelines import call_kwargs, initial_latents
+    from genfast.diffusion.pipelines import call_kwargs, initial_latents, native_size
     from genfast.diffusion.recipe import RECIPE, apply_recipe
     from genfast.hardware import DTYPES, dtype_name, resolve_device
     from genfast.recipe import Target
     from genfast.threads import avoid_busy_cores, use_threads
 
-    width, height = parse_size(args.size)
+    size = parse_size(args.size) if args.size is not None else None
     output = Path(args.output).expanduser()
     images.check_outputs([output], args.force)  # fail before the slow part
     device = resolve_device(args.device)
@@ -78,6 +78,7 @@ def imagine_command(args: argparse.Namespace) -> int:
     pipe, description = load(args, DTYPES[recipe.dtype], device)
     if other_work is not None and device.type == "cpu":
         avoid_busy_cores(other_work, lambda message: print(message, file=sys.stderr))
+    width, height = size or native_size(pipe)
     apply_recipe(pipe, recipe)
     # Saved compiles (CPU, static shapes) show their own progress (genfast/saved_compile.py).
     compiles_lazily = recipe.compile != "none" and (recipe.dynamic_shapes or device.type != "cpu")

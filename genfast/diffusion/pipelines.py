@@ -203,6 +203,14 @@ def _latent_size(pipe: Any, height: int, width: int) -> tuple[int, int]:
     return pipe.image_processor.classify_height_width_bin(height, width, ratios=table)
 
 
+def native_size(pipe: Any) -> tuple[int, int]:
+    """The (width, height) the pipeline's denoiser was trained at, diffusers' default: 512x512 for
+    SD 1.5, 1024x1024 for SDXL, 32x32 for the tiny test pipelines."""
+    sample = denoiser_of(pipe).config.sample_size
+    height, width = (sample, sample) if isinstance(sample, int) else sample
+    return width * pipe.vae_scale_factor, height * pipe.vae_scale_factor
+
+
 def initial_latents(pipe: Any, height: int, width: int, seed: int, images: int = 1) -> torch.Tensor:
     """The noise a `seed` starts from, for the pipeline's `latents` argument: drawn in fp32 from a
     CPU generator, then cast to the denoiser's dtype and device. diffusers draws it in the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from genfast.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int
+from genfast.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int, seed
 from genfast.llm.recipe import DEFAULT_STEP, RECIPE
 from genfast.quant import QUANT_MODES, QUANTIZE_MODES
 
@@ -70,7 +70,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--seed", type=seed, default=None, help="for sampling (temperature > 0): the same seed, the same text"
+    )
     g.add_argument(
         "--stop",
         action="append",

@@ -468,6 +468,8 @@ class Engine:
                 f"requested ({n} in the prompt, {request.max_tokens} to generate); shorten the prompt or "
                 "lower max_tokens"
             )
+        if request.seed is not None and not -(2**63) <= request.seed < 2**63:
+            raise UserError(f"seed must be a 64-bit integer, got {request.seed}")  # torch's generators
         vocab = self.model.args.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise UserError(f"prompt token ids must be in [0, {vocab})")

@@ -71,7 +71,7 @@ class GenerationBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(default=None)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # torch's generators: 64 bits
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -35,6 +35,34 @@ def test_imagine_never_overwrites_without_force(tmp_path, capsys):
         assert img.size == (32, 32)
 
 
+def test_without_size_the_image_has_the_models_own_size(tmp_path, capsys):
+    """diffusers' default (the denoiser's sample size times the VAE's factor): a fixed 512x512
+    made SDXL draw at a quarter of its trained area and the tiny pipelines at 16x theirs."""
+    out = tmp_path / "native.png"
+    argv = ["imagine", "x", "--model", "tiny-sdxl", "--random-weights", "--denoising-steps", "1", "-o", str(out)]
+    assert cli.main(argv) == 0
+    assert "32x32, 1 steps" in capsys.readouterr().err
+    with Image.open(out) as img:
+        assert img.size == (32, 32) and img.text["genfast:size"] == "32x32"
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--guidance", "-1", "must be >= 0"),
+        ("--guidance", "nan", "must be >= 0"),
+        ("--seed", "-3", "expected a whole number >= 0"),
+        ("--seed", str(2**63), "a seed is 0 to 9223372036854775807"),
+    ],
+)
+def test_imagine_flag_values_out_of_range(flag, value, message, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(
+            ["imagine", "x", "--model", "tiny-sd15", "--random-weights", flag, value, "-o", str(tmp_path / "o.png")]
+        )
+    assert message in capsys.readouterr().err and not (tmp_path / "o.png").exists()
+
+
 def test_imagine_loads_a_pipeline_directory(tmp_path, capsys):
     """A diffusers directory (here the tiny PixArt-α, saved) loads with --model DIR and runs with a
     non-square size; the image is the in-process pipeline's."""

@@ -132,6 +132,7 @@ def test_invalid_requests_are_refused_before_queueing(tiny_dir):
         (GenerationRequest((1,), 0), "max_tokens"),
         (GenerationRequest((1,) * 60, 8), "context holds 64"),
         (GenerationRequest((1, 99999), 4), "token ids"),
+        (GenerationRequest((1,), 4, SamplingParams(temperature=1.0), seed=2**64), "64-bit"),  # stopped the engine
     ]:
         with pytest.raises(UserError, match=message):
             engine.submit(request, lambda e: None)

@@ -136,6 +136,7 @@ def test_seed_makes_sampling_reproducible(serve):
         ({"model": "tiny", "prompt": [1, 5000]}, "token ids"),
         ({"model": "gpt-4", "prompt": "w1"}, "does not exist"),
         ({"model": "tiny", "prompt": "w1", "logprobs": 21}, "logprobs"),
+        ({"model": "tiny", "prompt": "w1", "temperature": 1, "seed": 2**64}, "seed"),  # torch takes 64 bits
     ],
 )
 def test_bad_requests_get_openai_errors(serve, body, message):
