@@ -52,7 +52,10 @@ def benchmark_prompt(tokenizer: Any, n_tokens: int, kind: str = "pydoc") -> list
         raise UserError(f"unknown --prompt {kind!r}; use one of {', '.join(PROMPT_KINDS)}")
     ids = tokenizer.encode(text[: n_tokens * 8])
     if len(ids) < n_tokens:
-        raise UserError(f"--prompt-tokens {n_tokens} is more than the benchmark text provides")
+        available = len(tokenizer.encode(text))
+        raise UserError(
+            f"--prompt-tokens {n_tokens} is more than the {kind} text provides: {available} tokens with this tokenizer"
+        )
     return ids[:n_tokens]
 
 
