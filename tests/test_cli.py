@@ -63,12 +63,13 @@ def test_chat_answers_on_stdin(smollm2_gguf):
         "--no-compile",
         "-n",
         "24",
-        stdin="What is the capital of France?\nAnd of Italy?\n/exit\n",
+        stdin="What is the capital of France?\n/help\n/resett\nAnd of Italy?\n/exit\n",
     )
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout and "Rome" in done.stdout
     turns = re.findall(r"prompt (\d+) tokens \((\d+) cached\)", done.stderr)
-    assert len(turns) == 2 and turns[0][1] == "0"
+    assert len(turns) == 2 and turns[0][1] == "0"  # commands, known or not, are no turns
+    assert "(/reset clears the conversation" in done.stderr and "(unknown command /resett;" in done.stderr
     prompt, cached = map(int, turns[1])  # the second turn prefills only what follows the first
     assert int(turns[0][0]) < cached < prompt
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -158,6 +159,9 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_COMMANDS = "/reset clears the conversation, /help shows this, /exit or Ctrl-D quits"
+
+
 def chat_command(args: argparse.Namespace) -> int:
     default_threads = torch.get_num_threads()  # before the load leaves busy CPUs to other work
     loaded, settings, generator, params = _prepare(args, 1)
@@ -172,7 +176,7 @@ def chat_command(args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
     generator.reuse_prefix = True  # each turn prefills only what follows the earlier turns' cache
     interactive = sys.stdin.isatty() and is_main_rank()
-    _log("genfast chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.")
+    _log(f"genfast chat: type a message; {CHAT_COMMANDS}")
     while True:
         if interactive:
             sys.stderr.write("> ")
@@ -189,6 +193,9 @@ def chat_command(args: argparse.Namespace) -> int:
         if message == "/reset":
             history.clear()
             _log("(conversation cleared)")
+            continue
+        if re.fullmatch(r"/\w+", message):  # a message that starts with a path has more to it
+            _log(f"({CHAT_COMMANDS})" if message == "/help" else f"(unknown command {message}; {CHAT_COMMANDS})")
             continue
         if waiting is not None:
             follow_other_work(waiting, default_threads, _log)
