@@ -156,6 +156,9 @@ def load(
         transformer.cache_dtype = weight_dt
     if dev.type == "cpu":
         move_to_hugepages(transformer)  # decode streams the weights: 2 MB pages read them faster
+        from genfast.llm.decode_attention import kernel_available
+
+        kernel_available()  # built now, on first use, rather than between the first streamed words
     return LoadedModel(
         path,
         transformer,
