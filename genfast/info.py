@@ -49,9 +49,10 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
         else "no native bf16 dot products here: bf16 arithmetic would be emulated"
     )
     lines.append(("--dtype auto", f"{str(auto).removeprefix('torch.')} on the CPU ({why})"))
+    reasons = kernels.build_all()  # first use: side by side, not one compiler after another
     for kernel in kernels.KERNELS:
         variant, why = kernel.choose()
-        reason = kernel.unavailable_reason()  # `why` again when no variant fits
+        reason = reasons[kernel.name]  # `why` again when no variant fits
         if reason is None:
             lines.append((kernel.what, f"native {variant.isa} ({why})"))
         else:

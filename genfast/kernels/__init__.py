@@ -155,6 +155,16 @@ KERNELS = (QLINEAR, LINEAR_FEW_ROWS, REL_POS_ATTENTION, GROUP_NORM, DECODE_ATTEN
 _LOADED: dict[str, str] = {}  # the kernels whose library this process has loaded: name -> its variant's ISA
 
 
+def build_all(kernels: tuple[Kernel, ...] = KERNELS) -> dict[str, str | None]:
+    """Build (first use) and load the chosen variant of each kernel side by side, one compiler per
+    kernel on its own core; kernel name -> `unavailable_reason()`. One at a time, the five take
+    ~40 s on a 2-core machine, nearly all of it each compiler parsing PyTorch's headers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, min(len(kernels), os.cpu_count() or 1))) as pool:
+        return dict(zip((k.name for k in kernels), pool.map(Kernel.unavailable_reason, kernels), strict=True))
+
+
 def by_name(name: str) -> Kernel:
     return next(k for k in KERNELS if k.name == name)
 
