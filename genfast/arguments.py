@@ -40,40 +40,36 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
 
 
-def port_number(text: str) -> int:
-    """A TCP port, 0 (any free one) to 65535."""
-    value = non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {value}")
-    return value
+def _whole_number_up_to(limit: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = non_negative_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{what} is 0 to {limit}, got {value}")
+        return value
+
+    return parse
 
 
-MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
+port_number = _whole_number_up_to(65535, "a TCP port")  # 0: any free one
+seed = _whole_number_up_to(2**63 - 1, "a seed")  # torch's generators take a signed 64-bit seed
 
 
-def seed(text: str) -> int:
-    """A random seed, 0 to 2**63 - 1."""
-    value = non_negative_int(text)
-    if value > MAX_SEED:
-        raise argparse.ArgumentTypeError(f"a seed is 0 to {MAX_SEED}, got {value}")
-    return value
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not value >= 0.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def unit_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in 0..1, got {value}")
     return value
