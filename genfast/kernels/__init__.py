@@ -157,8 +157,9 @@ _LOADED: dict[str, str] = {}  # the kernels whose library this process has loade
 
 def build_all(kernels: tuple[Kernel, ...] = KERNELS) -> dict[str, str | None]:
     """Build (first use) and load the chosen variant of each kernel side by side, one compiler per
-    kernel on its own core; kernel name -> `unavailable_reason()`. One at a time, the five take
-    ~40 s on a 2-core machine, nearly all of it each compiler parsing PyTorch's headers."""
+    kernel on its own core; kernel name -> `unavailable_reason()`. One at a time, the five AVX2
+    variants took 40-55 s on a 2-core Xeon, two thirds of it each compiler parsing PyTorch's
+    headers; side by side 28 s (docs/performance.md, "Kernels built side by side")."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max(1, min(len(kernels), os.cpu_count() or 1))) as pool:

@@ -316,17 +316,17 @@ def quantize_command(args: argparse.Namespace) -> int:
         raise UserError("--group-size for int8 must be a multiple of 32")
     if args.calibration is not None and args.mode != "int4-gptq":
         raise UserError("--calibration only applies to --mode int4-gptq")
-    calibration_text = read_calibration(args.calibration) if args.mode == "int4-gptq" else None
+    calibration_input = read_calibration(args.calibration) if args.mode == "int4-gptq" else None
     path = resolve_model(args.model)
     if checkpoint_format(path) == "genfast":
         raise UserError(f"{path} is already quantized; quantize the original model instead")
     _log(f"genfast: quantizing {path} ({read_model_args(path).describe_size()}) to {args.mode}")
     # Quantization arithmetic runs in fp32; unquantized tensors are stored in --dtype.
     calibration = None
-    if calibration_text is not None:  # GPTQ calibrates on the whole float model
+    if calibration_input is not None:  # GPTQ calibrates on the whole float model
         loaded = load(str(path), "cpu", "float32", args.threads)
         calibration = gptq_quantize_model(
-            loaded, group_size, calibration_text, args.calibration_windows, args.calibration_window
+            loaded, group_size, calibration_input, args.calibration_windows, args.calibration_window
         )
     else:  # round-to-nearest, block by block as the model is read: the float model never exists whole
         loaded = load(str(path), "cpu", "float32", args.threads, quant=args.mode, group_size=group_size)
