@@ -145,6 +145,6 @@ def _serve(args: argparse.Namespace, sock: socket.socket | None) -> int:
     _log(f"genfast: running on {url_of(sock, args.host)} (Ctrl-C stops it)")
     try:
         uvicorn.Server(config).run(sockets=[sock])
-    finally:  # also when uvicorn could not start (port taken): tensor-parallel followers must stop too
+    finally:  # also when uvicorn stops on an error: tensor-parallel followers must stop too
         engine.shutdown()
     return 0
