@@ -4,7 +4,8 @@
     python benchmarks/diffusion_parts.py vae          # VAE decode at 512x512: int8 thresholds, GroupNorm kernel
     python benchmarks/diffusion_parts.py group-norm [--dtype float32]  # one GroupNorm+SiLU: ATen, inductor,
                                                                      # genfast's kernel
-    python benchmarks/diffusion_parts.py attention    # the UNet's self-attention shapes: SDPA and alternatives
+    python benchmarks/diffusion_parts.py attention [--dtype float32]  # the UNet's self-attention shapes:
+                                                                    # SDPA and alternatives
 
 Random weights at the real size (`random_pipeline("sd15")`); bf16, channels-last, compiled as the
 recipe compiles them. PSNR of the VAE variants is against the bf16 decode of the same latents.
@@ -84,7 +85,7 @@ def group_norm(dtype: torch.dtype) -> None:
         print(f"| {batch} x {channels} x {size}x{size} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")
 
 
-def attention() -> None:
+def attention(dtype: torch.dtype) -> None:
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
@@ -93,7 +94,7 @@ def attention() -> None:
         "|---|---|---|---|---|"
     )
     for b, h, n, d in ((2, 8, 4096, 40), (2, 8, 1024, 80)):
-        q, k, v = (torch.randn(b, h, n, d, dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for _ in range(3))
         padded = [F.pad(t, (0, 64 - d)) for t in (q, k, v)]
 
         def math() -> torch.Tensor:
@@ -116,11 +117,15 @@ def attention() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=("vae", "group-norm", "attention"))
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="group-norm's dtype")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="group-norm's and attention's dtype"
+    )
     args = parser.parse_args()
     machine = device_name(torch.device("cpu"))
     print(f"{args.part} on {machine}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     if args.part == "group-norm":
         group_norm(getattr(torch, args.dtype))
+    elif args.part == "attention":
+        attention(getattr(torch, args.dtype))
     else:
-        {"vae": vae, "attention": attention}[args.part]()
+        vae()
