@@ -606,7 +606,13 @@ class Engine:
                     while self._pending and None in self._slots:
                         ticket = self._pending.popleft()
                         slot, cached = self._pick_slot(ticket.request.prompt_ids)
-                        self._slots[slot] = self._new_sequence(ticket)
+                        try:
+                            self._slots[slot] = self._new_sequence(ticket)
+                        except Exception as e:  # a bug: fail this request; the scheduler must live on
+                            log.exception("admitting a request failed")
+                            error = f"{type(e).__name__}: {e}"
+                            ticket.finish(Finished("", [], "error", len(ticket.request.prompt_ids), error=error))
+                            continue
                         self._slots[slot].cached = self._slots[slot].prefilled = cached
                         admitted.append(slot)
                 try:

@@ -53,6 +53,35 @@ def test_requests_joining_and_leaving_match_single_request_generation(tiny_dir):
     engine.shutdown()
 
 
+def test_a_request_that_fails_inside_the_scheduler_fails_alone_and_the_engine_serves_on(tiny_dir, monkeypatch):
+    """A bug met while admitting a request or running a step fails the requests it touches with
+    an "error" answer; the scheduler thread lives on (it died on an admission error, and every
+    later request waited forever)."""
+    want = single_request_outputs(*load_tiny(tiny_dir), PROMPTS[:1], [6])[0]
+    engine = Engine(*load_tiny(tiny_dir), max_batch=1, compile=False).start()
+    request = GenerationRequest(tuple(PROMPTS[0]), 6)
+
+    def answer() -> Finished:  # not engine.generate: a dead scheduler would leave it waiting forever
+        events: queue.Queue = queue.Queue()
+        engine.submit(request, events.put)
+        while not isinstance(event := events.get(timeout=60), Finished):
+            pass
+        return event
+
+    admit, step = engine._new_sequence, engine._step
+    for part, original in (("_new_sequence", admit), ("_step", step)):
+
+        def broken(*args, part=part):
+            raise RuntimeError(f"broken {part}")
+
+        monkeypatch.setattr(engine, part, broken)
+        failed = answer()
+        assert failed.finish_reason == "error" and failed.error == f"RuntimeError: broken {part}"
+        monkeypatch.setattr(engine, part, original)
+        assert answer().token_ids == want
+    engine.shutdown()
+
+
 def test_sampled_neighbours_leave_greedy_rows_alone(tiny_dir):
     want = single_request_outputs(*load_tiny(tiny_dir), PROMPTS[:2], [16, 16])
     engine = Engine(*load_tiny(tiny_dir), max_batch=4, compile=False).start()
