@@ -87,6 +87,7 @@ class GenerationRequest:
 # What JSON can carry for a token the sampled distribution excludes (log 0), as vLLM reports it.
 LOGPROB_FLOOR = -9999.0
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on alternatives per token
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # what torch's generators take
 
 
 @dataclass(frozen=True)
@@ -468,8 +469,8 @@ class Engine:
                 f"requested ({n} in the prompt, {request.max_tokens} to generate); shorten the prompt or "
                 "lower max_tokens"
             )
-        if request.seed is not None and not -(2**63) <= request.seed < 2**63:
-            raise UserError(f"seed must be a 64-bit integer, got {request.seed}")  # torch's generators
+        if request.seed is not None and not MIN_SEED <= request.seed <= MAX_SEED:
+            raise UserError(f"seed must be a 64-bit integer, got {request.seed}")
         vocab = self.model.args.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise UserError(f"prompt token ids must be in [0, {vocab})")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from genfast.errors import UserError
 from genfast.serve.constraints import json_schema_grammar, response_format_grammar
-from genfast.serve.engine import MAX_TOP_LOGPROBS, Finished, TokenLogprob
+from genfast.serve.engine import MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, Finished, TokenLogprob
 from genfast.serve.tools import ToolCall, call_grammar, parse_tool_calls
 
 # What genfast reports for "the request was cut short by the server" (OpenAI has no such reason).
@@ -71,7 +71,7 @@ class GenerationBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(default=None)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # torch's generators: 64 bits
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
