@@ -7,8 +7,8 @@ between formats; fewer blocks compile faster). Each variant is compiled as `genf
 compiles it (CUDA graphs for decode), then timed over `--tokens` greedy tokens, median of 3, and
 profiled for one more run: the table gives ms per token, the share of it the GPU was busy, the
 number of CUDA-graph replays and kernel launches per token seen from the host (a replayed step
-launches no kernels of its own), inductor's count of compiled graphs that skipped CUDA graphs, and
-the kernels that took the most GPU time.
+launches no kernels of its own), the kernels the GPU ran per token, inductor's count of compiled
+graphs that skipped CUDA graphs, and the kernels that took the most GPU time.
 
 Variants: bf16; int8 per channel and int4 in groups of 32, each with genfast's Triton kernels and
 with torch's (QuantLinear's "int8pack": inductor's fused multiply-sum over int8 codes; "int4pack":
@@ -48,24 +48,28 @@ def build(shape: str, layers: int, quant: str, torch_kernels: bool) -> LoadedMod
     return loaded
 
 
-def profile_step(generate, tokens: int) -> tuple[float, Counter, int, int]:
-    """One profiled run: GPU-busy ms per token, kernel ms per token by name, launch counts."""
+def profile_step(generate, tokens: int) -> tuple[float, Counter, int, int, int]:
+    """One profiled run (the prompt's prefill included): GPU-busy ms per token, kernel ms per token
+    by name, host launch counts, and the kernels the GPU ran: a step whose GPU idles between
+    kernels inside one graph replay runs many short ones (the question tinygemm's 69% busy left
+    on an H100)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         generate()
     kernels: Counter = Counter()
     busy = 0.0
-    replays = launches = 0
+    replays = launches = gpu_kernels = 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name[:60]] += event.device_time / 1000 / tokens
+            gpu_kernels += 1
             busy += event.device_time / 1000
         elif "GraphLaunch" in event.name:  # cudaGraphLaunch (a versioned name on some runtimes)
             replays += 1
         elif "LaunchKernel" in event.name:  # cudaLaunchKernel, cuLaunchKernel(Ex) (Triton's), ...
             launches += 1
-    return busy / tokens, kernels, replays, launches
+    return busy / tokens, kernels, replays, launches, gpu_kernels
 
 
 def main() -> None:
@@ -92,9 +96,9 @@ def main() -> None:
             generate()
         rates = [generate().decode_tok_s for _ in range(3)]
         ms = 1000 / median(rates)
-        busy, kernels, replays, launches = profile_step(generate, args.tokens)
+        busy, kernels, replays, launches, gpu_kernels = profile_step(generate, args.tokens)
         skips = counters["inductor"]["cudagraph_skips"]
-        per_token = f"{replays / args.tokens:.2f} | {launches / args.tokens:.1f}"
+        per_token = f"{replays / args.tokens:.2f} | {launches / args.tokens:.1f} | {gpu_kernels / args.tokens:.0f}"
         rows.append(f"| {name} | {ms:.3f} | {busy / ms:.0%} | {per_token} | {skips} |")
         top = ", ".join(f"{k} {v:.3f}" for k, v in kernels.most_common(4))
         tops.append(f"| {name} | {top} |")
@@ -102,8 +106,8 @@ def main() -> None:
         del generator, loaded
         torch.cuda.empty_cache()
     print("\n| variant | ms per token | GPU busy | graph replays per token | kernel launches per token "
-          "| graphs that skipped CUDA graphs |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+          "| GPU kernels per token | graphs that skipped CUDA graphs |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print("\n| variant | kernels with the most GPU time (ms per token) |\n|---|---|")
     print("\n".join(tops))

@@ -95,7 +95,9 @@ stage() {
     [[ ",$stages," == *",$name,"* ]] || return 0
     local log="$work/$name.log" start=$SECONDS
     echo "== $name: $*" >&2
-    timeout "$(stage_limit "$name")" "$@" 2>&1 | tee "$log"
+    # SIGINT, not TERM: pytest then still prints its failures' tracebacks and summary (a stage cut
+    # at its limit on an H100 lost the one failure's cause), and a benchmark its traceback.
+    timeout -s INT -k 30 "$(stage_limit "$name")" "$@" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}
     {
         echo
@@ -125,13 +127,16 @@ read -ra pytest_args <<< "${PYTEST_ARGS:-}"
 compile_threads=()
 if "$python" -c 'import xdist' 2>/dev/null; then
     # (an H200 machine's 16 cores: 14 workers of one compile thread ran 52 of the 57 tests in 205 s)
-    pytest_args=(-n "$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))" "${pytest_args[@]}")
+    # worksteal: an idle worker takes tests queued behind a long one (three tests never started
+    # behind the max-autotune compiles on an H100, 2026-11-26, with the default load scheduling)
+    pytest_args=(-n "$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))" --dist worksteal "${pytest_args[@]}")
     compile_threads=(env "TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}")
 fi
 if "$python" -c 'import pytest_timeout' 2>/dev/null; then
     pytest_args=(--timeout 600 "${pytest_args[@]}")
 fi
-stage tests "CUDA tests" "${compile_threads[@]}" "$python" -m pytest -v -p no:cacheprovider tests/cuda "${pytest_args[@]}"
+stage tests "CUDA tests" "${compile_threads[@]}" "$python" -m pytest -v -rfEs --tb=short -p no:cacheprovider tests/cuda \
+    "${pytest_args[@]}"
 stage decode "A compiled decode step, Llama-2-7B shape cut to 4 blocks" "$python" benchmarks/cuda_decode.py
 stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py --rows 1,8 --sweep
 ladder_steps=${LLM_STEPS:-bf16,compile,int8,int4,spec-int4}

@@ -178,10 +178,12 @@ def test_serve_engine_batches_requests_on_the_gpu(model_dir):
     from genfast.serve.engine import Engine, GenerationRequest
     from tests.serve.test_engine import run_concurrently
 
+    # fp32: the engine's batched rows run other kernels than one sequence does, and in bf16 their
+    # rounding flips the random model's near-ties (as it did for the compiled int4 model).
     prompts = [PROMPT, PROMPT[:4], [9, 8, 7, 6, 5, 4, 3]]
-    single = generator(load(model_dir, "cuda", "bfloat16"), compile=True)
+    single = generator(load(model_dir, "cuda", "float32"), compile=True)
     want = [single.generate([p], 12 + i, stop_at_eos=False).token_ids[0] for i, p in enumerate(prompts)]
-    loaded = load(model_dir, "cuda", "bfloat16")
+    loaded = load(model_dir, "cuda", "float32")
     engine = Engine(loaded.model, loaded.tokenizer, max_batch=2, max_seq_len=256, compile=True).start()
     try:
         got = run_concurrently(engine, [GenerationRequest(tuple(p), 12 + i) for i, p in enumerate(prompts)])
