@@ -71,7 +71,7 @@ def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, Ll
 
 
 def _start_compiled(
-    generator: Generator, loaded: LoadedModel, params: SamplingParams, compile_missing: str = "at-exit",
+    generator: Generator, loaded: LoadedModel, params: SamplingParams, compile_missing: str = "after",
     defer: bool = False,
 ) -> float | None:  # fmt: skip
     """Make the compiled steps available: from disk or a background compile, streaming eagerly
@@ -128,6 +128,7 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.chat:
         prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     ids = [generator.encode_prompt(p) for p in prompts]
+    generator.check_request(ids, args.max_new_tokens)  # a bad request fails before any compile starts
     compile_s = _start_compiled(generator, loaded, params, defer=True) if settings.compile else None
     steps = generator.precompiled
     if settings.compile and (steps is None or steps.ready):  # (deferred steps load after the first token)
@@ -156,6 +157,8 @@ def generate_command(args: argparse.Namespace) -> int:
         _log(f"start-up: {'; '.join([phases.summary(), *notes])}")
         if loaded.tp > 1:
             _log(f"bytes/step and MBU are one rank's (each of the {loaded.tp} reads its own shard)")
+    if steps is not None:
+        steps.finish()
     return 0
 
 

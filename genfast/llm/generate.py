@@ -222,7 +222,7 @@ class Generator:
         stop_at_eos: bool = True,
     ) -> GenerationResult:
         """Generate up to `max_new_tokens` for each prompt (token ids); stream text via `on_text`."""
-        lengths = self._check_request(prompts, max_new_tokens)
+        lengths = self.check_request(prompts, max_new_tokens)
         prompt_len = max(lengths)
         if seed is not None:
             torch.manual_seed(seed)
@@ -286,8 +286,9 @@ class Generator:
             return 0
         return self.model.cache_rows().reusable(0, reusable_prefix(self.cached_tokens, prompts[0]))
 
-    def _check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
-        """Validate a generate() request; return the prompt lengths."""
+    def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
+        """Validate a generate() request (UserError names what is wrong and the fix); return the
+        prompt lengths. generate() calls it; a command calls it first to fail before slow work."""
         batch = len(prompts)
         if not 1 <= batch <= self.max_batch_size:
             raise UserError(f"got {batch} prompts; this generator was set up for 1 to {self.max_batch_size}")

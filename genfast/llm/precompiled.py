@@ -23,7 +23,6 @@ does not take) runs eagerly.
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import json
 import os
@@ -131,14 +130,15 @@ class PrecompiledSteps:
         self.notes: list[str] = []  # what poll() did (take_notes)
         self._checked: set[str] = set()
         self.worker: subprocess.Popen | None = None
+        self._compile_after = False  # start("after"): finish() starts the compile
 
-    def start(self, compile_missing: str = "at-exit", defer: bool = False) -> str:
+    def start(self, compile_missing: str = "after", defer: bool = False) -> str:
         """Begin making the steps available without blocking; returns what happens, for the user.
 
         compile_missing: when no steps are saved, start the background compile "now" (a
-        long-lived process: chat, serve, which switch to the steps when it is done), "at-exit"
-        (a one-shot command: its own eager run keeps the whole CPU, and the next run finds the
-        steps) or "never".
+        long-lived process: chat, serve, which switch to the steps when it is done), "after"
+        (a one-shot command: its own eager run keeps the whole CPU, `finish()` starts the compile
+        once the run has succeeded, and the next run finds the steps) or "never".
         defer (a one-shot command): saved steps are not loaded now; the prompt is prefilled
         eagerly (as fast as the compiled prefill: 600-650 tok/s either way for a 501-token
         prompt, bf16, 2-core Xeon) and only the decode step is loaded, by `poll()` after the
@@ -157,8 +157,16 @@ class PrecompiledSteps:
         if compile_missing == "now":
             self.worker = self._spawn_worker()
             return f"compiling in the background (log: {log}); eager until it is done"
-        atexit.register(self._spawn_worker)
+        self._compile_after = True
         return f"no compiled steps saved yet: eager now, compiled in the background when this run ends (log: {log})"
+
+    def finish(self) -> None:
+        """The one-shot command has succeeded: start the compile that start("after") put off. A run
+        that fails (a prompt too long for the cache, say) or is interrupted starts none: minutes of
+        compiling should not follow a mistake or Ctrl-C."""
+        if self._compile_after:
+            self._compile_after = False
+            self._spawn_worker()
 
     def poll(self) -> None:
         """Load the wanted steps if they are saved and not loaded yet: deferred ones (see start),

@@ -114,7 +114,7 @@ class SpeculativeGenerator(Generator):
         """As Generator.generate, for one prompt; the result also carries acceptance stats."""
         if len(prompts) != 1:
             raise UserError(f"speculative decoding runs one prompt at a time; got {len(prompts)}")
-        lengths = self._check_request(prompts, max_new_tokens)
+        lengths = self.check_request(prompts, max_new_tokens)
         if seed is not None:
             torch.manual_seed(seed)
         out = Completions(self.tokenizer, 1, stop_strings, stop_at_eos, on_text)

@@ -161,6 +161,28 @@ def test_a_worker_in_its_own_session_gets_the_lowest_priority_against_every_proc
     lower_priority(worker.pid)  # ended: nothing to do, no error
 
 
+def test_a_one_shot_run_starts_its_background_compile_only_once_it_has_succeeded(model_dir, monkeypatch):
+    generator, steps = fp32_generator(model_dir)
+    spawned = []
+    monkeypatch.setattr(steps, "_spawn_worker", lambda: spawned.append(1))
+    assert "compiled in the background when this run ends" in steps.start("after")
+    generator.generate([PROMPT], 4, stop_at_eos=False)
+    assert spawned == []  # a run that fails or is interrupted never gets to finish()
+    steps.finish()
+    steps.finish()
+    assert spawned == [1]
+
+
+def test_a_request_too_long_for_the_cache_fails_before_a_compile_is_planned(model_dir, capsys):
+    from genfast.cli import main
+
+    argv = ["generate", "w3 " * 40, "--model", str(model_dir), "--dtype", "float32", "--max-seq-len", "16"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "context holds 16" in err and "compiled in the background" not in err
+    assert not (Path(os.environ["GENFAST_HOME"]) / "compiled").exists()
+
+
 def test_the_cli_compiles_in_the_background_then_starts_with_the_compiled_steps(model_dir, tmp_path):
     """First run: streams eagerly and leaves a background compile; second run: prefills eagerly
     and loads the compiled decode step after the first token. Both print the same completion and
