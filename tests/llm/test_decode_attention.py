@@ -111,3 +111,18 @@ def test_attention_layer_decode_matches_sdpa(compiled):
     out = attend(q, keys, values, mask, input_pos)
     expected = F.scaled_dot_product_attention(q, keys.float(), values.float(), attn_mask=mask, enable_gqa=True)
     assert (out - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("name, builds", [("smollm", True), ("qwen3", False)])  # head sizes 16 and 24
+def test_a_cpu_load_builds_the_kernel_only_for_heads_it_takes(name, builds, tmp_path, monkeypatch):
+    from genfast.llm.session import load
+    from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
+
+    hf = make_hf_model(name)
+    directory = save_hf_model(hf, tmp_path / name)
+    word_tokenizer(hf.config.vocab_size).save(directory)
+    asked = []
+    monkeypatch.setattr(decode_attention, "kernel_available", lambda: asked.append(1) or True)
+    loaded = load(str(directory), "cpu", "float32")
+    assert loaded.model.args.head_dim % decode_attention.HEAD_DIM_MULTIPLE == (0 if builds else 8)
+    assert asked == ([1] if builds else [])
