@@ -65,6 +65,14 @@ def png_bytes(img: Image.Image, text: Mapping[str, str]) -> bytes:
     return buf.getvalue()
 
 
+def check_png_names(paths: Sequence[Path]) -> None:
+    """Images are written as PNG (lossless masks, the settings as metadata): refuse a name that
+    claims another format, which would hold PNG bytes under a .jpg or .webp name."""
+    for path in paths:
+        if path.suffix and path.suffix.lower() != ".png":
+            raise UserError(f"{path}: genfast writes images as PNG; name it {path.with_suffix('.png')}")
+
+
 def check_outputs(paths: Sequence[Path], force: bool) -> None:
     """Fail before any work if an output cannot be written: duplicate paths, a directory in the way,
     a missing parent directory, or an existing file without --force."""

@@ -268,6 +268,7 @@ def _output_paths(args: argparse.Namespace, multimask_outputs: int) -> OutputPat
             overlay = Path(args.overlay).expanduser() if args.overlay else out.with_name(f"{out.stem}-overlay{suffix}")
     elif args.overlay:
         overlay = Path(args.overlay).expanduser()
+    image_files.check_png_names([*masks, *([overlay] if overlay else [])])
     json_stdout = args.json_path == "-"
     json_path = Path(args.json_path).expanduser() if args.json_path and not json_stdout else None
     return OutputPaths(masks, overlay, json_path, json_stdout)

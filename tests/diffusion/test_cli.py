@@ -63,6 +63,12 @@ def test_imagine_flag_values_out_of_range(flag, value, message, tmp_path, capsys
     assert message in capsys.readouterr().err and not (tmp_path / "o.png").exists()
 
 
+def test_imagine_refuses_an_output_named_for_another_format(tmp_path, capsys):
+    out = tmp_path / "cat.JPG"
+    assert cli.main(["imagine", "x", "--model", "tiny-sd15", "--random-weights", "-o", str(out)]) == 2
+    assert f"name it {tmp_path / 'cat.png'}" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
 def test_imagine_loads_a_pipeline_directory(tmp_path, capsys):
     """A diffusers directory (here the tiny PixArt-α, saved) loads with --model DIR and runs with a
     non-square size; the image is the in-process pipeline's."""
