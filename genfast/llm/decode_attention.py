@@ -31,6 +31,13 @@ def kernel_available() -> bool:
     return DECODE_ATTENTION.unavailable_reason() is None
 
 
+def build_for(head_dim: int) -> None:
+    """Build the kernel now (first use on this machine) where a model with heads of `head_dim` will
+    call it: a load does this, so that the build does not land between the first streamed words."""
+    if head_dim % HEAD_DIM_MULTIPLE == 0:
+        kernel_available()
+
+
 def applies(q: Tensor, keys: Tensor, mask: Tensor) -> bool:
     """Whether the kernel takes this call: one query per sequence on a CPU with a variant, fp32 or
     bf16 (q and the cache each), the head size a multiple of 16, a boolean mask of one row."""

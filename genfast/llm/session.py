@@ -156,12 +156,9 @@ def load(
         transformer.cache_dtype = weight_dt
     if dev.type == "cpu":
         move_to_hugepages(transformer)  # decode streams the weights: 2 MB pages read them faster
-        from genfast.llm.decode_attention import HEAD_DIM_MULTIPLE, kernel_available
+        from genfast.llm.decode_attention import build_for
 
-        # Built now (first use on this machine only) rather than between the first streamed words,
-        # and only where the model's heads will take it.
-        if transformer.args.head_dim % HEAD_DIM_MULTIPLE == 0:
-            kernel_available()
+        build_for(transformer.args.head_dim)
     return LoadedModel(
         path,
         transformer,
