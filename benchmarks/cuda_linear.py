@@ -147,11 +147,11 @@ def graph_ms(fn, xs: list[torch.Tensor]) -> float:
 
 
 ONE_ROW_CONFIGS = {  # the one-row kernel's block sizes swept per linear shape
-    "BLOCK_N": (4, 8),
+    "BLOCK_N": (8, 16, 32),
     "UNROLL": (1, 2),
     "SUB": (256, 512),
     "num_warps": (4, 8),
-    "SPLIT_K": (1, 2, 4, 8),
+    "SPLIT_K": (1, 2, 4),
 }
 ABOVE_L2_BYTES = 512 * 2**20  # each timed call reads another copy of the weight: no L2 hits
 

@@ -15,7 +15,12 @@ minima fp16 [N, K // group_size]. Two kernels:
   group never shrinks the loads); the products accumulate element-wise in fp32 and
   are summed once at the end, so the loop is loads and fused multiply-adds only. Codes become floats
   through the exponent trick (the byte OR-ed into 2^23's bits, minus 2^23), two full-rate ops
-  instead of a quarter-rate integer conversion.
+  instead of a quarter-rate integer conversion. With one scale per row (int8's default) the loop
+  multiplies the codes alone and the scale and minimum are applied once per row at the end
+  (s sum u x + m sum x). The loop is bound by instruction issue before memory on an H100 (its 132
+  SMs issue 128 thread-instructions per cycle each; streaming 3 TB/s needs ~12 bytes of codes per
+  SM and cycle), so what counts is instructions per byte of codes: `benchmarks/triton_sass.py`
+  compiles the kernel for sm_90 without a GPU and counts them.
 - `_gemm`: a few rows (speculative verification, a serving batch, short prefills):
   each sub-block is dequantized to the activations' dtype in registers and multiplied with tl.dot,
   so the weight is still read once per BLOCK_M rows.
@@ -56,34 +61,44 @@ def _sub_block_grid(scales_ptr, mins_ptr, rows, row_ok, k, stride_grid, GROUP: t
 @triton.jit
 def _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, mins_ptr, rows, row_ok, k, stride_codes, stride_grid,
               BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr,
-              LANES: tl.constexpr):  # fmt: skip
+              LANES: tl.constexpr, PER_ROW: tl.constexpr):  # fmt: skip
     """acc [BLOCK_N, NG, LANES] += one sub-block's products: NG groups of GS columns from column k
-    (LANES: GS bytes of int8 codes, GS / 2 of int4)."""
-    scale, low = _sub_block_grid(scales_ptr, mins_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
+    (LANES: GS bytes of int8 codes, GS / 2 of int4). PER_ROW (one scale and minimum per row): the
+    codes' products alone, scaled once at the end."""
     group = tl.arange(0, NG)[None, :, None]
     lane = tl.arange(0, LANES)[None, None, :]
     row_codes = codes_ptr + rows[:, None, None] * stride_codes
+    # x is read through a [BLOCK_N, ...] tile of equal rows, so that it gets the codes' layout: read
+    # as one row, Triton gives it a layout of its own and moves the codes (or x) through shared
+    # memory at every step (benchmarks/triton_sass.py counts the instructions).
+    x_rows = x_ptr + tl.zeros_like(rows)[:, None, None]
     if BITS == 4:  # a lane per byte: columns 2j (low nibble) and 2j + 1
-        b = tl.load(row_codes + (k // 2 + group * LANES + lane), mask=row_ok[:, None, None], other=0)
-        b = b.to(tl.int32)
+        b = tl.load(row_codes + (k // 2 + group * LANES + lane), mask=row_ok[:, None, None], other=0).to(tl.int32)
         column = k + group * GS + 2 * lane
-        x_even = tl.load(x_ptr + column).to(tl.float32)
-        x_odd = tl.load(x_ptr + column + 1).to(tl.float32)
-        # (u0 s + m) x0 + (u1 s + m) x1 = s (u0 x0 + u1 x1) + m (x0 + x1)
+        x_even = tl.load(x_rows + column).to(tl.float32)
+        x_odd = tl.load(x_rows + column + 1).to(tl.float32)
         codes_dot = _as_float(b & 0xF) * x_even + _as_float(b >> 4) * x_odd
-        acc += scale * codes_dot + low * (x_even + x_odd)
+        if PER_ROW:
+            acc += codes_dot
+        else:  # (u0 s + m) x0 + (u1 s + m) x1 = s (u0 x0 + u1 x1) + m (x0 + x1)
+            scale, low = _sub_block_grid(scales_ptr, mins_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
+            acc += scale * codes_dot + low * (x_even + x_odd)
     else:
-        column = k + group * GS + lane
-        u = tl.load(row_codes + column, mask=row_ok[:, None, None], other=0)
-        x = tl.load(x_ptr + column).to(tl.float32)
-        acc += scale * (_as_float(u.to(tl.int32)) * x) + low * x
+        column = tl.max_contiguous(tl.multiple_of(k + group * GS + lane, [1, 1, LANES]), [1, 1, LANES])
+        u = _as_float(tl.load(row_codes + column, mask=row_ok[:, None, None], other=0).to(tl.int32))
+        x = tl.load(x_rows + column).to(tl.float32)
+        if PER_ROW:
+            acc += u * x
+        else:
+            scale, low = _sub_block_grid(scales_ptr, mins_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
+            acc += scale * (u * x) + low * x
     return acc
 
 
 @triton.jit
 def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride_codes, stride_grid,
           BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr, LANES: tl.constexpr,
-          BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+          BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PER_ROW: tl.constexpr):  # fmt: skip
     """Program (i, j): rows i * BLOCK_N.., columns j * K_SPLIT.. up to K_SPLIT of them, its sum
     stored to out[j] (one split: the output itself; several: fp32 partial sums)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,12 +112,20 @@ def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride
     for k0 in range(begin, whole, block_k):
         for j in tl.static_range(UNROLL):
             acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, mins_ptr, rows, row_ok, k0 + j * sub, stride_codes,
-                            stride_grid, BITS, GROUP, GS, NG, LANES)  # fmt: skip
+                            stride_grid, BITS, GROUP, GS, NG, LANES, PER_ROW)  # fmt: skip
     for k in range(whole, end, sub):
         acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, mins_ptr, rows, row_ok, k, stride_codes, stride_grid,
-                        BITS, GROUP, GS, NG, LANES)  # fmt: skip
+                        BITS, GROUP, GS, NG, LANES, PER_ROW)  # fmt: skip
+    total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if PER_ROW:  # sum_k (u s + m) x_k = s sum_k u x_k + m sum_k x_k, over this program's columns
+        x_sum = tl.zeros([GS * NG], dtype=tl.float32)
+        for k in range(begin, end, sub):
+            x_sum += tl.load(x_ptr + k + tl.arange(0, GS * NG)).to(tl.float32)
+        scale = tl.load(scales_ptr + rows * stride_grid, mask=row_ok, other=0.0).to(tl.float32)
+        low = tl.load(mins_ptr + rows * stride_grid, mask=row_ok, other=0.0).to(tl.float32)
+        total = scale * total + low * tl.sum(x_sum, axis=0)
     out = out_ptr + tl.program_id(1) * N + rows
-    tl.store(out, tl.sum(tl.sum(acc, axis=2), axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -165,13 +188,16 @@ def k_splits(k: int, sub: int, wanted: int) -> tuple[int, int]:
 
 
 def gemv_config(n: int, k: int, bits: int) -> dict[str, int]:
-    """Block sizes for one row, 8 output rows per program, from the sweep of 108 configurations on
-    Llama-2-7B's linears on an H100 that offered sub-blocks of 512 columns (benchmarks/
-    cuda_linear.py --sweep): int8 fastest with 512-column sub-blocks, one per loop step, 4 warps
-    (0.128 ms per block); int4 in groups of 32 with 256 columns, two per step, 8 warps (0.144)."""
+    """Block sizes for one row, 16 output rows per program. Chosen by the loop's instructions per
+    byte of codes, counted by `benchmarks/triton_sass.py` for sm_90 with Triton 3.6 (torch 2.11's,
+    the one the H100 ran): int8 per channel 4.9 at one 512-column sub-block per step and 4 warps
+    (18.8 for the previous kernel at its swept best, 8 rows, which streamed 1.65 TB/s in a decode
+    step on an H100, ~93% of what issuing 18.8 instructions per byte allows); int4 in groups of 32
+    23.0 at two 512-column sub-blocks per step and 8 warps (26.2 before: ~1.05 TB/s). Not yet timed
+    on a GPU: `benchmarks/cuda_linear.py --sweep` times these against the other configurations."""
     if bits == 8:
-        return {"BLOCK_N": 8, "UNROLL": 1, "SUB": 512, "num_warps": 4}
-    return {"BLOCK_N": 8, "UNROLL": 2, "SUB": 256, "num_warps": 8}
+        return {"BLOCK_N": 16, "UNROLL": 1, "SUB": 512, "num_warps": 4}
+    return {"BLOCK_N": 16, "UNROLL": 2, "SUB": 512, "num_warps": 8}
 
 
 def gemm_config(m: int, n: int, k: int, bits: int) -> dict[str, int]:
@@ -199,7 +225,7 @@ def qlinear(
         grid = (triton.cdiv(n, config["BLOCK_N"]), splits)
         wrap_triton(_gemv)[grid](x, codes, scales, mins, out, n, k, k_split, codes.stride(0), scales.stride(0),
                                  BITS=bits, GROUP=group_size, GS=gs, NG=ng, LANES=gs // 2 if bits == 4 else gs,
-                                 **config)  # fmt: skip
+                                 PER_ROW=group_size >= k, **config)  # fmt: skip
         if splits == 1:
             return out
         total = out[0:1]

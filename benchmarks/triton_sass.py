@@ -1,0 +1,134 @@
+"""Instructions per byte of codes in the one-row Triton kernel's loop, counted without a GPU.
+
+    python benchmarks/triton_sass.py [--arch 90] [--configs default|sweep]
+
+Decode's int8/int4 matrix-vector product on an H100 is bound by instruction issue before memory:
+132 SMs issue 128 thread-instructions per cycle each, and streaming ~3 TB/s of codes at ~1.98 GHz
+means ~12 bytes per SM and cycle, so a loop of more than ~10 instructions per byte cannot keep up
+even at full issue (docs/performance.md, "The one-row kernel by instruction count"). Triton ships
+ptxas and cuobjdump, so the kernel compiles for an sm_90 target on any machine: this script
+compiles `genfast.kernels.qlinear_triton._gemv` for each configuration (integer arguments marked
+divisible by 16, as Triton's launcher specializes them for these shapes), finds the loop (the
+widest backward branch of the SASS), and divides its instruction count by the bytes of codes one
+thread reads per pass. It also prints registers, stack bytes (spills), and the loop's shared-memory traffic and
+barriers, which mark a layout conversion inside the loop. A count is a prediction, not a timing:
+`benchmarks/cuda_linear.py --sweep` times the same configurations on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from genfast.kernels.qlinear_triton import _gemv, gemv_config, sub_block
+
+SIGNATURE = {
+    "x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*bf16",
+    "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_codes": "i32", "stride_grid": "i32",
+}  # fmt: skip
+FORMATS = {"int8 per channel": (8, None), "int4 g32": (4, 32), "int4 g128": (4, 128), "int8 g64": (8, 64)}
+K = 4096  # Llama-2-7B's hidden size: every linear but the down projection
+
+
+@dataclass
+class LoopCount:
+    instructions: int
+    by_opcode: collections.Counter
+    registers: int
+    stack_bytes: int  # spilled registers live there
+
+
+def compile_gemv(bits: int, group: int | None, config: dict, arch: int) -> LoopCount:
+    """Compile the one-row kernel as `qlinear` launches it for a K-wide input and count its loop."""
+    config = dict(config)
+    group_size = group or K
+    gs, ng = sub_block(K, group_size, config.pop("SUB"))
+    num_warps = config.pop("num_warps")
+    config.pop("SPLIT_K", None)
+    constants = dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, LANES=gs // 2 if bits == 4 else gs,
+                     PER_ROW=group_size >= K, **config)  # fmt: skip
+    signature = dict(SIGNATURE, **dict.fromkeys(constants, "constexpr"))
+    divisible = {(i,): [["tt.divisibility", 16]] for i in range(len(SIGNATURE))}
+    source = ASTSource(_gemv, signature, constants, divisible)
+    options = {"num_warps": num_warps, "enable_fp_fusion": True}  # Triton's default before 3.10
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = os.path.join(folder, "gemv.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    registers, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return LoopCount(*count_loop(sass), registers, stack)
+
+
+INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);")
+
+
+def count_loop(sass: str) -> tuple[int, collections.Counter]:
+    """The instructions between the widest backward branch and its target: the K loop."""
+    lines = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(INSTRUCTION.match, sass.splitlines()) if m]
+    branches = []
+    for address, opcode, operands in lines:
+        target = re.search(r"0x([0-9a-f]+)", operands)
+        if opcode == "BRA" and target and int(target.group(1), 16) < address:
+            branches.append((int(target.group(1), 16), address))
+    if not branches:
+        raise RuntimeError("no loop found in the kernel's SASS")
+    low, high = max(branches, key=lambda b: b[1] - b[0])
+    by_opcode = collections.Counter(
+        opcode if opcode.startswith(("LDG", "LDS", "STS")) else opcode.split(".")[0]
+        for address, opcode, _ in lines
+        if low <= address <= high
+    )
+    return sum(by_opcode.values()), by_opcode
+
+
+def bytes_per_pass(bits: int, config: dict) -> float:
+    """Bytes of codes one thread reads per pass of the loop."""
+    codes = config["BLOCK_N"] * config["SUB"] * config.get("UNROLL", 1) / (2 if bits == 4 else 1)
+    return codes / (32 * config["num_warps"])
+
+
+def configs(kind: str, bits: int) -> list[dict]:
+    if kind == "default":
+        return [gemv_config(4096, K, bits)]
+    return [
+        dict(BLOCK_N=n, UNROLL=u, SUB=sub, num_warps=w)
+        for n in (8, 16, 32)
+        for u in (1, 2)
+        for sub in (256, 512)
+        for w in (4, 8)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="SM version to compile for (90: H100/H200)")
+    parser.add_argument("--configs", choices=("default", "sweep"), default="default")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    args = parser.parse_args()
+    print(f"Triton {triton.__version__}, sm_{args.arch}, K = {K}, bf16 activations\n")
+    print("| format | block sizes | instructions per byte of codes | registers | stack bytes | in the loop |")
+    print("|---|---|---|---|---|---|")
+    for name in args.formats.split(","):
+        bits, group = FORMATS[name]
+        for config in configs(args.configs, bits):
+            count = compile_gemv(bits, group, config, args.arch)
+            per_byte = count.instructions / bytes_per_pass(bits, config)
+            top = ", ".join(f"{op} {n}" for op, n in count.by_opcode.most_common(6))
+            print(f"| {name} | {config} | {per_byte:.1f} | {count.registers} | {count.stack_bytes} | {top} |")
+
+
+if __name__ == "__main__":
+    main()
