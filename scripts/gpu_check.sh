@@ -22,6 +22,8 @@
 #   WHEELS   a folder of wheels to install offline (no index, no dependencies) into WORKDIR/site
 #            instead of `pip install -e .[test]`: for machines with torch but no network.
 #   LLM_STEPS, NEW_TOKENS, REPEATS: the LLM ladder's rows (default bf16,compile,int8,int4,spec-int4), 256, 3.
+#   DECODE_VARIANTS  the decode stage's weight formats and kernels, comma-separated (default: all of
+#            benchmarks/cuda_decode.py's), e.g. DECODE_VARIANTS="bf16,int8 triton,int4 g32 torch".
 #   SAM_ARGS, DIFFUSION_ARGS: more `genfast bench sam|diffusion` flags (split at spaces; they come
 #            last, so they override), e.g. SAM_ARGS="--batch-size 1 --steps original,baseline,compile".
 #   PYTEST_ARGS  more pytest arguments for the tests stage (split at spaces)
@@ -137,7 +139,10 @@ if "$python" -c 'import pytest_timeout' 2>/dev/null; then
 fi
 stage tests "CUDA tests" "${compile_threads[@]}" "$python" -m pytest -v -rfEs --tb=short -p no:cacheprovider tests/cuda \
     "${pytest_args[@]}"
-stage decode "A compiled decode step, Llama-2-7B shape cut to 4 blocks" "$python" benchmarks/cuda_decode.py
+decode_variants=()
+if [ -n "${DECODE_VARIANTS:-}" ]; then decode_variants=(--variants "$DECODE_VARIANTS"); fi
+stage decode "A compiled decode step, Llama-2-7B shape cut to 4 blocks" "$python" benchmarks/cuda_decode.py \
+    "${decode_variants[@]}"
 stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py --rows 1,8 --sweep
 ladder_steps=${LLM_STEPS:-bf16,compile,int8,int4,spec-int4}
 llm_ladder llama-2-7b "$ladder_steps"
