@@ -26,10 +26,11 @@ minima fp16 [N, K // group_size]. Two kernels:
   so the weight is still read once per BLOCK_M rows.
 
 Longer inputs (prefill) are compute-bound: the caller dequantizes and uses cuBLAS.
-The summation order depends on SUB (and, for one row, SPLIT_K: K cut into that many slices, one
-program each, whose fp32 partial sums are added in order afterwards, for matrices with few rows
-and many columns), never on the other block sizes, so eager and compiled code, which take the
-same configuration for the same shape, agree bit for bit.
+The summation order is fixed by the configuration: along K by SUB (and, for one row, SPLIT_K: K cut
+into that many slices, one program each, whose fp32 partial sums are added in order afterwards, for
+matrices with few rows and many columns), and in the last sum over a tile's lanes by the tile's
+layout, which BLOCK_N and num_warps can change. Eager and compiled code take the same
+configuration for the same shape, so they agree bit for bit.
 """
 
 from __future__ import annotations

@@ -64,8 +64,11 @@ def test_few_row_kernel_matches_the_dequantized_weight(bits, group, rows, dtype,
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
 def test_the_one_row_result_does_not_depend_on_the_other_block_sizes(bits, group, split_k):
-    """The summation order is the sub-block's and the split's: configurations that differ in
-    their other sizes give the same bits."""
+    """Along K the summation order is the sub-block's and the split's, so in the interpreter (which
+    sums a tile in one order whatever its layout) configurations that differ in their other sizes
+    give the same bits: their row blocks, masks and unrolled remainders cover the same products. On
+    a GPU the last sum over a tile's lanes follows its layout; tests/cuda checks eager against
+    compiled instead."""
     lin = layer(bits, group)
     x = torch.randn(1, 512, dtype=torch.bfloat16)
     configs = [dict(BLOCK_N=n, UNROLL=u, SUB=128, SPLIT_K=split_k, num_warps=4) for n, u in ((4, 1), (8, 2), (16, 4))]
