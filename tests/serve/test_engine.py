@@ -53,6 +53,22 @@ def test_requests_joining_and_leaving_match_single_request_generation(tiny_dir):
     engine.shutdown()
 
 
+def test_the_static_cache_path_that_cuda_takes_gives_the_single_request_tokens(tiny_dir):
+    """On CUDA every decode step reads the whole cache (fixed shapes for CUDA graphs), elsewhere
+    only up to the longest sequence: the CUDA path run here, on the CPU, against single requests
+    on the CPU's own path."""
+    want = single_request_outputs(*load_tiny(tiny_dir), PROMPTS, LENGTHS)
+    engine = Engine(*load_tiny(tiny_dir), max_batch=3, max_seq_len=128, compile=False)
+    engine.static_kv = True
+    engine.start()
+    try:
+        got = run_concurrently(engine, [GenerationRequest(tuple(p), n) for p, n in zip(PROMPTS, LENGTHS)])
+    finally:
+        engine.shutdown()
+    assert [r.error for r in got] == [None] * len(PROMPTS)
+    assert [r.token_ids for r in got] == want
+
+
 def test_a_request_that_fails_inside_the_scheduler_fails_alone_and_the_engine_serves_on(tiny_dir, monkeypatch):
     """A bug met while admitting a request or running a step fails the requests it touches with
     an "error" answer; the scheduler thread lives on (it died on an admission error, and every
