@@ -176,25 +176,40 @@ def kernel_dir() -> Path:
     return Path(os.environ.get("GENFAST_KERNEL_DIR") or genfast_home() / "kernels")
 
 
+def build_name(name: str, variant: Variant) -> str:
+    """The build's folder and library name: the kernel, its ISA and a digest of its sources, of
+    torch's version and of the compiler flags, so that any change builds anew. Raises OSError
+    where the sources are missing."""
+    # The headers variants share (e.g. qlinear.h) are part of every build's identity.
+    code = variant.path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
+    digest = hashlib.sha256(code + torch.__version__.encode() + " ".join(variant.cflags).encode())
+    return f"genfast_{name}_{variant.isa}_{digest.hexdigest()[:12]}"
+
+
 @cache
 def _build(name: str, variant: Variant, what: str) -> str | None:
     """Compile and load one variant (once per process); None when its ops are ready, else why not."""
     from torch.utils import cpp_extension
 
     try:
-        # The headers variants share (e.g. qlinear.h) are part of every build's identity.
-        code = variant.path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
+        full_name = build_name(name, variant)
     except OSError as exc:  # an install that did not ship the source
         log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
         return f"its source is missing: {exc}"
-    digest = hashlib.sha256(code + torch.__version__.encode() + " ".join(variant.cflags).encode())
-    full_name = f"genfast_{name}_{variant.isa}_{digest.hexdigest()[:12]}"
     build_dir = kernel_dir() / full_name
     build_dir.mkdir(parents=True, exist_ok=True)
     # One process builds, the others wait and load its library: tensor-parallel ranks start
     # together and would otherwise both compile into one directory.
     with open(kernel_dir() / f"{full_name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # cpp_extension marks a build in progress with a `lock` file in its folder and waits, with
+        # no limit, while one exists. A build that was killed (Ctrl-C during the first use) leaves
+        # it behind, and every later start would hang. Holding our lock, no other process builds
+        # here, so one found now is such a leftover.
+        stale = build_dir / "lock"
+        if stale.exists():
+            print(f"genfast: removing {stale}, left by an interrupted build", file=sys.stderr, flush=True)
+            stale.unlink()
         if not (build_dir / f"{full_name}.so").exists():
             print(
                 f"genfast: building the native {what} ({variant.isa}) into {build_dir} (once; ~10-60 s)",

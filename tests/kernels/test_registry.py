@@ -82,6 +82,30 @@ def test_a_missing_source_is_a_reason_not_an_error():
     assert ghost.unavailable_reason().startswith("its source is missing")
 
 
+def test_a_build_that_was_killed_does_not_leave_later_starts_waiting(tmp_path, monkeypatch):
+    """cpp_extension marks a build in progress with a `lock` file in its folder and waits, with no
+    limit, while one exists: a build killed half-way (Ctrl-C on the first use) left one behind,
+    and every later start hung at "building the native ..." (found when `genfast info` waited 5
+    minutes on this machine)."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("GENFAST_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    kernel = kernels.KERNELS[0]
+    variant = kernel.variants[-1]
+    folder = tmp_path / kernels.build_name(kernel.name, variant)
+    folder.mkdir()
+    (folder / "lock").touch()  # what the killed build left
+
+    def load(build_directory: str, **kwargs) -> None:
+        if (Path(build_directory) / "lock").exists():
+            pytest.fail("cpp_extension would wait for this lock forever")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert kernels._build.__wrapped__(kernel.name, variant, kernel.what) is None
+    assert kernels._LOADED[kernel.name] == variant.isa
+
+
 @pytest.mark.parametrize("kernel", kernels.KERNELS, ids=lambda k: k.name)
 def test_the_chosen_variant_builds_where_the_cpu_supports_it(kernel):
     """Where the CPU has a variant's instructions, a failed build is a bug, not a silent slow path."""
