@@ -15,7 +15,9 @@ CUDA: CUDA graphs remove the per-kernel launch cost of decode; coordinate-descen
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,4 +96,14 @@ def use_persistent_cache() -> None:
 
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(genfast_home() / "inductor" / hardware.code_target())
+        kept = genfast_home() / "inductor" / hardware.code_target()
+        try:
+            kept.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # e.g. a read-only home: compile into inductor's temporary folder
+            kept = Path(default_cache_dir()) / hardware.code_target()
+            print(
+                f"genfast: cannot write {genfast_home()} ({exc.strerror or exc}): compiled code goes to {kept} "
+                "and may not last; GENFAST_HOME names another folder",
+                file=sys.stderr,
+            )
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kept)

@@ -52,3 +52,30 @@ def test_info_says_how_many_cpus_other_work_keeps_busy(capsys, monkeypatch):
     assert cli.main(["info", "--no-bandwidth"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("other work now:"))
     assert "1.0 CPUs busy with other processes" in line and "would compute on 1 thread " in line
+
+
+def test_a_bandwidth_that_cannot_be_kept_is_still_measured(tmp_path, monkeypatch, capsys):
+    from genfast.bench import machine
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GENFAST_HOME", str(blocker / "home"))
+    monkeypatch.delenv("GENFAST_PEAK_BW_GBS", raising=False)
+    monkeypatch.setattr(machine, "measure_read_bandwidth", lambda device: 12.5e9)
+    assert machine.peak_read_bandwidth("cpu") == 12.5e9
+    assert f"cannot keep the measured bandwidth in {blocker / 'home'}" in capsys.readouterr().err
+
+
+def test_inductor_compiles_into_its_own_folder_where_genfast_home_cannot_be_written(tmp_path, monkeypatch, capsys):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from genfast import hardware
+    from genfast.compile import use_persistent_cache
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GENFAST_HOME", str(blocker / "home"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")  # restored afterwards
+    use_persistent_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(default_cache_dir(), hardware.code_target())
+    assert "compiled code goes to" in capsys.readouterr().err

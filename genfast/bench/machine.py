@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from typing import Any
 
@@ -62,8 +63,11 @@ def peak_read_bandwidth(device: torch.device | str, remeasure: bool = False) -> 
     if key in known and not remeasure:
         return known[key]
     known[key] = measure_read_bandwidth(device)
-    store.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(store, known, indent=1)
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(store, known, indent=1)
+    except OSError as exc:  # e.g. a read-only home: measured again next time
+        print(f"genfast: cannot keep the measured bandwidth in {store} ({exc.strerror or exc})", file=sys.stderr)
     return known[key]
 
 

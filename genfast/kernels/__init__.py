@@ -197,10 +197,16 @@ def _build(name: str, variant: Variant, what: str) -> str | None:
         log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
         return f"its source is missing: {exc}"
     build_dir = kernel_dir() / full_name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    # One process builds, the others wait and load its library: tensor-parallel ranks start
-    # together and would otherwise both compile into one directory.
-    with open(kernel_dir() / f"{full_name}.lock", "w") as lock:
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # One process builds, the others wait and load its library: tensor-parallel ranks start
+        # together and would otherwise both compile into one directory.
+        lock = open(kernel_dir() / f"{full_name}.lock", "w")  # noqa: SIM115 (closed by the with below)
+    except OSError as exc:  # e.g. a read-only home
+        why = f"cannot write {kernel_dir()} ({exc.strerror or exc}); GENFAST_KERNEL_DIR names another folder"
+        log.warning("genfast: native %s unavailable: %s; using the PyTorch path", what, why)
+        return why
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # cpp_extension marks a build in progress with a `lock` file in its folder and waits, with
         # no limit, while one exists. A build that was killed (Ctrl-C during the first use) leaves

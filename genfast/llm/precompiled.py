@@ -153,9 +153,18 @@ class PrecompiledSteps:
             return "another genfast process is compiling for this model; eager until it is done"
         if compile_missing == "never":
             return "no compiled steps saved for this model; eager"
+        try:
+            self.artifacts.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # e.g. a read-only home
+            return (
+                f"cannot save compiled steps in {self.artifacts.dir} ({exc.strerror or exc}), so none are "
+                "compiled: eager (GENFAST_HOME names another folder)"
+            )
         log = self.artifacts.dir / "compile.log"
         if compile_missing == "now":
             self.worker = self._spawn_worker()
+            if self.worker is None:
+                return "eager"
             return f"compiling in the background (log: {log}); eager until it is done"
         self._compile_after = True
         return f"no compiled steps saved yet: eager now, compiled in the background when this run ends (log: {log})"
@@ -246,16 +255,25 @@ class PrecompiledSteps:
 
         few_rows_kernel_available()
 
-    def _spawn_worker(self) -> subprocess.Popen:
-        """`python -m genfast.llm.precompiled SPEC`, detached: it outlives this process."""
-        self.artifacts.dir.mkdir(parents=True, exist_ok=True)
+    def _spawn_worker(self) -> subprocess.Popen | None:
+        """`python -m genfast.llm.precompiled SPEC`, detached: it outlives this process. None where
+        the steps cannot be saved (a read-only GENFAST_HOME): runs stay eager, and it says so."""
         params = asdict(self.params) if self.params is not None else None
         spec = {"load_args": self.load_args, "parts": self.parts, "key": self.artifacts.key, "params": params,
                 "steps": self.steps.reference}  # fmt: skip
-        fd, spec_path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=self.artifacts.dir)
-        with os.fdopen(fd, "w") as f:
-            json.dump(spec, f)
-        log = open(self.artifacts.dir / "compile.log", "ab")  # noqa: SIM115 (the child writes to it)
+        try:
+            self.artifacts.dir.mkdir(parents=True, exist_ok=True)
+            fd, spec_path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=self.artifacts.dir)
+            with os.fdopen(fd, "w") as f:
+                json.dump(spec, f)
+            log = open(self.artifacts.dir / "compile.log", "ab")  # noqa: SIM115 (the child writes to it)
+        except OSError as exc:
+            print(
+                f"genfast: cannot save compiled steps in {self.artifacts.dir} ({exc.strerror or exc}), so "
+                "none are compiled: runs stay eager (GENFAST_HOME names another folder)",
+                file=sys.stderr,
+            )
+            return None
         # One thread that sleeps when idle: a spinning OpenMP team beside an eager run on the same
         # cores cut its decode from 32 to 2 tok/s (2-core Xeon).
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TORCHINDUCTOR_COMPILE_THREADS": "1"}

@@ -106,6 +106,15 @@ def test_a_build_that_was_killed_does_not_leave_later_starts_waiting(tmp_path, m
     assert kernels._LOADED[kernel.name] == variant.isa
 
 
+def test_a_kernel_folder_genfast_cannot_write_is_a_reason_not_an_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GENFAST_KERNEL_DIR", str(blocker / "kernels"))
+    kernel = kernels.KERNELS[0]
+    why = kernels._build.__wrapped__(kernel.name, kernel.variants[-1], kernel.what)
+    assert why is not None and why.startswith(f"cannot write {blocker / 'kernels'}") and "GENFAST_KERNEL_DIR" in why
+
+
 @pytest.mark.parametrize("kernel", kernels.KERNELS, ids=lambda k: k.name)
 def test_the_chosen_variant_builds_where_the_cpu_supports_it(kernel):
     """Where the CPU has a variant's instructions, a failed build is a bug, not a silent slow path."""

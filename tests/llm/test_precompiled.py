@@ -212,3 +212,23 @@ def test_the_cli_compiles_in_the_background_then_starts_with_the_compiled_steps(
     listing = subprocess.run([sys.executable, "-m", "genfast", "cache", "list"], capture_output=True, text=True,
                              env=env, timeout=120)  # fmt: skip
     assert "compiled steps (1)" in listing.stdout and "llm generate: prefill and decode" in listing.stdout
+
+
+def test_a_home_genfast_cannot_write_leaves_runs_eager_and_says_what_is_not_kept(model_dir, tmp_path):
+    """A read-only GENFAST_HOME (a container's, say; here a file stands in the way) must not crash
+    a run that needs nothing from it: the run is eager, and each thing that could not be kept says
+    where it could not go. (Each of these was a traceback: the saved steps' folder after the
+    generated text, inductor's cache folder before any.)"""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    home = blocker / "home"
+    env = {**os.environ, "GENFAST_HOME": str(home), "GENFAST_KERNEL_DIR": str(home / "kernels")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    argv = [sys.executable, "-m", "genfast", "generate", "w3 w17 w5", "--model", str(model_dir), "--dtype",
+            "float32", "-n", "4"]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() and "Traceback" not in run.stderr
+    assert f"cannot write {home}" in run.stderr and "compiled code goes to" in run.stderr
+    assert f"cannot save compiled steps in {home}" in run.stderr
+    assert "compiled in the background" not in run.stderr  # nothing was planned that cannot be kept
