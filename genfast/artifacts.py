@@ -111,12 +111,25 @@ class Artifacts:
             self.discard(name, f"{path} could not be loaded ({type(e).__name__}: {str(e)[:200]})", log)
             return None
 
+    def try_save(self, name: str, compiled: Any, log: Callable[[str], None]) -> None:
+        """`save`, or say why not (a read-only GENFAST_HOME, a full disk): the compiled function
+        still serves this run, and the next run compiles it again."""
+        try:
+            self.save(name, compiled)
+        except OSError as exc:
+            why = exc.strerror or exc
+            log(f"genfast: cannot save the compiled {name} in {self.dir} ({why}): the next run compiles it again")
+
     def save(self, name: str, compiled: Any) -> None:
         """Write one aot-compiled function atomically, with a description of what it is for."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.path(name).with_suffix(f".tmp{os.getpid()}")
-        compiled.save_compiled_function(str(tmp))
-        tmp.replace(self.path(name))
+        try:
+            compiled.save_compiled_function(str(tmp))
+            tmp.replace(self.path(name))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         from genfast import kernels
 
         # What `load` must load first: every kernel any saved step may call. A later step can use

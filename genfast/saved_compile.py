@@ -191,7 +191,7 @@ class SavedForward:
             compiled = torch.compile(call_module, fullgraph=True, dynamic=False, options=options).aot_compile(
                 ((self.module, *args), dict(kwargs))
             )
-            store.save("forward", compiled)
+            store.try_save("forward", compiled, self.log)
         self.events.append(f"compiled in {ticker.seconds:.1f} s")
         return compiled
 

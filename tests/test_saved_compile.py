@@ -116,6 +116,31 @@ def test_the_kernels_to_load_first_grow_with_each_saved_step(monkeypatch):
     assert store.saved_description()["what"] == "two steps"
 
 
+def test_a_step_that_cannot_be_saved_serves_its_run_and_says_so(tmp_path, monkeypatch):
+    """A read-only GENFAST_HOME or a full disk: saving fails, the compiled function is kept for the
+    run (the callers return it), a half-written file is removed, and the log says why."""
+
+    class Compiled:
+        def save_compiled_function(self, path: str) -> None:
+            with open(path, "wb") as f:
+                f.write(b"half")
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("GENFAST_HOME", str(tmp_path / "home"))
+    store = artifacts.Artifacts("steps", {"what": "a step"})
+    messages: list[str] = []
+    store.try_save("decode", Compiled(), messages.append)
+    why = "(No space left on device): the next run compiles it again"
+    assert messages == [f"genfast: cannot save the compiled decode in {store.dir} {why}"]
+    assert list(store.dir.iterdir()) == []  # no half-written artifact left
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GENFAST_HOME", str(blocker / "home"))
+    unwritable = artifacts.Artifacts("steps", {"what": "a step"})
+    unwritable.try_save("decode", Compiled(), messages.append)
+    assert messages[-1].startswith(f"genfast: cannot save the compiled decode in {unwritable.dir}")
+
+
 @torch._dynamo.allow_in_graph
 class InGraphBlock(Block):
     """A class marked allow-in-graph, as diffusers marks its transformer blocks."""

@@ -246,7 +246,7 @@ class PrecompiledSteps:
             compiled = torch.compile(
                 self.steps.functions[name], fullgraph=True, dynamic=False, options=options
             ).aot_compile(((self.model, *example, *self.extra), {}))
-        self.artifacts.save(name, compiled)
+        self.artifacts.try_save(name, compiled, self.log)
         return compiled
 
     def _load_kernels(self) -> None:
