@@ -88,6 +88,11 @@ def check_outputs(paths: Sequence[Path], force: bool) -> None:
             raise UserError(f"directory {path.parent} does not exist; create it first or write elsewhere")
         if path.exists() and not force:
             raise UserError(f"{path} already exists; pass --force to overwrite it")
+        try:  # a file made and removed: permissions and read-only mounts, whoever runs this (root too)
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {path.parent} is not writable ({e.strerror or e})") from e
 
 
 def write_files(files: Mapping[Path, bytes], force: bool) -> None:
@@ -98,6 +103,7 @@ def write_files(files: Mapping[Path, bytes], force: bool) -> None:
     mode = _new_file_mode()
     staged: list[tuple[str, Path]] = []
     created: list[Path] = []
+    path = next(iter(files), None)  # the output being written, for the error
     try:
         for path, data in files.items():
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -114,7 +120,7 @@ def write_files(files: Mapping[Path, bytes], force: bool) -> None:
         for path in created:
             path.unlink(missing_ok=True)
         if isinstance(e, OSError):
-            raise UserError(f"cannot write {e.filename or 'the outputs'}: {e.strerror or e}") from e
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from e
         raise
     finally:
         for tmp, _ in staged:

@@ -277,6 +277,7 @@ def test_existing_outputs_need_force_and_stay_untouched(files, tmp_path, capsys)
         (["-o", "{d}/o.png", "--overlay", "{d}/x.png", "--no-overlay"], "not both"),
         (["-o", "{d}/o.jpg"], "writes images as PNG; name it"),  # PNG bytes under a .jpg name
         (["-o", "{d}/o.png", "--overlay", "{d}/o.webp"], "writes images as PNG; name it"),
+        (["-o", "/proc/o.png"], "/proc is not writable"),  # before any work, even for root
     ],
 )
 def test_output_path_errors(files, tmp_path, capsys, args, message):
