@@ -18,6 +18,7 @@ import numpy as np
 from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
 
 from genfast.errors import UserError
+from genfast.files import check_outputs
 
 
 def load_image(path: str | Path) -> np.ndarray:
@@ -71,28 +72,6 @@ def check_png_names(paths: Sequence[Path]) -> None:
     for path in paths:
         if path.suffix and path.suffix.lower() != ".png":
             raise UserError(f"{path}: genfast writes images as PNG; name it {path.with_suffix('.png')}")
-
-
-def check_outputs(paths: Sequence[Path], force: bool) -> None:
-    """Fail before any work if an output cannot be written: duplicate paths, a directory in the way,
-    a missing parent directory, or an existing file without --force."""
-    seen: set[Path] = set()
-    for path in paths:
-        key = path.resolve()
-        if key in seen:
-            raise UserError(f"{path} is named for two different outputs; give each output its own file")
-        seen.add(key)
-        if path.is_dir():
-            raise UserError(f"{path} is a directory; give a file name for the output")
-        if not path.parent.is_dir():
-            raise UserError(f"directory {path.parent} does not exist; create it first or write elsewhere")
-        if path.exists() and not force:
-            raise UserError(f"{path} already exists; pass --force to overwrite it")
-        try:  # a file made and removed: permissions and read-only mounts, whoever runs this (root too)
-            with tempfile.TemporaryFile(dir=path.parent):
-                pass
-        except OSError as e:
-            raise UserError(f"cannot write {path}: {path.parent} is not writable ({e.strerror or e})") from e
 
 
 def write_files(files: Mapping[Path, bytes], force: bool) -> None:

@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from genfast.bench.table import check_writable, median, report
+from genfast.bench.table import median, report
 from genfast.errors import UserError
-from genfast.files import write_json_atomic
+from genfast.files import check_outputs, write_json_atomic
 from genfast.recipe import Plan, Recipe, Target
 from genfast.startup import since_launch
 
@@ -141,7 +141,7 @@ def run(ladder: Ladder, args: argparse.Namespace) -> int:
         print(ladder.recipe.describe(Target(device, dtype_name(args.dtype))))
         return 0
     if args.json_path:
-        check_writable(args.json_path, args.force)
+        check_outputs([Path(args.json_path)], args.force)
     steps = ladder.steps(args.steps)
     if args.threads:
         torch.set_num_threads(args.threads)  # so the machine line matches the rows

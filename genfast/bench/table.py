@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from genfast.bench.machine import describe_machine
-from genfast.errors import UserError
 from genfast.files import write_json_atomic
 
 
@@ -46,13 +45,3 @@ def report(
     print(f"\n{footnote} Machine: {describe_machine(info)}.")
     if json_path:
         write_json_atomic(json_path, rows)
-
-
-def check_writable(path: str | Path, force: bool) -> Path:
-    """Fail early (before a long run) if `path` exists and --force was not given."""
-    path = Path(path)
-    if path.exists() and not force:
-        raise UserError(f"{path} already exists; pass --force to overwrite it")
-    if not path.parent.exists():
-        raise UserError(f"directory {path.parent} does not exist")
-    return path

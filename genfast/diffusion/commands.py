@@ -23,6 +23,7 @@ import torch
 
 from genfast import images
 from genfast.errors import UserError
+from genfast.files import check_outputs
 
 RANDOM_ARCHS = {"tiny-sd15": "sd15", "tiny-sdxl": "sdxl", "tiny-pixart": "pixart"}
 RANDOM_WEIGHTS_WARNING = "random weights (--random-weights): for smoke tests and timing only; the image is noise"
@@ -65,7 +66,7 @@ def imagine_command(args: argparse.Namespace) -> int:
     size = parse_size(args.size) if args.size is not None else None
     output = Path(args.output).expanduser()
     images.check_png_names([output])  # fail before the slow part
-    images.check_outputs([output], args.force)
+    check_outputs([output], args.force)
     device = resolve_device(args.device)
     plan = RECIPE.plan(args.recipe, Target(device, dtype_name(args.dtype)))
     recipe = plan.settings

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -165,11 +166,12 @@ def _log(message: str, end: str = "\n") -> None:
 
 def eval_ppl_command(args: argparse.Namespace) -> int:
     """`genfast eval ppl`: one summary line on stdout, optional JSON (never over a file unasked)."""
-    from genfast.bench.table import check_writable
-    from genfast.files import write_json_atomic
+    from genfast.files import check_outputs, write_json_atomic
     from genfast.llm.session import load_for_command, plan
 
-    json_path = check_writable(args.json_path, args.force) if args.json_path else None
+    json_path = Path(args.json_path) if args.json_path else None
+    if json_path is not None:
+        check_outputs([json_path], args.force)
     settings = plan(args.recipe, args.device, args.dtype, args.quant, compile=False).settings  # scored eagerly
     loaded = load_for_command(args, settings, _log)
     dtype = loaded.dtype_label()

@@ -38,6 +38,7 @@ import torch
 from genfast import __version__
 from genfast import images as image_files
 from genfast.errors import UserError
+from genfast.files import check_outputs
 from genfast.hardware import synchronize
 from genfast.sam import images
 from genfast.sam.masks import box_xyxy_to_xywh, mask_to_rle, masks_to_boxes
@@ -284,7 +285,7 @@ def segment_command(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     multimask_outputs = 3 if args.multimask else 1  # every SAM checkpoint makes 3 (checked below)
     paths = _output_paths(args, multimask_outputs)
-    image_files.check_outputs(paths.files(), args.force)  # fail before the slow part
+    check_outputs(paths.files(), args.force)  # fail before the slow part
     image = image_files.load_image(args.image)
     height, width = image.shape[:2]
     check_prompt_inside(prompt, height, width)
