@@ -171,7 +171,10 @@ def _hf_tokenizer(path: Path) -> Tokenizer:
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise UserError(f"{path} has no tokenizer.json (genfast reads fast-tokenizer files only)")
-    backend = Backend.from_file(str(tok_file))
+    try:
+        backend = Backend.from_file(str(tok_file))
+    except Exception as exc:  # tokenizers raises plain Exceptions for unreadable files
+        raise UserError(f"cannot read {tok_file} (truncated or not a tokenizer.json?): {exc}") from exc
     config = _json_or_empty(path / "tokenizer_config.json")
     gen_config = _json_or_empty(path / "generation_config.json")
 
@@ -294,7 +297,12 @@ def _end_of_turn_ids(backend: Any) -> set[int]:
 
 
 def _json_or_empty(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {path}: {exc}") from exc
 
 
 def _as_set(value: Any) -> set[int]:

@@ -127,3 +127,19 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
         assert ours.encode(text) == ref(text).input_ids, text
         assert ours.decode(ours.encode(text)) == ref.decode(ref(text).input_ids, skip_special_tokens=True)
     assert ours.add_bos and ours.bos_id == 1 and 2 in ours.stop_ids
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+def test_a_damaged_tokenizer_file_is_a_clear_error_naming_it(tmp_path, name):
+    """A truncated download or a hand-edited file: the error names the file (a JSON traceback, or
+    tokenizers' bare "expected value at line 1 column 1", before)."""
+    from genfast.errors import UserError
+    from tests.llm.hf_fixtures import word_tokenizer
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    word_tokenizer(64).save(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 1}')
+    text = (tmp_path / name).read_text() if (tmp_path / name).is_file() else "{}"
+    (tmp_path / name).write_text(text[: len(text) // 2])
+    with pytest.raises(UserError, match=f"cannot read {tmp_path / name}"):
+        load_tokenizer(tmp_path)
