@@ -109,7 +109,15 @@ def load_sam_state_dict(path: str | Path) -> dict[str, Tensor]:
     try:
         state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt zip, pickle with code, truncated file: all the user's to fix
-        raise UserError(f"cannot read SAM checkpoint {str(path)!r}: {e}") from e
+        # torch's message for a pickle it will not run suggests weights_only=False (not advice to pass
+        # on) around the one line that says what it met, e.g. "Unsupported operand 110"
+        boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation")
+        detail = [line for line in str(e).splitlines() if line.strip() and not line.startswith(boilerplate)]
+        detail = detail or [type(e).__name__]
+        raise UserError(
+            f"cannot read SAM checkpoint {str(path)!r}: not a state dict genfast can load without running code "
+            f"from the file (truncated, corrupt, or another format): {detail[0][:300]}"
+        ) from e
     if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
         raise UserError(
             f"{str(path)!r} is not a SAM checkpoint: expected a state dict of tensors, got {type(state_dict).__name__}"
