@@ -11,6 +11,8 @@ from __future__ import annotations
 import inspect
 import json
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +77,26 @@ def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: torch.
     else:
         source = model
     try:
-        pipe = diffusers.DiffusionPipeline.from_pretrained(source, torch_dtype=dtype)
+        with _transformers_errors_only():
+            pipe = diffusers.DiffusionPipeline.from_pretrained(source, dtype=dtype)
     except (OSError, ValueError) as e:
         where = "the directory's components" if looks_local else f"hub id {model!r} (is the hub reachable?)"
         raise UserError(f"could not load a diffusers pipeline from {where}: {str(e).splitlines()[0]}") from e
     return pipe.to(device)
+
+
+@contextmanager
+def _transformers_errors_only() -> Iterator[None]:
+    """Loading a pipeline imports transformers' image processors, which warn on every run that
+    torchvision is missing and they fall back to PIL: nothing genfast uses, nothing to act on."""
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
 
 
 def _byte_symbols() -> list[str]:

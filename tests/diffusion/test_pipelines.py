@@ -96,3 +96,21 @@ def test_building_a_tiny_pipeline_leaves_no_files_behind(tmp_path, monkeypatch):
     pipe = tiny_pipeline("sdxl")
     assert list(tmp_path.iterdir()) == []
     assert pipe.tokenizer("a cat").input_ids == [512, 353, 99, 97, 372, 513]
+
+
+def test_loading_a_saved_pipeline_prints_no_library_noise(tmp_path):
+    """Every `genfast imagine` printed a diffusers FutureWarning (torch_dtype) and two transformers
+    notes about torchvision, none of which a user can act on. In a fresh process: those notes come
+    once per process."""
+    import os
+    import subprocess
+    import sys
+
+    from genfast.diffusion.pipelines import tiny_pipeline
+
+    tiny_pipeline("sd15").save_pretrained(tmp_path / "sd15")
+    code = f"from genfast.diffusion.pipelines import load_pipeline; load_pipeline({str(tmp_path / 'sd15')!r})"
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "Warning" not in run.stderr and "[transformers]" not in run.stderr, run.stderr
