@@ -30,7 +30,7 @@ def write_json_atomic(path: str | Path, data: Any, indent: int = 2) -> None:
 
 def check_outputs(paths: Sequence[Path], force: bool) -> None:
     """Fail before any work if an output cannot be written: duplicate paths, a directory in the way,
-    a missing parent directory, or an existing file without --force."""
+    a parent directory that is missing or not writable, or an existing file without --force."""
     seen: set[Path] = set()
     for path in paths:
         key = path.resolve()

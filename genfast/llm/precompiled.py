@@ -164,7 +164,7 @@ class PrecompiledSteps:
         if compile_missing == "now":
             self.worker = self._spawn_worker()
             if self.worker is None:
-                return "eager"
+                return "the background compile could not start; eager"
             return f"compiling in the background (log: {log}); eager until it is done"
         self._compile_after = True
         return f"no compiled steps saved yet: eager now, compiled in the background when this run ends (log: {log})"
