@@ -94,10 +94,10 @@ def test_bench_sam_refuses_to_overwrite_json(tiny_config, tmp_path, capsys):
     assert out.read_text() == "keep" and "--force" in capsys.readouterr().err
 
 
-
 def test_bench_refuses_a_json_path_it_cannot_write_before_the_run(tiny_config, capsys):
     assert cli.main(["bench", "sam", "--config", str(tiny_config), "--json", "/proc/rows.json"]) == 2
     assert "cannot write /proc/rows.json: /proc is not writable" in capsys.readouterr().err
+
 
 def test_agreement_and_images():
     images, source = bench_images(3)
