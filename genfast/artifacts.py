@@ -165,7 +165,7 @@ class Artifacts:
             lock.unlink(missing_ok=True)  # left by a process that died
             return self.try_lock()
         with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
+            f.write(f"{os.getpid()} {_started(os.getpid()) or ''}".strip())
         return True
 
     def unlock(self) -> None:
@@ -178,12 +178,24 @@ class Artifacts:
 
 
 def _holder_alive(lock: Path) -> bool:
+    """Whether the process that wrote `lock` ("PID [START]") still runs: a live process with that
+    pid is not enough, since after a reboot or a long uptime another process can have it (and
+    runs would stay eager, "another process is compiling", for as long as that one lives)."""
     try:
-        pid = int(lock.read_text() or "0")
-        os.kill(pid, 0)
+        pid, *start = lock.read_text().split()
+        os.kill(int(pid), 0)
     except (OSError, ValueError):
         return False
-    return True
+    return not start or _started(int(pid)) in (None, start[0])
+
+
+def _started(pid: int) -> str | None:
+    """When process `pid` started, in clock ticks after boot (Linux; None elsewhere)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the command name before ")" may hold spaces
 
 
 def entries() -> list[dict[str, Any]]:

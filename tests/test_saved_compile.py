@@ -141,6 +141,25 @@ def test_a_step_that_cannot_be_saved_serves_its_run_and_says_so(tmp_path, monkey
     assert messages[-1].startswith(f"genfast: cannot save the compiled decode in {unwritable.dir}")
 
 
+def test_a_compile_lock_whose_pid_another_process_now_has_is_stale(tmp_path, monkeypatch):
+    """A worker killed (or a reboot) leaves compiling.lock; when its pid later belongs to another
+    process, runs said "another genfast process is compiling" and stayed eager while that lived."""
+    import os
+
+    monkeypatch.setenv("GENFAST_HOME", str(tmp_path))
+    store = artifacts.Artifacts("key", {"what": "a step"})
+    assert store.try_lock() and store.compiling()  # held by this live process
+    started = artifacts._started(os.getpid())
+    # The same pid, now a process that started later: the lock's holder is gone.
+    monkeypatch.setattr(artifacts, "_started", lambda pid: str(int(started or 0) + 1))
+    assert not store.compiling()
+    assert store.try_lock()  # the stale lock is taken over
+    monkeypatch.undo()
+    store.unlock()
+    (store.dir / "compiling.lock").write_text(str(os.getpid()))  # a lock from before start times
+    assert store.compiling()
+
+
 @torch._dynamo.allow_in_graph
 class InGraphBlock(Block):
     """A class marked allow-in-graph, as diffusers marks its transformer blocks."""
