@@ -82,7 +82,6 @@ def write_files(files: Mapping[Path, bytes], force: bool) -> None:
     mode = _new_file_mode()
     staged: list[tuple[str, Path]] = []
     created: list[Path] = []
-    path = next(iter(files), None)  # the output being written, for the error
     try:
         for path, data in files.items():
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -96,10 +95,11 @@ def write_files(files: Mapping[Path, bytes], force: bool) -> None:
             if not existed:
                 created.append(path)
     except BaseException as e:
-        for path in created:
-            path.unlink(missing_ok=True)
+        failed = path  # the output being staged or renamed
+        for done in created:
+            done.unlink(missing_ok=True)
         if isinstance(e, OSError):
-            raise UserError(f"cannot write {path}: {e.strerror or e}") from e
+            raise UserError(f"cannot write {failed}: {e.strerror or e}") from e
         raise
     finally:
         for tmp, _ in staged:

@@ -297,7 +297,7 @@ def test_a_failed_write_leaves_nothing_behind(files, tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(images.os, "replace", fail_second)
     assert segment(files, "--point", "1,1", "-o", str(tmp_path / "o.png"), "--json", str(tmp_path / "o.json")) == 2
-    assert_one_line_error(capsys, "No space left on device")
+    assert_one_line_error(capsys, f"cannot write {calls[1]}: No space left on device")
     assert len(calls) == 2 and list(tmp_path.iterdir()) == []
 
 
