@@ -29,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from genfast.kernels.qlinear_triton import _gemv, gemv_config, sub_block
+from genfast.kernels.qlinear_triton import _gemv, gemv_config, gemv_launch
 
 SIGNATURE = {
     "x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*bf16",
@@ -49,13 +49,8 @@ class LoopCount:
 
 def compile_gemv(bits: int, group: int | None, config: dict, arch: int) -> LoopCount:
     """Compile the one-row kernel as `qlinear` launches it for a K-wide input and count its loop."""
-    config = dict(config)
-    group_size = group or K
-    gs, ng = sub_block(K, group_size, config.pop("SUB"))
-    num_warps = config.pop("num_warps")
-    config.pop("SPLIT_K", None)
-    constants = dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, LANES=gs // 2 if bits == 4 else gs,
-                     PER_ROW=group_size >= K, **config)  # fmt: skip
+    constants, _, _ = gemv_launch(K, bits, group or K, {**config, "SPLIT_K": 1})
+    num_warps = constants.pop("num_warps")
     signature = dict(SIGNATURE, **dict.fromkeys(constants, "constexpr"))
     divisible = {(i,): [["tt.divisibility", 16]] for i in range(len(SIGNATURE))}
     source = ASTSource(_gemv, signature, constants, divisible)

@@ -201,6 +201,17 @@ def gemv_config(n: int, k: int, bits: int) -> dict[str, int]:
     return {"BLOCK_N": 16, "UNROLL": 2, "SUB": 512, "num_warps": 8}
 
 
+def gemv_launch(k: int, bits: int, group_size: int, config: dict[str, int]) -> tuple[dict[str, int], int, int]:
+    """The one-row kernel's launch keywords (its constants and num_warps) for a K-wide input from
+    `config` (gemv_config's keys, SPLIT_K optional), the slices K is cut into and their width."""
+    config = dict(config)
+    gs, ng = sub_block(k, group_size, config.pop("SUB"))
+    splits, k_split = k_splits(k, gs * ng, config.pop("SPLIT_K", 1))
+    lanes = gs // 2 if bits == 4 else gs
+    constants = dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, LANES=lanes, PER_ROW=group_size >= k, **config)
+    return constants, splits, k_split
+
+
 def gemm_config(m: int, n: int, k: int, bits: int) -> dict[str, int]:
     """Block sizes for a few rows: all of them in one BLOCK_M where possible (the weight is read
     once per BLOCK_M rows); for 8 rows of Llama-2-7B's int8 linears on an H100, 32 output rows of
@@ -218,15 +229,12 @@ def qlinear(
     m, k = x.shape
     n = codes.shape[0]
     if m == 1:
-        config = dict(config or gemv_config(n, k, bits))
-        gs, ng = sub_block(k, group_size, config.pop("SUB"))
-        splits, k_split = k_splits(k, gs * ng, config.pop("SPLIT_K", 1))
+        constants, splits, k_split = gemv_launch(k, bits, group_size, config or gemv_config(n, k, bits))
         # Several splits of K: fp32 partial sums, added in a fixed order (no atomics: the same bits every run).
         out = torch.empty(splits, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-        grid = (triton.cdiv(n, config["BLOCK_N"]), splits)
+        grid = (triton.cdiv(n, constants["BLOCK_N"]), splits)
         wrap_triton(_gemv)[grid](x, codes, scales, mins, out, n, k, k_split, codes.stride(0), scales.stride(0),
-                                 BITS=bits, GROUP=group_size, GS=gs, NG=ng, LANES=gs // 2 if bits == 4 else gs,
-                                 PER_ROW=group_size >= k, **config)  # fmt: skip
+                                 **constants)  # fmt: skip
         if splits == 1:
             return out
         total = out[0:1]
