@@ -156,10 +156,7 @@ class PrecompiledSteps:
         try:
             self.artifacts.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # e.g. a read-only home
-            return (
-                f"cannot save compiled steps in {self.artifacts.dir} ({exc.strerror or exc}), so none are "
-                "compiled: eager (GENFAST_HOME names another folder)"
-            )
+            return self._cannot_save(exc)
         log = self.artifacts.dir / "compile.log"
         if compile_missing == "now":
             self.worker = self._spawn_worker()
@@ -255,6 +252,12 @@ class PrecompiledSteps:
 
         few_rows_kernel_available()
 
+    def _cannot_save(self, exc: OSError) -> str:
+        return (
+            f"cannot save compiled steps in {self.artifacts.dir} ({exc.strerror or exc}), so none are compiled: "
+            "eager (GENFAST_HOME names another folder)"
+        )
+
     def _spawn_worker(self) -> subprocess.Popen | None:
         """`python -m genfast.llm.precompiled SPEC`, detached: it outlives this process. None where
         the steps cannot be saved (a read-only GENFAST_HOME): runs stay eager, and it says so."""
@@ -267,12 +270,8 @@ class PrecompiledSteps:
             with os.fdopen(fd, "w") as f:
                 json.dump(spec, f)
             log = open(self.artifacts.dir / "compile.log", "ab")  # noqa: SIM115 (the child writes to it)
-        except OSError as exc:
-            print(
-                f"genfast: cannot save compiled steps in {self.artifacts.dir} ({exc.strerror or exc}), so "
-                "none are compiled: runs stay eager (GENFAST_HOME names another folder)",
-                file=sys.stderr,
-            )
+        except OSError as exc:  # e.g. a full disk
+            print(f"genfast: {self._cannot_save(exc)}", file=sys.stderr)
             return None
         # One thread that sleeps when idle: a spinning OpenMP team beside an eager run on the same
         # cores cut its decode from 32 to 2 tok/s (2-core Xeon).
