@@ -162,7 +162,7 @@ def sweep_one_row(shapes: list[tuple[int, int]]) -> None:
     the best three, and the best that does not split K."""
     from itertools import product
 
-    from genfast.kernels.qlinear_triton import qlinear
+    from genfast.kernels.qlinear_triton import qlinear, store_codes
 
     print("| out x in | format | block sizes | us per call | weight GB/s | vs bf16 (cuBLAS) |")
     print("|---|---|---|---|---|---|")
@@ -176,7 +176,7 @@ def sweep_one_row(shapes: list[tuple[int, int]]) -> None:
         print(f"| {n} x {k} | bf16 (cuBLAS) | | {bf16_us:.1f} | {weight.nbytes / bf16_us / 1e3:.0f} | 1 |")
         for bits, group in ((8, None), (4, 32), (4, 128)):
             q = quantize(weight, bits, group)
-            codes = pack_nibbles(q.codes) if bits == 4 else q.codes
+            codes = store_codes(q.codes, bits)
             stored = [(codes.clone(), q.scales.clone(), q.mins.clone()) for _ in range(copies)]
             nbytes = stored_bytes([q])
             label = f"int{bits} {f'g{group}' if group else 'per channel'}"
@@ -201,7 +201,7 @@ def sweep(shape: str, rows: int) -> None:
     """The Triton kernels' block sizes, one block's linears per format, best first."""
     from itertools import product
 
-    from genfast.kernels.qlinear_triton import qlinear
+    from genfast.kernels.qlinear_triton import qlinear, store_codes
 
     torch.manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in SHAPES[shape]]
@@ -217,7 +217,7 @@ def sweep(shape: str, rows: int) -> None:
     print(f"| {shape} | bf16 (cuBLAS) | {rows} | | {bf16:.3f} | {nbytes / bf16 / 1e6:.0f} |")
     for bits, group in ((8, None), (4, 32), (4, 128)):
         qweights = [quantize(w, bits, group) for w in weights]
-        stored = [(pack_nibbles(q.codes) if bits == 4 else q.codes, q.scales, q.mins, q.group_size) for q in qweights]
+        stored = [(store_codes(q.codes, bits), q.scales, q.mins, q.group_size) for q in qweights]
         nbytes = stored_bytes(qweights)
         label = f"int{bits} {f'g{group}' if group else 'per channel'}"
         timed = []

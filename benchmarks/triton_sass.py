@@ -29,11 +29,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from genfast.kernels.qlinear_triton import _gemv, gemv_config, gemv_launch
+from genfast.kernels.qlinear_triton import _gemm, _gemv, gemm_config, gemm_launch, gemv_config, gemv_launch
 
+# As `qlinear` launches it for bf16 activations (x cast to fp32 before, the output in bf16).
 SIGNATURE = {
-    "x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*bf16",
-    "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_codes": "i32", "stride_grid": "i32",
+    "x_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*bf16",
+    "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_codes": "i32", "stride_grid": "i32", "exponent": "i32",
 }  # fmt: skip
 FORMATS = {"int8 per channel": (8, None), "int4 g32": (4, 32), "int4 g128": (4, 128), "int8 g64": (8, 64)}
 K = 4096  # Llama-2-7B's hidden size: every linear but the down projection
@@ -47,15 +48,38 @@ class LoopCount:
     stack_bytes: int  # spilled registers live there
 
 
+def compile_for(kernel, signature: dict, constants: dict, arch: int):
+    """`kernel` compiled for sm_`arch` (no GPU needed) with `constants` (num_warps among them),
+    its pointer and integer arguments marked divisible by 16, as Triton's launcher specializes them
+    for these shapes."""
+    constants = dict(constants)
+    num_warps = constants.pop("num_warps")
+    divisible = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
+    source = ASTSource(kernel, dict(signature, **dict.fromkeys(constants, "constexpr")), constants, divisible)
+    options = {"num_warps": num_warps, "enable_fp_fusion": True}  # Triton's default before 3.10
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def codes_type(bits: int) -> str:
+    return "*u8" if bits == 8 else "*i32"  # int4: words (qlinear_triton.store_codes)
+
+
+def compile_gemm(bits: int, group: int | None, dtype: str, rows: int, arch: int):
+    """The few-row kernel as `qlinear` launches it for `rows` rows of a K-wide input in `dtype`
+    ("bf16", "fp16" or "fp32"), compiled: what a GPU would build first."""
+    constants = gemm_launch(K, bits, group or K, gemm_config(rows, K, K, bits))
+    signature = {
+        "x_ptr": f"*{dtype}", "codes_ptr": codes_type(bits), "scales_ptr": "*fp16", "mins_ptr": "*fp16",
+        "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_out": "i32",
+        "stride_codes": "i32", "stride_grid": "i32",
+    }  # fmt: skip
+    return compile_for(_gemm, signature, dict(constants, IEEE=dtype == "fp32"), arch)
+
+
 def compile_gemv(bits: int, group: int | None, config: dict, arch: int) -> LoopCount:
     """Compile the one-row kernel as `qlinear` launches it for a K-wide input and count its loop."""
     constants, _, _ = gemv_launch(K, bits, group or K, {**config, "SPLIT_K": 1})
-    num_warps = constants.pop("num_warps")
-    signature = dict(SIGNATURE, **dict.fromkeys(constants, "constexpr"))
-    divisible = {(i,): [["tt.divisibility", 16]] for i in range(len(SIGNATURE))}
-    source = ASTSource(_gemv, signature, constants, divisible)
-    options = {"num_warps": num_warps, "enable_fp_fusion": True}  # Triton's default before 3.10
-    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    kernel = compile_for(_gemv, dict(SIGNATURE, codes_ptr=codes_type(bits)), constants, arch)
     with tempfile.TemporaryDirectory() as folder:
         cubin = os.path.join(folder, "gemv.cubin")
         with open(cubin, "wb") as f:

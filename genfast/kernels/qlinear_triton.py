@@ -1,26 +1,34 @@
-"""Weight-only int8/int4 linear on CUDA: Triton kernels over genfast's storage form of the codes.
+"""Weight-only int8/int4 linear on CUDA: Triton kernels over the codes of `genfast.quant.grids`.
 
 Decode at batch 1 is a matrix-vector product that must stream the weight at the memory's rate.
 torch's own CUDA kernels do not for these formats (benchmarks/cuda_linear.py on an H100:
 `_weight_int8pack_mm` ~100 GB/s; tinygemm's int4 at groups of 32 ~800 GB/s against cuBLAS bf16's
-~1.8 TB/s), so the codes are read here directly, in the form `genfast.quant.grids` stores them:
+~1.8 TB/s), so the codes are read here directly:
 
     w[n, k] = u[n, k] * scale[n, g] + min[n, g],   g = k // group_size
 
-with u one byte each (int8) or two per byte, even column in the low nibble (int4), and scales and
-minima fp16 [N, K // group_size]. Two kernels:
+with scales and minima fp16 [N, K // group_size] and the codes u stored (`store_codes`) as
+- int8: one byte each, [N, K], the storage form itself;
+- int4: int32 words, [N, K / 8]. Each 32 columns of a row are four words; nibble j of word i holds
+  column 4j + i. A thread then reads a block's 32 codes in one 16-byte load, and takes code j of
+  all four words with the same mask: no byte shuffles, and the columns it multiplies are 4
+  contiguous ones per nibble.
+
+Two kernels:
 
 - `_gemv`: one row. Each program owns BLOCK_N output rows and walks K in sub-blocks of SUB columns
-  (NG groups of GS columns, a scale and minimum each, held as a third tile dimension so a small
-  group never shrinks the loads); the products accumulate element-wise in fp32 and
-  are summed once at the end, so the loop is loads and fused multiply-adds only. Codes become floats
-  through the exponent trick (the byte OR-ed into 2^23's bits, minus 2^23), two full-rate ops
-  instead of a quarter-rate integer conversion. With one scale per row (int8's default) the loop
-  multiplies the codes alone and the scale and minimum are applied once per row at the end
-  (s sum u x + m sum x). The loop is bound by instruction issue before memory on an H100 (its 132
-  SMs issue 128 thread-instructions per cycle each; streaming 3 TB/s needs ~12 bytes of codes per
-  SM and cycle), so what counts is instructions per byte of codes: `benchmarks/triton_sass.py`
-  compiles the kernel for sm_90 without a GPU and counts them.
+  (NG groups of GS columns: a scale each for int8, 32-column blocks for int4; held as a third tile
+  dimension so a small group never shrinks the loads). The products accumulate element-wise in
+  fp32 and are summed once at the end, so the loop is loads and fused multiply-adds. Codes become
+  floats through the exponent trick (OR-ed under the exponent of a power of two, minus that power),
+  two full-rate ops instead of a quarter-rate integer conversion. Per group the loop multiplies the
+  codes alone and scales their sum (one scale per row: once at the end); the minima's part,
+  sum_g min[n, g] * (sum of x over group g), comes after the loop. x is read in fp32 (the caller
+  casts it: inside a compiled step that cast fuses into the op that made x), which saves a
+  conversion per product. The loop is bound by instruction issue before memory on an H100 (its
+  132 SMs issue 128 thread-instructions per cycle each; streaming 3 TB/s needs ~12 bytes of codes
+  per SM and cycle), so what counts is instructions per byte of codes:
+  `benchmarks/triton_sass.py` compiles the kernel for sm_90 without a GPU and counts them.
 - `_gemm`: a few rows (speculative verification, a serving batch, short prefills):
   each sub-block is dequantized to the activations' dtype in registers and multiplied with tl.dot,
   so the weight is still read once per BLOCK_M rows.
@@ -50,22 +58,29 @@ def _as_float(u):
 
 
 @triton.jit
-def _sub_block_grid(scales_ptr, mins_ptr, rows, row_ok, k, stride_grid, GROUP: tl.constexpr, GS: tl.constexpr,
-                    NG: tl.constexpr):  # fmt: skip
-    """The scales and minima of a sub-block's NG groups of GS columns, [BLOCK_N, NG, 1] in fp32."""
-    grid = rows[:, None] * stride_grid + ((k + tl.arange(0, NG) * GS) // GROUP)[None, :]
-    scale = tl.load(scales_ptr + grid, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    low = tl.load(mins_ptr + grid, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    return scale[:, :, None], low[:, :, None]
+def _nibble(words, j: tl.constexpr, exponent):
+    """Code j (bits 4j..4j+3, j <= 4) of int32 words as fp32, exactly and without a shift: OR-ed
+    under the exponent of 2**(23 - 4j), whose last mantissa bit is worth 2**(4j - 4j) = 1 there,
+    it gives 2**(23 - 4j) + code. `exponent` is 2**23's (0x4B000000), passed at run time: as a
+    second immediate beside the mask it would cost ptxas a second LOP3 per code."""
+    bits = (words & (15 << (4 * j))) | (exponent - ((4 * j) << 23))
+    return bits.to(tl.float32, bitcast=True) - (2.0 ** (23 - 4 * j))
 
 
 @triton.jit
-def _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, mins_ptr, rows, row_ok, k, stride_codes, stride_grid,
+def _grid_tile(grid_ptr, rows, row_ok, k, stride_grid, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr):
+    """The scales (or minima) of a sub-block's NG groups of GS columns, [BLOCK_N, NG, 1] in fp32."""
+    grid = rows[:, None] * stride_grid + ((k + tl.arange(0, NG) * GS) // GROUP)[None, :]
+    return tl.load(grid_ptr + grid, mask=row_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+
+
+@triton.jit
+def _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k, stride_codes, stride_grid, exponent,
               BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr,
               LANES: tl.constexpr, PER_ROW: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_N, NG, LANES] += one sub-block's products: NG groups of GS columns from column k
-    (LANES: GS bytes of int8 codes, GS / 2 of int4). PER_ROW (one scale and minimum per row): the
-    codes' products alone, scaled once at the end."""
+    """acc [BLOCK_N, NG, LANES] += the scaled products of the codes of one sub-block from column k
+    (int8: NG groups of GS columns, a lane per column; int4: NG blocks of 32 columns, a lane per
+    word) with x, without the minima. PER_ROW (one scale per row): unscaled, scaled at the end."""
     group = tl.arange(0, NG)[None, :, None]
     lane = tl.arange(0, LANES)[None, None, :]
     row_codes = codes_ptr + rows[:, None, None] * stride_codes
@@ -73,31 +88,25 @@ def _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, mins_ptr, rows, row_ok, k, stri
     # as one row, Triton gives it a layout of its own and moves the codes (or x) through shared
     # memory at every step (benchmarks/triton_sass.py counts the instructions).
     x_rows = x_ptr + tl.zeros_like(rows)[:, None, None]
-    if BITS == 4:  # a lane per byte: columns 2j (low nibble) and 2j + 1
-        b = tl.load(row_codes + (k // 2 + group * LANES + lane), mask=row_ok[:, None, None], other=0).to(tl.int32)
-        column = k + group * GS + 2 * lane
-        x_even = tl.load(x_rows + column).to(tl.float32)
-        x_odd = tl.load(x_rows + column + 1).to(tl.float32)
-        codes_dot = _as_float(b & 0xF) * x_even + _as_float(b >> 4) * x_odd
-        if PER_ROW:
-            acc += codes_dot
-        else:  # (u0 s + m) x0 + (u1 s + m) x1 = s (u0 x0 + u1 x1) + m (x0 + x1)
-            scale, low = _sub_block_grid(scales_ptr, mins_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
-            acc += scale * codes_dot + low * (x_even + x_odd)
+    if BITS == 4:  # code j of word `lane` is column 4j + lane of its block
+        words = tl.load(row_codes + (k // 8 + group * 4 + lane), mask=row_ok[:, None, None], other=0)
+        high = words >> 12  # codes 5..7 to bits 8..19, where _nibble reads codes 2..4
+        columns = x_rows + k + group * 32 + lane
+        codes_dot = _nibble(words, 0, exponent) * tl.load(columns).to(tl.float32)
+        for j in tl.static_range(1, 8):
+            code = _nibble(words, j, exponent) if j < 5 else _nibble(high, j - 3, exponent)
+            codes_dot += code * tl.load(columns + 4 * j).to(tl.float32)
     else:
         column = tl.max_contiguous(tl.multiple_of(k + group * GS + lane, [1, 1, LANES]), [1, 1, LANES])
         u = _as_float(tl.load(row_codes + column, mask=row_ok[:, None, None], other=0).to(tl.int32))
-        x = tl.load(x_rows + column).to(tl.float32)
-        if PER_ROW:
-            acc += u * x
-        else:
-            scale, low = _sub_block_grid(scales_ptr, mins_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
-            acc += scale * (u * x) + low * x
-    return acc
+        codes_dot = u * tl.load(x_rows + column).to(tl.float32)
+    if PER_ROW:
+        return acc + codes_dot
+    return acc + _grid_tile(scales_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG) * codes_dot
 
 
 @triton.jit
-def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride_codes, stride_grid,
+def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride_codes, stride_grid, exponent,
           BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr, LANES: tl.constexpr,
           BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PER_ROW: tl.constexpr):  # fmt: skip
     """Program (i, j): rows i * BLOCK_N.., columns j * K_SPLIT.. up to K_SPLIT of them, its sum
@@ -105,26 +114,35 @@ def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     acc = tl.zeros([BLOCK_N, NG, LANES], dtype=tl.float32)
-    sub = GS * NG
+    sub: tl.constexpr = GS * NG
     block_k = sub * UNROLL
     begin = tl.program_id(1) * K_SPLIT
     end = tl.minimum(begin + K_SPLIT, K)
     whole = end - (end - begin) % block_k
     for k0 in range(begin, whole, block_k):
         for j in tl.static_range(UNROLL):
-            acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, mins_ptr, rows, row_ok, k0 + j * sub, stride_codes,
-                            stride_grid, BITS, GROUP, GS, NG, LANES, PER_ROW)  # fmt: skip
+            acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k0 + j * sub, stride_codes, stride_grid,
+                            exponent, BITS, GROUP, GS, NG, LANES, PER_ROW)  # fmt: skip
     for k in range(whole, end, sub):
-        acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, mins_ptr, rows, row_ok, k, stride_codes, stride_grid,
+        acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k, stride_codes, stride_grid, exponent,
                         BITS, GROUP, GS, NG, LANES, PER_ROW)  # fmt: skip
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if PER_ROW:  # sum_k (u s + m) x_k = s sum_k u x_k + m sum_k x_k, over this program's columns
-        x_sum = tl.zeros([GS * NG], dtype=tl.float32)
+    # The minima's part, sum_g min[n, g] * sum_{k in g} x_k over this program's columns, after the
+    # loop: inside it, each product would add the minimum's share (an instruction per code).
+    if PER_ROW:
+        x_sum = tl.zeros([sub], dtype=tl.float32)
         for k in range(begin, end, sub):
-            x_sum += tl.load(x_ptr + k + tl.arange(0, GS * NG)).to(tl.float32)
+            x_sum += tl.load(x_ptr + k + tl.arange(0, sub)).to(tl.float32)
         scale = tl.load(scales_ptr + rows * stride_grid, mask=row_ok, other=0.0).to(tl.float32)
         low = tl.load(mins_ptr + rows * stride_grid, mask=row_ok, other=0.0).to(tl.float32)
         total = scale * total + low * tl.sum(x_sum, axis=0)
+    else:  # per 32-column block (a group holds whole blocks)
+        blocks = tl.arange(0, sub // 32)
+        for k in range(begin, end, sub):
+            x_blocks = tl.load(x_ptr + k + blocks[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.float32)
+            grid = rows[:, None] * stride_grid + ((k + blocks * 32) // GROUP)[None, :]
+            low = tl.load(mins_ptr + grid, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            total += tl.sum(low * tl.sum(x_blocks, axis=1)[None, :], axis=1)
     out = out_ptr + tl.program_id(1) * N + rows
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=row_ok)
 
@@ -143,42 +161,63 @@ def _gemm(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, M, N, K, stride_x, st
     row_codes = codes_ptr + rows[:, None, None] * stride_codes
     x_rows = x_ptr + tokens[:, None] * stride_x
     for k in range(0, K, SUB):
-        scale, low = _sub_block_grid(scales_ptr, mins_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
-        if BITS == 4:  # the even and the odd columns as two products of half the width
-            lane = tl.arange(0, GS // 2)[None, None, :]
-            b = tl.load(row_codes + (k // 2 + group * (GS // 2) + lane), mask=row_ok[:, None, None], other=0)
-            b = b.to(tl.int32)
-            w_even = tl.reshape((_as_float(b & 0xF) * scale + low).to(dtype), [BLOCK_N, SUB // 2])
-            w_odd = tl.reshape((_as_float(b >> 4) * scale + low).to(dtype), [BLOCK_N, SUB // 2])
-            column = k + 2 * tl.arange(0, SUB // 2)[None, :]
-            x_even = tl.load(x_rows + column, mask=token_ok[:, None], other=0.0)
-            x_odd = tl.load(x_rows + column + 1, mask=token_ok[:, None], other=0.0)
-            if IEEE:
-                acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
-                acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
-            else:
-                acc += tl.dot(x_even, tl.trans(w_even))
-                acc += tl.dot(x_odd, tl.trans(w_odd))
+        scale = _grid_tile(scales_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
+        low = _grid_tile(mins_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
+        if BITS == 4:  # NG blocks of 32 columns (GS = 32), four words each: code j of word i is column 4j + i
+            words = tl.load(row_codes + (k // 8 + group * 4 + tl.arange(0, 4)[None, None, :]),
+                            mask=row_ok[:, None, None], other=0)  # fmt: skip
+            shifts = 4 * tl.arange(0, 8)[None, None, :, None]
+            u = _as_float((words[:, :, None, :] >> shifts) & 0xF)  # [BLOCK_N, NG, 8, 4]: columns in order
+            w = tl.reshape((u * scale[:, :, :, None] + low[:, :, :, None]).to(dtype), [BLOCK_N, SUB])
         else:
             lane = tl.arange(0, GS)[None, None, :]
             u = tl.load(row_codes + (k + group * GS + lane), mask=row_ok[:, None, None], other=0)
-            w = tl.reshape((_as_float(u.to(tl.int32)) * scale + low).to(dtype), [BLOCK_N, SUB])
-            x = tl.load(x_rows + k + tl.arange(0, SUB)[None, :], mask=token_ok[:, None], other=0.0)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+            u = _as_float(u.to(tl.int32))
+            w = tl.reshape((u * scale + low).to(dtype), [BLOCK_N, SUB])
+        x = tl.load(x_rows + k + tl.arange(0, SUB)[None, :], mask=token_ok[:, None], other=0.0)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
     out = out_ptr + tokens[:, None] * stride_out + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
 
 
-def sub_block(k: int, group_size: int, cap: int) -> tuple[int, int]:
+def store_codes(codes: Tensor, bits: int) -> Tensor:
+    """The kernels' form of codes [N, K] (uint8, K a multiple of 32; the module docstring): int8 as
+    they are, int4 as int32 words [N, K / 8]."""
+    if bits == 8:
+        return codes.contiguous()
+    n, k = codes.shape
+    shifts = 4 * torch.arange(8, device=codes.device, dtype=torch.int64).view(1, 1, 8, 1)
+    nibbles = codes.reshape(n, k // 32, 8, 4).to(torch.int64) << shifts  # [row, block, j, word]
+    words = nibbles.sum(dim=2)  # the nibbles' bits do not overlap: the sum is their OR
+    words = torch.where(words >= 2**31, words - 2**32, words)  # as int32's two's complement
+    return words.to(torch.int32).reshape(n, k // 8)
+
+
+def load_codes(stored: Tensor, bits: int) -> Tensor:
+    """Inverse of `store_codes`: codes [N, K] as uint8."""
+    if bits == 8:
+        return stored
+    n, words = stored.shape
+    shifts = 4 * torch.arange(8, device=stored.device, dtype=torch.int64).view(1, 1, 8, 1)
+    unsigned = stored.to(torch.int64).reshape(n, words // 4, 1, 4) & 0xFFFFFFFF
+    return ((unsigned >> shifts) & 0xF).to(torch.uint8).reshape(n, words * 8)
+
+
+# 2**23's exponent bits, an argument of `_gemv` (see `_nibble`).
+EXPONENT_OF_2_23 = 150 << 23
+
+
+def sub_block(k: int, group_size: int, cap: int, bits: int) -> tuple[int, int]:
     """A sub-block's groups (GS columns each, one scale) and how many (NG): the widest power of two
-    up to `cap` columns that divides K and lies within a group or spans whole groups."""
+    up to `cap` columns that divides K and lies within a group or spans whole groups. int4's are
+    read as blocks of 32 columns (a scale each, read per block), the words' unit."""
     sub = cap
     while k % sub or (group_size % sub and sub % group_size):
         sub //= 2
-    gs = min(sub, group_size)
+    gs = 32 if bits == 4 else min(sub, group_size)
     return gs, sub // gs
 
 
@@ -191,11 +230,12 @@ def k_splits(k: int, sub: int, wanted: int) -> tuple[int, int]:
 def gemv_config(n: int, k: int, bits: int) -> dict[str, int]:
     """Block sizes for one row, 16 output rows per program. Chosen by the loop's instructions per
     byte of codes, counted by `benchmarks/triton_sass.py` for sm_90 with Triton 3.6 (torch 2.11's,
-    the one the H100 ran): int8 per channel 4.9 at one 512-column sub-block per step and 4 warps
-    (18.8 for the previous kernel at its swept best, 8 rows, which streamed 1.65 TB/s in a decode
-    step on an H100, ~93% of what issuing 18.8 instructions per byte allows); int4 in groups of 32
-    23.0 at two 512-column sub-blocks per step and 8 warps (26.2 before: ~1.05 TB/s). Not yet timed
-    on a GPU: `benchmarks/cuda_linear.py --sweep` times these against the other configurations."""
+    the one the H100 ran): int8 per channel 4.6 at one 512-column sub-block per step and 4 warps
+    (18.8 for the kernel before, at its swept best, which streamed 1.65 TB/s in a decode step on
+    an H100, ~93% of what issuing 18.8 instructions per byte allows); int4 in groups of 32 8.7 at
+    two 512-column sub-blocks per step and 8 warps, each thread loading whole 16-byte blocks (26.2
+    before the word layout: ~1.05 TB/s). Not yet timed on a GPU: `benchmarks/cuda_linear.py
+    --sweep` times these against the other configurations."""
     if bits == 8:
         return {"BLOCK_N": 16, "UNROLL": 1, "SUB": 512, "num_warps": 4}
     return {"BLOCK_N": 16, "UNROLL": 2, "SUB": 512, "num_warps": 8}
@@ -205,11 +245,19 @@ def gemv_launch(k: int, bits: int, group_size: int, config: dict[str, int]) -> t
     """The one-row kernel's launch keywords (its constants and num_warps) for a K-wide input from
     `config` (gemv_config's keys, SPLIT_K optional), the slices K is cut into and their width."""
     config = dict(config)
-    gs, ng = sub_block(k, group_size, config.pop("SUB"))
+    gs, ng = sub_block(k, group_size, config.pop("SUB"), bits)
     splits, k_split = k_splits(k, gs * ng, config.pop("SPLIT_K", 1))
-    lanes = gs // 2 if bits == 4 else gs
+    lanes = 4 if bits == 4 else gs  # int4: a lane per word
     constants = dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, LANES=lanes, PER_ROW=group_size >= k, **config)
     return constants, splits, k_split
+
+
+def gemm_launch(k: int, bits: int, group_size: int, config: dict[str, int]) -> dict[str, int]:
+    """The few-row kernel's launch keywords (its constants but IEEE, and num_warps) for a K-wide
+    input, from `config` (gemm_config's keys)."""
+    config = dict(config)
+    gs, ng = sub_block(k, group_size, config.pop("SUB"), bits)
+    return dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, SUB=gs * ng, **config)
 
 
 def gemm_config(m: int, n: int, k: int, bits: int) -> dict[str, int]:
@@ -224,8 +272,8 @@ def qlinear(
     x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor, bits: int, group_size: int, config: dict | None = None
 ) -> Tensor:
     """x [M, K] (K padded to whole groups; fp32, bf16 or fp16, contiguous) times the quantized
-    weight [N, K] transposed: [M, N] in x's dtype. Meant for few rows: a long input re-reads the
-    weight once per 64 rows (QuantLinear sends those to cuBLAS)."""
+    weight [N, K] transposed, its codes in `store_codes`' form: [M, N] in x's dtype. Meant for few
+    rows: a long input re-reads the weight once per 64 rows (QuantLinear sends those to cuBLAS)."""
     m, k = x.shape
     n = codes.shape[0]
     if m == 1:
@@ -233,21 +281,19 @@ def qlinear(
         # Several splits of K: fp32 partial sums, added in a fixed order (no atomics: the same bits every run).
         out = torch.empty(splits, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
         grid = (triton.cdiv(n, constants["BLOCK_N"]), splits)
-        wrap_triton(_gemv)[grid](x, codes, scales, mins, out, n, k, k_split, codes.stride(0), scales.stride(0),
-                                 **constants)  # fmt: skip
+        wrap_triton(_gemv)[grid](x.float(), codes, scales, mins, out, n, k, k_split, codes.stride(0),
+                                 scales.stride(0), EXPONENT_OF_2_23, **constants)  # fmt: skip
         if splits == 1:
             return out
         total = out[0:1]
         for j in range(1, splits):  # one add after another: eager and inductor's fused kernel add alike
             total = total + out[j : j + 1]
         return total.to(x.dtype)
-    config = dict(config or gemm_config(m, n, k, bits))
-    gs, ng = sub_block(k, group_size, config.pop("SUB"))
+    constants = gemm_launch(k, bits, group_size, config or gemm_config(m, n, k, bits))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]))
+    grid = (triton.cdiv(n, constants["BLOCK_N"]), triton.cdiv(m, constants["BLOCK_M"]))
     wrap_triton(_gemm)[grid](x, codes, scales, mins, out, m, n, k, x.stride(0), out.stride(0), codes.stride(0),
-                             scales.stride(0), BITS=bits, GROUP=group_size, GS=gs, NG=ng, SUB=gs * ng,
-                             IEEE=x.dtype == torch.float32, **config)  # fmt: skip
+                             scales.stride(0), IEEE=x.dtype == torch.float32, **constants)  # fmt: skip
     return out
 
 

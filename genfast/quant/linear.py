@@ -9,8 +9,9 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
   Weight-only layers quantize activations to int8 per block of 32, dynamic ones per token; both
   variants compute the same integer sums.
 - "triton", CUDA where Triton is installed (it ships with torch's CUDA wheels), weight-only int8
-  and int4 of any group size: genfast/kernels/qlinear_triton.py reads the storage form's codes
-  directly, one pass over the weight for up to 64 rows; longer inputs dequantize and use cuBLAS.
+  and int4 of any group size: genfast/kernels/qlinear_triton.py reads the codes directly (int4 in
+  a word layout of its own), one pass over the weight for up to 64 rows; longer inputs dequantize
+  and use cuBLAS.
 - "int4pack", CUDA without Triton (compute capability 8.0+), int4 with bf16 activations: torch's
   tinygemm kernel (`_weight_int4pack_mm`), which wants w = (u - 8) * scale + zero per group.
 - "int8pack", CUDA without Triton, weight-only int8 with one scale per output channel: the codes
@@ -158,6 +159,10 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(qweight))
         elif self.kernel == "int8pack":
             self.register_buffer("weight_int8", (qweight.codes ^ 0x80).view(torch.int8).contiguous())  # u - 128
+        elif self.kernel == "triton":
+            from genfast.kernels import qlinear_triton
+
+            self.register_buffer("codes", qlinear_triton.store_codes(qweight.codes, self.bits))
         else:
             codes = pack_nibbles(qweight.codes) if self.bits == 4 else qweight.codes
             self.register_buffer("codes", codes.contiguous())
@@ -185,6 +190,10 @@ class QuantLinear(nn.Module):
             scales, mins = self.scales, self.mins
         elif self.kernel == "int8pack":
             codes, scales, mins = self.weight_int8.view(torch.uint8) ^ 0x80, self.scales, self.mins
+        elif self.kernel == "triton":
+            from genfast.kernels import qlinear_triton
+
+            codes, scales, mins = qlinear_triton.load_codes(self.codes, self.bits), self.scales, self.mins
         else:
             codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
             scales, mins = self.scales, self.mins

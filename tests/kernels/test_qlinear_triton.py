@@ -109,23 +109,55 @@ def test_quant_linear_runs_its_triton_kernel_with_bias_and_leading_dimensions(sh
     assert relative_error(got, want) < 1e-6
 
 
-COUNT_LOOP = """
+def test_int4_codes_are_stored_as_words_of_four_columns_per_nibble():
+    """Nibble j of word i of a 32-column block holds the block's column 4j + i (the layout
+    `_gemv` reads: one 16-byte load per block, the same mask for a code of every word)."""
+    codes = torch.zeros(2, 64, dtype=torch.uint8)
+    codes[1, 32 + 4 * 7 + 2] = 0xF  # second block, nibble 7 of word 2 (the sign bit's nibble)
+    codes[0, 4 * 1 + 3] = 0x5  # first block, nibble 1 of word 3
+    words = qlinear_triton.store_codes(codes, 4)
+    assert words.dtype == torch.int32 and words.shape == (2, 8)
+    expected = torch.zeros(2, 8, dtype=torch.int64)
+    expected[1, 4 + 2] = 0xF << 28
+    expected[0, 3] = 0x5 << 4
+    assert torch.equal(words.to(torch.int64) & 0xFFFFFFFF, expected)
+    every = torch.randint(0, 16, (5, 256), dtype=torch.uint8)
+    assert torch.equal(qlinear_triton.load_codes(qlinear_triton.store_codes(every, 4), 4), every)
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
+def test_quant_linear_gives_back_its_canonical_codes(bits, group):
+    want = quantize(torch.randn(37, 512).mul(0.05), bits, group)
+    lin = QuantLinear(want, kernel="triton")
+    back = lin.quantized_weight()
+    assert torch.equal(back.codes, want.codes) and torch.equal(back.scales, want.scales)
+
+
+COUNT_LOOPS = """
 import json, sys
 sys.path.insert(0, "benchmarks")
 import triton_sass
 from genfast.kernels.qlinear_triton import gemv_config
-count = triton_sass.compile_gemv(8, None, gemv_config(4096, 4096, 8), 90)
-print(json.dumps({"per_byte": count.instructions / triton_sass.bytes_per_pass(8, gemv_config(4096, 4096, 8)),
-                  "opcodes": sorted(count.by_opcode), "stack": count.stack_bytes}))
+counts = {}
+for bits, group in ((8, None), (4, 32)):
+    config = gemv_config(4096, 4096, bits)
+    count = triton_sass.compile_gemv(bits, group, config, 90)
+    counts[bits] = {"per_byte": count.instructions / triton_sass.bytes_per_pass(bits, config),
+                    "opcodes": sorted(count.by_opcode), "stack": count.stack_bytes}
+    for dtype in ("bf16", "fp16", "fp32"):  # the few-row kernel builds for sm_90 too
+        triton_sass.compile_gemm(bits, group, dtype, 8, 90)
+print(json.dumps(counts))
 """
 
 
-def test_the_int8_one_row_loop_compiles_for_sm90_to_few_instructions_per_byte():
-    """Decode's int8 product is bound by instruction issue on an H100 (docs/performance.md): the
-    per-row kernel's loop, compiled for sm_90 by Triton's own ptxas (no GPU needed; the
-    interpreter off in that process), stays under 6 instructions per byte of codes (4.9 with
-    Triton 3.6 and 3.9; the kernel before took 11.4-18.8), without a layout conversion (shared
-    memory, barriers) or spills inside the loop."""
+def test_the_one_row_loops_compile_for_sm90_to_few_instructions_per_byte():
+    """Decode's int8/int4 products are bound by instruction issue on an H100 (docs/performance.md):
+    the one-row kernel's loops, compiled for sm_90 by Triton's own ptxas (no GPU needed; the
+    interpreter off in that process), stay under 6 instructions per byte of codes for int8 per
+    channel (4.6 with Triton 3.6 and 3.9; the kernel before took 11.4-18.8) and under 10 for int4
+    in groups of 32 (8.7; 20.6-26.2 before the word layout), without a layout conversion (shared
+    memory, barriers) or spills inside the loop. The few-row kernel is compiled too, for each
+    activation dtype: what Triton's interpreter cannot show is whether a kernel builds for a GPU."""
     import json
     import os
     import subprocess
@@ -134,9 +166,11 @@ def test_the_int8_one_row_loop_compiles_for_sm90_to_few_instructions_per_byte():
 
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-c", COUNT_LOOP], cwd=root, env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", COUNT_LOOPS], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    count = json.loads(out.stdout.splitlines()[-1])
-    assert count["per_byte"] < 6, count
-    assert not [op for op in count["opcodes"] if op.startswith(("LDS", "STS", "BAR"))], count
-    assert count["stack"] == 0
+    counts = json.loads(out.stdout.splitlines()[-1])
+    for bits, bound in (("8", 6), ("4", 10)):
+        count = counts[bits]
+        assert count["per_byte"] < bound, count
+        assert not [op for op in count["opcodes"] if op.startswith(("LDS", "STS", "BAR"))], count
+        assert count["stack"] == 0
