@@ -433,7 +433,12 @@ class Engine:
     def start(self) -> Engine:
         if self._thread is None:
             release_openmp_workers()
-            self._thread = threading.Thread(target=self._run, name="genfast-engine", daemon=True)
+            # The scheduler computes on as many threads as the thread that starts it. A new thread
+            # would take the count that any thread set last (torch keeps one for the process and a
+            # new thread adopts it), which another engine, or a chat following other work, may
+            # have lowered meanwhile.
+            threads = torch.get_num_threads()
+            self._thread = threading.Thread(target=self._run, args=(threads,), name="genfast-engine", daemon=True)
             self._thread.start()
         return self
 
@@ -585,7 +590,8 @@ class Engine:
                 self._slots[i] = None
                 self._finish_cancelled(seq.ticket, seq.generated, seq.stream.text)
 
-    def _run(self) -> None:
+    def _run(self, threads: int) -> None:
+        torch.set_num_threads(threads)
         try:
             self._schedule()
         finally:

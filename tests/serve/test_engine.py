@@ -448,6 +448,25 @@ def test_a_long_prompt_does_not_stall_the_running_requests(tiny_dir):
     engine.shutdown(timeout=0)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_scheduler_computes_on_the_thread_count_of_the_thread_that_started_it(tiny_dir):
+    """torch keeps one thread count per process that a new thread adopts: the one set last by
+    any thread. Another thread's lower count (an earlier engine's that followed other work) must
+    not become the scheduler's; the suite's 'follows other work' test failed so once."""
+    seen: list[int] = []
+    with threads_restored():
+        torch.set_num_threads(2)
+        other = threading.Thread(target=torch.set_num_threads, args=(1,))
+        other.start()
+        other.join()
+        engine = Engine(*load_tiny(tiny_dir), max_batch=2, compile=False)
+        engine._follow_other_work = lambda: seen.append(torch.get_num_threads())  # runs on the scheduler
+        engine.start()
+        engine.generate(GenerationRequest(tuple(PROMPTS[0]), 2))
+        engine.shutdown()
+    assert seen and set(seen) == {2}
+
+
 @needs_proc
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_the_scheduler_follows_other_work_that_starts_and_stops(tiny_dir, monkeypatch):
