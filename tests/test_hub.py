@@ -2,6 +2,7 @@
 
 import io
 import shutil
+import stat
 import urllib.error
 import zipfile
 from pathlib import Path
@@ -30,7 +31,7 @@ def test_unknown_model_is_a_clear_error():
         hub.resolve_model("no-such-model")
 
 
-def test_hub_id_downloads_into_cache_atomically(tmp_path, monkeypatch):
+def test_hub_id_downloads_into_cache_atomically(tmp_path, monkeypatch, umask_022):
     """snapshot_download is replaced by a copy of a local tiny checkpoint."""
     source = save_hf_model(make_hf_model("smollm"), tmp_path / "fixture")
     calls = []
@@ -49,6 +50,7 @@ def test_hub_id_downloads_into_cache_atomically(tmp_path, monkeypatch):
     load_model(path)  # a complete checkpoint
     assert hub.resolve_model("someorg/tiny-llama") == path and len(calls) == 1  # cached now
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no staging left
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755  # a folder as mkdir makes it, not mkdtemp's 0700
 
 
 def test_hub_id_offline_is_a_clear_error(monkeypatch):
@@ -145,7 +147,7 @@ def tiny_sam_checkpoint(tmp_path, monkeypatch) -> tuple[Path, str]:
     return source, digest
 
 
-def test_pull_sam_downloads_verifies_and_caches(tiny_sam_checkpoint, capsys):
+def test_pull_sam_downloads_verifies_and_caches(tiny_sam_checkpoint, capsys, umask_022):
     from genfast.cli import main
     from genfast.sam.build import load_sam_checkpoint
 
@@ -158,6 +160,7 @@ def test_pull_sam_downloads_verifies_and_caches(tiny_sam_checkpoint, capsys):
     assert hub.resolve_sam_checkpoint("vit_b") == target == hub.resolve_sam_checkpoint(None)
     load_sam_checkpoint(target)
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temp file left
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644  # not mkstemp's 0600
 
     def no_network(url):
         pytest.fail("fetched again")

@@ -141,7 +141,7 @@ def run(ladder: Ladder, args: argparse.Namespace) -> int:
         print(ladder.recipe.describe(Target(device, dtype_name(args.dtype))))
         return 0
     if args.json_path:
-        check_outputs([Path(args.json_path)], args.force)
+        check_outputs([Path(args.json_path)], args.force, inputs=[getattr(args, "model", None)])
     steps = ladder.steps(args.steps)
     if args.threads:
         torch.set_num_threads(args.threads)  # so the machine line matches the rows

@@ -66,7 +66,7 @@ def imagine_command(args: argparse.Namespace) -> int:
     size = parse_size(args.size) if args.size is not None else None
     output = Path(args.output).expanduser()
     images.check_png_names([output])  # fail before the slow part
-    check_outputs([output], args.force)
+    check_outputs([output], args.force, inputs=[args.model])
     device = resolve_device(args.device)
     plan = RECIPE.plan(args.recipe, Target(device, dtype_name(args.dtype)))
     recipe = plan.settings

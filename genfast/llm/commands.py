@@ -16,6 +16,7 @@ import torch
 from genfast import __version__
 from genfast.bench.machine import peak_read_bandwidth
 from genfast.errors import UserError
+from genfast.files import make_public
 from genfast.hardware import DTYPES
 from genfast.hub import publish_directory, resolve_model
 from genfast.llm.checkpoint import QUANTIZED_FILE, checkpoint_format, read_model_args
@@ -347,7 +348,7 @@ def quantize_command(args: argparse.Namespace) -> int:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    staging.chmod(0o755)  # mkdtemp's 0700 would make the published directory private
+    make_public(staging)
     try:
         save_quantized(loaded.model, staging / QUANTIZED_FILE, metadata, float_dtype=DTYPES[args.dtype])
         loaded.tokenizer.save(staging)

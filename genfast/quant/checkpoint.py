@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from genfast.errors import UserError
+from genfast.files import make_public
 from genfast.nn import ExpertLinear
 from genfast.quant.grids import QuantizedWeight, check_group_size, pack_nibbles, unpack_nibbles
 from genfast.quant.linear import QuantExpertLinear, QuantLinear, quantized_layer, replace_linears
@@ -72,6 +73,7 @@ def save_quantized(
     tensors = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
     staging = path.with_name(f".{path.name}.partial")
     save_file(tensors, str(staging), metadata=header)
+    make_public(staging)  # safetensors writes it 0600
     os.replace(staging, path)
 
 

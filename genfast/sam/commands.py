@@ -285,7 +285,7 @@ def segment_command(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     multimask_outputs = 3 if args.multimask else 1  # every SAM checkpoint makes 3 (checked below)
     paths = _output_paths(args, multimask_outputs)
-    check_outputs(paths.files(), args.force)  # fail before the slow part
+    check_outputs(paths.files(), args.force, inputs=[args.image, args.checkpoint])  # before the slow part
     image = image_files.load_image(args.image)
     height, width = image.shape[:2]
     check_prompt_inside(prompt, height, width)

@@ -1,5 +1,7 @@
 """Quantized LLMs: GGUF blocks loaded as they are, `genfast quantize` output directories, --quant."""
 
+import stat
+
 import pytest
 import torch
 
@@ -71,13 +73,16 @@ def greedy(model_spec: str, **load_args) -> list[int]:
 
 @pytest.mark.parametrize("mode,flags,scheme", [("int8", [], "int8"), ("int4", ["--group-size", "64"], "int4-g64+int8")])
 def test_quantize_writes_a_directory_that_loads_to_the_same_model(
-    mode, flags, scheme, tiny_model_dir, tmp_path, capsys
+    mode, flags, scheme, tiny_model_dir, tmp_path, capsys, umask_022
 ):
     out = tmp_path / "q"
     assert (
         main(["quantize", "-m", str(tiny_model_dir), "--mode", mode, "-o", str(out), "--dtype", "float32", *flags]) == 0
     )
     assert f"({scheme}," in capsys.readouterr().out
+    # As plain files and folders would be, not mkdtemp's 0700 or safetensors' 0600.
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [out, *out.iterdir()]}
+    assert modes == {"q": 0o755, **{p.name: 0o644 for p in out.iterdir()}}
     loaded = load(str(out), "cpu", "float32")
     assert loaded.quant == scheme
     assert loaded.tokenizer.encode(PROMPT) == word_tokenizer(256).encode(PROMPT)

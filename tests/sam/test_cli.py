@@ -286,6 +286,26 @@ def test_output_path_errors(files, tmp_path, capsys, args, message):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("which", ["mask", "overlay", "json", "linked"])
+def test_no_output_may_overwrite_the_input_image_even_with_force(files, tmp_path, capsys, which):
+    image = tmp_path / "photo.png"
+    image.write_bytes(files["image"].read_bytes())
+    outputs = {
+        "mask": ["-o", str(image)],
+        "overlay": ["-o", str(tmp_path / "m.png"), "--overlay", str(image)],
+        "json": ["-o", str(tmp_path / "m.png"), "--json", str(image)],
+        "linked": ["-o", str(tmp_path / "link.png")],  # another name for the same file
+    }[which]
+    if which == "linked":
+        (tmp_path / "link.png").symlink_to(image)
+    args = ["segment", str(image), "--checkpoint", str(files["checkpoint"]), "--point", "1,1", *outputs, "--force"]
+    assert main(args) == 2
+    assert_one_line_error(capsys, "this command's input")
+    assert image.read_bytes() == files["image"].read_bytes()
+    expected = ["link.png", "photo.png"] if which == "linked" else ["photo.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == expected
+
+
 def test_a_failed_write_leaves_nothing_behind(files, tmp_path, capsys, monkeypatch):
     real_replace, calls = images.os.replace, []
 
