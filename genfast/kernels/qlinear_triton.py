@@ -185,15 +185,21 @@ def _gemm(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, M, N, K, stride_x, st
 
 def store_codes(codes: Tensor, bits: int) -> Tensor:
     """The kernels' form of codes [N, K] (uint8, K a multiple of 32; the module docstring): int8 as
-    they are, int4 as int32 words [N, K / 8]."""
+    they are, int4 as int32 words [N, K / 8]. Made a few rows at a time: a 70B model's layers are
+    quantized on the GPU that runs them."""
     if bits == 8:
         return codes.contiguous()
     n, k = codes.shape
+    words = torch.empty(n, k // 8, dtype=torch.int32, device=codes.device)
     shifts = 4 * torch.arange(8, device=codes.device, dtype=torch.int64).view(1, 1, 8, 1)
-    nibbles = codes.reshape(n, k // 32, 8, 4).to(torch.int64) << shifts  # [row, block, j, word]
-    words = nibbles.sum(dim=2)  # the nibbles' bits do not overlap: the sum is their OR
-    words = torch.where(words >= 2**31, words - 2**32, words)  # as int32's two's complement
-    return words.to(torch.int32).reshape(n, k // 8)
+    rows = max(1, (1 << 22) // k)
+    for start in range(0, n, rows):
+        chunk = codes[start : start + rows]
+        nibbles = chunk.reshape(-1, k // 32, 8, 4).to(torch.int64) << shifts  # [row, block, j, word]
+        packed = nibbles.sum(dim=2)  # the nibbles' bits do not overlap: the sum is their OR
+        packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # as int32's two's complement
+        words[start : start + rows] = packed.reshape(-1, k // 8)
+    return words
 
 
 def load_codes(stored: Tensor, bits: int) -> Tensor:
@@ -201,9 +207,10 @@ def load_codes(stored: Tensor, bits: int) -> Tensor:
     if bits == 8:
         return stored
     n, words = stored.shape
-    shifts = 4 * torch.arange(8, device=stored.device, dtype=torch.int64).view(1, 1, 8, 1)
-    unsigned = stored.to(torch.int64).reshape(n, words // 4, 1, 4) & 0xFFFFFFFF
-    return ((unsigned >> shifts) & 0xF).to(torch.uint8).reshape(n, words * 8)
+    shifts = 4 * torch.arange(8, device=stored.device, dtype=torch.int32).view(1, 1, 8, 1)
+    # An arithmetic shift of a negative word fills with ones above the nibble; the mask drops them.
+    nibbles = (stored.reshape(n, words // 4, 1, 4) >> shifts) & 0xF
+    return nibbles.to(torch.uint8).reshape(n, words * 8)
 
 
 # 2**23's exponent bits, an argument of `_gemv` (see `_nibble`).

@@ -121,8 +121,9 @@ def test_int4_codes_are_stored_as_words_of_four_columns_per_nibble():
     expected[1, 4 + 2] = 0xF << 28
     expected[0, 3] = 0x5 << 4
     assert torch.equal(words.to(torch.int64) & 0xFFFFFFFF, expected)
-    every = torch.randint(0, 16, (5, 256), dtype=torch.uint8)
-    assert torch.equal(qlinear_triton.load_codes(qlinear_triton.store_codes(every, 4), 4), every)
+    for shape in [(5, 256), (70, 2**16)]:  # the second is stored in chunks of 64 rows
+        every = torch.randint(0, 16, shape, dtype=torch.uint8)
+        assert torch.equal(qlinear_triton.load_codes(qlinear_triton.store_codes(every, 4), 4), every)
 
 
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
