@@ -61,6 +61,15 @@ def test_few_row_kernel_matches_the_dequantized_weight(bits, group, rows, dtype,
     assert relative_error(got, F.linear(x.double(), lin.dequantize(torch.float64))) < tolerance
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int4_with_one_group_per_row(rows):
+    """int4's whole-row group (its scale applied after the loop, as int8's per channel)."""
+    lin = layer(4, 512)
+    assert lin.group_size == lin.padded_in_features == 512
+    x = torch.randn(rows, 512)
+    assert relative_error(run(lin, x), F.linear(x.double(), lin.dequantize(torch.float64))) < 1e-6
+
+
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
 def test_the_one_row_result_does_not_depend_on_the_other_block_sizes(bits, group, split_k):
