@@ -36,7 +36,13 @@ SIGNATURE = {
     "x_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*bf16",
     "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_codes": "i32", "stride_grid": "i32", "exponent": "i32",
 }  # fmt: skip
-FORMATS = {"int8 per channel": (8, None), "int4 g32": (4, 32), "int4 g128": (4, 128), "int8 g64": (8, 64)}
+FORMATS = {
+    "int8 per channel": (8, None),
+    "int4 g32": (4, 32),
+    "int4 g128": (4, 128),
+    "int8 g64": (8, 64),
+    "int8 g32": (8, 32),  # GGUF's Q8_0, loaded as it is
+}
 K = 4096  # Llama-2-7B's hidden size: every linear but the down projection
 
 
