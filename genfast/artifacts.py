@@ -28,6 +28,7 @@ import torch
 from genfast import __version__
 from genfast.files import write_json_atomic
 from genfast.hub import genfast_home
+from genfast.startup import start_ticks
 
 # Bump when the layout of an artifact directory changes, or when steps saved before would now be
 # compiled differently (2: artifact.json lists the kernels; 3: one-row bf16 linears take the kernel;
@@ -165,7 +166,7 @@ class Artifacts:
             lock.unlink(missing_ok=True)  # left by a process that died
             return self.try_lock()
         with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()} {_started(os.getpid()) or ''}".strip())
+            f.write(f"{os.getpid()} {start_ticks(os.getpid()) or ''}".strip())
         return True
 
     def unlock(self) -> None:
@@ -186,16 +187,7 @@ def _holder_alive(lock: Path) -> bool:
         os.kill(int(pid), 0)
     except (OSError, ValueError):
         return False
-    return not start or _started(int(pid)) in (None, start[0])
-
-
-def _started(pid: int) -> str | None:
-    """When process `pid` started, in clock ticks after boot (Linux; None elsewhere)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the command name before ")" may hold spaces
+    return not start or start_ticks(int(pid)) in (None, start[0])
 
 
 def entries() -> list[dict[str, Any]]:

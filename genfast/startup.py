@@ -15,11 +15,25 @@ from pathlib import Path
 _IMPORTED_AT = time.monotonic()
 
 
+def proc_stat(pid: int | str = "self") -> list[str] | None:
+    """The fields of /proc/PID/stat from the third (state) on, or None where /proc does not have
+    the process: the command name before them, in parentheses, may hold spaces."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_ticks(pid: int | str = "self") -> str | None:
+    """When process `pid` started, in clock ticks after boot (field 22; Linux), or None."""
+    fields = proc_stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
+
+
 def _launched_at() -> float:
     """The process start on time.monotonic()'s clock (which counts from boot on Linux)."""
     try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+        started = int(start_ticks() or "") / os.sysconf("SC_CLK_TCK")
         booted_ago = float(Path("/proc/uptime").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return _IMPORTED_AT

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from genfast.startup import proc_stat
+
 # Shorter samples are too coarse: /proc counts CPU time in 10 ms ticks.
 MIN_SAMPLE_S = 0.25
 # Other work that keeps at least this many CPUs busy on average takes a thread away (and a
@@ -33,10 +35,10 @@ def _ticks() -> tuple[int, int] | None:
     where /proc does not say."""
     try:
         machine = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    except OSError:
         return None
-    if machine[0] != "cpu" or len(machine) < 8:
+    own = proc_stat()
+    if not machine or machine[0] != "cpu" or len(machine) < 8 or own is None or len(own) < 15:
         return None
     user, system, irq, softirq = (int(machine[i]) for i in (1, 3, 6, 7))  # not nice, idle, iowait, steal
     # Its own time and its finished children's (a kernel build's compiler): utime, stime, cutime,

@@ -149,9 +149,9 @@ def test_a_compile_lock_whose_pid_another_process_now_has_is_stale(tmp_path, mon
     monkeypatch.setenv("GENFAST_HOME", str(tmp_path))
     store = artifacts.Artifacts("key", {"what": "a step"})
     assert store.try_lock() and store.compiling()  # held by this live process
-    started = artifacts._started(os.getpid())
+    started = artifacts.start_ticks(os.getpid())
     # The same pid, now a process that started later: the lock's holder is gone.
-    monkeypatch.setattr(artifacts, "_started", lambda pid: str(int(started or 0) + 1))
+    monkeypatch.setattr(artifacts, "start_ticks", lambda pid: str(int(started or 0) + 1))
     assert not store.compiling()
     assert store.try_lock()  # the stale lock is taken over
     monkeypatch.undo()
