@@ -59,9 +59,9 @@ def _as_float(u):
 
 @triton.jit
 def _nibble(words, j: tl.constexpr, exponent):
-    """Code j (bits 4j..4j+3, j <= 4) of int32 words as fp32, exactly and without a shift: OR-ed
-    under the exponent of 2**(23 - 4j), whose last mantissa bit is worth 2**(4j - 4j) = 1 there,
-    it gives 2**(23 - 4j) + code. `exponent` is 2**23's (0x4B000000), passed at run time: as a
+    """Code j (bits 4j..4j+3, j <= 4) of int32 words as fp32, exactly and without a shift: under
+    the exponent of 2**(23 - 4j), mantissa bit 4j is worth 1, so the masked word OR-ed with that
+    exponent is the float 2**(23 - 4j) + code. `exponent` is 2**23's (0x4B000000), passed at run time: as a
     second immediate beside the mask it would cost ptxas a second LOP3 per code."""
     bits = (words & (15 << (4 * j))) | (exponent - ((4 * j) << 23))
     return bits.to(tl.float32, bitcast=True) - (2.0 ** (23 - 4 * j))
