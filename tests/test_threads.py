@@ -16,6 +16,8 @@ from genfast import threads
 from genfast.threads import OtherWork, avoid_busy_cores, threads_beside
 from tests.busy import BUSY_LOOP, busy_loop, needs_proc
 
+pytestmark = pytest.mark.alone
+
 
 @pytest.mark.parametrize(
     ("busy", "default", "cpus", "expected"),

@@ -214,6 +214,7 @@ def test_a_compiled_recipe_is_saved_by_the_first_run_and_loaded_by_the_next(tmp_
         assert np.abs(np.asarray(a, np.int16) - np.asarray(e, np.int16)).max() <= 2
 
 
+@pytest.mark.alone
 @needs_proc
 def test_beside_busy_work_it_computes_on_fewer_threads_unless_told(tmp_path, capsys, monkeypatch):
     """Two busy loops keep more than a CPU busy while the pipeline loads: the run leaves that CPU to

@@ -183,6 +183,7 @@ def test_a_request_too_long_for_the_cache_fails_before_a_compile_is_planned(mode
     assert not (Path(os.environ["GENFAST_HOME"]) / "compiled").exists()
 
 
+@pytest.mark.alone
 def test_the_cli_compiles_in_the_background_then_starts_with_the_compiled_steps(model_dir, tmp_path):
     """First run: streams eagerly and leaves a background compile; second run: prefills eagerly
     and loads the compiled decode step after the first token. Both print the same completion and

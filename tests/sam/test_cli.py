@@ -373,6 +373,7 @@ def test_a_compiled_encoder_is_saved_by_the_first_run_and_loaded_by_the_next(fil
         assert (read_mask(out) == expected).mean() > 0.995
 
 
+@pytest.mark.alone
 @needs_proc
 def test_beside_busy_work_it_computes_on_fewer_threads_unless_told(files, predictor, tmp_path, capsys, monkeypatch):
     """Two busy loops keep more than a CPU busy while the model loads: the run leaves that CPU to

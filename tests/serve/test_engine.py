@@ -467,6 +467,7 @@ def test_the_scheduler_computes_on_the_thread_count_of_the_thread_that_started_i
     assert seen and set(seen) == {2}
 
 
+@pytest.mark.alone
 @needs_proc
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_the_scheduler_follows_other_work_that_starts_and_stops(tiny_dir, monkeypatch):
