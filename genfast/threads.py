@@ -30,9 +30,29 @@ MIN_SAMPLE_S = 0.25
 BUSY_CPUS_THAT_COUNT = 0.5
 
 
+def _descendants() -> list[str]:
+    """The PIDs of this process's live descendants (Linux: /proc/PID/task/TID/children; none
+    where the kernel does not list them)."""
+    found, parents = [], ["self"]
+    while parents:
+        for listing in Path(f"/proc/{parents.pop()}/task").glob("*/children"):
+            try:
+                children = listing.read_text().split()
+            except OSError:  # the thread or process ended meanwhile
+                continue
+            found += children
+            parents += children
+    return found
+
+
+def _cpu_ticks(fields: list[str]) -> int:
+    """A process's CPU time and its reaped children's (utime, stime, cutime, cstime)."""
+    return sum(int(fields[i]) for i in (11, 12, 13, 14))
+
+
 def _ticks() -> tuple[int, int] | None:
-    """(CPU ticks spent at normal priority by the whole machine, by this process) so far, or None
-    where /proc does not say."""
+    """(CPU ticks spent at normal priority by the whole machine, by this process and its
+    descendants) so far, or None where /proc does not say."""
     try:
         machine = Path("/proc/stat").read_text().split("\n", 1)[0].split()
     except OSError:
@@ -41,9 +61,19 @@ def _ticks() -> tuple[int, int] | None:
     if not machine or machine[0] != "cpu" or len(machine) < 8 or own is None or len(own) < 15:
         return None
     user, system, irq, softirq = (int(machine[i]) for i in (1, 3, 6, 7))  # not nice, idle, iowait, steal
-    # Its own time and its finished children's (a kernel build's compiler): utime, stime, cutime,
-    # cstime. Counted as "nice", not "user", when this process runs niced itself.
-    mine = sum(int(own[i]) for i in (11, 12, 13, 14)) if os.getpriority(os.PRIO_PROCESS, 0) <= 0 else 0
+    if os.getpriority(os.PRIO_PROCESS, 0) > 0:  # this process's time is counted as "nice", not "user"
+        return user + system + irq + softirq, 0
+    # Its own time, its reaped children's (a kernel build's compiler), and its live descendants'
+    # (inductor's compile workers), so that the difference of two samples is the tree's time in
+    # between: a child that is reaped between them moves its whole time, most of it from before
+    # the first, into cutime. Counting cutime alone made that time negative other work, and a
+    # busy machine looked idle. Not counted: niced descendants (their time is "nice" too) and those
+    # in a session of their own, started to outlive this process (genfast's background compile).
+    mine = _cpu_ticks(own)
+    for pid in _descendants():
+        fields = proc_stat(pid)
+        if fields is not None and len(fields) > 16 and fields[3] == own[3] and int(fields[16]) <= 0:
+            mine += _cpu_ticks(fields)
     return user + system + irq + softirq, mine
 
 

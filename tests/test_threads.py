@@ -134,3 +134,22 @@ def test_chat_follows_other_work_that_starts_and_stops_between_turns(smollm2_ggu
         assert f"CPUs busy: computing on {physical} threads, not 1" in idle
     else:
         assert "CPUs busy" not in busy + idle
+
+
+@needs_proc
+def test_a_child_reaped_during_the_sample_counts_only_its_time_within_it():
+    """A child that burned CPU before the sample and is reaped during it moves all that time into
+    this process's cutime; counted as this process's work in the sample, it hid a busy loop beside
+    it. (Inductor's compile workers can end so: the likely cause of one failure of the diffusion CLI's
+    'beside busy work' test.)"""
+    burn = (
+        "import sys, time\nend = time.process_time() + 0.6\n"
+        "while time.process_time() < end: pass\nprint(flush=True)\nsys.stdin.read()"
+    )
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    child.stdout.readline()  # it has burned its time and waits
+    with busy_loop():
+        sample = OtherWork()
+        child.communicate(b"")  # it ends and is reaped within the sample
+        busy = sample.busy_cores()
+    assert busy is not None and busy >= 0.6, busy
