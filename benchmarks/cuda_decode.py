@@ -10,9 +10,11 @@ number of CUDA-graph replays and kernel launches per token seen from the host (a
 launches no kernels of its own), the kernels the GPU ran per token, inductor's count of compiled
 graphs that skipped CUDA graphs, and the kernels that took the most GPU time.
 
-Variants: bf16; int8 per channel and int4 in groups of 32, each with genfast's Triton kernels and
-with torch's (QuantLinear's "int8pack": inductor's fused multiply-sum over int8 codes; "int4pack":
-tinygemm).
+Variants: bf16; int8 per channel and int4 in groups of 32 (with an int8 output head), each with
+genfast's Triton kernels and with torch's (QuantLinear's "int8pack": inductor's fused multiply-sum
+over int8 codes; "int4pack": tinygemm); "int4 g32 tinygemm" is what genfast runs by default
+(tinygemm for the blocks, the Triton GEMV for the int8 head), "int4 g128 tinygemm" the same with
+a quarter of the scales' bytes.
 """
 
 from __future__ import annotations
@@ -28,22 +30,23 @@ from genfast.llm.session import LoadedModel, load
 from genfast.llm.speculative import make_generator
 from genfast.quant.linear import QuantLinear
 
-TORCH_KERNELS = {8: "int8pack", 4: "int4pack"}  # by bits (int4 models keep an int8 output head)
-VARIANTS = {  # name -> (quant, whether its linears take torch's kernels instead of genfast's Triton ones)
-    "bf16": ("none", False),
-    "int8 triton": ("int8", False),
-    "int8 torch": ("int8", True),
-    "int4 g32 triton": ("int4", False),
-    "int4 g32 torch": ("int4", True),
+VARIANTS = {  # name -> (quant, group size, the kernel per weight bits: int4 models keep an int8 output head)
+    "bf16": ("none", None, {}),
+    "int8 triton": ("int8", None, {8: "triton"}),
+    "int8 torch": ("int8", None, {8: "int8pack"}),
+    "int4 g32 triton": ("int4", 32, {4: "triton", 8: "triton"}),
+    "int4 g32 torch": ("int4", 32, {4: "int4pack", 8: "int8pack"}),
+    "int4 g32 tinygemm": ("int4", 32, {4: "int4pack", 8: "triton"}),
+    "int4 g128 tinygemm": ("int4", 128, {4: "int4pack", 8: "triton"}),
 }
 
 
-def build(shape: str, layers: int, quant: str, torch_kernels: bool) -> LoadedModel:
-    loaded = load(f"random:{shape}", "cuda", "bfloat16", quant=quant)
+def build(shape: str, layers: int, quant: str, group_size: int | None, kernels: dict[int, str]) -> LoadedModel:
+    loaded = load(f"random:{shape}", "cuda", "bfloat16", quant=quant, group_size=group_size)
     loaded.model.layers = loaded.model.layers[:layers]
     for name, layer in list(loaded.model.named_modules()):
-        if torch_kernels and isinstance(layer, QuantLinear):
-            kernel = TORCH_KERNELS[layer.bits]
+        if isinstance(layer, QuantLinear) and layer.kernel != kernels[layer.bits]:
+            kernel = kernels[layer.bits]
             loaded.model.set_submodule(name, QuantLinear(layer.quantized_weight(), layer.bias, kernel=kernel))
     return loaded
 
@@ -83,10 +86,10 @@ def main() -> None:
     rows, tops = [], []
     prompt = list(range(10, 42))
     for name in args.variants.split(","):
-        quant, torch_kernels = VARIANTS[name]
+        quant, group_size, kernels = VARIANTS[name]
         torch._dynamo.reset()
         counters.clear()
-        loaded = build(args.shape, args.layers, quant, torch_kernels)
+        loaded = build(args.shape, args.layers, quant, group_size, kernels)
         generator = make_generator(loaded, len(prompt) + args.tokens + 8, 1, True)
 
         def generate(generator=generator):

@@ -14,6 +14,8 @@
 #            llm-70b     Llama-2-70B's shape in int4 (its bf16 weights do not fit one GPU), alone and
 #                        with a Llama-2-7B draft
 #            serve       benchmarks/serve_load.py at --max-batch 1 and 8 on the 8B shape
+#            sam-attention  benchmarks/sam_attention.py on CUDA: ViT-B's two attention shapes, each
+#                        way of adding the relative-position bias (materialized, folded, FlexAttention)
 #            sam-b, sam-h  genfast bench sam on CUDA, vit_b and vit_h
 #            sam-amg     genfast bench sam --automatic on CUDA (vit_b, the automatic mask generator
 #                        against the original package's)
@@ -37,7 +39,7 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 out=$(realpath -m "${1:-gpu-check.md}")
 work=${WORKDIR:-/tmp/genfast-gpu}
-stages=${STAGES:-tests,decode,linear,llm-7b,llm-8b,llm-70b,serve,sam-b,sam-h,sam-amg,diffusion}
+stages=${STAGES:-tests,decode,linear,llm-7b,llm-8b,llm-70b,serve,sam-attention,sam-b,sam-h,sam-amg,diffusion}
 python=${PYTHON:-python3}
 mkdir -p "$work"
 export PYTHONUNBUFFERED=1
@@ -157,6 +159,8 @@ stage serve "Serving throughput, Llama-3.1-8B shape (random weights)" "$python" 
     --model random:llama-3.1-8b --clients 8 --tokens 128 --batches 1,8 --repeats 3
 read -ra sam_args <<< "${SAM_ARGS:-}"
 read -ra diffusion_args <<< "${DIFFUSION_ARGS:-}"
+stage sam-attention "SAM's attention with the relative-position bias, vit_b's shapes" "$python" \
+    benchmarks/sam_attention.py --device cuda
 stage sam-b "SAM ladder, vit_b (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_b \
     --json "$work/sam-vit_b.json" --force "${sam_args[@]}"
 stage sam-h "SAM ladder, vit_h (random weights)" "${genfast[@]}" bench sam --device cuda --model vit_h \

@@ -241,8 +241,11 @@ def gemv_config(n: int, k: int, bits: int) -> dict[str, int]:
     (18.8 for the kernel before, at its swept best, which streamed 1.65 TB/s in a decode step on
     an H100, ~93% of what issuing 18.8 instructions per byte allows); int4 in groups of 32 8.7 at
     two 512-column sub-blocks per step and 8 warps, each thread loading whole 16-byte blocks (26.2
-    before the word layout: ~1.05 TB/s). Not yet timed on a GPU: `benchmarks/cuda_linear.py
-    --sweep` times these against the other configurations."""
+    before the word layout: ~1.05 TB/s). Timed on an H100 in a compiled 7B-shape decode step
+    (2026-11-27): int8 streamed ~2.1 TB/s (from 1.65), int4 g32 only ~0.7 TB/s (from ~1.05), slower
+    than before though it issues fewer instructions: each thread reads 8 bytes of fp32 x per byte
+    of int4 codes (x is loaded per output row), against 4 for int8; docs/performance.md. CUDA's
+    int4 default is tinygemm since; this kernel takes the int4 that tinygemm does not."""
     if bits == 8:
         return {"BLOCK_N": 16, "UNROLL": 1, "SUB": 512, "num_warps": 4}
     return {"BLOCK_N": 16, "UNROLL": 2, "SUB": 512, "num_warps": 8}

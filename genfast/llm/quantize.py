@@ -57,7 +57,7 @@ def quantize_loaded(
         bias = None if linear.bias is None else linear.bias.detach().clone()
         qw = precomputed.get(name) or direct.get(name)
         if qw is not None:
-            return quantized_layer(qw.to(linear.weight.device), bias)
+            return quantized_layer(qw.to(linear.weight.device), bias, dtype=linear.weight.dtype)
         if name == HEAD and head_bits != bits:
             return QuantLinear.from_linear(linear, head_bits)
         return quantize_layer(linear, bits, default_group)

@@ -328,6 +328,11 @@ def _block(rank: int, size: int) -> Tensor:
     return torch.arange(rank * size, (rank + 1) * size)
 
 
+def _activation_dtype(layer: nn.Module) -> torch.dtype | None:
+    """The activations' dtype a quantized layer was made for (a QuantExpertLinear keeps none)."""
+    return getattr(layer, "activation_dtype", None)
+
+
 def _rows(layer: nn.Module, index: Tensor) -> nn.Module:
     """The layer restricted to the output features `index` (a column-parallel shard; of each
     expert, for experts)."""
@@ -338,7 +343,7 @@ def _rows(layer: nn.Module, index: Tensor) -> nn.Module:
             qw.codes[..., index, :], qw.scales[..., index, :], qw.mins[..., index, :], qw.bits, qw.group_size,
             qw.in_features,
         )  # fmt: skip
-        return quantized_layer(rows, bias, layer.dynamic)
+        return quantized_layer(rows, bias, layer.dynamic, _activation_dtype(layer))
     return _linear(layer.weight[..., index, :], bias)
 
 
@@ -381,7 +386,7 @@ def _row_parallel(layer: nn.Module, rank: int, columns: int, group: dist.Process
         group_size,
         columns,
     )
-    return RowParallelLinear(quantized_layer(local, None, layer.dynamic), bias, group)
+    return RowParallelLinear(quantized_layer(local, None, layer.dynamic, _activation_dtype(layer)), bias, group)
 
 
 def _linear(weight: Tensor, bias: Tensor | None) -> Linear | ExpertLinear:

@@ -171,7 +171,7 @@ def load_quantized_into(
         device = linear.weight.device
         qw = qw.to(device)
         bias = checkpoint.get(f"{name}.bias").to(device) if checkpoint.layers[name].get("bias") else None
-        return quantized_layer(qw, bias)
+        return quantized_layer(qw, bias, dtype=linear.weight.dtype)
 
     local_layers = {name[len(prefix) :] for name in layers}
     replace_linears(model, make, keep=lambda local, _: local not in local_layers)

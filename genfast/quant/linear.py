@@ -8,12 +8,15 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
   qlinear_<isa>.cpp, the variant chosen at run time), for any number of rows, eager or compiled.
   Weight-only layers quantize activations to int8 per block of 32, dynamic ones per token; both
   variants compute the same integer sums.
+- "int4pack", CUDA (compute capability 8.0+), int4 in groups of 32-256 with bf16 activations:
+  torch's tinygemm kernel (`_weight_int4pack_mm`), which wants w = (u - 8) * scale + zero per group.
+  In a compiled Llama-2-7B-shape decode step on an H100 it beat genfast's Triton GEMV both times
+  the two ran side by side (0.712 against 0.775 ms per token, then 0.511 against 0.964 after the
+  word layout; docs/performance.md), so it is CUDA's int4 kernel wherever it applies.
 - "triton", CUDA where Triton is installed (it ships with torch's CUDA wheels), weight-only int8
-  and int4 of any group size: genfast/kernels/qlinear_triton.py reads the codes directly (int4 in
-  a word layout of its own), one pass over the weight for up to 64 rows; longer inputs dequantize
-  and use cuBLAS.
-- "int4pack", CUDA without Triton (compute capability 8.0+), int4 with bf16 activations: torch's
-  tinygemm kernel (`_weight_int4pack_mm`), which wants w = (u - 8) * scale + zero per group.
+  and the int4 that tinygemm does not take (fp32 or fp16 activations, other group sizes):
+  genfast/kernels/qlinear_triton.py reads the codes directly (int4 in a word layout of its own),
+  one pass over the weight for up to 64 rows; longer inputs dequantize and use cuBLAS.
 - "int8pack", CUDA without Triton, weight-only int8 with one scale per output channel: the codes
   as int8; one row (decode) under torch.compile is a fused multiply-sum that reads the int8 codes
   once (`row_linear`), more rows a matmul over the upcast codes. (torch 2.11's CUDA
@@ -79,27 +82,33 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def choose_kernel(qweight: QuantizedWeight, dynamic: bool) -> str:
-    """The kernel a QuantLinear over `qweight` runs (see the module docstring)."""
+def int4pack_fits(qweight: QuantizedWeight) -> bool:
+    """Whether tinygemm takes this weight: int4, its group sizes and tiles, an Ampere or later GPU."""
+    n, k = qweight.codes.shape
+    return (
+        qweight.bits == 4
+        and qweight.group_size in INT4PACK_GROUP_SIZES
+        and k % (16 * INT4PACK_INNER_K_TILES) == 0
+        and n % 8 == 0
+        and torch.cuda.get_device_capability(qweight.codes.device) >= (8, 0)
+    )
+
+
+def choose_kernel(qweight: QuantizedWeight, dynamic: bool, dtype: torch.dtype | None = None) -> str:
+    """The kernel a QuantLinear over `qweight` runs with activations of `dtype` (None: not known;
+    see the module docstring)."""
     device = qweight.codes.device
     if device.type == "cpu":
         return "native" if packing.available() else "dequantize"
     if device.type != "cuda" or dynamic:
         return "dequantize"
+    if dtype == torch.bfloat16 and int4pack_fits(qweight):
+        return "int4pack"
     if triton_available():
         return "triton"
-    n, k = qweight.codes.shape
-    if qweight.bits == 8 and qweight.group_size == k:
+    if qweight.bits == 8 and qweight.group_size == qweight.codes.shape[1]:
         return "int8pack"
-    if (
-        qweight.bits == 4
-        and qweight.group_size in INT4PACK_GROUP_SIZES
-        and k % (16 * INT4PACK_INNER_K_TILES) == 0
-        and n % 8 == 0
-        and torch.cuda.get_device_capability(device) >= (8, 0)
-    ):
-        return "int4pack"
-    return "dequantize"
+    return "int4pack" if int4pack_fits(qweight) else "dequantize"
 
 
 def int4pack(codes: Tensor, inner_k_tiles: int = INT4PACK_INNER_K_TILES) -> Tensor:
@@ -136,10 +145,17 @@ class QuantLinear(nn.Module):
     """y = x @ dequantize(weight)^T + bias, from a QuantizedWeight (or `from_linear`)."""
 
     def __init__(
-        self, qweight: QuantizedWeight, bias: Tensor | None = None, dynamic: bool = False, kernel: str | None = None
+        self,
+        qweight: QuantizedWeight,
+        bias: Tensor | None = None,
+        dynamic: bool = False,
+        kernel: str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        """`kernel` overrides `choose_kernel` (tests and benchmarks compare the CUDA kernels)."""
+        """`dtype`: the activations' (the model's) dtype, where known; the CUDA kernel depends on it.
+        `kernel` overrides `choose_kernel` (tests and benchmarks compare the CUDA kernels)."""
         super().__init__()
+        self.activation_dtype = dtype
         if dynamic and (qweight.bits != 8 or qweight.group_size != qweight.codes.shape[1]):
             raise ValueError("dynamic int8 needs 8-bit weights with one scale per output channel")
         self.dynamic = dynamic
@@ -148,7 +164,7 @@ class QuantLinear(nn.Module):
         self.padded_in_features = qweight.codes.shape[1]
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; one of {', '.join(KERNELS)}")
-        self.kernel = kernel or choose_kernel(qweight, dynamic)
+        self.kernel = kernel or choose_kernel(qweight, dynamic, dtype)
         self.native = self.kernel == "native"
         # Buffers hold the kernel's layout; `quantized_weight()` gives back the canonical form.
         if self.native:
@@ -178,7 +194,7 @@ class QuantLinear(nn.Module):
         from genfast.quant.grids import quantize
 
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(quantize(linear.weight, bits, group_size), bias, dynamic)
+        return cls(quantize(linear.weight, bits, group_size), bias, dynamic, dtype=linear.weight.dtype)
 
     def quantized_weight(self) -> QuantizedWeight:
         """The canonical (storage) form of this layer's weight."""
@@ -411,13 +427,16 @@ class QuantExpertLinear(nn.Module):
         )
 
 
-def quantized_layer(qweight: QuantizedWeight, bias: Tensor | None = None, dynamic: bool = False) -> nn.Module:
-    """QuantLinear for a weight, QuantExpertLinear for experts' stacked weights (which have no bias)."""
+def quantized_layer(
+    qweight: QuantizedWeight, bias: Tensor | None = None, dynamic: bool = False, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """QuantLinear for a weight, QuantExpertLinear for experts' stacked weights (which have no bias);
+    `dtype` is the activations' (QuantLinear's)."""
     if qweight.codes.dim() == 3:
         if bias is not None or dynamic:
             raise ValueError("expert weights are weight-only and have no bias")
         return QuantExpertLinear(qweight)
-    return QuantLinear(qweight, bias, dynamic)
+    return QuantLinear(qweight, bias, dynamic, dtype=dtype)
 
 
 def uses_native_kernels(model: nn.Module) -> bool:

@@ -46,7 +46,7 @@ class SamSettings:
 
 
 def _fused_attention_note(target: Target) -> str | None:
-    """How the fused-attention step runs here when not as its native CPU kernel (CUDA: FlexAttention)."""
+    """How the fused-attention step runs here when not as its native CPU kernel (CUDA: the folded bias)."""
     if target.device.type != "cpu":
         return None
     import torch
@@ -77,7 +77,7 @@ RECIPE = Recipe(
         Step("sdpa", "scaled_dot_product_attention with the bias as a float mask", "as bf16", {"attention": "sdpa"}),
         Step(
             "fused-attention",
-            "relative-position bias inside a native kernel (CPU; FlexAttention on CUDA)",
+            "relative-position bias inside the attention: a native kernel on CPU, folded into SDPA's product on CUDA",
             "as bf16",
             {"attention": "fused"},
             fallback=_fused_attention_note,

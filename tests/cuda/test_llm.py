@@ -128,6 +128,34 @@ def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel):
         assert torch.equal(qlinear(x, *args), op(x))
 
 
+def test_int4_runs_tinygemm_with_bf16_activations_and_triton_otherwise():
+    """tinygemm beat the Triton GEMV for int4 in a compiled 7B-shape decode step (docs/performance.md)."""
+    from genfast.quant.linear import choose_kernel
+
+    weight = torch.randn(256, 512, device="cuda")
+    assert choose_kernel(quantize(weight, 4, 32), False, torch.bfloat16) == "int4pack"
+    assert choose_kernel(quantize(weight, 4, 128), False, torch.bfloat16) == "int4pack"
+    assert choose_kernel(quantize(weight, 4, 32), False, torch.float32) == "triton"
+    assert choose_kernel(quantize(weight, 4, 32), False, None) == "triton"
+    assert choose_kernel(quantize(weight, 8, None), False, torch.bfloat16) == "triton"
+    assert choose_kernel(quantize(weight[:100], 4, 32), False, torch.bfloat16) == "triton"  # rows: not tiles of 8
+    linear = torch.nn.Linear(512, 256, device="cuda", dtype=torch.bfloat16)
+    assert QuantLinear.from_linear(linear, 4, 32).kernel == "int4pack"
+
+
+def test_a_bf16_int4_model_runs_tinygemm_compiled_as_eager(model_dir):
+    """The default CUDA int4 path end to end: the blocks on tinygemm, the int8 head on Triton;
+    compiled against eager by logits (bf16 rounding differs between the two: a bound, not tokens)."""
+    eager = load(model_dir, "cuda", "bfloat16", "int4")
+    kernels = {(m.bits, m.kernel) for m in eager.model.modules() if isinstance(m, QuantLinear)}
+    assert kernels == {(4, "int4pack"), (8, "triton")}
+    compiled = generator(load(model_dir, "cuda", "bfloat16", "int4"), compile=True)
+    plain = generator(eager, compile=False)
+    want = plain.generate([PROMPT], 8, stop_at_eos=False).token_ids
+    got = compiled.generate([PROMPT], 8, stop_at_eos=False).token_ids
+    assert got[0][:2] == want[0][:2]  # the first tokens, before any near-tie can compound
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_models_compiled_match_eager(model_dir, quant):
     """In fp32: compiled bf16 code rounds differently from eager (inductor fuses the norms and

@@ -1,7 +1,8 @@
 """Segment Anything on a CUDA GPU: every recipe step within its budget against fp32 on the GPU
-(FlexAttention for the fused step, dynamic int8 through torch._int_mm, 2:4 sparse kernels), fp32
-against the CPU, the compiled encoder against eager, and no host syncs in the encoder or the
-prompt path (CUDA's sync-debug mode)."""
+(the folded bias for the fused step, dynamic int8 through torch._int_mm, 2:4 sparse kernels), fp32
+against the CPU, the compiled encoder against eager, the bias inside attention (folded, FlexAttention)
+against the explicit softmax, and no host syncs in the encoder or the prompt path (CUDA's
+sync-debug mode)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,21 @@ def test_step_stays_within_its_budget_on_the_gpu(step, baseline):
     for logits, reference in zip(low_res_logits(step), baseline):
         error, iou = error_and_iou(logits, reference)
         assert error <= max_error and iou >= min_iou, (step, error, iou)
+
+
+@pytest.mark.parametrize("impl", ["folded", "flex"])
+@pytest.mark.parametrize("b, h, w", [(1, 64, 64), (25, 14, 14), (2, 5, 7)])  # global, windows, ragged
+def test_the_bias_inside_attention_matches_math_on_the_gpu(impl, b, h, w):
+    """bf16 on the GPU within the native CPU kernel's bound (1e-2 on unit-variance values) of the
+    fp32 explicit softmax: SDPA's CUDA kernels take the folded product's wider queries and keys."""
+    from genfast.sam.modeling.attention import rel_pos_attention
+    from tests.sam.test_attention import _inputs
+
+    inputs = [t.cuda().bfloat16() for t in _inputs(b, h, w, 64)]
+    expected = rel_pos_attention(*(t.float() for t in inputs), "math")
+    actual = rel_pos_attention(*inputs, impl)
+    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+    assert (actual.float() - expected).abs().max().item() < 1e-2
 
 
 def test_sparse_2_4_runs_on_semi_structured_weights():

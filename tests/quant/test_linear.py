@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from genfast.quant import packing as kernels
 from genfast.quant.grids import QuantizedWeight, check_group_size, pack_nibbles, quantize, unpack_nibbles
@@ -100,6 +101,17 @@ def test_quantized_weight_round_trips_through_the_layer(bits, group_size):
     for name in ("codes", "scales", "mins"):
         assert torch.equal(getattr(back, name), getattr(qw, name)), name
     assert (back.bits, back.group_size, back.in_features) == (qw.bits, qw.group_size, qw.in_features)
+
+
+def test_a_layer_keeps_the_activation_dtype_it_was_made_for():
+    """CUDA's int4 kernel depends on it (tinygemm takes bf16 only); tensor-parallel shards keep it."""
+    from genfast.llm.tensor_parallel import _rows
+
+    linear = nn.Linear(64, 40).to(torch.bfloat16)
+    layer = QuantLinear.from_linear(linear, 4, 32)
+    assert layer.activation_dtype == torch.bfloat16
+    assert QuantLinear(quantize(torch.randn(40, 64), 8)).activation_dtype is None
+    assert _rows(layer, torch.arange(8)).activation_dtype == torch.bfloat16
 
 
 def test_a_named_kernel_overrides_the_choice_and_an_unknown_one_is_refused():

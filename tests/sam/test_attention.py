@@ -96,6 +96,29 @@ def test_sdpa_matches_math_in_fp32():
     )
 
 
+@pytest.mark.parametrize(
+    "b, h, w, c, bias_scale",
+    [
+        (2, 5, 7, 8, 1.0),  # rectangular grid; C + H + W = 20, padded to 24
+        (3, 3, 3, 16, 30.0),  # a bias that dominates the scores
+        (1, 14, 14, 64, 1.0),  # SAM's windows: 92 dimensions, padded to 96
+        (1, 5, 7, 80, 1.0),  # vit_h's head dim: its scale is not a power of two
+    ],
+)
+def test_folded_bias_matches_math(b, h, w, c, bias_scale):
+    """The bias folded into the scores' product: fp32 agrees with the explicit softmax to fp32
+    rounding; bf16 is within the fused kernel's 1e-2 of the fp32 reference."""
+    inputs = _inputs(b, h, w, c, bias_scale)
+    torch.testing.assert_close(
+        rel_pos_attention(*inputs, "folded"), rel_pos_attention(*inputs, "math"), rtol=1e-5, atol=1e-5
+    )
+    low = [t.bfloat16() for t in inputs]
+    expected = rel_pos_attention(*(t.float() for t in low), "math")
+    actual = rel_pos_attention(*low, "folded")
+    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+    assert (actual.float() - expected).abs().max().item() < 1e-2
+
+
 def test_fused_falls_back_to_sdpa_where_the_kernel_does_not_apply():
     q, k, v, rel_h, rel_w = _inputs(2, 5, 7, 8)  # fp32, head dim 8
     torch.testing.assert_close(
@@ -114,19 +137,21 @@ def _embeddings(model, image: torch.Tensor, impl: str, dtype: torch.dtype) -> to
 
 @needs_kernel
 def test_encoder_attention_choices_agree():
-    """fp32: sdpa == math to 1e-5. bf16 with the fused kernel: as close to fp32 as bf16 SDPA is
-    (its error is at most 1.5x SDPA's, and cosine >= 0.999)."""
+    """fp32: sdpa and folded == math to 1e-5. bf16 with the fused kernel or the folded bias: as
+    close to fp32 as bf16 SDPA is (error at most 1.5x SDPA's, and cosine >= 0.999)."""
     torch.manual_seed(0)
     model = build_sam(FUSABLE)
     randomize_(model)
     image = torch.randn(2, 3, 128, 128)
     reference = _embeddings(model, image, "math", torch.float32)
     torch.testing.assert_close(_embeddings(model, image, "sdpa", torch.float32), reference, rtol=1e-5, atol=1e-5)
-    fused = _embeddings(model, image, "fused", torch.bfloat16)
+    torch.testing.assert_close(_embeddings(model, image, "folded", torch.float32), reference, rtol=1e-5, atol=1e-5)
     sdpa = _embeddings(model, image, "sdpa", torch.bfloat16)
-    fused_err, sdpa_err = ((x - reference).abs().max().item() for x in (fused, sdpa))
-    assert fused_err <= 1.5 * sdpa_err
-    assert torch.nn.functional.cosine_similarity(fused.flatten(), reference.flatten(), dim=0) >= 0.999
+    sdpa_err = (sdpa - reference).abs().max().item()
+    for impl in ("fused", "folded"):
+        low = _embeddings(model, image, impl, torch.bfloat16)
+        assert (low - reference).abs().max().item() <= 1.5 * sdpa_err, impl
+        assert torch.nn.functional.cosine_similarity(low.flatten(), reference.flatten(), dim=0) >= 0.999, impl
 
 
 def test_unknown_attention_impl_is_rejected():

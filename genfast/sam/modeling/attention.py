@@ -6,9 +6,15 @@
   a materialized float mask;
 - "fused": for the encoder, the bias added inside the attention kernel, never materialized: on
   CPU the native kernel (genfast/sam/fused_attention.py) where it applies (bf16 on AVX512-BF16,
-  fp32 or bf16 on AVX2; head dim a multiple of 16), on CUDA FlexAttention with a score_mod
-  (Triton; the library's masking makes every sequence length correct); SDPA everywhere else, and
+  fp32 or bf16 on AVX2; head dim a multiple of 16), on CUDA "folded"; SDPA everywhere else, and
   always in the mask decoder, whose attention has no bias;
+- "folded": for the encoder, one SDPA call with the bias folded into the scores' own product as
+  extra dimensions (`folded_rel_pos_attention`): nothing of size N x N is materialized, and no
+  score reads the bias tables on its own;
+- "flex": for the encoder, FlexAttention with the bias as a score_mod that reads the two tables
+  per score (Triton; the library's masking makes every sequence length correct). It was CUDA's
+  "fused" until an H100 timed it at 2.07 ms per ViT-B global block inside the compiled encoder
+  (docs/performance.md): the per-score reads, where the folded product is a tensor-core matmul;
 - "auto" (the default): "fused".
 """
 
@@ -23,7 +29,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from genfast.sam import fused_attention
 
-ATTENTION_IMPLS = ("auto", "math", "sdpa", "fused")
+ATTENTION_IMPLS = ("auto", "math", "sdpa", "fused", "folded", "flex")
 
 
 def check_attention_impl(impl: str) -> str:
@@ -49,7 +55,9 @@ def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Ten
     scale = c**-0.5
     if impl in ("auto", "fused") and fused_attention.supports(q):
         return fused_attention.rel_pos_attention(q, k, v, rel_h, rel_w, scale)
-    if impl in ("auto", "fused") and q.is_cuda:
+    if impl == "folded" or (impl in ("auto", "fused") and q.is_cuda):
+        return folded_rel_pos_attention(q, k, v, rel_h, rel_w)
+    if impl == "flex":
         return flex_rel_pos_attention(q, k, v, rel_h, rel_w)
     grid_h, grid_w = rel_h.shape[-1], rel_w.shape[-1]
     bias = (rel_h[..., :, None] + rel_w[..., None, :]).reshape(b, n_heads, n, grid_h * grid_w)
@@ -68,6 +76,30 @@ def flex_rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w
     # Outside torch.compile, flex_attention runs an unfused reference; compile it on its own.
     fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
     return fn(q, k, v, score_mod=add_rel_pos)
+
+
+def folded_rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:
+    """rel_pos_attention as one SDPA call whose query-key product carries the bias: each query row
+    gains its rel_h and rel_w terms, each key (r, c) a one-hot of r and of c, so that
+
+        [q * scale, rel_h[i], rel_w[i]] . [k, onehot(r), onehot(c)] = scale * q.k + rel_h[i, r] + rel_w[i, c]
+
+    exactly (the extra terms are products with one and zero, summed in the kernel's accumulator).
+    The scores' product grows from C to C + H + W dimensions (64 -> 192 for ViT's global blocks:
+    the attention's FLOPs x2), against a bias of N x N values per head materialized ("sdpa") or
+    gathered per score (FlexAttention's score_mod). The widths are padded to a multiple of 8,
+    which SDPA's fused CUDA kernels need."""
+    b, n_heads, n, c = q.shape
+    grid_h, grid_w = rel_h.shape[-1], rel_w.shape[-1]
+    extra = grid_h + grid_w
+    pad = -(c + extra) % 8
+    keys = torch.arange(n, device=q.device)
+    one_hot = torch.zeros(n, extra + pad, dtype=k.dtype, device=k.device)
+    one_hot[keys, keys // grid_w] = 1
+    one_hot[keys, grid_h + keys % grid_w] = 1
+    queries = torch.cat([q * c**-0.5, rel_h.to(q.dtype), rel_w.to(q.dtype), q.new_zeros(b, n_heads, n, pad)], dim=-1)
+    keys_folded = torch.cat([k, one_hot.expand(b, n_heads, n, extra + pad)], dim=-1)
+    return F.scaled_dot_product_attention(queries, keys_folded, v, scale=1.0)
 
 
 @cache
