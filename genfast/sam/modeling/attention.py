@@ -93,10 +93,10 @@ def folded_rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel
     grid_h, grid_w = rel_h.shape[-1], rel_w.shape[-1]
     extra = grid_h + grid_w
     pad = -(c + extra) % 8
-    keys = torch.arange(n, device=q.device)
-    one_hot = torch.zeros(n, extra + pad, dtype=k.dtype, device=k.device)
-    one_hot[keys, keys // grid_w] = 1
-    one_hot[keys, grid_h + keys % grid_w] = 1
+    # Compared, not scattered: elementwise ops that compile into one kernel and never synchronize.
+    keys = torch.arange(n, device=q.device)[:, None]
+    slots = torch.arange(extra + pad, device=q.device)[None, :]
+    one_hot = ((slots == keys // grid_w) | (slots == grid_h + keys % grid_w)).to(k.dtype)
     queries = torch.cat([q * c**-0.5, rel_h.to(q.dtype), rel_w.to(q.dtype), q.new_zeros(b, n_heads, n, pad)], dim=-1)
     keys_folded = torch.cat([k, one_hot.expand(b, n_heads, n, extra + pad)], dim=-1)
     return F.scaled_dot_product_attention(queries, keys_folded, v, scale=1.0)
