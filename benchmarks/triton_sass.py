@@ -10,8 +10,10 @@ ptxas and cuobjdump, so the kernel compiles for an sm_90 target on any machine: 
 compiles `genfast.kernels.qlinear_triton._gemv` for each configuration (integer arguments marked
 divisible by 16, as Triton's launcher specializes them for these shapes), finds the loop (the
 widest backward branch of the SASS), and divides its instruction count by the bytes of codes one
-thread reads per pass. It also prints registers, stack bytes (spills), and the loop's shared-memory traffic and
-barriers, which mark a layout conversion inside the loop. A count is a prediction, not a timing:
+thread reads per pass. It also prints the bytes the loop loads per byte of codes (codes, x and the
+grid: every load goes through L1, and x is loaded once per output row), registers, stack bytes
+(spills), and the loop's shared-memory traffic and barriers, which mark a layout conversion
+inside the loop. A count is a prediction, not a timing:
 `benchmarks/cuda_linear.py --sweep` times the same configurations on a GPU.
 """
 
@@ -119,6 +121,18 @@ def count_loop(sass: str) -> tuple[int, collections.Counter]:
     return sum(by_opcode.values()), by_opcode
 
 
+def load_bytes(by_opcode: collections.Counter) -> int:
+    """Bytes one thread loads from global memory per pass: the loop's LDGs by their width."""
+
+    def width(opcode: str) -> int:
+        for suffix, size in ((".128", 16), (".64", 8), ("16", 2), ("8", 1)):
+            if opcode.endswith(suffix):
+                return size
+        return 4
+
+    return sum(n * width(op) for op, n in by_opcode.items() if op.startswith("LDG"))
+
+
 def bytes_per_pass(bits: int, config: dict) -> float:
     """Bytes of codes one thread reads per pass of the loop."""
     codes = config["BLOCK_N"] * config["SUB"] * config.get("UNROLL", 1) / (2 if bits == 4 else 1)
@@ -132,8 +146,8 @@ def configs(kind: str, bits: int) -> list[dict]:
         dict(BLOCK_N=n, UNROLL=u, SUB=sub, num_warps=w)
         for n in (8, 16, 32)
         for u in (1, 2)
-        for sub in (256, 512)
-        for w in (4, 8)
+        for sub in (256, 512, 1024, 2048)
+        for w in (2, 4, 8)
     ]
 
 
@@ -144,15 +158,18 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, sm_{args.arch}, K = {K}, bf16 activations\n")
-    print("| format | block sizes | instructions per byte of codes | registers | stack bytes | in the loop |")
-    print("|---|---|---|---|---|---|")
+    print("| format | block sizes | instructions per byte of codes | bytes loaded per byte of codes "
+          "| registers | stack bytes | in the loop |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for name in args.formats.split(","):
         bits, group = FORMATS[name]
         for config in configs(args.configs, bits):
             count = compile_gemv(bits, group, config, args.arch)
-            per_byte = count.instructions / bytes_per_pass(bits, config)
+            codes = bytes_per_pass(bits, config)
+            per_byte, loaded = count.instructions / codes, load_bytes(count.by_opcode) / codes
             top = ", ".join(f"{op} {n}" for op, n in count.by_opcode.most_common(6))
-            print(f"| {name} | {config} | {per_byte:.1f} | {count.registers} | {count.stack_bytes} | {top} |")
+            resources = f"{count.registers} | {count.stack_bytes}"
+            print(f"| {name} | {config} | {per_byte:.1f} | {loaded:.1f} | {resources} | {top} |")
 
 
 if __name__ == "__main__":

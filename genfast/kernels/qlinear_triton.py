@@ -243,11 +243,17 @@ def gemv_config(n: int, k: int, bits: int) -> dict[str, int]:
     two 512-column sub-blocks per step and 8 warps, each thread loading whole 16-byte blocks (26.2
     before the word layout: ~1.05 TB/s). Timed on an H100 in a compiled 7B-shape decode step
     (2026-11-27): int8 streamed ~2.1 TB/s (from 1.65), int4 g32 only ~0.7 TB/s (from ~1.05), slower
-    than before though it issues fewer instructions: each thread reads 8 bytes of fp32 x per byte
-    of int4 codes (x is loaded per output row), against 4 for int8; docs/performance.md. CUDA's
-    int4 default is tinygemm since; this kernel takes the int4 that tinygemm does not."""
+    than before though it issues fewer instructions: each thread loaded 8 bytes of fp32 x per byte
+    of int4 codes (x is loaded per output row it multiplies), against 1 for int8, whose tile puts
+    4 rows in each thread over the same columns (the compiler loads x once for them); CUDA's int4
+    default is tinygemm since, and this kernel takes the int4 that tinygemm does not. int4 now
+    takes 1024-column sub-blocks and 2 warps where K allows, so that each thread holds 4 rows too:
+    2.1 bytes loaded per byte of codes (from 9.1) and 7.4 instructions; not yet timed (predicted:
+    int8's ~2 TB/s)."""
     if bits == 8:
         return {"BLOCK_N": 16, "UNROLL": 1, "SUB": 512, "num_warps": 4}
+    if k % 1024 == 0:
+        return {"BLOCK_N": 16, "UNROLL": 2, "SUB": 1024, "num_warps": 2}
     return {"BLOCK_N": 16, "UNROLL": 2, "SUB": 512, "num_warps": 8}
 
 
