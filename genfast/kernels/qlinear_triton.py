@@ -247,7 +247,7 @@ def gemv_config(n: int, k: int, bits: int) -> dict[str, int]:
     of int4 codes (x is loaded per output row it multiplies), against 1 for int8, whose tile puts
     4 rows in each thread over the same columns (the compiler loads x once for them); CUDA's int4
     default is tinygemm since, and this kernel takes the int4 that tinygemm does not. int4 now
-    takes 1024-column sub-blocks and 2 warps where K allows, so that each thread holds 4 rows too:
+    takes 1024-column sub-blocks and 2 warps where K allows, so that each thread holds 8 rows:
     2.1 bytes loaded per byte of codes (from 9.1) and 7.4 instructions; not yet timed (predicted:
     int8's ~2 TB/s)."""
     if bits == 8:
