@@ -22,6 +22,10 @@ from tests.sam.oracle import randomize_
 from tests.sam.test_modeling import TINY
 
 HEIGHT, WIDTH = 50, 37  # portrait and not a divisor of the model's 64: resizing and padding matter
+# The CLI runs the default recipe (the fused attention kernel), the `predictor` fixture the plain
+# model: the same fp32 math summed in another order (measured: 2.8e-6 relative on a capped-AVX2 run
+# with the CLI on one thread). Scores agree to this; masks, thresholded far from such noise, exactly.
+SCORE_RTOL = 1e-4
 
 
 def rle_decode(rle: dict) -> np.ndarray:
@@ -80,7 +84,7 @@ def test_point_mask_png_and_json_match_the_predictor(files, predictor, tmp_path,
     assert doc["image_size"] == [HEIGHT, WIDTH] and doc["prompt"]["points"] == [[10.0, 20.0]]
     (record,) = doc["masks"]
     assert np.array_equal(rle_decode(record["segmentation"]), masks[best])
-    assert record["predicted_iou"] == pytest.approx(float(scores[best]))
+    assert record["predicted_iou"] == pytest.approx(float(scores[best]), rel=SCORE_RTOL)
     assert record["area"] == int(masks[best].sum()) and record["file"] == str(out)
     ys, xs = np.nonzero(masks[best])  # segment-anything's XYWH: inclusive corners, w = x1 - x0
     assert record["bbox"] == [xs.min(), ys.min(), xs.max() - xs.min(), ys.max() - ys.min()]
@@ -102,7 +106,7 @@ def test_multimask_with_labels_and_box_writes_ranked_masks(files, predictor, tmp
     order = np.argsort(-scores, kind="stable")
     doc = json.loads(js.read_text())
     assert [m["rank"] for m in doc["masks"]] == [1, 2, 3]
-    assert [m["predicted_iou"] for m in doc["masks"]] == pytest.approx(scores[order].tolist())
+    assert [m["predicted_iou"] for m in doc["masks"]] == pytest.approx(scores[order].tolist(), rel=SCORE_RTOL)
     for path, record, i in zip([out, tmp_path / "m-2.png", tmp_path / "m-3.png"], doc["masks"], order):
         assert np.array_equal(read_mask(path), masks[i])
         assert np.array_equal(rle_decode(record["segmentation"]), masks[i])
