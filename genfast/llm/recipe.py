@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from genfast import steps
-from genfast.recipe import Recipe, Step, Target
+from genfast.recipe import Recipe, Requirement, Step, Target
 
 DEFAULT_STEP = "compile"  # what generate, chat and serve run unless told otherwise
 
@@ -30,32 +30,50 @@ class LlmSettings:
     transforms: tuple[Step, ...] = ()  # steps that bring their own transform (genfast.recipe.apply_transforms)
 
 
-# What the only end-to-end CUDA measurement so far found (docs/performance.md, "CUDA (NVIDIA H100)").
-CUDA_QUANT_NOTE = (
-    "on CUDA, int8 decode measured slower than compiled bf16 so far (117 against 174 tok/s, Llama-2-7B "
-    "shape on an H100; under investigation) and int4 is not yet measured end to end: quantized "
-    "weights save memory"
-)
+# What CUDA's kernels measured so far: a compiled decode step of 4 Llama-2-7B-shaped blocks on an
+# H100 (benchmarks/cuda_decode.py; docs/performance.md, "CUDA (NVIDIA H100), 2026-11-27"). The
+# whole-model ladder with these kernels is not measured yet.
+CUDA_STEP_MEASURED = "in a Llama-2-7B-shaped decode step (4 blocks) on an H100; whole-model decode not measured yet"
 
 
-def _quantized_decode_note(target: Target) -> str | None:
-    """What quantized weights cost here when genfast's native kernel cannot run them."""
-    if target.device.type == "cpu":
-        why = steps.native_int8_note(target)
-    elif target.device.type == "cuda":
-        from genfast.quant.linear import triton_available
+def _cuda_quantized_note(bits: int, target: Target) -> str:
+    """How `bits`-bit weights run on CUDA (genfast.quant.linear.choose_kernel) and what that measured."""
+    import torch
 
-        if triton_available():
-            return CUDA_QUANT_NOTE
-        why = "Triton is not installed"
-    else:
-        why = f"no quantized kernel for {target.device.type}"
-    if not why:
-        return None
-    return (
-        f"quantized weights use the slow dequantize path ({why}): they save memory, but decode is slower "
-        "than unquantized here (`genfast info` says why)"
-    )
+    from genfast.hardware import resolve_dtype
+    from genfast.quant.linear import triton_available
+
+    if bits == 4 and resolve_dtype(target.dtype, target.device) == torch.bfloat16:
+        return f"int4 runs tinygemm (torch's _weight_int4pack_mm): 1.51x compiled bf16 {CUDA_STEP_MEASURED}"
+    if not triton_available():
+        return (
+            "Triton is not installed (torch's CUDA wheels bring it): torch's own int8 op or the dequantize "
+            "path, measured slower than unquantized decode"
+        )
+    if bits == 8:
+        return f"int8 runs a Triton GEMV: 1.26x compiled bf16 {CUDA_STEP_MEASURED}"
+    return "int4 runs a Triton GEMV (for bf16 activations tinygemm is faster): its current layout is not timed yet"
+
+
+def _quantized_decode_note(bits: int) -> Requirement:
+    """What `bits`-bit weights cost here when genfast's fast kernels cannot run them; on CUDA, the
+    kernel they run and what it measured."""
+
+    def note(target: Target) -> str | None:
+        if target.device.type == "cuda":
+            return _cuda_quantized_note(bits, target)
+        if target.device.type == "cpu":
+            why = steps.native_int8_note(target)
+            if not why:
+                return None
+        else:
+            why = f"no quantized kernel for {target.device.type}"
+        return (
+            f"quantized weights use the slow dequantize path ({why}): they save memory, but decode is slower "
+            "than unquantized here (`genfast info` says why)"
+        )
+
+    return note
 
 
 RECIPE = Recipe(
@@ -74,14 +92,14 @@ RECIPE = Recipe(
             "int8 weights (one scale per output channel), quantized on load",
             "next-token KL vs bf16 <= 0.02 nats on average, 0.15 at worst; top-1 agreement >= 90%",
             {"quant": "int8"},
-            fallback=_quantized_decode_note,
+            fallback=_quantized_decode_note(8),
         ),
         Step(
             "int4",
             "int4 weights in groups of 32 (int8 output head), instead of int8",
             "logits cosine >= 0.998 on average vs bf16",
             {"quant": "int4"},
-            fallback=_quantized_decode_note,
+            fallback=_quantized_decode_note(4),
         ),
     ],
 )

@@ -50,15 +50,19 @@ def test_quantized_steps_say_when_they_are_slower_than_unquantized(monkeypatch):
     assert not plan("int4", "cpu").notes
 
 
-def test_quantized_steps_on_cuda_say_what_was_measured(monkeypatch):
-    """With Triton, the CUDA kernels run, but the one end-to-end measurement is stated; without
-    it, the dequantize path and why (the device's type alone decides: no GPU needed here)."""
+def test_quantized_steps_on_cuda_name_their_kernel_and_what_it_measured(monkeypatch):
+    """On CUDA each quantized step says which kernel runs and what it measured; int4 with bf16
+    activations is tinygemm with or without Triton (the device's type alone decides: no GPU here)."""
     import genfast.quant.linear as linear
     from genfast.recipe import Target
 
-    cuda = Target(torch.device("cuda"))
+    bf16, fp32 = Target(torch.device("cuda"), "auto"), Target(torch.device("cuda"), "float32")
     monkeypatch.setattr(linear, "triton_available", lambda: True)
-    assert "int8 decode measured slower than compiled bf16" in RECIPE.step("int8").fallback(cuda)
+    assert "Triton GEMV: 1.26x compiled bf16" in RECIPE.step("int8").fallback(bf16)
+    assert "tinygemm" in RECIPE.step("int4").fallback(bf16)
+    assert "not timed yet" in RECIPE.step("int4").fallback(fp32)
     monkeypatch.setattr(linear, "triton_available", lambda: False)
-    note = RECIPE.step("int4").fallback(cuda)
-    assert "slow dequantize path (Triton is not installed)" in note
+    assert "tinygemm" in RECIPE.step("int4").fallback(bf16)
+    for step, target in (("int8", bf16), ("int4", fp32)):
+        assert "Triton is not installed" in RECIPE.step(step).fallback(target)
+        assert "slower than unquantized" in RECIPE.step(step).fallback(target)
