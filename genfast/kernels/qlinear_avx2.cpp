@@ -32,7 +32,6 @@ namespace {
 using namespace genfast_avx2;
 using namespace genfast_qlinear;
 
-constexpr int64_t kPrefetchBlocks = 2;
 // The loops over a register tile's accumulators are unrolled explicitly: GCC 12 otherwise keeps
 // the accumulator arrays in memory and stores every one of them on each pass of the inner loop.
 
@@ -152,13 +151,6 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
       for (int i = 0; i < kHalves; ++i) acc[i] = _mm256_setzero_ps();
       float group_sum = 0.f;
       for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-        // Software prefetch a few blocks ahead (see qlinear_avx512.cpp).
-        if (m == 0) {
-          const uint8_t* ahead = base + (b + kPrefetchBlocks) * NT * block_bytes;
-          for (int64_t line = 0; line < NT * block_bytes; line += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
-          }
-        }
         const __m256 xscale = _mm256_set1_ps(xs_row[b]);
 #pragma GCC unroll 8
         for (int i = 0; i < NT; ++i) {
