@@ -34,7 +34,6 @@ namespace {
 using namespace genfast_avx512;
 using namespace genfast_qlinear;
 
-
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, float* xsum) {
   static_assert(kBlock == 32, "one block is two vectors of 16");
