@@ -37,22 +37,25 @@ CUDA_STEP_MEASURED = "in a Llama-2-7B-shaped decode step (4 blocks) on an H100; 
 
 
 def _cuda_quantized_note(bits: int, target: Target) -> str:
-    """How `bits`-bit weights run on CUDA (genfast.quant.linear.choose_kernel) and what that measured."""
+    """Which kernel `bits`-bit weights run on CUDA (genfast.quant.linear's rule, for the recipe's
+    weights: int4 in groups of 32, int8 per channel, an Ampere or later GPU) and what it measured."""
     import torch
 
     from genfast.hardware import resolve_dtype
-    from genfast.quant.linear import triton_available
+    from genfast.quant.linear import cuda_weight_only_kernel
 
-    if bits == 4 and resolve_dtype(target.dtype, target.device) == torch.bfloat16:
+    dtype = resolve_dtype(target.dtype, target.device)
+    kernel = cuda_weight_only_kernel(bits, per_channel=bits == 8, dtype=dtype, int4pack_ok=bits == 4)
+    if kernel == "int4pack" and dtype == torch.bfloat16:  # (other activations dequantize: QuantLinear.forward)
         return f"int4 runs tinygemm (torch's _weight_int4pack_mm): 1.51x compiled bf16 {CUDA_STEP_MEASURED}"
-    if not triton_available():
-        return (
-            "Triton is not installed (torch's CUDA wheels bring it): torch's own int8 op or the dequantize "
-            "path, measured slower than unquantized decode"
-        )
-    if bits == 8:
-        return f"int8 runs a Triton GEMV: 1.26x compiled bf16 {CUDA_STEP_MEASURED}"
-    return "int4 runs a Triton GEMV (for bf16 activations tinygemm is faster): its current layout is not timed yet"
+    if kernel == "triton":
+        if bits == 8:
+            return f"int8 runs a Triton GEMV: 1.26x compiled bf16 {CUDA_STEP_MEASURED}"
+        return "int4 runs a Triton GEMV (for bf16 activations tinygemm is faster): its current layout is not timed yet"
+    return (
+        "Triton is not installed (torch's CUDA wheels bring it): torch's own int8 op or the dequantize "
+        "path, measured slower than unquantized decode"
+    )
 
 
 def _quantized_decode_note(bits: int) -> Requirement:

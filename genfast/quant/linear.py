@@ -102,13 +102,21 @@ def choose_kernel(qweight: QuantizedWeight, dynamic: bool, dtype: torch.dtype | 
         return "native" if packing.available() else "dequantize"
     if device.type != "cuda" or dynamic:
         return "dequantize"
-    if dtype == torch.bfloat16 and int4pack_fits(qweight):
+    per_channel = qweight.group_size == qweight.codes.shape[1]
+    return cuda_weight_only_kernel(qweight.bits, per_channel, dtype, int4pack_fits(qweight))
+
+
+def cuda_weight_only_kernel(bits: int, per_channel: bool, dtype: torch.dtype | None, int4pack_ok: bool) -> str:
+    """CUDA's weight-only kernel for a weight of `bits` (`per_channel`: one group per row) whose
+    shape and GPU tinygemm takes (`int4pack_ok`, see int4pack_fits), under activations of `dtype`:
+    choose_kernel's rule, which the LLM recipe also states before any weight is loaded."""
+    if int4pack_ok and dtype == torch.bfloat16:
         return "int4pack"
     if triton_available():
         return "triton"
-    if qweight.bits == 8 and qweight.group_size == qweight.codes.shape[1]:
+    if bits == 8 and per_channel:
         return "int8pack"
-    return "int4pack" if int4pack_fits(qweight) else "dequantize"
+    return "int4pack" if int4pack_ok else "dequantize"
 
 
 def int4pack(codes: Tensor, inner_k_tiles: int = INT4PACK_INNER_K_TILES) -> Tensor:
