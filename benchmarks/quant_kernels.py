@@ -2,7 +2,11 @@
 torch's own int8/int4 CPU ops and bf16, on the 121 weight matrices of one SmolLM2-135M decode step
 (distinct copies, so nothing stays in cache). Variants take turns; medians of the later rounds:
 
-    python benchmarks/quant_kernels.py [--threads 2] [--rounds 12]
+    python benchmarks/quant_kernels.py [--threads 2] [--rounds 12] [--hot]
+
+--hot times one 960 x 576 matrix instead, called HOT_CALLS times per round: it stays in L2, so the
+kernels' arithmetic rate shows without memory (compare with a pass to see how well a kernel hides
+its loads).
 
 The result decided genfast's CPU int8/int4 kernels (docs/performance.md, "Quantization").
 """
@@ -20,6 +24,7 @@ from genfast.quant import packing as kernels
 from genfast.quant.grids import quantize
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+HOT_CALLS = 2000
 Variant = tuple[Callable[[], object], int]  # (one pass over all matrices, bytes it reads)
 
 
@@ -78,11 +83,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--hot", action="store_true", help="one L2-resident matrix, called HOT_CALLS times")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    weights = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
+    weights = [torch.randn(n, k) * 0.02 for n, k in (SHAPES[:1] if args.hot else SHAPES)]
+    calls = HOT_CALLS if args.hot else 1
     variants = {
         "bf16 F.linear": bf16_linear(weights),
         "torch._weight_int8pack_mm (bf16 in)": aten_int8(weights),
@@ -103,15 +110,16 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (run, _) in variants.items():
                 start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
+                for _ in range(calls):
+                    run()
+                times[name].append((time.perf_counter() - start) / calls)
     print(f"{device_name(torch.device('cpu'))}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     if reason:
         print(f"native kernel not measured: {reason}")
-    print("| kernel | ms per pass | MB read | GB/s |\n|---|---|---|---|")
+    print(f"| kernel | ms per {'call' if args.hot else 'pass'} | MB read | GB/s |\n|---|---|---|---|")
     for name, (_, nbytes) in variants.items():
         median = statistics.median(times[name][2:])  # the first rounds warm up
-        print(f"| {name} | {median * 1e3:.2f} | {nbytes / 1e6:.1f} | {nbytes / median / 1e9:.1f} |")
+        print(f"| {name} | {median * 1e3:.3g} | {nbytes / 1e6:.3g} | {nbytes / median / 1e9:.1f} |")
 
 
 if __name__ == "__main__":
