@@ -1,7 +1,9 @@
 """One-row (batch-1 decode) linear layers on this machine: which formulation streams weights fastest.
 
-Runs the 121 weight matrices of one SmolLM2-135M decode step (30 layers x fused qkv, o, gate+up,
-down; plus the 49152 x 576 output head) with random bf16 weights, and prints GB/s of weight read:
+Runs the weight matrices of one decode step (per block: fused qkv, o, gate+up, down; plus the
+output head) with random bf16 weights, and prints GB/s of weight read. The default shape is
+SmolLM2-135M's (121 matrices, 30 blocks, a 49152 x 576 head); `--shape` takes any of genfast's
+`random:` shapes (llama-3.2-1b: 65 matrices, 2.5 GB):
 
     python benchmarks/linear_kernels.py                  # one row
     python benchmarks/linear_kernels.py --rows 2,3,5,8   # a few rows: batched decode, verification
@@ -16,9 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from genfast.bench.machine import device_name, measure_read_bandwidth
+from genfast.llm.random_model import SHAPES, decode_step_shapes
 from genfast.nn import few_rows_linear, few_rows_unavailable_reason, row_linear
-
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
 def best_of(fn, repeats: int = 15) -> float:
@@ -31,18 +32,19 @@ def best_of(fn, repeats: int = 15) -> float:
     return best
 
 
-def few_rows(counts: list[int]) -> None:
+def few_rows(counts: list[int], shapes: list[tuple[int, int]]) -> None:
     """Each formulation compiled over the whole step, per row count."""
     reason = few_rows_unavailable_reason()
     if reason:
         raise SystemExit(f"the few-row kernel cannot run here: {reason}")
     torch.manual_seed(0)
     torch._dynamo.config.recompile_limit = 4 * len(counts)
-    weights = [torch.randn(n, k).bfloat16() for n, k in SHAPES]
+    weights = [torch.randn(n, k).bfloat16() for n, k in shapes]
     total = sum(w.nbytes for w in weights)
+    dim, ffn = shapes[0][1], shapes[3][1]
 
-    def step(linear, x576, x1536):
-        return [linear(x576 if w.shape[1] == 576 else x1536, w) for w in weights]
+    def step(linear, x_dim, x_ffn):
+        return [linear(x_dim if w.shape[1] == dim else x_ffn, w) for w in weights]
 
     formulations = {
         "compiled F.linear (aten)": torch.compile(lambda a, b: step(F.linear, a, b), dynamic=False),
@@ -59,20 +61,21 @@ def few_rows(counts: list[int]) -> None:
         + "---|" * len(formulations)
     )
     for rows in counts:
-        x576, x1536 = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 1536).bfloat16()
+        x_dim, x_ffn = torch.randn(rows, dim).bfloat16(), torch.randn(rows, ffn).bfloat16()
         cells = []
         for fn in formulations.values():
             with torch.inference_mode():
-                t = best_of(lambda: fn(x576, x1536), repeats=10)
+                t = best_of(lambda: fn(x_dim, x_ffn), repeats=10)
             cells.append(f"{t * 1e3:.2f} ({total / t / 1e9:.0f})")
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
-def main() -> None:
+def main(shapes: list[tuple[int, int]]) -> None:
     torch.manual_seed(0)
-    weights = [torch.randn(n, k).bfloat16() for n, k in SHAPES]
+    weights = [torch.randn(n, k).bfloat16() for n, k in shapes]
     total = sum(w.nbytes for w in weights)
-    x = {k: torch.randn(1, k).bfloat16() for k in (576, 1536)}
+    dim, ffn = shapes[0][1], shapes[3][1]
+    x = {k: torch.randn(1, k).bfloat16() for k in (dim, ffn)}
 
     def eager_linear():
         return [F.linear(x[w.shape[1]], w) for w in weights]
@@ -84,19 +87,19 @@ def main() -> None:
             torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)
         ]
 
-    def step_linear(x576, x1536):
-        return [F.linear(x576 if w.shape[1] == 576 else x1536, w) for w in weights]
+    def step_linear(x_dim, x_ffn):
+        return [F.linear(x_dim if w.shape[1] == dim else x_ffn, w) for w in weights]
 
-    def step_reduction(x576, x1536):
-        return [row_linear(x576 if w.shape[1] == 576 else x1536, w) for w in weights]
+    def step_reduction(x_dim, x_ffn):
+        return [row_linear(x_dim if w.shape[1] == dim else x_ffn, w) for w in weights]
 
-    def dependent_chain(x576):
+    def dependent_chain(x_dim):
         # As in the model: each matmul's input is the previous one's output.
-        h = x576
+        h = x_dim
         for i in range(0, len(weights) - 1, 4):
-            a = row_linear(h, weights[i])[..., :576]
+            a = row_linear(h, weights[i])[..., :dim]
             b = row_linear(a, weights[i + 1])
-            c = row_linear(b, weights[i + 2])[..., :1536]
+            c = row_linear(b, weights[i + 2])[..., :ffn]
             h = h + row_linear(c, weights[i + 3])
         return row_linear(h, weights[-1])
 
@@ -106,9 +109,9 @@ def main() -> None:
     rows = [
         ("eager F.linear (aten::mm)", eager_linear),
         ("eager oneDNN, pre-packed weights", onednn_packed),
-        ("compiled F.linear (one graph)", lambda: compiled_linear(x[576], x[1536])),
-        ("compiled multiply-sum reduction (one graph)", lambda: compiled_reduction(x[576], x[1536])),
-        ("compiled multiply-sum reduction, dependent chain", lambda: compiled_chain(x[576])),
+        ("compiled F.linear (one graph)", lambda: compiled_linear(x[dim], x[ffn])),
+        ("compiled multiply-sum reduction (one graph)", lambda: compiled_reduction(x[dim], x[ffn])),
+        ("compiled multiply-sum reduction, dependent chain", lambda: compiled_chain(x[dim])),
     ]
     peak = measure_read_bandwidth("cpu")
     print(
@@ -125,8 +128,9 @@ def main() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", help="comma-separated row counts: time the few-row formulations instead")
-    rows = parser.parse_args().rows
-    if rows:
-        few_rows([int(r) for r in rows.split(",")])
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES), help="the model whose step is run")
+    args = parser.parse_args()
+    if args.rows:
+        few_rows([int(r) for r in args.rows.split(",")], decode_step_shapes(args.shape))
     else:
-        main()
+        main(decode_step_shapes(args.shape))

@@ -10,6 +10,17 @@ batch, and `--new-tokens` greedy single-token steps. Medians of `--repeats`. Run
 F16 file: `genfast bench llm --model <dir>/F16.gguf --threads 2 --prompt-tokens 512 --steps
 compile,int8,int4` (with `--dtype float32` on a CPU without native bf16, where the quantized
 kernels are fastest with fp32 activations).
+
+`--alternate none|int8|int4` times genfast (`--dtype auto`, compiled, unquantized or `--quant`) and
+llama.cpp (F16, Q8_0, Q4_0) in one process, taking turns: `--repeats` rounds of one prefill and
+`--new-tokens` decode steps each, and prints every round's pair and the median of the per-round
+ratios. On a shared host whose memory bandwidth drifts by tens of percent over minutes, the
+pairs compare the two under the same conditions where separate runs do not.
+
+`--shape NAME` (one of genfast's `random:` shapes, e.g. llama-3.2-1b) compares at a larger size
+without downloading one: the F16 file then holds random weights at that shape's body (widths,
+blocks, heads, tied head or not) with the source GGUF's tokenizer, so the vocabulary and the
+embedding are the source's size. Both programs run that same file.
 """
 
 from __future__ import annotations
@@ -33,6 +44,69 @@ def convert(source: Path, out: Path, name: str) -> Path:
     params.nthread = 2
     if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
         raise SystemExit(f"llama.cpp could not write {out}")
+    return out
+
+
+def write_random_gguf(source: Path, shape: str, out: Path) -> Path:
+    """An F16 GGUF with N(0, 0.02) weights (norms one) at `shape`'s body and `source`'s tokenizer."""
+    import gguf
+    import numpy as np
+
+    from genfast.llm.random_model import SHAPES
+
+    if out.exists():
+        return out
+    config = SHAPES[shape]
+    reader = gguf.GGUFReader(source)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    dim, hidden, heads, kv_heads = (
+        config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    )
+    head_dim = dim // heads
+    writer = gguf.GGUFWriter(out, "llama")
+    writer.add_name(f"random {shape} body, {source.name} tokenizer")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_context_length(min(config["max_position_embeddings"], 8192))
+    writer.add_embedding_length(dim)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(vocab)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            element_type = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], element_type)
+    rng = np.random.default_rng(0)
+
+    def weight(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    ones = np.ones(dim, dtype=np.float32)
+    writer.add_tensor("token_embd.weight", weight(vocab, dim))
+    for i in range(config["num_hidden_layers"]):
+        for name, rows, cols in (
+            ("attn_q", dim, dim),
+            ("attn_k", kv_heads * head_dim, dim),
+            ("attn_v", kv_heads * head_dim, dim),
+            ("attn_output", dim, dim),
+            ("ffn_gate", hidden, dim),
+            ("ffn_up", hidden, dim),
+            ("ffn_down", dim, hidden),
+        ):
+            writer.add_tensor(f"blk.{i}.{name}.weight", weight(rows, cols))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+    writer.add_tensor("output_norm.weight", ones)
+    if not config["tie_word_embeddings"]:
+        writer.add_tensor("output.weight", weight(vocab, dim))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return out
 
 
@@ -75,28 +149,111 @@ def measure(
     return statistics.median(prefill[1:]), statistics.median(decode[1:])
 
 
+LLAMA_TYPE = {"none": "F16", "int8": "Q8_0", "int4": "Q4_0"}
+
+
+def alternate(source: Path, workdir: Path, quant: str, args: argparse.Namespace, prompt_text: str) -> None:
+    """genfast and llama.cpp in turns in this process, on the same weights (see the docstring)."""
+    from llama_cpp import Llama
+
+    from genfast.compile import use_persistent_cache
+    from genfast.llm.precompiled import attach
+    from genfast.llm.sampling import SamplingParams
+    from genfast.llm.session import load
+    from genfast.llm.speculative import make_generator
+
+    name = LLAMA_TYPE[quant]
+    path = source if name == "F16" else convert(source, workdir / f"{name}.gguf", name)
+    llm = Llama(
+        str(path),
+        n_ctx=args.prompt_tokens + args.new_tokens + 8,
+        n_batch=args.prompt_tokens,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        verbose=False,
+    )
+    llama_prompt = llm.tokenize(prompt_text.encode(), add_bos=False)[: args.prompt_tokens]
+
+    def llama_round() -> tuple[float, float]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(llama_prompt)
+        t1 = time.perf_counter()
+        token = last_argmax(llm)
+        for _ in range(args.new_tokens):
+            llm.eval([token])
+            token = last_argmax(llm)
+        return len(llama_prompt) / (t1 - t0), args.new_tokens / (time.perf_counter() - t1)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    use_persistent_cache()
+    loaded = load(str(source), "cpu", "auto", quant=quant)
+    prompt = loaded.tokenizer.encode(prompt_text)[: args.prompt_tokens]
+    generator = make_generator(loaded, len(prompt) + args.new_tokens + 8, 1, compile=True)
+    attach(generator, loaded, SamplingParams(), print)  # the steps `genfast generate` runs
+    generator.warmup()
+
+    def genfast_round() -> tuple[float, float]:
+        result = generator.generate([prompt], args.new_tokens, stop_at_eos=False)
+        return result.prefill_tok_s, result.decode_tok_s
+
+    with torch.inference_mode():
+        genfast_round(), llama_round()  # warm-up
+        print(f"| round | genfast {quant} prefill / decode tok/s | llama.cpp {name} prefill / decode tok/s |")
+        print("|---|---|---|")
+        ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
+        for i in range(args.repeats):
+            first, second = (genfast_round, llama_round) if i % 2 == 0 else (llama_round, genfast_round)
+            results = {first: first(), second: second()}
+            ours, theirs = results[genfast_round], results[llama_round]
+            print(f"| {i + 1} | {ours[0]:.0f} / {ours[1]:.1f} | {theirs[0]:.0f} / {theirs[1]:.1f} |", flush=True)
+            ratios["prefill"].append(ours[0] / theirs[0])
+            ratios["decode"].append(ours[1] / theirs[1])
+    for what, values in ratios.items():
+        print(
+            f"{what}: genfast / llama.cpp median {statistics.median(values):.2f}x "
+            f"(rounds {min(values):.2f}-{max(values):.2f}x)"
+        )
+
+
 def main() -> None:
     from genfast.hardware import cpu_model, describe_isa
     from genfast.llm.corpus import pydoc_text
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, required=True, help="source GGUF (e.g. the Q4_1 SmolLM2 genfast uses)")
+    p.add_argument(
+        "--shape", default=None, help="random weights at this random: shape (e.g. llama-3.2-1b), --gguf's tokenizer"
+    )
     p.add_argument("--workdir", type=Path, default=None, help="where the converted files go (default: next to --gguf)")
     p.add_argument("--types", default="F16,Q8_0,Q4_0")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--alternate", choices=sorted(LLAMA_TYPE), default=None, help="genfast and llama.cpp in turns")
     args = p.parse_args()
     workdir = args.workdir or args.gguf.parent
     workdir.mkdir(parents=True, exist_ok=True)
     text = pydoc_text()[: args.prompt_tokens * 8]
+    import llama_cpp
+
+    built_for = llama_cpp.llama_print_system_info().decode().strip().rstrip("|").strip()
     print(
-        f"llama.cpp on {cpu_model()}, ISA {describe_isa()}, {args.threads} threads; "
-        f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, median of {args.repeats}"
+        f"llama.cpp {llama_cpp.__version__} ({built_for}) on {cpu_model()}, ISA {describe_isa()}, "
+        f"{args.threads} threads; {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, "
+        f"median of {args.repeats}"
     )
+    if args.shape:
+        source = write_random_gguf(args.gguf, args.shape, workdir / "F16.gguf")
+    else:
+        source = convert(args.gguf, workdir / "F16.gguf", "F16")  # every type from the same F16 weights
+    if args.alternate:
+        alternate(source, workdir, args.alternate, args, text)
+        return
     print("| type | prefill tok/s | decode tok/s |\n|---|---|---|")
-    source = convert(args.gguf, workdir / "F16.gguf", "F16")  # every type from the same F16 weights
     for name in args.types.split(","):
         path = source if name == "F16" else convert(source, workdir / f"{name}.gguf", name)
         prefill, decode = measure(path, args.threads, text, args.prompt_tokens, args.new_tokens, args.repeats)

@@ -1,8 +1,9 @@
 """Quantized one-row linears (batch-1 decode) on this machine: genfast's native kernel against
-torch's own int8/int4 CPU ops and bf16, on the 121 weight matrices of one SmolLM2-135M decode step
-(distinct copies, so nothing stays in cache). Variants take turns; medians of the later rounds:
+torch's own int8/int4 CPU ops and bf16, on the weight matrices of one decode step (distinct
+copies, so nothing stays in cache): SmolLM2-135M's 121 by default, `--shape` for another of
+genfast's `random:` shapes (e.g. llama-3.2-1b). Variants take turns; medians of the later rounds:
 
-    python benchmarks/quant_kernels.py [--threads 2] [--rounds 12] [--hot]
+    python benchmarks/quant_kernels.py [--threads 2] [--rounds 12] [--hot] [--shape S] [--only V,...]
 
 --hot times one 960 x 576 matrix instead, called HOT_CALLS times per round: it stays in L2, so the
 kernels' arithmetic rate shows without memory (compare with a pass to see how well a kernel hides
@@ -20,17 +21,22 @@ import torch
 import torch.nn.functional as F
 
 from genfast.bench.machine import device_name
+from genfast.llm.random_model import SHAPES, decode_step_shapes
 from genfast.quant import packing as kernels
 from genfast.quant.grids import quantize
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 HOT_CALLS = 2000
 Variant = tuple[Callable[[], object], int]  # (one pass over all matrices, bytes it reads)
 
 
+def inputs(weights: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """One bf16 activation row per input width."""
+    return {k: torch.randn(1, k, dtype=torch.bfloat16) for k in {w.shape[1] for w in weights}}
+
+
 def bf16_linear(weights: list[torch.Tensor]) -> Variant:
     w16 = [w.bfloat16() for w in weights]
-    x = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in (576, 1536)}
+    x = inputs(weights)
     return (lambda: [F.linear(x[w.shape[1]], w) for w in w16]), sum(w.nbytes for w in w16)
 
 
@@ -42,7 +48,7 @@ def native(weights: list[torch.Tensor], bits: int, group_size: int | None) -> Va
         pad = lambda t: F.pad(t, (0, 0, 0, rows - t.shape[0]))  # noqa: E731
         packed = kernels.pack(pad(qw.codes), pad(qw.scales), pad(qw.mins), bits)
         layers.append((packed, qw.group_size, qw.out_features, qw.codes.shape[1]))
-    x = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in {layer[3] for layer in layers}}
+    x = inputs(weights)
 
     def run():
         return [torch.ops.genfast.qlinear(x[k], p, bits, g, n) for p, g, n, k in layers]
@@ -58,7 +64,7 @@ def aten_int4(weights: list[torch.Tensor], group_size: int) -> Variant:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         scales_zeros = torch.randn(k // group_size, n, 2, dtype=torch.bfloat16)
         layers.append((packed, scales_zeros, k))
-    x = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in (576, 1536)}
+    x = inputs(weights)
 
     def run():
         return [torch.ops.aten._weight_int4pack_mm_for_cpu(x[k], p, group_size, sz) for p, sz, k in layers]
@@ -71,7 +77,7 @@ def aten_int8(weights: list[torch.Tensor]) -> Variant:
         (torch.randint(-127, 128, w.shape, dtype=torch.int8), torch.rand(w.shape[0], dtype=torch.bfloat16))
         for w in weights
     ]
-    x = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in (576, 1536)}
+    x = inputs(weights)
 
     def run():
         return [torch._weight_int8pack_mm(x[q.shape[1]], q, s) for q, s in layers]
@@ -83,28 +89,35 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--hot", action="store_true", help="one L2-resident matrix, called HOT_CALLS times")
+    parser.add_argument("--hot", action="store_true", help="the step's first matrix only, called HOT_CALLS times")
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES), help="the model whose step is run")
+    parser.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    weights = [torch.randn(n, k) * 0.02 for n, k in (SHAPES[:1] if args.hot else SHAPES)]
+    shapes = decode_step_shapes(args.shape)
+    weights = [torch.randn(n, k) * 0.02 for n, k in (shapes[:1] if args.hot else shapes)]
     calls = HOT_CALLS if args.hot else 1
-    variants = {
-        "bf16 F.linear": bf16_linear(weights),
-        "torch._weight_int8pack_mm (bf16 in)": aten_int8(weights),
-        "aten int4pack_mm_for_cpu g32": aten_int4(weights, 32),
-        "aten int4pack_mm_for_cpu g64": aten_int4(weights, 64),
+    builders = {
+        "bf16 F.linear": lambda: bf16_linear(weights),
+        "torch._weight_int8pack_mm (bf16 in)": lambda: aten_int8(weights),
+        "aten int4pack_mm_for_cpu g32": lambda: aten_int4(weights, 32),
+        "aten int4pack_mm_for_cpu g64": lambda: aten_int4(weights, 64),
     }
     reason = kernels.unavailable_reason()
     if reason is None:
-        variants.update(
+        builders.update(
             {
-                "genfast native int8": native(weights, 8, None),
-                "genfast native int4 g32": native(weights, 4, 32),
-                "genfast native int4 g64": native(weights, 4, 64),
+                "genfast native int8": lambda: native(weights, 8, None),
+                "genfast native int4 g32": lambda: native(weights, 4, 32),
+                "genfast native int4 g64": lambda: native(weights, 4, 64),
             }
         )
+    wanted = args.only.split(",") if args.only else list(builders)
+    if unknown := set(wanted) - set(builders):
+        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {list(builders)}")
+    variants = {name: builders[name]() for name in wanted}
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.inference_mode():
         for _ in range(args.rounds):

@@ -51,7 +51,8 @@ def environment() -> dict[str, Any]:
         "python": list(sys.version_info[:2]),
         "isa": hardware.isa(),
         "code_target": hardware.code_target(),
-        "kernels": {k.name: (k.choose()[0].isa if k.choose()[0] else None) for k in kernels.KERNELS},
+        # The variant's build name: its ISA and a digest of its sources (a packed layout may change with them).
+        "kernels": {k.name: kernels.chosen_build(k) for k in kernels.KERNELS},
     }
 
 

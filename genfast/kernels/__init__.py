@@ -186,6 +186,16 @@ def build_name(name: str, variant: Variant) -> str:
     return f"genfast_{name}_{variant.isa}_{digest.hexdigest()[:12]}"
 
 
+def chosen_build(kernel: Kernel) -> str | None:
+    """The build name (build_name) of the variant `kernel` runs here, None where none is chosen or
+    its source is missing."""
+    variant, _ = kernel.choose()
+    try:
+        return build_name(kernel.name, variant) if variant else None
+    except OSError:
+        return None
+
+
 @cache
 def _build(name: str, variant: Variant, what: str) -> str | None:
     """Compile and load one variant (once per process); None when its ops are ready, else why not."""

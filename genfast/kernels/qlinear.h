@@ -7,9 +7,13 @@
 //   template <typename T> quantize_tokens(x, rows, k, xq, xs, xsum)   int8 per row
 //   template <typename T> dynamic_rows(xq, xs, xsum, k, w, m0, m1, t0, y)  rows [m0, m1) x the same outputs
 //
-// `packed` holds, back to back: the codes in tile layout ([N_padded, K] x bits/8 bytes), then the
-// fp16 scales [groups, N_padded], then the fp16 minima [groups, N_padded]. One tensor per layer
-// keeps the per-call cost low (every tensor is an input torch.compile's wrapper must handle).
+// `packed` is one tensor per layer (every tensor is an input torch.compile's wrapper must handle):
+// per row group of 64 rows (one task), per group of `group_size` columns, the group's codes in
+// tile layout (group_size x 64 x bits/8 bytes), then the 64 rows' fp16 scales, then their fp16
+// minima. A task reads one contiguous stream. With the scales and minima in arrays of their own,
+// [groups, N_padded], a task read its codes plus two 128-byte runs 2 * N_padded bytes apart per
+// group, and int4 in groups of 32 streamed at half the rate of int8 on an AVX2-capped Zen 4
+// (docs/performance.md, "Scales beside their codes").
 
 #pragma once
 
@@ -35,11 +39,24 @@ struct Activations {
   int64_t rows, k;
 };
 
+constexpr int64_t kRowGroup = kTileRows * kTilesPerTask;  // rows per task
+
+// The packed layout's addresses (see the header). A row group is tiles [4 s, 4 s + 4).
 struct Weights {
   const uint8_t* packed;
-  const at::Half* scales;
-  const at::Half* mins;
-  int64_t group_size, n_padded, n;
+  int64_t bits, group_size, k, n_padded, n;
+
+  int64_t group_code_bytes() const { return group_size * kRowGroup * bits / 8; }
+  int64_t group_bytes() const { return group_code_bytes() + 4 * kRowGroup; }
+  // Codes of group g of row group s: its blocks one after another, each [tile][chunk].
+  const uint8_t* codes(int64_t s, int64_t g) const {
+    return packed + s * (k / group_size) * group_bytes() + g * group_bytes();
+  }
+  // The 64 rows' scales of group g of row group s; their minima follow.
+  const at::Half* scales(int64_t s, int64_t g) const {
+    return reinterpret_cast<const at::Half*>(codes(s, g) + group_code_bytes());
+  }
+  const at::Half* mins(int64_t s, int64_t g) const { return scales(s, g) + kRowGroup; }
 };
 
 template <typename T>
@@ -63,7 +80,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, 
   const int64_t groups = k / group_size;
   const int64_t bytes_per_row = k * bits / 8 + 4 * groups;
   const int64_t n_padded = packed.numel() / bytes_per_row;
-  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
+  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % kRowGroup == 0 &&
               out_features <= n_padded, "qlinear: packed size does not match K, bits and group size");
 
   // Quantized activations live in per-thread scratch space: no allocations per call but the output.
@@ -74,13 +91,11 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, 
   xsum.resize(rows * k / kBlock);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({rows, out_features}, x.options());
-  const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k * bits / 8);
   const Activations a{xq.data(), xs.data(), xsum.data(), rows, k};
-  const Weights w{codes, scales, scales + groups * n_padded, group_size, n_padded, out_features};
+  const Weights w{packed.data_ptr<uint8_t>(), bits, group_size, k, n_padded, out_features};
   auto run = [&](const auto* in, auto* out) {
     V::quantize_blocks(in, rows, k, xq.data(), xs.data(), xsum.data());
-    at::parallel_for(0, n_padded / (kTileRows * kTilesPerTask), 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n_padded / kRowGroup, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         bits == 8 ? V::template tiles<8>(a, w, task * kTilesPerTask, out)
                   : V::template tiles<4>(a, w, task * kTilesPerTask, out);
@@ -102,7 +117,7 @@ at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_
   TORCH_CHECK(k % kBlock == 0, "qlinear_dynamic: K must be a multiple of 32");
   const int64_t bytes_per_row = k + 4;  // codes + fp16 scale + fp16 minimum
   const int64_t n_padded = packed.numel() / bytes_per_row;
-  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % (kTileRows * kTilesPerTask) == 0 &&
+  TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % kRowGroup == 0 &&
               out_features <= n_padded, "qlinear_dynamic: packed size does not match K (8-bit, one group)");
   TORCH_CHECK(static_cast<double>(k) * 255 * 128 < 2147483647.0, "qlinear_dynamic: K too large for int32 sums");
 
@@ -114,10 +129,8 @@ at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_
   xsum.resize(rows);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({rows, out_features}, x.options());
-  const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const auto* scales = reinterpret_cast<const at::Half*>(codes + n_padded * k);
-  const Weights w{codes, scales, scales + n_padded, k, n_padded, out_features};
-  const int64_t row_groups = n_padded / (kTileRows * kTilesPerTask);
+  const Weights w{packed.data_ptr<uint8_t>(), 8, k, k, n_padded, out_features};
+  const int64_t row_groups = n_padded / kRowGroup;
   const int64_t row_chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;
   // Pointers taken here: inside the parallel region the thread_local names are other threads' buffers.
   int8_t* xq_ptr = xq.data();

@@ -133,11 +133,12 @@ inline __m256 effective_min(__m256 minimum, __m256 scale) {
 // Output rows [16 * t0, 16 * (t0 + NT)) for every activation row.
 template <int Bits, int NT, typename T>
 void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
+  static_assert(NT == kTilesPerTask, "a task is one row group of the packed layout");
   constexpr int kHalves = 2 * NT;
+  const int64_t s = t0 / kTilesPerTask;
   const int64_t blocks = a.k / kBlock;
   const int64_t blocks_per_group = w.group_size / kBlock;
   const int64_t block_bytes = kBlock * kTileRows * Bits / 8;
-  const uint8_t* base = w.packed + t0 * blocks * block_bytes;
   for (int64_t m = 0; m < a.rows; ++m) {
     const int8_t* xrow = a.xq + m * a.k;
     const float* xs_row = a.xs + m * blocks;
@@ -150,23 +151,26 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
 #pragma GCC unroll 8
       for (int i = 0; i < kHalves; ++i) acc[i] = _mm256_setzero_ps();
       float group_sum = 0.f;
+      const uint8_t* group = w.codes(s, g);
       for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
         const __m256 xscale = _mm256_set1_ps(xs_row[b]);
+        const uint8_t* block = group + (b - g * blocks_per_group) * NT * block_bytes;
 #pragma GCC unroll 8
         for (int i = 0; i < NT; ++i) {
           __m256i dot0, dot1;
-          tile_block_dots<Bits>(base + (b * NT + i) * block_bytes, xrow + b * kBlock, dot0, dot1);
+          tile_block_dots<Bits>(block + i * block_bytes, xrow + b * kBlock, dot0, dot1);
           acc[2 * i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), xscale, acc[2 * i]);
           acc[2 * i + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), xscale, acc[2 * i + 1]);
         }
         group_sum += xsum_row[b];
       }
       const __m256 sum = _mm256_set1_ps(group_sum);
+      const at::Half* scales = w.scales(s, g);
+      const at::Half* mins = w.mins(s, g);
 #pragma GCC unroll 8
       for (int i = 0; i < kHalves; ++i) {
-        const int64_t offset = g * w.n_padded + t0 * kTileRows + i * 8;
-        const __m256 scale = load_half8(w.scales + offset);
-        const __m256 minimum = effective_min<Bits>(load_half8(w.mins + offset), scale);
+        const __m256 scale = load_half8(scales + i * 8);
+        const __m256 minimum = effective_min<Bits>(load_half8(mins + i * 8), scale);
         out[i] = _mm256_fmadd_ps(minimum, sum, _mm256_fmadd_ps(scale, acc[i], out[i]));
       }
     }
@@ -217,9 +221,10 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
   constexpr int64_t block_bytes = kBlock * kTileRows;
   const int64_t first = t * kTileRows;
   if (first >= w.n) return;
-  // Tiles are stored [row group][block][tile in group][chunk]: step between blocks of one tile.
-  const int64_t group_first_tile = t - t % kTilesPerTask;
-  const uint8_t* tile = w.packed + group_first_tile * (k / kBlock) * block_bytes + (t % kTilesPerTask) * block_bytes;
+  // Tiles are stored [row group][block][tile in group][chunk] (one group: all of K): step
+  // between blocks of one tile.
+  const int64_t s = t / kTilesPerTask, tile_in_group = t % kTilesPerTask;
+  const uint8_t* tile = w.codes(s, 0) + tile_in_group * block_bytes;
   const int64_t block_stride = kTilesPerTask * block_bytes;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[R][2];
@@ -241,8 +246,8 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
   }
   const int64_t count = std::min<int64_t>(kTileRows, w.n - first);
   for (int h = 0; h < 2; ++h) {
-    const __m256 scale = load_half8(w.scales + first + 8 * h);
-    const __m256 minimum = load_half8(w.mins + first + 8 * h);  // sums over the unsigned codes
+    const __m256 scale = load_half8(w.scales(s, 0) + tile_in_group * kTileRows + 8 * h);
+    const __m256 minimum = load_half8(w.mins(s, 0) + tile_in_group * kTileRows + 8 * h);  // sums over the unsigned codes
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;

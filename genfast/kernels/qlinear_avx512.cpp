@@ -10,11 +10,12 @@
 // of 4 (64 rows, the unit of work of one thread). A tile's chunk of 4 (int8) or 8 (int4) columns
 // is 64 bytes = 16 rows x 4 bytes, so one vpdpbusd with 4 broadcast activation bytes serves 16
 // output rows and no horizontal sums are needed; for int4 the low nibbles hold columns 8c..8c+3
-// and the high nibbles 8c+4..8c+7. Storage order: [row group][activation block][tile][chunk], so
-// each thread reads one contiguous stream (short interleaved streams defeat the prefetchers). No
+// and the high nibbles 8c+4..8c+7. Storage order: [row group][group][activation block][tile][chunk],
+// each group's 64 scales and 64 minima right after its codes (qlinear.h), so each thread reads
+// one contiguous stream (short interleaved streams defeat the prefetchers). No
 // software prefetch: on Zen 4 (2026-11-27) dropping the one these loops had made a 121-matrix pass
 // 6-25% faster on one thread and no slower on two, in both variants (docs/performance.md).
-// Scales and minima are [groups, N_padded] so the 16 rows of a tile load as one vector.
+// A tile's 16 scales (and minima) load as one vector.
 //
 // Compiled with -mavx512f/bw/vl/vnni/f16c; the Python side calls it only when the CPU has them.
 
@@ -58,6 +59,10 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, f
       }
     }
   });
+}
+
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 inline __m512i broadcast4(const int8_t* p) {
@@ -110,10 +115,11 @@ inline void block_dots(const uint8_t* const* w, const int8_t* xq, __m512i* dot) 
 // Output rows [16 * t0, 16 * (t0 + NT)) for every activation row.
 template <int Bits, int NT, typename T>
 void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
+  static_assert(NT == kTilesPerTask, "a task is one row group of the packed layout");
+  const int64_t s = t0 / kTilesPerTask;
   const int64_t blocks = a.k / kBlock;
   const int64_t blocks_per_group = w.group_size / kBlock;
   const int64_t block_bytes = kBlock * kTileRows * Bits / 8;
-  const uint8_t* base = w.packed + t0 * blocks * block_bytes;
   for (int64_t m = 0; m < a.rows; ++m) {
     const int8_t* xrow = a.xq + m * a.k;
     const float* xs_row = a.xs + m * blocks;
@@ -124,9 +130,10 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
       __m512 acc[NT];
       for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_ps();
       float group_sum = 0.f;
+      const uint8_t* group = w.codes(s, g);
       for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
         const uint8_t* ptrs[NT];
-        for (int i = 0; i < NT; ++i) ptrs[i] = base + (b * NT + i) * block_bytes;
+        for (int i = 0; i < NT; ++i) ptrs[i] = group + ((b - g * blocks_per_group) * NT + i) * block_bytes;
         __m512i dot[NT];
         block_dots<Bits, NT>(ptrs, xrow + b * kBlock, dot);
         const __m512 xscale = _mm512_set1_ps(xs_row[b]);
@@ -134,10 +141,11 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
         group_sum += xsum_row[b];
       }
       const __m512 sum = _mm512_set1_ps(group_sum);
+      const at::Half* scales = w.scales(s, g);
+      const at::Half* mins = w.mins(s, g);
       for (int i = 0; i < NT; ++i) {
-        const int64_t offset = g * w.n_padded + (t0 + i) * kTileRows;
-        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + offset)));
-        const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + offset)));
+        const __m512 scale = load_half16(scales + i * kTileRows);
+        const __m512 minimum = load_half16(mins + i * kTileRows);
         out[i] = _mm512_fmadd_ps(minimum, sum, _mm512_fmadd_ps(scale, acc[i], out[i]));
       }
     }
@@ -198,7 +206,8 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
                   int64_t m0, int64_t t0, T* y) {
   constexpr int NT = kTilesPerTask;
   constexpr int64_t block_bytes = kBlock * kTileRows;
-  const uint8_t* base = w.packed + t0 * (k / kBlock) * block_bytes;
+  const int64_t s = t0 / kTilesPerTask;
+  const uint8_t* base = w.codes(s, 0);  // one group: all of K
   __m512i acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
@@ -218,8 +227,8 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
     const int64_t first = (t0 + t) * kTileRows;
     if (first >= w.n) break;
     const __mmask16 mask = static_cast<__mmask16>(w.n - first >= 16 ? 0xFFFF : (1u << (w.n - first)) - 1);
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + first)));
-    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + first)));
+    const __m512 scale = load_half16(w.scales(s, 0) + t * kTileRows);
+    const __m512 minimum = load_half16(w.mins(s, 0) + t * kTileRows);
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const __m512 dot = _mm512_fmadd_ps(minimum, _mm512_set1_ps(static_cast<float>(xsum[m])),

@@ -76,6 +76,17 @@ def random_args(path: Path | str) -> ModelArgs:
     return ModelArgs.from_hf_config(SHAPES[shape_name(path)])
 
 
+def decode_step_shapes(name: str) -> list[tuple[int, int]]:
+    """(out, in) of each weight matrix a decode step of shape `name` reads, in order: per block
+    the fused qkv, o, fused gate+up and down projections (as genfast's model fuses them), then the
+    output head. For benchmarks of the linear kernels at a real model's sizes."""
+    c = SHAPES[name]
+    dim, ffn = c["hidden_size"], c["intermediate_size"]
+    kv = c["num_key_value_heads"] * dim // c["num_attention_heads"]
+    block = [(dim + 2 * kv, dim), (dim, dim), (2 * ffn, dim), (dim, ffn)]
+    return block * c["num_hidden_layers"] + [(c["vocab_size"], dim)]
+
+
 def fill_random(module: torch.nn.Module, prefix: str) -> None:
     """Draw `module`'s parameters (stored under `prefix`) in place on their device: norms (1-D
     weights) are ones, the rest N(0, 0.02), each from a seed of its name."""

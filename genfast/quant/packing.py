@@ -63,18 +63,27 @@ _TILES = ROW_GROUP // TILE_ROWS
 
 
 def pack(codes: Tensor, scales: Tensor, mins: Tensor, bits: int) -> Tensor:
-    """The kernel's single weight buffer: tiled codes, then scales^T and mins^T (fp16 bytes).
-    codes [N_padded, K], scales and mins [N_padded, groups]."""
-    parts = [pack_tiles(codes, bits)] + [t.t().contiguous().reshape(-1).view(torch.uint8) for t in (scales, mins)]
-    return torch.cat(parts)
+    """The kernel's single weight buffer. codes [N_padded, K], scales and mins [N_padded, groups]
+    (fp16). Per row group of 64 rows, per group of columns: the group's tiled codes, then the 64
+    rows' scales, then their minima (genfast/kernels/qlinear.h), so that a thread's task is one
+    contiguous stream."""
+    n, k = codes.shape
+    groups = scales.shape[1]
+    tiles = pack_tiles(codes, bits).reshape(n // ROW_GROUP, groups, -1)  # a group's blocks are consecutive
+    grids = [t.reshape(n // ROW_GROUP, ROW_GROUP, groups).transpose(1, 2).contiguous() for t in (scales, mins)]
+    grid_bytes = [g.view(torch.uint8) for g in grids]  # [row group, group, 64 x 2 bytes]
+    return torch.cat([tiles, *grid_bytes], dim=2).reshape(-1)
 
 
 def unpack(packed: Tensor, bits: int, n: int, k: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Inverse of pack: codes [n, k], scales and mins [n, k // group_size]."""
-    code_bytes, groups = n * k * bits // 8, k // group_size
-    codes = unpack_tiles(packed[:code_bytes], bits, n, k)
-    grids = packed[code_bytes:].view(torch.float16).reshape(2, groups, n)
-    return codes, grids[0].t(), grids[1].t()
+    groups = k // group_size
+    code_bytes = group_size * ROW_GROUP * bits // 8
+    view = packed.reshape(n // ROW_GROUP, groups, code_bytes + 4 * ROW_GROUP)
+    codes = unpack_tiles(view[..., :code_bytes].reshape(-1), bits, n, k)
+    grids = view[..., code_bytes:].contiguous().view(torch.float16).reshape(n // ROW_GROUP, groups, 2, ROW_GROUP)
+    scales, mins = (grids[:, :, i].transpose(1, 2).reshape(n, groups) for i in range(2))
+    return codes, scales, mins
 
 
 def pack_tiles(codes: Tensor, bits: int) -> Tensor:

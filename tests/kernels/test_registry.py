@@ -181,3 +181,26 @@ def test_lower_isa_variants_pass_the_kernel_tests(level):
         text=True,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_saved_compiled_code_depends_on_the_kernel_sources(tmp_path, monkeypatch):
+    # A packed weight layout lives in a kernel's source and in genfast/quant/packing.py together:
+    # code compiled against one build must not be loaded beside another.
+    from genfast import artifacts
+
+    pretend_cpu(monkeypatch, ZEN3)
+    monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
+    for source in kernels.SOURCE_DIR.iterdir():
+        if source.suffix in (".cpp", ".h"):
+            (tmp_path / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(kernels, "SOURCE_DIR", tmp_path)
+    before = artifacts.environment()["kernels"]
+    assert before["qlinear"].startswith("genfast_qlinear_avx2_")
+    with open(tmp_path / "qlinear.h", "a") as header:
+        header.write("// changed\n")
+    after = artifacts.environment()["kernels"]
+    assert (
+        after["qlinear"] != before["qlinear"] and after["group_norm"] != before["group_norm"]
+    )  # every build reads the headers
+    (tmp_path / "qlinear_avx2.cpp").unlink()
+    assert artifacts.environment()["kernels"]["qlinear"] is None  # no source: nothing to build, nothing saved against

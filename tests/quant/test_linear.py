@@ -62,6 +62,27 @@ def test_nibble_and_tile_layouts_round_trip():
         assert torch.equal(kernels.unpack_tiles(packed, bits, 128, 96), codes)
 
 
+@pytest.mark.parametrize("bits,group_size", [(8, 96), (8, 32), (4, 32), (4, 96)])
+def test_each_groups_scales_follow_its_codes_in_one_stream_per_row_group(bits, group_size):
+    n, k = 128, 96
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+    scales, mins = torch.randn(n, k // group_size).half(), torch.randn(n, k // group_size).half()
+    packed = kernels.pack(codes, scales, mins, bits)
+    assert packed.numel() == n * k * bits // 8 + 4 * n * (k // group_size)
+    code_bytes = group_size * kernels.ROW_GROUP * bits // 8
+    group_bytes = code_bytes + 4 * kernels.ROW_GROUP
+    tiles = kernels.pack_tiles(codes, bits).reshape(n // kernels.ROW_GROUP, k // group_size, code_bytes)
+    for s in range(n // kernels.ROW_GROUP):
+        rows = slice(s * kernels.ROW_GROUP, (s + 1) * kernels.ROW_GROUP)
+        for g in range(k // group_size):
+            start = (s * (k // group_size) + g) * group_bytes
+            assert torch.equal(packed[start : start + code_bytes], tiles[s, g])
+            grid = packed[start + code_bytes : start + group_bytes].view(torch.float16)
+            assert torch.equal(grid[: kernels.ROW_GROUP], scales[rows, g])
+            assert torch.equal(grid[kernels.ROW_GROUP :], mins[rows, g])
+    assert all(torch.equal(a, b) for a, b in zip(kernels.unpack(packed, bits, n, k, group_size), (codes, scales, mins)))
+
+
 def make_layer(in_features, out_features, bits, group_size, bias, dtype, native, monkeypatch):
     if not native:
         monkeypatch.setattr(kernels, "available", lambda: False)
