@@ -67,8 +67,7 @@ def pack(codes: Tensor, scales: Tensor, mins: Tensor, bits: int) -> Tensor:
     (fp16). Per row group of 64 rows, per group of columns: the group's tiled codes, then the 64
     rows' scales, then their minima (genfast/kernels/qlinear.h), so that a thread's task is one
     contiguous stream."""
-    n, k = codes.shape
-    groups = scales.shape[1]
+    n, groups = codes.shape[0], scales.shape[1]
     tiles = pack_tiles(codes, bits).reshape(n // ROW_GROUP, groups, -1)  # a group's blocks are consecutive
     grids = [t.reshape(n // ROW_GROUP, ROW_GROUP, groups).transpose(1, 2).contiguous() for t in (scales, mins)]
     grid_bytes = [g.view(torch.uint8) for g in grids]  # [row group, group, 64 x 2 bytes]
