@@ -44,7 +44,7 @@ constexpr int64_t kRowGroup = kTileRows * kTilesPerTask;  // rows per task
 // The packed layout's addresses (see the header). A row group is tiles [4 s, 4 s + 4).
 struct Weights {
   const uint8_t* packed;
-  int64_t bits, group_size, k, n_padded, n;
+  int64_t bits, group_size, k, n;  // n: the real output rows (the layout pads to whole row groups)
 
   int64_t group_code_bytes() const { return group_size * kRowGroup * bits / 8; }
   int64_t group_bytes() const { return group_code_bytes() + 4 * kRowGroup; }
@@ -92,7 +92,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, 
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({rows, out_features}, x.options());
   const Activations a{xq.data(), xs.data(), xsum.data(), rows, k};
-  const Weights w{packed.data_ptr<uint8_t>(), bits, group_size, k, n_padded, out_features};
+  const Weights w{packed.data_ptr<uint8_t>(), bits, group_size, k, out_features};
   auto run = [&](const auto* in, auto* out) {
     V::quantize_blocks(in, rows, k, xq.data(), xs.data(), xsum.data());
     at::parallel_for(0, n_padded / kRowGroup, 1, [&](int64_t begin, int64_t end) {
@@ -129,7 +129,7 @@ at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_
   xsum.resize(rows);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({rows, out_features}, x.options());
-  const Weights w{packed.data_ptr<uint8_t>(), 8, k, k, n_padded, out_features};
+  const Weights w{packed.data_ptr<uint8_t>(), 8, k, k, out_features};
   const int64_t row_groups = n_padded / kRowGroup;
   const int64_t row_chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;
   // Pointers taken here: inside the parallel region the thread_local names are other threads' buffers.
