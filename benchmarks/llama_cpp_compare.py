@@ -118,13 +118,11 @@ def last_argmax(llm) -> int:
     return int(np.argmax(logits))
 
 
-def measure(
-    path: Path, threads: int, prompt_text: str, prompt_tokens: int, new_tokens: int, repeats: int
-) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s), medians."""
+def open_llama(path: Path, threads: int, prompt_tokens: int, new_tokens: int):
+    """A llama.cpp context sized for one prompt of `prompt_tokens` (one batch) and `new_tokens` steps."""
     from llama_cpp import Llama
 
-    llm = Llama(
+    return Llama(
         str(path),
         n_ctx=prompt_tokens + new_tokens + 8,
         n_batch=prompt_tokens,
@@ -132,21 +130,29 @@ def measure(
         n_threads_batch=threads,
         verbose=False,
     )
-    prompt = llm.tokenize(prompt_text.encode(), add_bos=False)[:prompt_tokens]
-    prefill, decode = [], []
-    for _ in range(repeats + 1):  # the first round warms up
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        t1 = time.perf_counter()
+
+
+def llama_round(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of one prompt in one batch and `new_tokens` greedy steps."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    token = last_argmax(llm)
+    for _ in range(new_tokens):
+        llm.eval([token])
         token = last_argmax(llm)
-        for _ in range(new_tokens):
-            llm.eval([token])
-            token = last_argmax(llm)
-        t2 = time.perf_counter()
-        prefill.append(len(prompt) / (t1 - t0))
-        decode.append(new_tokens / (t2 - t1))
-    return statistics.median(prefill[1:]), statistics.median(decode[1:])
+    return len(prompt) / (t1 - t0), new_tokens / (time.perf_counter() - t1)
+
+
+def measure(
+    path: Path, threads: int, prompt_text: str, prompt_tokens: int, new_tokens: int, repeats: int
+) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s), medians."""
+    llm = open_llama(path, threads, prompt_tokens, new_tokens)
+    prompt = llm.tokenize(prompt_text.encode(), add_bos=False)[:prompt_tokens]
+    rounds = [llama_round(llm, prompt, new_tokens) for _ in range(repeats + 1)][1:]  # the first warms up
+    return statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
 
 
 LLAMA_TYPE = {"none": "F16", "int8": "Q8_0", "int4": "Q4_0"}
@@ -154,8 +160,6 @@ LLAMA_TYPE = {"none": "F16", "int8": "Q8_0", "int4": "Q4_0"}
 
 def alternate(source: Path, workdir: Path, quant: str, args: argparse.Namespace, prompt_text: str) -> None:
     """genfast and llama.cpp in turns in this process, on the same weights (see the docstring)."""
-    from llama_cpp import Llama
-
     from genfast.compile import use_persistent_cache
     from genfast.llm.precompiled import attach
     from genfast.llm.sampling import SamplingParams
@@ -164,26 +168,8 @@ def alternate(source: Path, workdir: Path, quant: str, args: argparse.Namespace,
 
     name = LLAMA_TYPE[quant]
     path = source if name == "F16" else convert(source, workdir / f"{name}.gguf", name)
-    llm = Llama(
-        str(path),
-        n_ctx=args.prompt_tokens + args.new_tokens + 8,
-        n_batch=args.prompt_tokens,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
-        verbose=False,
-    )
+    llm = open_llama(path, args.threads, args.prompt_tokens, args.new_tokens)
     llama_prompt = llm.tokenize(prompt_text.encode(), add_bos=False)[: args.prompt_tokens]
-
-    def llama_round() -> tuple[float, float]:
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(llama_prompt)
-        t1 = time.perf_counter()
-        token = last_argmax(llm)
-        for _ in range(args.new_tokens):
-            llm.eval([token])
-            token = last_argmax(llm)
-        return len(llama_prompt) / (t1 - t0), args.new_tokens / (time.perf_counter() - t1)
 
     import torch
 
@@ -199,15 +185,18 @@ def alternate(source: Path, workdir: Path, quant: str, args: argparse.Namespace,
         result = generator.generate([prompt], args.new_tokens, stop_at_eos=False)
         return result.prefill_tok_s, result.decode_tok_s
 
+    def llama_turn() -> tuple[float, float]:
+        return llama_round(llm, llama_prompt, args.new_tokens)
+
     with torch.inference_mode():
-        genfast_round(), llama_round()  # warm-up
+        genfast_round(), llama_turn()  # warm-up
         print(f"| round | genfast {quant} prefill / decode tok/s | llama.cpp {name} prefill / decode tok/s |")
         print("|---|---|---|")
         ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
         for i in range(args.repeats):
-            first, second = (genfast_round, llama_round) if i % 2 == 0 else (llama_round, genfast_round)
+            first, second = (genfast_round, llama_turn) if i % 2 == 0 else (llama_turn, genfast_round)
             results = {first: first(), second: second()}
-            ours, theirs = results[genfast_round], results[llama_round]
+            ours, theirs = results[genfast_round], results[llama_turn]
             print(f"| {i + 1} | {ours[0]:.0f} / {ours[1]:.1f} | {theirs[0]:.0f} / {theirs[1]:.1f} |", flush=True)
             ratios["prefill"].append(ours[0] / theirs[0])
             ratios["decode"].append(ours[1] / theirs[1])
