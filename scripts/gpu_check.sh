@@ -22,7 +22,8 @@
 #            diffusion   genfast bench diffusion (SDXL 1024x1024, 30 steps) on CUDA
 #   WORKDIR  where logs and JSON rows go (default /tmp/genfast-gpu)
 #   WHEELS   a folder of wheels to install offline (no index, no dependencies) into WORKDIR/site
-#            instead of `pip install -e .[test]`: for machines with torch but no network.
+#            instead of `pip install -e .[test]`: for machines with torch but no network
+#            (scripts/gpu_wheels.sh downloads the ones such a machine lacks).
 #   LLM_STEPS, NEW_TOKENS, REPEATS: the LLM ladder's rows (default bf16,compile,int8,int4,spec-int4), 256, 3.
 #   DECODE_VARIANTS  the decode stage's weight formats and kernels, comma-separated (default: all of
 #            benchmarks/cuda_decode.py's), e.g. DECODE_VARIANTS="bf16,int8 triton,int4 g32 torch".
