@@ -7,11 +7,14 @@ SmolLM2-135M's (121 matrices, 30 blocks, a 49152 x 576 head); `--shape` takes an
 
     python benchmarks/linear_kernels.py                  # one row
     python benchmarks/linear_kernels.py --rows 2,3,5,8   # a few rows: batched decode, verification
+    python benchmarks/linear_kernels.py --prefill 6,64,512   # fp32 rows over bf16 weights (AVX2's auto)
 
-The results decided genfast.nn.Linear's compiled paths and MAX_FEW_ROWS (docs/performance.md).
+The results decided genfast.nn.Linear's compiled paths, MAX_FEW_ROWS and the widening GEMM
+(docs/performance.md).
 """
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -19,7 +22,13 @@ import torch.nn.functional as F
 
 from genfast.bench.machine import device_name, measure_read_bandwidth
 from genfast.llm.random_model import SHAPES, decode_step_shapes
-from genfast.nn import few_rows_linear, few_rows_unavailable_reason, row_linear
+from genfast.nn import (
+    few_rows_linear,
+    few_rows_unavailable_reason,
+    row_linear,
+    widening_gemm_unavailable_reason,
+    widening_linear,
+)
 
 
 def best_of(fn, repeats: int = 15) -> float:
@@ -67,6 +76,43 @@ def few_rows(counts: list[int], shapes: list[tuple[int, int]]) -> None:
             with torch.inference_mode():
                 t = best_of(lambda: fn(x_dim, x_ffn), repeats=10)
             cells.append(f"{t * 1e3:.2f} ({total / t / 1e9:.0f})")
+        print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+def prefill(counts: list[int], shapes: list[tuple[int, int]]) -> None:
+    """fp32 rows times one block's bf16 weights (the first four matrices of the step), eagerly,
+    as `--dtype auto` runs a prefill on a CPU without native bf16: the widening GEMM against the
+    weight upcast for aten's GEMM (the path before it) and aten on a weight kept in fp32. Median
+    of 7 calls per matrix, GFLOP/s over the four."""
+    reason = widening_gemm_unavailable_reason()
+    if reason:
+        raise SystemExit(f"the widening GEMM cannot run here: {reason}")
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k).bfloat16() for n, k in shapes[:4]]
+    fp32_weights = [w.float() for w in weights]
+    ways = {
+        "widening GEMM": lambda x, i: widening_linear(x, weights[i]),
+        "upcast + aten": lambda x, i: F.linear(x, weights[i].float()),
+        "aten, fp32 weight": lambda x, i: F.linear(x, fp32_weights[i]),
+    }
+    print(f"{device_name('cpu')}, torch {torch.__version__}; one block's "
+          f"matrices {', '.join(f'{n}x{k}' for n, k in shapes[:4])}\n")  # fmt: skip
+    print("| rows | " + " | ".join(f"{name} GFLOP/s" for name in ways) + " |\n|---|" + "---|" * len(ways))
+    for rows in counts:
+        cells = []
+        for way in ways.values():
+            seconds = 0.0
+            for i, w in enumerate(weights):
+                x = torch.randn(rows, w.shape[1])
+                way(x, i)
+                times = []
+                for _ in range(7):
+                    t0 = time.perf_counter()
+                    way(x, i)
+                    times.append(time.perf_counter() - t0)
+                seconds += statistics.median(times)
+            flops = sum(2 * rows * w.numel() for w in weights)
+            cells.append(f"{flops / seconds / 1e9:.0f}")
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -128,9 +174,12 @@ def main(shapes: list[tuple[int, int]]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", help="comma-separated row counts: time the few-row formulations instead")
+    parser.add_argument("--prefill", help="comma-separated row counts: time the fp32-rows-over-bf16 GEMMs instead")
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES), help="the model whose step is run")
     args = parser.parse_args()
-    if args.rows:
+    if args.prefill:
+        prefill([int(r) for r in args.prefill.split(",")], decode_step_shapes(args.shape))
+    elif args.rows:
         few_rows([int(r) for r in args.rows.split(",")], decode_step_shapes(args.shape))
     else:
         main(decode_step_shapes(args.shape))

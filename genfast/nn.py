@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from genfast.kernels import LINEAR_FEW_ROWS
+from genfast.kernels import LINEAR_FEW_ROWS, LINEAR_WIDENING_GEMM
 
 # Up to this many rows the kernel beats aten's GEMM on a 2-core Zen 4 (SmolLM2 step, ms: 2 rows 6.4
 # vs 12.1, 3: 7.7 vs 11.7, 5: 10.3 vs 12.6); from 6 rows on its bf16 dot products are the bound and
@@ -18,6 +18,7 @@ from genfast.kernels import LINEAR_FEW_ROWS
 MAX_FEW_ROWS = 5
 
 torch.library.define("genfast::linear_few_rows", "(Tensor x, Tensor weight) -> Tensor")
+torch.library.define("genfast::linear_widening_gemm", "(Tensor x, Tensor weight) -> Tensor")
 
 
 @torch.library.register_fake("genfast::linear_few_rows")
@@ -25,9 +26,36 @@ def _linear_few_rows_fake(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
 
+@torch.library.register_fake("genfast::linear_widening_gemm")
+def _linear_widening_gemm_fake(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 def few_rows_unavailable_reason() -> str | None:
     """Why the few-row bf16 kernel cannot run here, or None when it is loaded."""
     return LINEAR_FEW_ROWS.unavailable_reason()
+
+
+class DtypeAttribute:
+    """A module attribute holding a torch.dtype or None, kept in the instance as the dtype's name.
+
+    Why: torch's serializer of a compiled function's guards (`aot_compile`, which saves genfast's
+    compiled steps) marks the plain values in a module's __dict__ as missing; a dtype object there
+    is the very object every tensor of that dtype refers to, so those tensors' guards could be
+    pickled with a missing dtype, and the saved steps failed to load (seen with a bf16 KV cache
+    under fp32 compute: every start recompiled)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}_name"
+
+    def __get__(self, module: object, owner: type | None = None) -> torch.dtype | None:
+        if module is None:
+            return self  # type: ignore[return-value]  (the class attribute itself)
+        name = module.__dict__.get(self.slot)
+        return getattr(torch, name) if name is not None else None
+
+    def __set__(self, module: object, dtype: torch.dtype | None) -> None:
+        module.__dict__[self.slot] = str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
 def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
@@ -60,6 +88,53 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def widening_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear for fp32 rows, any number of them, and a bf16 weight by the native GEMM, which
+    widens the weight to fp32 while packing it (instead of upcasting the whole weight for aten's
+    GEMM first: 1.3-1.4x on a prefill's products, 2-6x on 6-128 rows; docs/performance.md)."""
+    out = torch.ops.genfast.linear_widening_gemm(x.reshape(-1, x.shape[-1]), weight)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def widening_gemm_unavailable_reason() -> str | None:
+    """Why the bf16-weight GEMM cannot run here, or None when it is loaded."""
+    return LINEAR_WIDENING_GEMM.unavailable_reason()
+
+
+@torch.compiler.assume_constant_result  # run (and build the kernel) while tracing, not traced
+def widening_gemm_available() -> bool:
+    return widening_gemm_unavailable_reason() is None
+
+
+def _widening_apply(x: Tensor, weight: Tensor) -> bool:
+    return (
+        weight.dtype == torch.bfloat16
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and widening_gemm_available()
+    )
+
+
+def mixed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear where the weight is stored in a narrower dtype than x computes in (bf16 weights,
+    fp32 rows): the few-row kernel for decode's rows, the widening GEMM for more, else the weight
+    upcast for aten's GEMM."""
+    if _few_rows_apply(x, weight):
+        return few_rows_linear(x, weight, bias)
+    if _widening_apply(x, weight):
+        return widening_linear(x, weight, bias)
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+def load_linear_kernels() -> None:
+    """Load the native linear kernels' ops (building them on first use), so that code compiled
+    earlier and saved, which calls them, finds them."""
+    few_rows_kernel_available()
+    widening_gemm_available()
+
+
 def _few_rows_apply(x: Tensor, weight: Tensor) -> bool:
     rows = x.numel() // x.shape[-1]
     # A dynamic row count (a prefill's length) keeps aten's GEMM: testing it would add a guard.
@@ -84,17 +159,18 @@ class Linear(nn.Linear):
     input rows under torch.compile (decode, batched decode, speculative verification).
 
     The weight may be stored in bf16 while inputs are fp32 (`store_linear_weights`: half the bytes
-    per decode step on CPUs without native bf16): the few-row kernel multiplies in fp32, eagerly
-    or compiled; other row counts (prefill) upcast the weight for aten's GEMM."""
+    per decode step on CPUs without native bf16): `mixed_linear` multiplies in fp32, eagerly or
+    compiled, by the few-row kernel or the widening GEMM (prefill)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        mixed = self.weight.dtype != x.dtype
-        if (mixed or torch.compiler.is_compiling()) and _few_rows_apply(x, self.weight):
+        if self.weight.dtype != x.dtype:
+            return mixed_linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling() and _few_rows_apply(x, self.weight):
             return few_rows_linear(x, self.weight, self.bias)
         # On CUDA cuBLAS's GEMV is the faster one-row product (benchmarks/cuda_linear.py).
-        if torch.compiler.is_compiling() and not mixed and x.numel() == x.shape[-1] and x.device.type == "cpu":
+        if torch.compiler.is_compiling() and x.numel() == x.shape[-1] and x.device.type == "cpu":
             return row_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight.to(x.dtype) if mixed else self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 def grouped_by_expert(x: Tensor, experts: Tensor, out_features: int, matmul: Callable[[Tensor, int], Tensor]) -> Tensor:
@@ -120,9 +196,11 @@ def expert_linear(x: Tensor, experts: Tensor, weight: Tensor) -> Tensor:
 
     def matmul(rows: Tensor, expert: int) -> Tensor:
         w = weight[expert]
+        if w.dtype != rows.dtype:
+            return mixed_linear(rows, w)
         if _few_rows_apply(rows, w):
             return few_rows_linear(rows, w)
-        return F.linear(rows, w.to(rows.dtype))
+        return F.linear(rows, w)
 
     return grouped_by_expert(x, experts, weight.shape[1], matmul)
 

@@ -1,4 +1,5 @@
-"""genfast.nn.Linear: the one-row reduction and the few-row kernel equal F.linear within rounding."""
+"""genfast.nn.Linear: the one-row reduction, the few-row kernel and the widening GEMM equal F.linear
+within rounding."""
 
 import pytest
 import torch
@@ -13,10 +14,14 @@ from genfast.nn import (
     few_rows_unavailable_reason,
     row_linear,
     store_linear_weights,
+    widening_gemm_unavailable_reason,
 )
 
 needs_few_rows_kernel = pytest.mark.skipif(
     few_rows_unavailable_reason() is not None, reason=f"few-row kernel: {few_rows_unavailable_reason()}"
+)
+needs_widening_gemm = pytest.mark.skipif(
+    widening_gemm_unavailable_reason() is not None, reason=f"widening GEMM: {widening_gemm_unavailable_reason()}"
 )
 
 
@@ -87,34 +92,79 @@ def test_compiled_linear_takes_the_few_row_kernel_up_to_its_limit(bias, monkeypa
     assert traced == [(1, rows, 96) for rows in range(1, MAX_FEW_ROWS + 1)]
 
 
+@needs_widening_gemm
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 1, 1),
+        (5, 17, 40),  # every tile an edge: fewer than 6 rows, 16 + 1 columns, a depth under 8
+        (6, 16, 256),  # exactly one 6 x 16 tile, one 256-deep slice
+        (13, 33, 257),  # a second slice one deep
+        (97, 100, 600),  # past the 96 rows packed at a time
+        (7, 4100, 64),  # past the 4096 weight rows packed at a time
+    ],
+)
+def test_widening_gemm_is_the_fp32_product_of_the_widened_weight(m, n, k):
+    torch.manual_seed(m + n + k)
+    x, w = torch.randn(m, k), torch.randn(n, k).bfloat16()
+    got = torch.ops.genfast.linear_widening_gemm(x, w)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().t(), atol=1e-5 * k**0.5, rtol=1e-6)
+
+
+@needs_widening_gemm
+def test_widening_gemm_reads_strided_rows_and_empty_shapes():
+    x, w = torch.randn(8, 64).t(), torch.randn(3, 8).bfloat16()  # x not contiguous
+    torch.testing.assert_close(torch.ops.genfast.linear_widening_gemm(x, w), x @ w.float().t())
+    assert torch.ops.genfast.linear_widening_gemm(torch.randn(0, 8), w).shape == (0, 3)
+    assert torch.ops.genfast.linear_widening_gemm(torch.randn(4, 0), w[:, :0]).eq(0).all()
+    with pytest.raises(RuntimeError, match="weight must be bf16"):
+        torch.ops.genfast.linear_widening_gemm(x, w.float())
+
+
 @needs_few_rows_kernel
+@needs_widening_gemm
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_stored_weights_compute_in_fp32_eager_and_compiled(bias):
-    """Storage bf16, arithmetic fp32 (`--dtype auto` without native bf16): few rows take the kernel
-    even eagerly, more rows upcast the weight; both equal F.linear on the upcast weight."""
+def test_bf16_stored_weights_compute_in_fp32_eager_and_compiled(bias, monkeypatch):
+    """Storage bf16, arithmetic fp32 (`--dtype auto` without native bf16): few rows take the
+    few-row kernel, more rows (a prefill of any length, compiled with a dynamic row count) the
+    widening GEMM, eagerly and compiled; both equal F.linear on the upcast weight."""
     torch._dynamo.reset()  # one graph per row count: start from none
     torch.manual_seed(0)
     layer = Linear(96, 40, bias=bias)
     assert store_linear_weights(layer, torch.bfloat16) == 1
     assert layer.weight.dtype == torch.bfloat16 and (layer.bias is None or layer.bias.dtype == torch.float32)
+    taken = []
+    for name in ("few_rows_linear", "widening_linear"):
+        kernel = getattr(genfast.nn, name)
+        monkeypatch.setattr(genfast.nn, name, lambda *a, name=name, kernel=kernel: taken.append(name) or kernel(*a))
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    prefill = torch.compile(layer, fullgraph=True, dynamic=True)
     # AVX-512's kernel multiplies bf16-rounded rows (its products are bf16); AVX2's the fp32 rows.
     tol = 2e-2 if LINEAR_FEW_ROWS.loaded_isa() == "avx512" else 1e-5
-    for rows in (1, 3, MAX_FEW_ROWS + 2):
+    for rows, runs, kernel in (
+        (1, (layer, compiled), "few_rows_linear"),
+        (3, (layer, compiled), "few_rows_linear"),
+        (MAX_FEW_ROWS + 2, (layer, compiled, prefill), "widening_linear"),
+        (70, (layer, prefill), "widening_linear"),
+    ):
         x = torch.randn(rows, 96)
         want = F.linear(x, layer.weight.float(), layer.bias)
-        for run in (layer, compiled):
+        for run in runs:
+            taken.clear()
             got = run(x)
-            assert got.dtype == torch.float32
-            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            assert got.dtype == torch.float32 and taken == [kernel]
+            torch.testing.assert_close(got, want, atol=1e-5 if kernel == "widening_linear" else tol, rtol=tol)
 
 
-def test_bf16_stored_weights_without_the_kernel_upcast(monkeypatch):
+def test_bf16_stored_weights_without_the_kernels_upcast(monkeypatch):
     monkeypatch.setattr(genfast.nn, "few_rows_kernel_available", lambda: False)
+    monkeypatch.setattr(genfast.nn, "widening_gemm_available", lambda: False)
     layer = Linear(64, 8)
     store_linear_weights(layer, torch.bfloat16)
-    x = torch.randn(2, 64)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias))
+    for rows in (2, 9):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias))
 
 
 def test_store_linear_weights_keeps_tied_tables_tied_and_the_rest_as_is():

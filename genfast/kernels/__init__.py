@@ -122,6 +122,13 @@ LINEAR_FEW_ROWS = Kernel(
         Variant("avx2", "linear_few_rows_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
     ),
 )
+# AVX2 only: it serves fp32 compute over bf16-stored weights, which `--dtype auto` picks where the
+# CPU has no native bf16; an AVX-512 CPU without BF16 (Skylake-X to Ice Lake) runs this variant too.
+LINEAR_WIDENING_GEMM = Kernel(
+    "linear_widening_gemm",
+    "bf16-weight GEMM kernel",
+    (Variant("avx2", "linear_widening_gemm_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),),
+)
 REL_POS_ATTENTION = Kernel(
     "rel_pos_attention",
     "fused SAM attention kernel",
@@ -151,7 +158,7 @@ DECODE_ATTENTION = Kernel(
         Variant("avx2", "decode_attention_avx2.cpp", ("avx2", "fma", "f16c"), _AVX2),
     ),
 )
-KERNELS = (QLINEAR, LINEAR_FEW_ROWS, REL_POS_ATTENTION, GROUP_NORM, DECODE_ATTENTION)
+KERNELS = (QLINEAR, LINEAR_FEW_ROWS, LINEAR_WIDENING_GEMM, REL_POS_ATTENTION, GROUP_NORM, DECODE_ATTENTION)
 _LOADED: dict[str, str] = {}  # the kernels whose library this process has loaded: name -> its variant's ISA
 
 

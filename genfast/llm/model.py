@@ -12,10 +12,14 @@ from torch import Tensor, nn
 from genfast.llm import families
 from genfast.llm.config import ModelArgs, rope_inverse_frequencies
 from genfast.llm.layers import WINDOW_SLACK, CacheRows, KVCache, WindowKVCache
-from genfast.nn import Linear
+from genfast.nn import DtypeAttribute, Linear
 
 
 class Transformer(nn.Module):
+    # The KV caches' dtype; None: the compute dtype. bf16 where fp32 compute keeps bf16 weights
+    # (--dtype auto on a CPU without native bf16): decode reads half the cache's bytes.
+    cache_dtype = DtypeAttribute()
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -33,9 +37,7 @@ class Transformer(nn.Module):
         self.reset_rope()
         self.max_batch_size = 0
         self.max_seq_len = 0
-        # The KV caches' dtype; None: the compute dtype. bf16 where fp32 compute keeps bf16 weights
-        # (--dtype auto on a CPU without native bf16): decode reads half the cache's bytes.
-        self.cache_dtype: torch.dtype | None = None
+        self.cache_dtype = None
 
     def reset_rope(self) -> None:
         """(Re)compute the rotary inverse frequencies in fp32 on the model's device, and those of

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from genfast import hardware
 from genfast.kernels import QLINEAR
-from genfast.nn import ExpertLinear, grouped_by_expert, row_linear
+from genfast.nn import DtypeAttribute, ExpertLinear, grouped_by_expert, row_linear
 from genfast.quant import packing
 from genfast.quant.grids import QuantizedWeight, pack_nibbles, unpack_nibbles
 
@@ -151,6 +151,8 @@ def int4unpack(packed: Tensor, scales_and_zeros: Tensor, k: int, group_size: int
 
 class QuantLinear(nn.Module):
     """y = x @ dequantize(weight)^T + bias, from a QuantizedWeight (or `from_linear`)."""
+
+    activation_dtype = DtypeAttribute()
 
     def __init__(
         self,

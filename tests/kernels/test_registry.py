@@ -18,14 +18,25 @@ def chosen(kernel: kernels.Kernel) -> str | None:
     return variant.isa if variant else None
 
 
-AVX2 = {name: "avx2" for name in ("qlinear", "linear_few_rows", "rel_pos_attention", "group_norm", "decode_attention")}
+AVX2 = {
+    name: "avx2"
+    for name in (
+        "qlinear",
+        "linear_few_rows",
+        "linear_widening_gemm",
+        "rel_pos_attention",
+        "group_norm",
+        "decode_attention",
+    )
+}
 NONE = dict.fromkeys(AVX2)
 
 
 @pytest.mark.parametrize(
     "flags,cap,expected",
     [
-        (ZEN4, None, dict.fromkeys(AVX2, "avx512")),
+        # The widening GEMM has only an AVX2 variant (it serves fp32 compute, i.e. no native bf16).
+        (ZEN4, None, {**dict.fromkeys(AVX2, "avx512"), "linear_widening_gemm": "avx2"}),
         (ZEN4, "avx2", AVX2),
         (ZEN4, "none", NONE),
         # AVX-512 without VNNI or BF16: the AVX2 kernels but the plain AVX-512 GroupNorm and attention.

@@ -19,7 +19,8 @@ from genfast import artifacts
 from genfast.llm.generate import Generator
 from genfast.llm.precompiled import PrecompiledSteps, attach, key_parts, lower_priority
 from genfast.llm.sampling import SamplingParams
-from genfast.llm.session import load
+from genfast.llm.session import LoadedModel, load
+from genfast.nn import store_linear_weights
 from tests.cpus import ZEN4, pretend_cpu
 from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
 
@@ -34,8 +35,20 @@ def model_dir(tmp_path_factory) -> Path:
     return directory
 
 
-def fp32_generator(model_dir: Path, messages: list[str] | None = None) -> tuple[Generator, PrecompiledSteps]:
+def fp32_model(model_dir: Path, bf16_storage: bool = False) -> LoadedModel:
+    """The model computing in fp32; `bf16_storage`: its linears' weights and KV cache stored in bf16,
+    as `--dtype auto` loads it on a CPU without native bf16."""
     loaded = load(str(model_dir), "cpu", "float32")
+    if bf16_storage:
+        store_linear_weights(loaded.model, torch.bfloat16)
+        loaded.model.cache_dtype = torch.bfloat16
+    return loaded
+
+
+def fp32_generator(
+    model_dir: Path, messages: list[str] | None = None, bf16_storage: bool = False
+) -> tuple[Generator, PrecompiledSteps]:
+    loaded = fp32_model(model_dir, bf16_storage)
     generator = Generator(loaded.model, loaded.tokenizer, max_seq_len=64, compile=True)
     steps = attach(generator, loaded, GREEDY, (messages if messages is not None else []).append)
     assert steps is not None
@@ -45,8 +58,8 @@ def fp32_generator(model_dir: Path, messages: list[str] | None = None) -> tuple[
 PROMPT = [3, 17, 5, 42, 8, 9]
 
 
-def eager_tokens(model_dir: Path) -> list[int]:
-    loaded = load(str(model_dir), "cpu", "float32")
+def eager_tokens(model_dir: Path, bf16_storage: bool = False) -> list[int]:
+    loaded = fp32_model(model_dir, bf16_storage)
     return (
         Generator(loaded.model, loaded.tokenizer, max_seq_len=64, compile=False)
         .generate([PROMPT], 12, stop_at_eos=False)
@@ -104,6 +117,36 @@ def test_compiled_steps_are_saved_and_loaded_and_give_the_eager_tokens(model_dir
     assert deferred._checked == {"decode"}  # prefilled eagerly, then decoded compiled
     (note,) = deferred.take_notes()
     assert note.startswith("compiled decode loaded in") and deferred.take_notes() == []
+
+
+def test_steps_saved_with_a_bf16_kv_cache_load_in_another_process(model_dir):
+    """`--dtype auto` without native bf16 (fp32 compute, bf16 weights and KV cache). Its saved steps
+    failed to load in every later process (torch's guard serializer and a dtype object a module
+    held: genfast.nn.DtypeAttribute), so every start recompiled. Saved by a fresh process as
+    `genfast generate` saves them: in this one, with the suite's imports, they loaded."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from tests.llm.test_precompiled import fp32_generator\n"
+        "messages = []\n"
+        f"generator, steps = fp32_generator(Path({str(model_dir)!r}), messages, bf16_storage=True)\n"
+        "if sys.argv[1] == 'save':\n"
+        "    generator.warmup()\n"
+        "    print(steps.artifacts.complete(['prefill', 'decode']))\n"
+        "else:\n"
+        "    print(steps.start(compile_missing='never'))\n"
+        "    print(sorted(steps.ready), messages)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    runs = {}
+    for step in ("save", "load"):
+        run = subprocess.run([sys.executable, "-c", code, step], cwd=root, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs[step] = run.stdout + run.stderr[-3000:]
+    assert "True" in runs["save"], runs["save"]
+    # Loaded, not compiled again after a failed load (which reports the failure and still ends ready).
+    assert "loaded the compiled steps in" in runs["load"], runs["load"]
+    assert "['decode', 'prefill'] []" in runs["load"], runs["load"]
 
 
 def test_a_damaged_artifact_is_rebuilt_with_a_message(model_dir):
