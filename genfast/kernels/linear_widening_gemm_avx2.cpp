@@ -112,35 +112,24 @@ void pack_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t mc, int
 // slice of K) or added to what y holds. Only `rows` x `cols` of it are written (the edges).
 void micro_kernel(int64_t kc, const float* a, const float* b, float* y, int64_t ldy, bool accumulate, int64_t rows,
                   int64_t cols) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(),
-         c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(),
-         c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps(), c40 = _mm256_setzero_ps(),
-         c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+  // Every loop over the rows is unrolled: indexed only by constants, the 12 sums stay in registers
+  // (a loop left rolled makes the array live on the stack, stored to at every k).
+  __m256 sums[MR][2];
+#pragma GCC unroll 6
+  for (int64_t i = 0; i < MR; ++i) sums[i][0] = sums[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
-    __m256 x = _mm256_broadcast_ss(a);
-    c00 = _mm256_fmadd_ps(x, b0, c00);
-    c01 = _mm256_fmadd_ps(x, b1, c01);
-    x = _mm256_broadcast_ss(a + 1);
-    c10 = _mm256_fmadd_ps(x, b0, c10);
-    c11 = _mm256_fmadd_ps(x, b1, c11);
-    x = _mm256_broadcast_ss(a + 2);
-    c20 = _mm256_fmadd_ps(x, b0, c20);
-    c21 = _mm256_fmadd_ps(x, b1, c21);
-    x = _mm256_broadcast_ss(a + 3);
-    c30 = _mm256_fmadd_ps(x, b0, c30);
-    c31 = _mm256_fmadd_ps(x, b1, c31);
-    x = _mm256_broadcast_ss(a + 4);
-    c40 = _mm256_fmadd_ps(x, b0, c40);
-    c41 = _mm256_fmadd_ps(x, b1, c41);
-    x = _mm256_broadcast_ss(a + 5);
-    c50 = _mm256_fmadd_ps(x, b0, c50);
-    c51 = _mm256_fmadd_ps(x, b1, c51);
+#pragma GCC unroll 6
+    for (int64_t i = 0; i < MR; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i);
+      sums[i][0] = _mm256_fmadd_ps(x, b0, sums[i][0]);
+      sums[i][1] = _mm256_fmadd_ps(x, b1, sums[i][1]);
+    }
     a += MR;
     b += NR;
   }
-  const __m256 sums[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
   if (rows == MR && cols == NR) {
+#pragma GCC unroll 6
     for (int64_t i = 0; i < MR; ++i) {
       float* out = y + i * ldy;
       __m256 lo = sums[i][0], hi = sums[i][1];
@@ -154,6 +143,7 @@ void micro_kernel(int64_t kc, const float* a, const float* b, float* y, int64_t 
     return;
   }
   alignas(32) float block[MR][NR];
+#pragma GCC unroll 6
   for (int64_t i = 0; i < MR; ++i) {
     _mm256_store_ps(block[i], sums[i][0]);
     _mm256_store_ps(block[i] + 8, sums[i][1]);
