@@ -91,7 +91,8 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
 def widening_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear for fp32 rows, any number of them, and a bf16 weight by the native GEMM, which
     widens the weight to fp32 while packing it (instead of upcasting the whole weight for aten's
-    GEMM first: 1.3-1.4x on a prefill's products, 2-6x on 6-128 rows; docs/performance.md)."""
+    GEMM first: 1.3-1.4x on a prefill's products, 2-6x on 6-128 rows, on a Zen 4 capped to AVX2;
+    docs/performance.md)."""
     out = torch.ops.genfast.linear_widening_gemm(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         out = out + bias
@@ -137,7 +138,7 @@ def load_linear_kernels() -> None:
 
 def _few_rows_apply(x: Tensor, weight: Tensor) -> bool:
     rows = x.numel() // x.shape[-1]
-    # A dynamic row count (a prefill's length) keeps aten's GEMM: testing it would add a guard.
+    # A dynamic row count (a prefill's length) goes to a GEMM: testing it would add a guard.
     return (
         weight.dtype == torch.bfloat16
         and x.dtype in (torch.bfloat16, torch.float32)
