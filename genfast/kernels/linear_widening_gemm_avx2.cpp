@@ -35,6 +35,7 @@ constexpr int64_t NR = 16;   // output columns per micro-kernel: two ymm
 constexpr int64_t KC = 256;  // depth of a slice: an NR panel of it is 16 KB, in L1
 constexpr int64_t MC = 96;   // rows of x packed at a time: 96 KB, in L2
 constexpr int64_t NC = 4096; // weight rows packed at a time: 4 MB of panels, in L3
+static_assert(NC % NR == 0, "a thread's panel buffer holds NC columns: whole panels only");
 
 struct FreeDeleter {
   void operator()(float* p) const { std::free(p); }
