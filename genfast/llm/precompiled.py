@@ -126,6 +126,7 @@ class PrecompiledSteps:
         self.parts, self.load_args = parts, load_args
         self.artifacts = artifacts.Artifacts(artifacts.key(parts), parts)
         self.ready: dict[str, Any] = {}  # name -> loaded or compiled function
+        self.compiled_here: list[str] = []  # the steps of `ready` compiled by this process
         self.wanted: tuple[str, ...] = tuple(steps.names)  # what poll() loads
         self.notes: list[str] = []  # what poll() did (take_notes)
         self._checked: set[str] = set()
@@ -148,6 +149,8 @@ class PrecompiledSteps:
                 self.wanted = ("decode",)
                 return "compiled decode step saved: it loads after the first token"
             seconds = self.wait()
+            if self.compiled_here:  # a saved step could not be loaded (wait's log says why)
+                return f"compiled {' and '.join(self.compiled_here)} again in {seconds:.1f} s"
             return f"loaded the compiled steps in {seconds:.1f} s"
         if self.artifacts.compiling():
             return "another genfast process is compiling for this model; eager until it is done"
@@ -199,7 +202,10 @@ class PrecompiledSteps:
         for name in names or self.steps.names:
             if name not in self.ready:
                 loaded = self.artifacts_load(name)
-                self.ready[name] = loaded if loaded is not None else self.compile(name)
+                if loaded is None:
+                    loaded = self.compile(name)
+                    self.compiled_here.append(name)
+                self.ready[name] = loaded
         return time.perf_counter() - start
 
     def step(self, name: str, *inputs: Tensor) -> Tensor | None:
