@@ -129,13 +129,6 @@ def mixed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     return F.linear(x, weight.to(x.dtype), bias)
 
 
-def load_linear_kernels() -> None:
-    """Load the native linear kernels' ops (building them on first use), so that code compiled
-    earlier and saved, which calls them, finds them."""
-    few_rows_kernel_available()
-    widening_gemm_available()
-
-
 def _few_rows_apply(x: Tensor, weight: Tensor) -> bool:
     rows = x.numel() // x.shape[-1]
     # A dynamic row count (a prefill's length) goes to a GEMM: testing it would add a guard.

@@ -254,9 +254,9 @@ class PrecompiledSteps:
 
     def _load_kernels(self) -> None:
         # The traced code calls genfast's native ops: their libraries must be loaded first.
-        from genfast.nn import load_linear_kernels
+        from genfast.nn import few_rows_kernel_available
 
-        load_linear_kernels()
+        few_rows_kernel_available()
 
     def _cannot_save(self, exc: OSError) -> str:
         return (
