@@ -14,13 +14,13 @@ The results decided genfast.nn.Linear's compiled paths, MAX_FEW_ROWS and the wid
 """
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 from genfast.bench.machine import device_name, measure_read_bandwidth
+from genfast.bench.timing import median_seconds
 from genfast.llm.random_model import SHAPES, decode_step_shapes
 from genfast.nn import (
     few_rows_linear,
@@ -104,13 +104,7 @@ def prefill(counts: list[int], shapes: list[tuple[int, int]]) -> None:
             seconds = 0.0
             for i, w in enumerate(weights):
                 x = torch.randn(rows, w.shape[1])
-                way(x, i)
-                times = []
-                for _ in range(7):
-                    t0 = time.perf_counter()
-                    way(x, i)
-                    times.append(time.perf_counter() - t0)
-                seconds += statistics.median(times)
+                seconds += median_seconds(lambda x=x, i=i: way(x, i), 7)
             flops = sum(2 * rows * w.numel() for w in weights)
             cells.append(f"{flops / seconds / 1e9:.0f}")
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
