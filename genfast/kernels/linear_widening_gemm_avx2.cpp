@@ -44,7 +44,9 @@ using Buffer = std::unique_ptr<float[], FreeDeleter>;
 
 Buffer aligned_floats(int64_t count) {
   const size_t bytes = static_cast<size_t>((count * sizeof(float) + 63) / 64 * 64);
-  return Buffer(static_cast<float*>(std::aligned_alloc(64, bytes)));
+  Buffer buffer(static_cast<float*>(std::aligned_alloc(64, bytes)));
+  TORCH_CHECK(buffer, "linear_widening_gemm: cannot allocate ", bytes, " bytes of packing buffers");
+  return buffer;
 }
 
 // Weight rows [n0, n0 + nc) and columns [k0, k0 + kc) as fp32 panels of NR rows: panel p holds,
