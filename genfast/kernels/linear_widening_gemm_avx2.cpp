@@ -119,7 +119,8 @@ void micro_kernel(int64_t kc, const float* a, const float* b, float* y, int64_t 
   // (a loop left rolled makes the array live on the stack, stored to at every k).
   // The block of y is fetched now, while the k loop runs: its rows lie N floats apart, a stride the
   // hardware prefetcher does not follow, and y (M x NC) is far larger than the caches, so without
-  // this the loads and stores at the end wait on memory once per slice of K (+7-15% measured, capped Zen 4).
+  // this the loads and stores at the end wait on memory once per slice of K (+7-15% measured on a
+  // Zen 4 capped to AVX2).
   __m256 sums[MR][2];
 #pragma GCC unroll 6
   for (int64_t i = 0; i < MR; ++i) {
