@@ -126,7 +126,6 @@ class PrecompiledSteps:
         self.parts, self.load_args = parts, load_args
         self.artifacts = artifacts.Artifacts(artifacts.key(parts), parts)
         self.ready: dict[str, Any] = {}  # name -> loaded or compiled function
-        self.compiled_here: list[str] = []  # the steps of `ready` compiled by this process
         self.wanted: tuple[str, ...] = tuple(steps.names)  # what poll() loads
         self.notes: list[str] = []  # what poll() did (take_notes)
         self._checked: set[str] = set()
@@ -148,10 +147,7 @@ class PrecompiledSteps:
             if defer:
                 self.wanted = ("decode",)
                 return "compiled decode step saved: it loads after the first token"
-            seconds = self.wait()
-            if self.compiled_here:  # a saved step could not be loaded (wait's log says why)
-                return f"compiled {' and '.join(self.compiled_here)} again in {seconds:.1f} s"
-            return f"loaded the compiled steps in {seconds:.1f} s"
+            return self._wait_and_say(self.steps.names, "loaded the compiled steps")
         if self.artifacts.compiling():
             return "another genfast process is compiling for this model; eager until it is done"
         if compile_missing == "never":
@@ -184,8 +180,7 @@ class PrecompiledSteps:
         (that would land inside the streamed text): `take_notes()` says what it did."""
         missing = [n for n in self.wanted if n not in self.ready]
         if missing and self.worker_done() and self.artifacts.complete(self.steps.names):
-            seconds = self.wait(self.wanted)
-            self.notes.append(f"compiled {' and '.join(missing)} loaded in {seconds:.1f} s")
+            self.notes.append(self._wait_and_say(self.wanted, f"compiled {' and '.join(missing)} loaded"))
 
     def take_notes(self) -> list[str]:
         """What poll() did since the last call, for the caller to report."""
@@ -199,14 +194,31 @@ class PrecompiledSteps:
         """Block until the steps `names` (default: all) are usable: load them, or compile them here
         when none are saved. Returns the seconds it took."""
         start = time.perf_counter()
-        for name in names or self.steps.names:
+        self._make_ready(names or self.steps.names)
+        return time.perf_counter() - start
+
+    def _wait_and_say(self, names: tuple[str, ...], loaded: str) -> str:
+        """wait(names), and what it did for the user: `loaded` in X s, or which saved steps could
+        not be loaded (the loader's log says why) and were compiled again."""
+        start = time.perf_counter()
+        again = self._make_ready(names)
+        seconds = time.perf_counter() - start
+        if again:
+            return f"compiled {' and '.join(again)} again in {seconds:.1f} s"
+        return f"{loaded} in {seconds:.1f} s"
+
+    def _make_ready(self, names: tuple[str, ...]) -> list[str]:
+        """Load each of `names` not ready yet, or compile it here when it cannot be loaded; returns
+        the names compiled."""
+        compiled = []
+        for name in names:
             if name not in self.ready:
                 loaded = self.artifacts_load(name)
                 if loaded is None:
                     loaded = self.compile(name)
-                    self.compiled_here.append(name)
+                    compiled.append(name)
                 self.ready[name] = loaded
-        return time.perf_counter() - start
+        return compiled
 
     def step(self, name: str, *inputs: Tensor) -> Tensor | None:
         """Run the compiled step `name`, or return None (then the caller runs it eagerly). The

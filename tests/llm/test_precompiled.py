@@ -162,6 +162,17 @@ def test_a_damaged_artifact_is_rebuilt_with_a_message(model_dir):
     assert again.generate([PROMPT], 12, stop_at_eos=False).token_ids[0] == eager_tokens(model_dir)
 
 
+def test_a_deferred_step_that_fails_to_load_is_reported_as_compiled_again(model_dir):
+    generator, steps = fp32_generator(model_dir)
+    generator.warmup()
+    steps.artifacts.path("decode").write_bytes(b"not a compiled function")
+    deferred_generator, deferred = fp32_generator(model_dir)  # as `genfast generate` starts
+    assert deferred.start(defer=True) == "compiled decode step saved: it loads after the first token"
+    assert deferred_generator.generate([PROMPT], 12, stop_at_eos=False).token_ids[0] == eager_tokens(model_dir)
+    (note,) = deferred.take_notes()
+    assert note.startswith("compiled decode again in"), note
+
+
 def test_steps_that_do_not_fit_the_model_fall_back_to_eager(model_dir, tmp_path):
     """Artifacts compiled for another shape under this key (as a foreign copy would be) fail their
     guards on the first call: discarded with a message, and the run goes on eagerly."""
