@@ -146,13 +146,14 @@ def graph_ms(fn, xs: list[torch.Tensor]) -> float:
     return median_ms(lambda _: graph.replay(), xs)
 
 
-ONE_ROW_CONFIGS = {  # the one-row kernel's block sizes swept per linear shape
-    "BLOCK_N": (8, 16, 32),
-    "UNROLL": (1, 2),
-    "SUB": (256, 512),
-    "num_warps": (4, 8),
-    "SPLIT_K": (1, 2, 4),
-}
+# The one-row kernel's block sizes timed per linear shape: (BLOCK_N, UNROLL, SUB, num_warps), each
+# with K split 1, 2 and 4 ways. Chosen by what benchmarks/triton_sass.py counts: rows per thread
+# (a thread loads x once for all of them; 4-8 rows load 1.5-2.1 bytes per byte of codes), no spills.
+ONE_ROW_BLOCKS = [
+    (16, 1, 512, 4), (16, 2, 512, 4), (8, 1, 1024, 2), (16, 1, 1024, 4), (32, 1, 256, 4), (64, 1, 256, 4),
+    (16, 2, 1024, 2), (16, 2, 1024, 4), (32, 1, 1024, 4), (64, 2, 256, 2), (32, 2, 256, 1), (32, 2, 512, 4),
+]  # fmt: skip
+ONE_ROW_SPLITS = (1, 2, 4)
 ABOVE_L2_BYTES = 512 * 2**20  # each timed call reads another copy of the weight: no L2 hits
 
 
@@ -181,8 +182,8 @@ def sweep_one_row(shapes: list[tuple[int, int]]) -> None:
             nbytes = stored_bytes([q])
             label = f"int{bits} {f'g{group}' if group else 'per channel'}"
             timed = []
-            for values in product(*ONE_ROW_CONFIGS.values()):
-                config = dict(zip(ONE_ROW_CONFIGS, values, strict=True))
+            for (block_n, unroll, sub, warps), split in product(ONE_ROW_BLOCKS, ONE_ROW_SPLITS):
+                config = dict(BLOCK_N=block_n, UNROLL=unroll, SUB=sub, num_warps=warps, SPLIT_K=split)
                 fn = lambda xs, config=config: [  # noqa: E731
                     qlinear(x, c, s, m, bits, q.group_size, config) for x, (c, s, m) in zip(xs, stored)
                 ]

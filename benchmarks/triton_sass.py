@@ -31,7 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from genfast.kernels.qlinear_triton import _gemm, _gemv, gemm_config, gemm_launch, gemv_config, gemv_launch
+from genfast.kernels.qlinear_triton import _gemm, _gemv, gemm_config, gemm_launch, gemv_config, gemv_launch, sub_block
 
 # As `qlinear` launches it for bf16 activations (x cast to fp32 before, the output in bf16).
 SIGNATURE = {
@@ -84,9 +84,9 @@ def compile_gemm(bits: int, group: int | None, dtype: str, rows: int, arch: int)
     return compile_for(_gemm, signature, dict(constants, IEEE=dtype == "fp32"), arch)
 
 
-def compile_gemv(bits: int, group: int | None, config: dict, arch: int) -> LoopCount:
-    """Compile the one-row kernel as `qlinear` launches it for a K-wide input and count its loop."""
-    constants, _, _ = gemv_launch(K, bits, group or K, {**config, "SPLIT_K": 1})
+def compile_gemv(bits: int, group: int | None, config: dict, arch: int, k: int = K) -> LoopCount:
+    """Compile the one-row kernel as `qlinear` launches it for a k-wide input and count its loop."""
+    constants, _, _ = gemv_launch(k, bits, group or k, {**config, "SPLIT_K": 1})
     kernel = compile_for(_gemv, dict(SIGNATURE, codes_ptr=codes_type(bits)), constants, arch)
     with tempfile.TemporaryDirectory() as folder:
         cubin = os.path.join(folder, "gemv.cubin")
@@ -133,15 +133,16 @@ def load_bytes(by_opcode: collections.Counter) -> int:
     return sum(n * width(op) for op, n in by_opcode.items() if op.startswith("LDG"))
 
 
-def bytes_per_pass(bits: int, config: dict) -> float:
-    """Bytes of codes one thread reads per pass of the loop."""
-    codes = config["BLOCK_N"] * config["SUB"] * config.get("UNROLL", 1) / (2 if bits == 4 else 1)
+def bytes_per_pass(bits: int, config: dict, k: int = K, group: int | None = None) -> float:
+    """Bytes of codes one thread reads per pass of the loop (its sub-blocks as gemv_launch cuts k)."""
+    gs, ng = sub_block(k, group or k, config["SUB"], bits)
+    codes = config["BLOCK_N"] * gs * ng * config.get("UNROLL", 1) / (2 if bits == 4 else 1)
     return codes / (32 * config["num_warps"])
 
 
-def configs(kind: str, bits: int) -> list[dict]:
+def configs(kind: str, bits: int, k: int) -> list[dict]:
     if kind == "default":
-        return [gemv_config(4096, K, bits)]
+        return [gemv_config(4096, k, bits)]
     return [
         dict(BLOCK_N=n, UNROLL=u, SUB=sub, num_warps=w)
         for n in (8, 16, 32)
@@ -156,16 +157,17 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="SM version to compile for (90: H100/H200)")
     parser.add_argument("--configs", choices=("default", "sweep"), default="default")
     parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--k", type=int, default=K, help="the input width (11008: Llama-2-7B's down projection)")
     args = parser.parse_args()
-    print(f"Triton {triton.__version__}, sm_{args.arch}, K = {K}, bf16 activations\n")
+    print(f"Triton {triton.__version__}, sm_{args.arch}, K = {args.k}, bf16 activations\n")
     print("| format | block sizes | instructions per byte of codes | bytes loaded per byte of codes "
           "| registers | stack bytes | in the loop |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for name in args.formats.split(","):
         bits, group = FORMATS[name]
-        for config in configs(args.configs, bits):
-            count = compile_gemv(bits, group, config, args.arch)
-            codes = bytes_per_pass(bits, config)
+        for config in configs(args.configs, bits, args.k):
+            count = compile_gemv(bits, group, config, args.arch, args.k)
+            codes = bytes_per_pass(bits, config, args.k, group)
             per_byte, loaded = count.instructions / codes, load_bytes(count.by_opcode) / codes
             top = ", ".join(f"{op} {n}" for op, n in count.by_opcode.most_common(6))
             resources = f"{count.registers} | {count.stack_bytes}"

@@ -75,40 +75,70 @@ def _grid_tile(grid_ptr, rows, row_ok, k, stride_grid, GROUP: tl.constexpr, GS: 
 
 
 @triton.jit
+def _gemv_scales(grid_ptr, rows, row_ok, k, stride_grid, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr,
+                 TIES_FIRST: tl.constexpr):  # fmt: skip
+    """`_grid_tile` in the one-row kernel's layout of its codes (a thread holds rows of one group).
+    The grid's pointers are contiguous along neither rows nor groups, and where contiguity ties,
+    Triton before 3.7 makes the first dimension the fastest and later versions the last: each way
+    needs its own tile, or the scales go through shared memory at every step."""
+    if TIES_FIRST:
+        grid = rows[None, :] * stride_grid + ((k + tl.arange(0, NG) * GS) // GROUP)[:, None]
+        return tl.trans(tl.load(grid_ptr + grid, mask=row_ok[None, :], other=0.0)).to(tl.float32)[:, :, None]
+    return _grid_tile(grid_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
+
+
+@triton.jit
+def _x_tile(x_rows, columns, shape: tl.constexpr):
+    """x at `columns` ([1, SPAN], runs of 4 contiguous) through the rows' tile of equal pointers, as `shape`."""
+    columns = tl.max_contiguous(tl.multiple_of(columns, [1, 4]), [1, 4])
+    return tl.reshape(tl.load(x_rows + columns), shape).to(tl.float32)
+
+
+@triton.jit
 def _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k, stride_codes, stride_grid, exponent,
               BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr,
-              LANES: tl.constexpr, PER_ROW: tl.constexpr):  # fmt: skip
+              LANES: tl.constexpr, PER_ROW: tl.constexpr, TIES_FIRST: tl.constexpr):  # fmt: skip
     """acc [BLOCK_N, NG, LANES] += the scaled products of the codes of one sub-block from column k
     (int8: NG groups of GS columns, a lane per column; int4: NG blocks of 32 columns, a lane per
     word) with x, without the minima. PER_ROW (one scale per row): unscaled, scaled at the end."""
-    group = tl.arange(0, NG)[None, :, None]
-    lane = tl.arange(0, LANES)[None, None, :]
-    row_codes = codes_ptr + rows[:, None, None] * stride_codes
-    # x is read through a [BLOCK_N, ...] tile of equal rows, so that it gets the codes' layout: read
-    # as one row, Triton gives it a layout of its own and moves the codes (or x) through shared
-    # memory at every step (benchmarks/triton_sass.py counts the instructions).
-    x_rows = x_ptr + tl.zeros_like(rows)[:, None, None]
+    # x is read through a [BLOCK_N, ...] tile of equal rows, so that it gets the codes' layout (read
+    # as one row it gets a layout of its own, moved through shared memory at every step) and is
+    # loaded once for all the rows a thread holds.
     if BITS == 4:  # code j of word `lane` is column 4j + lane of its block
-        words = tl.load(row_codes + (k // 8 + group * 4 + lane), mask=row_ok[:, None, None], other=0)
+        # The words come in as one contiguous [BLOCK_N, NG * 4] tile, reshaped: as a 3D tile their
+        # pointers are contiguous along the lanes only, and Triton orders rows and groups by its
+        # tie-break, which changed in 3.7: with 3.6 each thread held one row and loaded x once per
+        # row, 9.1 bytes per byte of codes. (k is a multiple of the sub-block, >= 32 columns.)
+        shape: tl.constexpr = [rows.shape[0], NG, LANES]
+        flat = tl.arange(0, NG * LANES)[None, :]
+        start = tl.multiple_of(k // 8, 4)
+        words = tl.load(codes_ptr + rows[:, None] * stride_codes + (start + flat), mask=row_ok[:, None], other=0)
+        words = tl.reshape(words, shape)
         high = words >> 12  # codes 5..7 to bits 8..19, where _nibble reads codes 2..4
-        columns = x_rows + k + group * 32 + lane
-        codes_dot = _nibble(words, 0, exponent) * tl.load(columns).to(tl.float32)
+        x_rows = x_ptr + tl.zeros_like(rows)[:, None]
+        columns = k + (flat // 4) * 32 + flat % 4
+        codes_dot = _nibble(words, 0, exponent) * _x_tile(x_rows, columns, shape)
         for j in tl.static_range(1, 8):
             code = _nibble(words, j, exponent) if j < 5 else _nibble(high, j - 3, exponent)
-            codes_dot += code * tl.load(columns + 4 * j).to(tl.float32)
+            codes_dot += code * _x_tile(x_rows, columns + 4 * j, shape)
     else:
+        group = tl.arange(0, NG)[None, :, None]
+        lane = tl.arange(0, LANES)[None, None, :]
         column = tl.max_contiguous(tl.multiple_of(k + group * GS + lane, [1, 1, LANES]), [1, 1, LANES])
+        row_codes = codes_ptr + rows[:, None, None] * stride_codes
         u = _as_float(tl.load(row_codes + column, mask=row_ok[:, None, None], other=0).to(tl.int32))
-        codes_dot = u * tl.load(x_rows + column).to(tl.float32)
+        codes_dot = u * tl.load(x_ptr + tl.zeros_like(rows)[:, None, None] + column).to(tl.float32)
     if PER_ROW:
         return acc + codes_dot
+    if BITS == 4:
+        return acc + _gemv_scales(scales_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG, TIES_FIRST) * codes_dot
     return acc + _grid_tile(scales_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG) * codes_dot
 
 
 @triton.jit
 def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride_codes, stride_grid, exponent,
           BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr, LANES: tl.constexpr,
-          BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PER_ROW: tl.constexpr):  # fmt: skip
+          BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PER_ROW: tl.constexpr, TIES_FIRST: tl.constexpr):  # fmt: skip
     """Program (i, j): rows i * BLOCK_N.., columns j * K_SPLIT.. up to K_SPLIT of them, its sum
     stored to out[j] (one split: the output itself; several: fp32 partial sums)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,10 +152,10 @@ def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride
     for k0 in range(begin, whole, block_k):
         for j in tl.static_range(UNROLL):
             acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k0 + j * sub, stride_codes, stride_grid,
-                            exponent, BITS, GROUP, GS, NG, LANES, PER_ROW)  # fmt: skip
+                            exponent, BITS, GROUP, GS, NG, LANES, PER_ROW, TIES_FIRST)  # fmt: skip
     for k in range(whole, end, sub):
         acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k, stride_codes, stride_grid, exponent,
-                        BITS, GROUP, GS, NG, LANES, PER_ROW)  # fmt: skip
+                        BITS, GROUP, GS, NG, LANES, PER_ROW, TIES_FIRST)  # fmt: skip
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
     # The minima's part, sum_g min[n, g] * sum_{k in g} x_k over this program's columns, after the
     # loop: inside it, each product would add the minimum's share (an instruction per code).
@@ -213,6 +243,9 @@ def load_codes(stored: Tensor, bits: int) -> Tensor:
     return nibbles.to(torch.uint8).reshape(n, words * 8)
 
 
+# How Triton orders a load's dimensions of equal contiguity (`_gemv_scales`): first to last before 3.7.
+TRITON_TIES_FIRST = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7)
+
 # 2**23's exponent bits, an argument of `_gemv` (see `_nibble`).
 EXPONENT_OF_2_23 = 150 << 23
 
@@ -235,26 +268,24 @@ def k_splits(k: int, sub: int, wanted: int) -> tuple[int, int]:
 
 
 def gemv_config(n: int, k: int, bits: int) -> dict[str, int]:
-    """Block sizes for one row, 16 output rows per program. Chosen by the loop's instructions per
-    byte of codes, counted by `benchmarks/triton_sass.py` for sm_90 with Triton 3.6 (torch 2.11's,
-    the one the H100 ran): int8 per channel 4.6 at one 512-column sub-block per step and 4 warps
-    (18.8 for the kernel before, at its swept best, which streamed 1.65 TB/s in a decode step on
-    an H100, ~93% of what issuing 18.8 instructions per byte allows); int4 in groups of 32 8.7 at
-    two 512-column sub-blocks per step and 8 warps, each thread loading whole 16-byte blocks (26.2
-    before the word layout: ~1.05 TB/s). Timed on an H100 in a compiled 7B-shape decode step
-    (2026-11-27): int8 streamed ~2.1 TB/s (from 1.65), int4 g32 only ~0.7 TB/s (from ~1.05), slower
-    than before though it issues fewer instructions: each thread loaded 8 bytes of fp32 x per byte
-    of int4 codes (x is loaded per output row it multiplies), against 1 for int8, whose tile puts
-    4 rows in each thread over the same columns (the compiler loads x once for them); CUDA's int4
-    default is tinygemm since, and this kernel takes the int4 that tinygemm does not. int4 now
-    takes 1024-column sub-blocks and 2 warps where K allows, so that each thread holds 8 rows:
-    2.1 bytes loaded per byte of codes (from 9.1) and 7.4 instructions; not yet timed (predicted:
-    int8's ~2 TB/s)."""
+    """Block sizes for one row. What they decide, counted by `benchmarks/triton_sass.py` for sm_90
+    (no GPU needed): the loop's instructions per byte of codes (int8 per channel 4.6, int4 7.3-7.7)
+    and the bytes it loads per byte of codes, 1 + (x's bytes per code byte) / (rows per thread),
+    since a thread loads x once for all the rows it holds: 2.0-2.1 at 4-8 rows per thread. Timed on
+    an H100 in a compiled 7B-shape decode step: int8 at 2.0 bytes per byte streamed ~2.1 TB/s, int4
+    at 9.1 (one row per thread, as Triton 3.6 laid out the old 3D tile) ~0.8. A row of 1024
+    columns is 32 threads of 4 int4 words, so 16 rows over 2 warps put 8 rows in each thread; K
+    not a multiple of 1024 (Llama-2-7B's down projection, 11008 = 43 x 256) takes 256-column
+    sub-blocks, 8 threads a row, and 64 rows over 2 warps for the same 8, with K split in 4 so that
+    its 4096 rows still make 256 programs; int8 there takes 32 rows over 4 warps (2.0 bytes loaded
+    per byte, from 3.0 at 16 rows), K split in 2."""
     if bits == 8:
-        return {"BLOCK_N": 16, "UNROLL": 1, "SUB": 512, "num_warps": 4}
+        if k % 512 == 0:  # 512 bytes a row: 32 threads, 4 rows each over 4 warps
+            return {"BLOCK_N": 16, "UNROLL": 1, "SUB": 512, "num_warps": 4}
+        return {"BLOCK_N": 32, "UNROLL": 1, "SUB": 256, "num_warps": 4, "SPLIT_K": 2}
     if k % 1024 == 0:
         return {"BLOCK_N": 16, "UNROLL": 2, "SUB": 1024, "num_warps": 2}
-    return {"BLOCK_N": 16, "UNROLL": 2, "SUB": 512, "num_warps": 8}
+    return {"BLOCK_N": 64, "UNROLL": 2, "SUB": 256, "num_warps": 2, "SPLIT_K": 4}
 
 
 def gemv_launch(k: int, bits: int, group_size: int, config: dict[str, int]) -> tuple[dict[str, int], int, int]:
@@ -264,7 +295,8 @@ def gemv_launch(k: int, bits: int, group_size: int, config: dict[str, int]) -> t
     gs, ng = sub_block(k, group_size, config.pop("SUB"), bits)
     splits, k_split = k_splits(k, gs * ng, config.pop("SPLIT_K", 1))
     lanes = 4 if bits == 4 else gs  # int4: a lane per word
-    constants = dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, LANES=lanes, PER_ROW=group_size >= k, **config)
+    layout = dict(LANES=lanes, PER_ROW=group_size >= k, TIES_FIRST=TRITON_TIES_FIRST)
+    constants = dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, **layout, **config)
     return constants, splits, k_split
 
 

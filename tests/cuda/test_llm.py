@@ -90,7 +90,7 @@ def test_the_decode_loop_does_not_synchronize(model_dir, compile):
 
 def check_rows(layer, compiled, reference: torch.Tensor, dtypes) -> None:
     for dtype, rows in ((d, r) for d in dtypes for r in (1, 5, 64, 100)):
-        x = torch.randn(rows, 512, device="cuda", dtype=dtype)
+        x = torch.randn(rows, reference.shape[1], device="cuda", dtype=dtype)
         want = F.linear(x.double(), reference)
         for fn in (layer, compiled):
             got = fn(x)
@@ -100,13 +100,15 @@ def check_rows(layer, compiled, reference: torch.Tensor, dtypes) -> None:
 
 
 @pytest.mark.parametrize(
-    "bits,group,kernel",
-    [(8, None, "triton"), (4, 32, "triton"), (4, 128, "triton"), (8, 64, "triton"), (8, None, "int8pack"),
-     (4, 32, "int4pack")],
+    "bits,group,kernel,k",
+    [(8, None, "triton", 512), (4, 32, "triton", 2048), (4, 128, "triton", 512), (8, 64, "triton", 384),
+     (8, None, "int8pack", 512), (4, 32, "int4pack", 512)],
 )  # fmt: skip
-def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel):
+def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel, k):
+    """Each width takes its own one-row block sizes (qlinear_triton.gemv_config): int4 at 2048 the
+    1024-column sub-blocks, at 512 the 256-column ones with K split; int8 at 384 the split ones."""
     torch.manual_seed(0)
-    weight = torch.randn(392, 512, device="cuda") * 0.05  # 392 rows: not a whole number of blocks
+    weight = torch.randn(392, k, device="cuda") * 0.05  # 392 rows: not a whole number of blocks
     qweight = quantize(weight, bits, group)
     layer = QuantLinear(qweight, kernel=kernel)
     reference = qweight.dequantize(torch.float64)
@@ -122,7 +124,7 @@ def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel):
         # eager and compiled take the same block sizes for a shape: the same summation order, the same bits
         from genfast.kernels.qlinear_triton import qlinear
 
-        x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         args = (layer.codes, layer.scales, layer.mins, bits, layer.group_size)
         op = torch.compile(lambda x: torch.ops.genfast.qlinear_triton(x, *args), fullgraph=True)
         assert torch.equal(qlinear(x, *args), op(x))
