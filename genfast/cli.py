@@ -91,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             # A server's ranks get its --shutdown-timeout to finish requests, and time to exit.
             grace_s = getattr(args, "shutdown_timeout", 20.0) + 10.0
-            code = launch_or_join(args.tp, args.model, sys.argv[1:] if argv is None else argv, grace_s)
+            argv = sys.argv[1:] if argv is None else argv
+            code = launch_or_join(args.tp, args.model, getattr(args, "device", "auto"), argv, grace_s)
             if code is not None:  # this process launched the ranks and they are done
                 return code
         return args.run(args)

@@ -95,9 +95,10 @@ class LlmLadder(Ladder):
         model = resolve_model(args.model)  # fail early on a missing model or an unknown random: shape
         model_args = read_model_args(model)
         if args.tp and args.tp > 1:
-            from genfast.llm.tensor_parallel import check_shardable
+            from genfast.llm.tensor_parallel import check_devices, check_shardable
 
             check_shardable(model_args, args.tp)
+            check_devices(args.device, args.tp)
         # Bandwidth varies with the machine's state (shared hosts): measure it now, for every row.
         peak_bw = peak_read_bandwidth(resolve_device(args.device), remeasure=not os.environ.get("GENFAST_PEAK_BW_GBS"))
         return {

@@ -101,16 +101,35 @@ def join(tp: int) -> None:
             f"make them equal (torchrun --nproc-per-node {tp})"
         )
     if not dist.is_initialized():
-        if torch.cuda.is_available():
+        if gpu_per_rank(started):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             backend = "cpu:gloo,cuda:nccl"  # CPU tensors (e.g. --device cpu, object broadcasts) via gloo
-        else:
+        else:  # a CPU machine, or --device cpu where there are fewer GPUs than ranks (check_devices)
             backend = "gloo"
         dist.init_process_group(backend)
         atexit.register(leave)
     torch.manual_seed(from_main_rank(torch.seed))
     if not is_main_rank():  # every rank produces the same text: rank 0 prints it (errors still show)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (open for the rest of the process)
+
+
+def gpu_per_rank(ranks: int) -> bool:
+    """Whether each of `ranks` ranks on this machine can have a CUDA GPU of its own."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+
+
+def check_devices(device: str, tp: int) -> None:
+    """`--device` resolved, and on CUDA a GPU for each of the `tp` ranks (NCCL runs one rank per
+    GPU): checked before the ranks start, so `--tp 2` on one GPU is one clear error."""
+    from genfast.hardware import resolve_device
+
+    if resolve_device(device).type == "cuda" and not gpu_per_rank(tp):
+        gpus = torch.cuda.device_count()
+        fewer = f"--tp {gpus} at most, or " if gpus > 1 else ""
+        raise UserError(
+            f"--tp {tp} on CUDA runs each rank on a GPU of its own, but torch sees {gpus}; "
+            f"use {fewer}--device cpu to run the ranks on the CPU"
+        )
 
 
 def leave() -> None:
@@ -217,10 +236,12 @@ def launch_tp(argv: Sequence[str], n: int, grace_s: float = 30.0, module: str = 
     return 0
 
 
-def launch_or_join(tp: int, model: str | None, argv: Sequence[str], grace_s: float = 30.0) -> int | None:
+def launch_or_join(tp: int, model: str | None, device: str, argv: Sequence[str], grace_s: float = 30.0) -> int | None:
     """The `--tp N` entry of a command. In a rank (started by torchrun or by us): join the others
-    and return None, so the command goes on. Otherwise: check that the model divides, launch the
-    ranks with this same command line (see `launch_tp` for `grace_s`), and return their exit code."""
+    and return None, so the command goes on. Otherwise: check that the model divides and that the
+    device has room for the ranks, launch them with this same command line (see `launch_tp` for
+    `grace_s`), and return their exit code."""
+    check_devices(device, tp)
     if launched():
         join(tp)
         return None

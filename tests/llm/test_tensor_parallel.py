@@ -27,7 +27,15 @@ from genfast.llm.checkpoint import load_model, read_model_args
 from genfast.llm.generate import Generator
 from genfast.llm.quantize import quantize_loaded
 from genfast.llm.session import load
-from genfast.llm.tensor_parallel import RowParallelLinear, check_same_tokens, check_shardable, leave, shard_model
+from genfast.llm.tensor_parallel import (
+    RowParallelLinear,
+    check_devices,
+    check_same_tokens,
+    check_shardable,
+    gpu_per_rank,
+    leave,
+    shard_model,
+)
 from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, word_tokenizer
 
 WORLD = 2
@@ -215,6 +223,29 @@ def test_cli_tp_error_is_one_line_before_launching(model_dirs):
     assert done.stderr.strip().splitlines() == [
         "genfast: error: --tp 2 needs the model's heads and feed-forward widths to divide by 2, but it has "
         "3 attention heads and 1 key/value heads; this model supports no --tp above 1"
+    ]
+
+
+def test_tp_on_cuda_needs_a_gpu_per_rank(monkeypatch):
+    """NCCL runs each rank on a GPU of its own: --tp 2 with one GPU is a clear error before any
+    rank starts (it was rank 1's "invalid device ordinal"), and --device cpu runs them on gloo."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=r"--tp 2 on CUDA .* GPU of its own, but torch sees 1; use --device cpu"):
+        check_devices("cuda", 2)
+    check_devices("cpu", 2)
+    assert gpu_per_rank(1) and not gpu_per_rank(2)  # join() then takes gloo alone
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_devices("auto", 2)
+    with pytest.raises(UserError, match=r"torch sees 2; use --tp 2 at most, or --device cpu"):
+        check_devices("cuda:0", 4)
+
+
+def test_cli_tp_on_a_missing_gpu_is_one_line(model_dirs):
+    done = run_cli("generate", "w1", "--model", str(model_dirs["qwen2"]), "--tp", "2", "--device", "cuda")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "genfast: error: --device cuda was asked for, but this torch build sees no CUDA GPU"
     ]
 
 
