@@ -30,6 +30,7 @@
 #   SAM_ARGS, DIFFUSION_ARGS: more `genfast bench sam|diffusion` flags (split at spaces; they come
 #            last, so they override), e.g. SAM_ARGS="--batch-size 1 --steps original,baseline,compile".
 #   PYTEST_ARGS  more pytest arguments for the tests stage (split at spaces)
+#   PYTEST_K     a pytest -k expression for the tests stage, kept whole (e.g. "dequantized_weight or per_rank")
 #   STAGE_TIMEOUT  seconds a stage may run before it is stopped and reported: N for every stage, or
 #            NAME=N,NAME=N for those named (default: no limit). A stopped stage keeps what it printed:
 #            every benchmark prints each row as it finishes, the tests each outcome.
@@ -126,6 +127,7 @@ llm_ladder() {  # sets `ladder`: random weights at the shape, drawn on the GPU (
 }
 
 read -ra pytest_args <<< "${PYTEST_ARGS:-}"
+if [ -n "${PYTEST_K:-}" ]; then pytest_args+=(-k "$PYTEST_K"); fi
 # The tests compile small models: CPU-bound, so they run in parallel where pytest-xdist is installed,
 # each worker with few compile threads. -v names every outcome as it comes (a stage stopped at its
 # limit keeps them); pytest-timeout, where installed, ends a hung test rather than the stage.

@@ -233,3 +233,24 @@ def test_greedy_params_are_sync_free_samplers():
     with host_syncs() as syncs:
         sample(logits, params)
     assert syncs == []
+
+
+def test_tensor_parallel_wants_a_gpu_per_rank(model_dir):
+    """NCCL runs each rank on a GPU of its own. With fewer GPUs than ranks, `--tp 2 --device cuda`
+    is refused in one line before any rank starts; `--device cpu` runs the ranks over gloo on the
+    same machine (where join() must not claim a GPU per rank)."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "genfast", "generate", "w1 w2", "--model", str(model_dir), "--tp", "2",
+            "--dtype", "float32", "--no-compile", "-n", "4", "--quiet"]  # fmt: skip
+    on_cpu = subprocess.run([*argv, "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert on_cpu.returncode == 0 and on_cpu.stdout.strip(), on_cpu.stderr[-2000:]
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has a GPU per rank: NCCL's path runs (not checked here)")
+    on_gpu = subprocess.run([*argv, "--device", "cuda"], capture_output=True, text=True, timeout=300)
+    assert on_gpu.returncode == 2
+    assert on_gpu.stderr.strip().splitlines() == [
+        "genfast: error: --tp 2 on CUDA runs each rank on a GPU of its own, but torch sees 1; "
+        "use --device cpu to run the ranks on the CPU"
+    ]
