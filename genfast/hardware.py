@@ -148,7 +148,8 @@ def has_native_bf16() -> bool:
 
 
 def resolve_device(name: str) -> torch.device:
-    """'auto' is CUDA when torch sees a GPU, else the CPU; anything else must be cpu or cuda[:N]."""
+    """'auto' is CUDA when torch sees a GPU, else the CPU; anything else must be cpu or cuda[:N].
+    cuda:N also becomes the current CUDA device."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -159,6 +160,12 @@ def resolve_device(name: str) -> torch.device:
         raise UserError("--device cuda was asked for, but this torch build sees no CUDA GPU")
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"device {name!r} is not supported; use cpu or cuda")
+    if device.type == "cuda" and device.index is not None:
+        gpus = torch.cuda.device_count()
+        if device.index >= gpus:
+            raise UserError(f"--device {name}: torch sees {gpus} CUDA GPU(s), cuda:0 to cuda:{gpus - 1}")
+        # Triton launches a kernel on the current device, whatever device its tensors are on.
+        torch.cuda.set_device(device)
     return device
 
 

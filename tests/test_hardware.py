@@ -133,6 +133,18 @@ def test_dtype_and_device_errors():
         assert hardware.resolve_device("auto") == torch.device("cpu")
 
 
+def test_a_cuda_index_is_checked_and_becomes_the_current_device(monkeypatch):
+    """genfast's Triton kernels launch on the current device: --device cuda:1 must make it so."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert hardware.resolve_device("cuda:1") == torch.device("cuda", 1) and current == [torch.device("cuda", 1)]
+    assert hardware.resolve_device("cuda") == torch.device("cuda") and len(current) == 1
+    with pytest.raises(UserError, match=r"--device cuda:2: torch sees 2 CUDA GPU\(s\), cuda:0 to cuda:1"):
+        hardware.resolve_device("cuda:2")
+
+
 def test_real_cpu_is_described():
     assert hardware.isa() in hardware.ISA_LEVELS
     assert hardware.describe_isa().startswith(hardware.isa())

@@ -146,9 +146,11 @@ def leave() -> None:
 
 
 def tp_device(device: torch.device) -> torch.device:
-    """This rank's device: on CUDA each rank has its own GPU (its local rank)."""
+    """This rank's device: on CUDA each rank has its own GPU (its local rank), made the current
+    device again (resolving `--device cuda:N` made cuda:N current in every rank)."""
     if device.type == "cuda" and launched():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     return device
 
 

@@ -35,6 +35,7 @@ from genfast.llm.tensor_parallel import (
     gpu_per_rank,
     leave,
     shard_model,
+    tp_device,
 )
 from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, word_tokenizer
 
@@ -231,6 +232,7 @@ def test_tp_on_cuda_needs_a_gpu_per_rank(monkeypatch):
     rank starts (it was rank 1's "invalid device ordinal"), and --device cpu runs them on gloo."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     with pytest.raises(UserError, match=r"--tp 2 on CUDA .* GPU of its own, but torch sees 1; use --device cpu"):
         check_devices("cuda", 2)
     check_devices("cpu", 2)
@@ -239,6 +241,17 @@ def test_tp_on_cuda_needs_a_gpu_per_rank(monkeypatch):
     check_devices("auto", 2)
     with pytest.raises(UserError, match=r"torch sees 2; use --tp 2 at most, or --device cpu"):
         check_devices("cuda:0", 4)
+
+
+def test_a_rank_runs_on_the_gpu_of_its_local_rank(monkeypatch):
+    """Each rank's model goes to cuda:LOCAL_RANK, which is also made current (Triton launches its
+    kernels on the current device), whatever --device cuda:N made current before."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    assert tp_device(torch.device("cuda", 0)) == torch.device("cuda", 1) and current == [torch.device("cuda", 1)]
+    assert tp_device(torch.device("cpu")) == torch.device("cpu") and len(current) == 1
 
 
 def test_cli_tp_on_a_missing_gpu_is_one_line(model_dirs):
