@@ -68,7 +68,12 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
     if torch.cuda.is_available():
         from genfast.quant.linear import triton_available
 
-        on_cuda = "Triton kernels" if triton_available() else "dequantize path (Triton is not installed)"
+        if triton_available():
+            import triton
+
+            on_cuda = f"Triton {triton.__version__} kernels"
+        else:
+            on_cuda = "dequantize path (Triton is not installed)"
         lines.append(("--quant on CUDA", on_cuda))
     return lines
 

@@ -64,6 +64,8 @@ genfast=("$python" -m genfast)
     echo '```'
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
     "$python" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+    # genfast's Triton kernels are laid out by Triton's compiler, which differs between versions
+    "$python" -c 'import triton; print("triton", triton.__version__)' 2>&1 | tail -n 1
     echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo '```'
     # A machine whose own torch is older than genfast's pin (WHEELS installs no torch): say what
