@@ -190,12 +190,10 @@ class PrecompiledSteps:
     def worker_done(self) -> bool:
         return self.worker is None or self.worker.poll() is not None
 
-    def wait(self, names: tuple[str, ...] | None = None) -> float:
+    def wait(self, names: tuple[str, ...] | None = None) -> None:
         """Block until the steps `names` (default: all) are usable: load them, or compile them here
-        when none are saved. Returns the seconds it took."""
-        start = time.perf_counter()
+        when none are saved."""
         self._make_ready(names or self.steps.names)
-        return time.perf_counter() - start
 
     def _wait_and_say(self, names: tuple[str, ...], loaded: str) -> str:
         """wait(names), and what it did for the user: `loaded` in X s, or which saved steps could

@@ -229,7 +229,8 @@ def test_cli_tp_error_is_one_line_before_launching(model_dirs):
 
 def test_tp_on_cuda_needs_a_gpu_per_rank(monkeypatch):
     """NCCL runs each rank on a GPU of its own: --tp 2 with one GPU is a clear error before any
-    rank starts (it was rank 1's "invalid device ordinal"), and --device cpu runs them on gloo."""
+    rank starts (rank 1's set_device(1) would fail on an invalid device ordinal), and --device cpu
+    runs them on gloo."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
