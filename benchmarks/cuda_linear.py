@@ -2,7 +2,8 @@
 (Llama-2-7B and Llama-3.1-8B shapes: fused qkv, o, fused gate/up, down) streams the weights
 fastest, per weight format and batch size.
 
-    python benchmarks/cuda_linear.py [--rows 1,8] [--sweep]
+    python benchmarks/cuda_linear.py [--rows 1,8] [--shapes llama-2-7b,llama-3.1-8b] [--sweep]
+                                     [--variants "bf16 F.linear,int4 g32 triton"]
 
 Variants per format, each compiled with the decode step's inductor options:
 - bf16: F.linear (cuBLAS) and row_linear (inductor's fused multiply-sum);
@@ -10,8 +11,8 @@ Variants per format, each compiled with the decode step's inductor options:
   codes (gpt-fast's form), `_weight_int8pack_mm`, and F.linear over the codes upcast in the graph;
 - int4 in groups of 32 and 128: genfast's Triton kernel, tinygemm (`_weight_int4pack_mm`) with 2, 4
   and 8 inner k-tiles, and row_linear over codes dequantized in the graph ("dequantize").
-`--sweep` first times the Triton kernels' block sizes: for one row per linear shape (K split
-into slices among them), for more rows on the same blocks (each block's four launches captured in
+`--sweep` first times the Triton kernels' block sizes, with K split into slices among them: for
+one row per linear shape, for more rows on the same blocks (each block's four launches captured in
 a CUDA graph, so only kernel time counts), the tables genfast/kernels/qlinear_triton.py's defaults
 come from. A block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Median of
 CUDA-event timings; GB/s counts the weight bytes only (codes and scales).
@@ -154,6 +155,13 @@ ONE_ROW_BLOCKS = [
     (16, 2, 1024, 2), (16, 2, 1024, 4), (32, 1, 1024, 4), (64, 2, 256, 2), (32, 2, 256, 1), (32, 2, 512, 4),
 ]  # fmt: skip
 ONE_ROW_SPLITS = (1, 2, 4)
+# The few-row kernel's (BLOCK_N, SUB, num_warps), each with K split 1, 2 and 4 ways: the int8 best
+# of the 8-row sweep (32, 128, 4) and int4's fewest instructions per byte of codes without spills
+# at 8-64 rows (`benchmarks/triton_sass.py --kernel few-row --configs sweep`).
+FEW_ROW_BLOCKS = [
+    (32, 128, 4), (16, 256, 2), (32, 128, 2), (32, 256, 2), (32, 256, 4), (64, 128, 2), (64, 128, 4),
+    (64, 256, 4), (128, 128, 4),
+]  # fmt: skip
 ABOVE_L2_BYTES = 512 * 2**20  # each timed call reads another copy of the weight: no L2 hits
 
 
@@ -202,7 +210,7 @@ def sweep(shape: str, rows: int) -> None:
     """The Triton kernels' block sizes, one block's linears per format, best first."""
     from itertools import product
 
-    from genfast.kernels.qlinear_triton import qlinear, store_codes
+    from genfast.kernels.qlinear_triton import gemm_config, qlinear, store_codes
 
     torch.manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in SHAPES[shape]]
@@ -211,8 +219,9 @@ def sweep(shape: str, rows: int) -> None:
         keys = ("BLOCK_N", "UNROLL", "SUB", "num_warps")
         configs = list(product((4, 8, 16), (1, 2, 4), (128, 256, 512), (4, 8)))
     else:
-        keys = ("BLOCK_M", "BLOCK_N", "SUB", "num_warps")
-        configs = list(product((max(16, rows),), (32, 64, 128), (64, 128, 256), (4, 8)))
+        keys = ("BLOCK_M", "BLOCK_N", "SUB", "num_warps", "SPLIT_K")
+        block_m = gemm_config(rows, 4096, 4096, 8)["BLOCK_M"]
+        configs = [(block_m, *blocks, split) for blocks in FEW_ROW_BLOCKS for split in (1, 2, 4)]
     bf16 = graph_ms(lambda xs: [F.linear(x, w) for x, w in zip(xs, weights)], xs)
     nbytes = sum(w.numel() * 2 for w in weights)
     print(f"| {shape} | bf16 (cuBLAS) | {rows} | | {bf16:.3f} | {nbytes / bf16 / 1e6:.0f} |")
@@ -238,6 +247,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="first time the Triton kernels' block sizes")
+    parser.add_argument("--variants", help="comma-separated variant names to time (default: all)")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     if args.sweep:
@@ -256,7 +266,13 @@ def main() -> None:
     print("| shapes | variant | rows | ms per block | weight GB/s |")
     print("|---|---|---|---|---|")
     for shape in args.shapes.split(","):
-        for name, (fn, nbytes, many_rows) in variants(SHAPES[shape]).items():
+        table = variants(SHAPES[shape])
+        wanted = args.variants.split(",") if args.variants else list(table)
+        if unknown := [name for name in wanted if name not in table]:
+            raise SystemExit(f"unknown variants {unknown}; the variants: {', '.join(table)}")
+        for name, (fn, nbytes, many_rows) in table.items():
+            if name not in wanted:
+                continue
             torch._dynamo.reset()  # each variant compiles afresh (they share the block's code)
             run = compiled(fn)
             for rows in (int(r) for r in args.rows.split(",")):

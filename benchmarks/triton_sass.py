@@ -1,19 +1,23 @@
-"""Instructions per byte of codes in the one-row Triton kernel's loop, counted without a GPU.
+"""Instructions per byte of codes in the loops of genfast's Triton int8/int4 kernels, counted
+without a GPU.
 
-    python benchmarks/triton_sass.py [--arch 90] [--configs default|sweep]
+    python benchmarks/triton_sass.py [--arch 90] [--kernel one-row|few-row] [--rows 8]
+                                     [--configs default|sweep] [--k 4096] [--formats ...]
 
 Decode's int8/int4 matrix-vector product on an H100 is bound by instruction issue before memory:
 132 SMs issue 128 thread-instructions per cycle each, and streaming ~3 TB/s of codes at ~1.98 GHz
 means ~12 bytes per SM and cycle, so a loop of more than ~10 instructions per byte cannot keep up
 even at full issue (docs/performance.md, "The one-row kernel by instruction count"). Triton ships
 ptxas and cuobjdump, so the kernel compiles for an sm_90 target on any machine: this script
-compiles `genfast.kernels.qlinear_triton._gemv` for each configuration (integer arguments marked
+compiles `genfast.kernels.qlinear_triton._gemv` (`--kernel few-row`: `_gemm`, for `--rows`
+rows) for each configuration (integer arguments marked
 divisible by 16, as Triton's launcher specializes them for these shapes), finds the loop (the
 widest backward branch of the SASS), and divides its instruction count by the bytes of codes one
 thread reads per pass. It also prints the bytes the loop loads per byte of codes (codes, x and the
 grid: every load goes through L1, and x is loaded once per output row), registers, stack bytes
 (spills), and the loop's shared-memory traffic and barriers, which mark a layout conversion
-inside the loop. A count is a prediction, not a timing:
+inside the loop (the few-row kernel's are its operands for tl.dot, by design). A count is a
+prediction, not a timing:
 `benchmarks/cuda_linear.py --sweep` times the same configurations on a GPU.
 """
 
@@ -72,24 +76,30 @@ def codes_type(bits: int) -> str:
     return "*u8" if bits == 8 else "*i32"  # int4: words (qlinear_triton.store_codes)
 
 
-def compile_gemm(bits: int, group: int | None, dtype: str, rows: int, arch: int):
-    """The few-row kernel as `qlinear` launches it for `rows` rows of a K-wide input in `dtype`
-    ("bf16", "fp16" or "fp32"), compiled: what a GPU would build first."""
-    constants = gemm_launch(K, bits, group or K, gemm_config(rows, K, K, bits))
+def compile_gemm(bits: int, group: int | None, dtype: str, rows: int, arch: int, k: int = K, config=None):
+    """The few-row kernel as `qlinear` launches it for `rows` rows of a k-wide input in `dtype`
+    ("bf16", "fp16" or "fp32"), with `config` (gemm_config's keys; None: its defaults for a 4096 x k
+    weight), compiled: what a GPU would build first."""
+    config = config or gemm_config(rows, 4096, k, bits)
+    constants, _, _ = gemm_launch(k, bits, group or k, config)
     signature = {
         "x_ptr": f"*{dtype}", "codes_ptr": codes_type(bits), "scales_ptr": "*fp16", "mins_ptr": "*fp16",
-        "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_out": "i32",
-        "stride_codes": "i32", "stride_grid": "i32",
+        "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_x": "i32",
+        "stride_out": "i32", "stride_codes": "i32", "stride_grid": "i32", "exponent": "i32",
     }  # fmt: skip
     return compile_for(_gemm, signature, dict(constants, IEEE=dtype == "fp32"), arch)
 
 
-def compile_gemv(bits: int, group: int | None, config: dict, arch: int, k: int = K) -> LoopCount:
-    """Compile the one-row kernel as `qlinear` launches it for a k-wide input and count its loop."""
+def compile_gemv(bits: int, group: int | None, config: dict, arch: int, k: int = K):
+    """The one-row kernel as `qlinear` launches it for a k-wide input, compiled."""
     constants, _, _ = gemv_launch(k, bits, group or k, {**config, "SPLIT_K": 1})
-    kernel = compile_for(_gemv, dict(SIGNATURE, codes_ptr=codes_type(bits)), constants, arch)
+    return compile_for(_gemv, dict(SIGNATURE, codes_ptr=codes_type(bits)), constants, arch)
+
+
+def count_kernel(kernel) -> LoopCount:
+    """A compiled kernel's K loop, counted: its SASS (Triton's cuobjdump) and resources."""
     with tempfile.TemporaryDirectory() as folder:
-        cubin = os.path.join(folder, "gemv.cubin")
+        cubin = os.path.join(folder, "kernel.cubin")
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
         cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -122,7 +132,8 @@ def count_loop(sass: str) -> tuple[int, collections.Counter]:
 
 
 def load_bytes(by_opcode: collections.Counter) -> int:
-    """Bytes one thread loads from global memory per pass: the loop's LDGs by their width."""
+    """Bytes one thread loads from global memory per pass: the loop's LDGs (LDGSTS: the few-row
+    kernel's asynchronous copies to shared memory) by their width."""
 
     def width(opcode: str) -> int:
         for suffix, size in ((".128", 16), (".64", 8), ("16", 2), ("8", 1)):
@@ -130,7 +141,8 @@ def load_bytes(by_opcode: collections.Counter) -> int:
                 return size
         return 4
 
-    return sum(n * width(op) for op, n in by_opcode.items() if op.startswith("LDG"))
+    loads = (op for op in by_opcode if op.startswith("LDG") and not op.startswith("LDGDEPBAR"))
+    return sum(by_opcode[op] * width(op) for op in loads)
 
 
 def bytes_per_pass(bits: int, config: dict, k: int = K, group: int | None = None) -> float:
@@ -140,7 +152,17 @@ def bytes_per_pass(bits: int, config: dict, k: int = K, group: int | None = None
     return codes / (32 * config["num_warps"])
 
 
-def configs(kind: str, bits: int, k: int) -> list[dict]:
+def configs(kind: str, kernel: str, bits: int, k: int, rows: int) -> list[dict]:
+    if kernel == "few-row":
+        if kind == "default":
+            return [gemm_config(rows, 4096, k, bits)]
+        block_m = gemm_config(rows, 4096, k, bits)["BLOCK_M"]
+        return [
+            dict(BLOCK_M=block_m, BLOCK_N=n, SUB=sub, num_warps=w)
+            for n in (16, 32, 64, 128)
+            for sub in (128, 256)
+            for w in (2, 4, 8)
+        ]
     if kind == "default":
         return [gemv_config(4096, k, bits)]
     return [
@@ -155,18 +177,25 @@ def configs(kind: str, bits: int, k: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="SM version to compile for (90: H100/H200)")
+    parser.add_argument("--kernel", choices=("one-row", "few-row"), default="one-row")
+    parser.add_argument("--rows", type=int, default=8, help="the few-row kernel's rows (2-64)")
     parser.add_argument("--configs", choices=("default", "sweep"), default="default")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--k", type=int, default=K, help="the input width (11008: Llama-2-7B's down projection)")
     args = parser.parse_args()
-    print(f"Triton {triton.__version__}, sm_{args.arch}, K = {args.k}, bf16 activations\n")
+    rows = f", {args.rows} rows" if args.kernel == "few-row" else ""
+    print(f"Triton {triton.__version__}, sm_{args.arch}, {args.kernel} kernel{rows}, K = {args.k}, bf16 activations\n")
     print("| format | block sizes | instructions per byte of codes | bytes loaded per byte of codes "
           "| registers | stack bytes | in the loop |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for name in args.formats.split(","):
         bits, group = FORMATS[name]
-        for config in configs(args.configs, bits, args.k):
-            count = compile_gemv(bits, group, config, args.arch, args.k)
+        for config in configs(args.configs, args.kernel, bits, args.k, args.rows):
+            if args.kernel == "few-row":
+                compiled = compile_gemm(bits, group, "bf16", args.rows, args.arch, args.k, config)
+            else:
+                compiled = compile_gemv(bits, group, config, args.arch, args.k)
+            count = count_kernel(compiled)
             codes = bytes_per_pass(bits, config, args.k, group)
             per_byte, loaded = count.instructions / codes, load_bytes(count.by_opcode) / codes
             top = ", ".join(f"{op} {n}" for op, n in count.by_opcode.most_common(6))

@@ -27,6 +27,9 @@
 #   LLM_STEPS, NEW_TOKENS, REPEATS: the LLM ladder's rows (default bf16,compile,int8,int4,spec-int4), 256, 3.
 #   DECODE_VARIANTS  the decode stage's weight formats and kernels, comma-separated (default: all of
 #            benchmarks/cuda_decode.py's), e.g. DECODE_VARIANTS="bf16,int8 triton,int4 g32 torch".
+#   LINEAR_ARGS  the linear stage's cuda_linear.py flags (split at spaces; default "--rows 1,8 --sweep"),
+#            LINEAR_VARIANTS its variants, comma-separated, kept whole (default: all of them), e.g.
+#            LINEAR_ARGS="--rows 8 --shapes llama-2-7b" LINEAR_VARIANTS="bf16 F.linear,int4 g32 triton".
 #   SAM_ARGS, DIFFUSION_ARGS: more `genfast bench sam|diffusion` flags (split at spaces; they come
 #            last, so they override), e.g. SAM_ARGS="--batch-size 1 --steps original,baseline,compile".
 #   PYTEST_ARGS  more pytest arguments for the tests stage (split at spaces)
@@ -150,7 +153,9 @@ decode_variants=()
 if [ -n "${DECODE_VARIANTS:-}" ]; then decode_variants=(--variants "$DECODE_VARIANTS"); fi
 stage decode "A compiled decode step, Llama-2-7B shape cut to 4 blocks" "$python" benchmarks/cuda_decode.py \
     "${decode_variants[@]}"
-stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py --rows 1,8 --sweep
+read -ra linear_args <<< "${LINEAR_ARGS:---rows 1,8 --sweep}"
+if [ -n "${LINEAR_VARIANTS:-}" ]; then linear_args+=(--variants "$LINEAR_VARIANTS"); fi
+stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py "${linear_args[@]}"
 ladder_steps=${LLM_STEPS:-bf16,compile,int8,int4,spec-int4}
 llm_ladder llama-2-7b "$ladder_steps"
 stage llm-7b "LLM ladder, Llama-2-7B shape (random weights)" "${ladder[@]}"

@@ -31,11 +31,12 @@ Two kernels:
   `benchmarks/triton_sass.py` compiles the kernel for sm_90 without a GPU and counts them.
 - `_gemm`: a few rows (speculative verification, a serving batch, short prefills):
   each sub-block is dequantized to the activations' dtype in registers and multiplied with tl.dot,
-  so the weight is still read once per BLOCK_M rows.
+  so the weight is still read once per BLOCK_M rows. int4 takes one product per nibble (x read at
+  that nibble's columns), so that a thread dequantizes the words it loaded, in place.
 
 Longer inputs (prefill) are compute-bound: the caller dequantizes and uses cuBLAS.
-The summation order is fixed by the configuration: along K by SUB (and, for one row, SPLIT_K: K cut
-into that many slices, one program each, whose fp32 partial sums are added in order afterwards, for
+The summation order is fixed by the configuration: along K by SUB and SPLIT_K (K cut into that
+many slices, one program each, whose fp32 partial sums are added in order afterwards, for
 matrices with few rows and many columns), and in the last sum over a tile's lanes by the tile's
 layout, which BLOCK_N and num_warps can change. Eager and compiled code take the same
 configuration for the same shape, so they agree bit for bit.
@@ -121,18 +122,15 @@ def _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k, stride_codes, 
         for j in tl.static_range(1, 8):
             code = _nibble(words, j, exponent) if j < 5 else _nibble(high, j - 3, exponent)
             codes_dot += code * _x_tile(x_rows, columns + 4 * j, shape)
-    else:
-        group = tl.arange(0, NG)[None, :, None]
-        lane = tl.arange(0, LANES)[None, None, :]
-        column = tl.max_contiguous(tl.multiple_of(k + group * GS + lane, [1, 1, LANES]), [1, 1, LANES])
-        row_codes = codes_ptr + rows[:, None, None] * stride_codes
-        u = _as_float(tl.load(row_codes + column, mask=row_ok[:, None, None], other=0).to(tl.int32))
-        codes_dot = u * tl.load(x_ptr + tl.zeros_like(rows)[:, None, None] + column).to(tl.float32)
+    else:  # the same for int8's bytes, a lane per column, whose groups tie with the rows too
+        shape: tl.constexpr = [rows.shape[0], NG, LANES]
+        columns = tl.max_contiguous(tl.multiple_of(k + tl.arange(0, NG * LANES)[None, :], [1, 16]), [1, 16])
+        u = tl.load(codes_ptr + rows[:, None] * stride_codes + columns, mask=row_ok[:, None], other=0)
+        u = _as_float(tl.reshape(u, shape).to(tl.int32))
+        codes_dot = u * _x_tile(x_ptr + tl.zeros_like(rows)[:, None], columns, shape)
     if PER_ROW:
         return acc + codes_dot
-    if BITS == 4:
-        return acc + _gemv_scales(scales_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG, TIES_FIRST) * codes_dot
-    return acc + _grid_tile(scales_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG) * codes_dot
+    return acc + _gemv_scales(scales_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG, TIES_FIRST) * codes_dot
 
 
 @triton.jit
@@ -178,39 +176,65 @@ def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride
 
 
 @triton.jit
-def _gemm(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, M, N, K, stride_x, stride_out, stride_codes,
-          stride_grid, BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr,
+def _gemm(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_out, stride_codes,
+          stride_grid, exponent, BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr,
           SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """Program (i, t, j): rows i * BLOCK_N.. of tokens t * BLOCK_M.., columns j * K_SPLIT.. up to
+    K_SPLIT of them, its product stored to out[j] (one split: the output itself; several: fp32
+    partial sums)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     token_ok = tokens < M
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    group = tl.arange(0, NG)[None, :, None]
-    row_codes = codes_ptr + rows[:, None, None] * stride_codes
     x_rows = x_ptr + tokens[:, None] * stride_x
-    for k in range(0, K, SUB):
-        scale = _grid_tile(scales_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
-        low = _grid_tile(mins_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
+    begin = tl.program_id(2) * K_SPLIT
+    for k in range(begin, tl.minimum(begin + K_SPLIT, K), SUB):
         if BITS == 4:  # NG blocks of 32 columns (GS = 32), four words each: code j of word i is column 4j + i
-            words = tl.load(row_codes + (k // 8 + group * 4 + tl.arange(0, 4)[None, None, :]),
-                            mask=row_ok[:, None, None], other=0)  # fmt: skip
-            shifts = 4 * tl.arange(0, 8)[None, None, :, None]
-            u = _as_float((words[:, :, None, :] >> shifts) & 0xF)  # [BLOCK_N, NG, 8, 4]: columns in order
-            w = tl.reshape((u * scale[:, :, :, None] + low[:, :, :, None]).to(dtype), [BLOCK_N, SUB])
+            # One product per nibble j, over the sub-block's NG * 4 columns 32g + 4j + i (x read at
+            # those), so that a thread's words become its own codes in place, 4 contiguous per row
+            # for shared memory. As one tile of the columns in order, each word was spread over 8
+            # threads, a scale converted per code and each code stored alone: 22.6 instructions per
+            # byte of codes, now ~11 (benchmarks/triton_sass.py --kernel few-row).
+            flat = tl.arange(0, NG * 4)[None, :]
+            words = tl.load(codes_ptr + rows[:, None] * stride_codes + (k // 8 + flat), mask=row_ok[:, None], other=0)
+            scale = _block_tile(scales_ptr, rows, row_ok, k, stride_grid, GROUP, NG)
+            low = _block_tile(mins_ptr, rows, row_ok, k, stride_grid, GROUP, NG)
+            high = words >> 12  # codes 5..7 to bits 8..19, where _nibble reads codes 2..4
+            columns = tl.max_contiguous(tl.multiple_of(k + (flat // 4) * 32 + flat % 4, [1, 4]), [1, 4])
+            for j in tl.static_range(8):
+                code = _nibble(words, j, exponent) if j < 5 else _nibble(high, j - 3, exponent)
+                x = tl.load(x_rows + columns + 4 * j, mask=token_ok[:, None], other=0.0)
+                acc = _dot(x, (code * scale + low).to(dtype), acc, IEEE)
         else:
+            group = tl.arange(0, NG)[None, :, None]
             lane = tl.arange(0, GS)[None, None, :]
-            u = tl.load(row_codes + (k + group * GS + lane), mask=row_ok[:, None, None], other=0)
-            u = _as_float(u.to(tl.int32))
-            w = tl.reshape((u * scale + low).to(dtype), [BLOCK_N, SUB])
-        x = tl.load(x_rows + k + tl.arange(0, SUB)[None, :], mask=token_ok[:, None], other=0.0)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
-    out = out_ptr + tokens[:, None] * stride_out + rows[None, :]
+            scale = _grid_tile(scales_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
+            low = _grid_tile(mins_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG)
+            u = tl.load(codes_ptr + rows[:, None, None] * stride_codes + (k + group * GS + lane),
+                        mask=row_ok[:, None, None], other=0)  # fmt: skip
+            w = tl.reshape((_as_float(u.to(tl.int32)) * scale + low).to(dtype), [BLOCK_N, SUB])
+            x = tl.load(x_rows + k + tl.arange(0, SUB)[None, :], mask=token_ok[:, None], other=0.0)
+            acc = _dot(x, w, acc, IEEE)
+    out = out_ptr + tl.program_id(2) * M * stride_out + tokens[:, None] * stride_out + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _block_tile(grid_ptr, rows, row_ok, k, stride_grid, GROUP: tl.constexpr, NG: tl.constexpr):
+    """The scales (or minima) of NG 32-column blocks from column k, each repeated for its four
+    words: [BLOCK_N, NG * 4] in fp32."""
+    grid = _grid_tile(grid_ptr, rows, row_ok, k, stride_grid, GROUP, 32, NG)
+    return tl.reshape(tl.broadcast_to(grid, [rows.shape[0], NG, 4]), [rows.shape[0], NG * 4])
+
+
+@triton.jit
+def _dot(x, w, acc, IEEE: tl.constexpr):
+    """acc + x w^T; fp32 inputs exactly (IEEE), as a float32 matmul would be."""
+    if IEEE:
+        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
 
 
 def store_codes(codes: Tensor, bits: int) -> Tensor:
@@ -300,20 +324,39 @@ def gemv_launch(k: int, bits: int, group_size: int, config: dict[str, int]) -> t
     return constants, splits, k_split
 
 
-def gemm_launch(k: int, bits: int, group_size: int, config: dict[str, int]) -> dict[str, int]:
+def gemm_launch(k: int, bits: int, group_size: int, config: dict[str, int]) -> tuple[dict[str, int], int, int]:
     """The few-row kernel's launch keywords (its constants but IEEE, and num_warps) for a K-wide
-    input, from `config` (gemm_config's keys)."""
+    input from `config` (gemm_config's keys, SPLIT_K optional), the slices K is cut into and their
+    width."""
     config = dict(config)
     gs, ng = sub_block(k, group_size, config.pop("SUB"), bits)
-    return dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, SUB=gs * ng, **config)
+    splits, k_split = k_splits(k, gs * ng, config.pop("SPLIT_K", 1))
+    return dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, SUB=gs * ng, **config), splits, k_split
+
+
+# Programs a few-row int4 launch aims for, K split to reach them: two per SM of an H100 (132).
+FEW_ROW_PROGRAMS = 256
 
 
 def gemm_config(m: int, n: int, k: int, bits: int) -> dict[str, int]:
     """Block sizes for a few rows: all of them in one BLOCK_M where possible (the weight is read
-    once per BLOCK_M rows); for 8 rows of Llama-2-7B's int8 linears on an H100, 32 output rows of
-    128 columns per program were the fastest (benchmarks/cuda_linear.py --sweep)."""
+    once per BLOCK_M rows). int8: for 8 rows of Llama-2-7B's linears on an H100, 32 output rows of
+    128 columns per program were the fastest (benchmarks/cuda_linear.py --sweep). int4, counted by
+    `benchmarks/triton_sass.py --kernel few-row` (not yet timed), without spills, Triton 3.6 and
+    3.9 alike: up to 16 rows, 32 output rows of 256 columns over 2 warps, 10.9-11.4 instructions
+    per byte of codes (4 warps 12.2, 128 columns 12.0-12.3); more rows take more output rows per
+    program, so that the loop loads 3.2 bytes per byte of codes at any BLOCK_M (x, which each
+    program reloads from L2, ~2.2 of them): 32 rows 64 x 256 over 4 warps (12.3), 64 rows 128 x 128
+    over 4 warps (12.3; with 32 output rows 64 rows loaded 9.2). K is split until the launch has
+    ~256 programs: a program has only ~8 KB of codes in flight (two 4 KB stages), where an H100
+    needs ~2 MB in flight to stream."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    return {"BLOCK_M": block_m, "BLOCK_N": 32 if bits == 8 else 64, "SUB": 128, "num_warps": 4}
+    if bits == 8:
+        return {"BLOCK_M": block_m, "BLOCK_N": 32, "SUB": 128, "num_warps": 4}
+    block_n, sub, warps = {16: (32, 256, 2), 32: (64, 256, 4), 64: (128, 128, 4)}[block_m]
+    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    split = max(1, min(4, FEW_ROW_PROGRAMS // programs))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SUB": sub, "num_warps": warps, "SPLIT_K": split}
 
 
 def qlinear(
@@ -326,23 +369,37 @@ def qlinear(
     n = codes.shape[0]
     if m == 1:
         constants, splits, k_split = gemv_launch(k, bits, group_size, config or gemv_config(n, k, bits))
-        # Several splits of K: fp32 partial sums, added in a fixed order (no atomics: the same bits every run).
-        out = torch.empty(splits, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+        out = _split_output(splits, m, n, x)
         grid = (triton.cdiv(n, constants["BLOCK_N"]), splits)
         wrap_triton(_gemv)[grid](x.float(), codes, scales, mins, out, n, k, k_split, codes.stride(0),
                                  scales.stride(0), EXPONENT_OF_2_23, **constants)  # fmt: skip
-        if splits == 1:
-            return out
-        total = out[0:1]
-        for j in range(1, splits):  # one add after another: eager and inductor's fused kernel add alike
-            total = total + out[j : j + 1]
-        return total.to(x.dtype)
-    constants = gemm_launch(k, bits, group_size, config or gemm_config(m, n, k, bits))
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, constants["BLOCK_N"]), triton.cdiv(m, constants["BLOCK_M"]))
-    wrap_triton(_gemm)[grid](x, codes, scales, mins, out, m, n, k, x.stride(0), out.stride(0), codes.stride(0),
-                             scales.stride(0), IEEE=x.dtype == torch.float32, **constants)  # fmt: skip
-    return out
+    else:
+        if not few_rows_take(k, bits):
+            raise ValueError(f"the few-row int4 kernel needs K a multiple of 128, not {k}")
+        constants, splits, k_split = gemm_launch(k, bits, group_size, config or gemm_config(m, n, k, bits))
+        out = _split_output(splits, m, n, x)
+        grid = (triton.cdiv(n, constants["BLOCK_N"]), triton.cdiv(m, constants["BLOCK_M"]), splits)
+        wrap_triton(_gemm)[grid](x, codes, scales, mins, out, m, n, k, k_split, x.stride(0), n, codes.stride(0),
+                                 scales.stride(0), EXPONENT_OF_2_23, IEEE=x.dtype == torch.float32,
+                                 **constants)  # fmt: skip
+    if splits == 1:
+        return out[0]
+    total = out[0]
+    for j in range(1, splits):  # one add after another: eager and inductor's fused kernel add alike
+        total = total + out[j]
+    return total.to(x.dtype)
+
+
+def few_rows_take(k: int, bits: int) -> bool:
+    """Whether the few-row kernel takes a K-wide input: int4's products per nibble span a quarter
+    of a sub-block, and tl.dot needs 16 columns."""
+    return bits == 8 or k % 128 == 0
+
+
+def _split_output(splits: int, m: int, n: int, x: Tensor) -> Tensor:
+    """The kernels' output [splits, M, N]: x's dtype for one split; for several, fp32 partial sums,
+    added afterwards in a fixed order (no atomics: the same bits every run)."""
+    return torch.empty(splits, m, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
 
 
 @torch.library.triton_op("genfast::qlinear_triton", mutates_args=())

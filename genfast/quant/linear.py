@@ -16,7 +16,8 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
 - "triton", CUDA where Triton is installed (it ships with torch's CUDA wheels), weight-only int8
   and the int4 that tinygemm does not take (fp32 or fp16 activations, other group sizes):
   genfast/kernels/qlinear_triton.py reads the codes directly (int4 in a word layout of its own),
-  one pass over the weight for up to 64 rows; longer inputs dequantize and use cuBLAS.
+  one pass over the weight for up to 64 rows (int4 with more than one row: K in whole 128
+  columns); longer inputs, and narrower int4, dequantize and use cuBLAS.
 - "int8pack", CUDA without Triton, weight-only int8 with one scale per output channel: the codes
   as int8; one row (decode) under torch.compile is a fused multiply-sum that reads the int8 codes
   once (`row_linear`), more rows a matmul over the upcast codes. (torch 2.11's CUDA
@@ -266,12 +267,19 @@ class QuantLinear(nn.Module):
             return self._outputs(out, x)
         if self.kernel == "int8pack":
             return self._int8pack_forward(x)
-        if self.kernel == "triton" and x.dtype in TRITON_DTYPES and x.numel() <= MAX_GEMM_ROWS * x.shape[-1]:
+        if self.kernel == "triton" and x.dtype in TRITON_DTYPES and self._triton_takes(x.numel() // x.shape[-1]):
             return self._triton_forward(x)
         weight = self.dequantize(x.dtype)
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
             return row_linear(x, weight, self.bias)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    def _triton_takes(self, rows: int) -> bool:
+        """Whether the Triton kernels take `rows` rows (more, or a K the few-row kernel does not
+        take: dequantize and cuBLAS)."""
+        from genfast.kernels import qlinear_triton
+
+        return rows == 1 or (rows <= MAX_GEMM_ROWS and qlinear_triton.few_rows_take(self.padded_in_features, self.bits))
 
     def _triton_forward(self, x: Tensor) -> Tensor:
         from genfast.kernels import qlinear_triton  # registers the op; imports triton

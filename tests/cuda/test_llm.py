@@ -89,7 +89,7 @@ def test_the_decode_loop_does_not_synchronize(model_dir, compile):
 
 
 def check_rows(layer, compiled, reference: torch.Tensor, dtypes) -> None:
-    for dtype, rows in ((d, r) for d in dtypes for r in (1, 5, 64, 100)):
+    for dtype, rows in ((d, r) for d in dtypes for r in (1, 5, 20, 64, 100)):  # each few-row BLOCK_M
         x = torch.randn(rows, reference.shape[1], device="cuda", dtype=dtype)
         want = F.linear(x.double(), reference)
         for fn in (layer, compiled):
@@ -106,7 +106,8 @@ def check_rows(layer, compiled, reference: torch.Tensor, dtypes) -> None:
 )  # fmt: skip
 def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel, k):
     """Each width takes its own one-row block sizes (qlinear_triton.gemv_config): int4 at 2048 the
-    1024-column sub-blocks, at 512 the 256-column ones with K split; int8 at 384 the split ones."""
+    1024-column sub-blocks, at 512 the 256-column ones with K split; int8 at 384 the split ones.
+    The few-row kernel runs with each of its BLOCK_M sizes (gemm_config; int4 with K split)."""
     torch.manual_seed(0)
     weight = torch.randn(392, k, device="cuda") * 0.05  # 392 rows: not a whole number of blocks
     qweight = quantize(weight, bits, group)
@@ -124,10 +125,11 @@ def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel, k):
         # eager and compiled take the same block sizes for a shape: the same summation order, the same bits
         from genfast.kernels.qlinear_triton import qlinear
 
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         args = (layer.codes, layer.scales, layer.mins, bits, layer.group_size)
         op = torch.compile(lambda x: torch.ops.genfast.qlinear_triton(x, *args), fullgraph=True)
-        assert torch.equal(qlinear(x, *args), op(x))
+        for rows in (1, 5):  # 5: the few-row kernel, K split for int4
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(qlinear(x, *args), op(x))
 
 
 def test_int4_runs_tinygemm_with_bf16_activations_and_triton_otherwise():
