@@ -348,8 +348,8 @@ def gemm_config(m: int, n: int, k: int, bits: int) -> dict[str, int]:
     program, so that the loop loads 3.2 bytes per byte of codes at any BLOCK_M (x, which each
     program reloads from L2, ~2.2 of them): 32 rows 64 x 256 over 4 warps (12.3), 64 rows 128 x 128
     over 4 warps (12.3; with 32 output rows 64 rows loaded 9.2). K is split until the launch has
-    ~256 programs: a program has only ~8 KB of codes in flight (two 4 KB stages), where an H100
-    needs ~2 MB in flight to stream."""
+    ~256 programs: a program has only 8-16 KB of codes in flight (two stages of 4-8 KB), where an
+    H100 needs ~2 MB in flight to stream."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     if bits == 8:
         return {"BLOCK_M": block_m, "BLOCK_N": 32, "SUB": 128, "num_warps": 4}
