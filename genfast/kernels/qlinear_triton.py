@@ -89,6 +89,14 @@ def _gemv_scales(grid_ptr, rows, row_ok, k, stride_grid, GROUP: tl.constexpr, GS
 
 
 @triton.jit
+def _word_columns(k, NG: tl.constexpr):
+    """The columns of nibble 0 of the NG * 4 int4 words from column k, [1, NG * 4]: word i of
+    block g holds column 32g + i there (nibble j: 4j further), runs of 4 contiguous."""
+    flat = tl.arange(0, NG * 4)[None, :]
+    return tl.max_contiguous(tl.multiple_of(k + (flat // 4) * 32 + flat % 4, [1, 4]), [1, 4])
+
+
+@triton.jit
 def _x_tile(x_rows, columns, shape: tl.constexpr):
     """x at `columns` ([1, SPAN], runs of 4 contiguous) through the rows' tile of equal pointers, as `shape`."""
     columns = tl.max_contiguous(tl.multiple_of(columns, [1, 4]), [1, 4])
@@ -105,29 +113,28 @@ def _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k, stride_codes, 
     # x is read through a [BLOCK_N, ...] tile of equal rows, so that it gets the codes' layout (read
     # as one row it gets a layout of its own, moved through shared memory at every step) and is
     # loaded once for all the rows a thread holds.
+    shape: tl.constexpr = [rows.shape[0], NG, LANES]
+    x_rows = x_ptr + tl.zeros_like(rows)[:, None]
     if BITS == 4:  # code j of word `lane` is column 4j + lane of its block
         # The words come in as one contiguous [BLOCK_N, NG * 4] tile, reshaped: as a 3D tile their
         # pointers are contiguous along the lanes only, and Triton orders rows and groups by its
         # tie-break, which changed in 3.7: with 3.6 each thread held one row and loaded x once per
         # row, 9.1 bytes per byte of codes. (k is a multiple of the sub-block, >= 32 columns.)
-        shape: tl.constexpr = [rows.shape[0], NG, LANES]
         flat = tl.arange(0, NG * LANES)[None, :]
         start = tl.multiple_of(k // 8, 4)
         words = tl.load(codes_ptr + rows[:, None] * stride_codes + (start + flat), mask=row_ok[:, None], other=0)
         words = tl.reshape(words, shape)
         high = words >> 12  # codes 5..7 to bits 8..19, where _nibble reads codes 2..4
-        x_rows = x_ptr + tl.zeros_like(rows)[:, None]
-        columns = k + (flat // 4) * 32 + flat % 4
+        columns = _word_columns(k, NG)
         codes_dot = _nibble(words, 0, exponent) * _x_tile(x_rows, columns, shape)
         for j in tl.static_range(1, 8):
             code = _nibble(words, j, exponent) if j < 5 else _nibble(high, j - 3, exponent)
             codes_dot += code * _x_tile(x_rows, columns + 4 * j, shape)
     else:  # the same for int8's bytes, a lane per column, whose groups tie with the rows too
-        shape: tl.constexpr = [rows.shape[0], NG, LANES]
         columns = tl.max_contiguous(tl.multiple_of(k + tl.arange(0, NG * LANES)[None, :], [1, 16]), [1, 16])
         u = tl.load(codes_ptr + rows[:, None] * stride_codes + columns, mask=row_ok[:, None], other=0)
         u = _as_float(tl.reshape(u, shape).to(tl.int32))
-        codes_dot = u * _x_tile(x_ptr + tl.zeros_like(rows)[:, None], columns, shape)
+        codes_dot = u * _x_tile(x_rows, columns, shape)
     if PER_ROW:
         return acc + codes_dot
     return acc + _gemv_scales(scales_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG, TIES_FIRST) * codes_dot
@@ -202,7 +209,7 @@ def _gemm(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, M, N, K, K_SPLIT, str
             scale = _block_tile(scales_ptr, rows, row_ok, k, stride_grid, GROUP, NG)
             low = _block_tile(mins_ptr, rows, row_ok, k, stride_grid, GROUP, NG)
             high = words >> 12  # codes 5..7 to bits 8..19, where _nibble reads codes 2..4
-            columns = tl.max_contiguous(tl.multiple_of(k + (flat // 4) * 32 + flat % 4, [1, 4]), [1, 4])
+            columns = _word_columns(k, NG)
             for j in tl.static_range(8):
                 code = _nibble(words, j, exponent) if j < 5 else _nibble(high, j - 3, exponent)
                 x = tl.load(x_rows + columns + 4 * j, mask=token_ok[:, None], other=0.0)
