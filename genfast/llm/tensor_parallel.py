@@ -34,6 +34,7 @@ Ranks are started by `launch_tp` (torch.distributed's elastic launcher, the engi
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import math
 import os
@@ -207,6 +208,10 @@ def launch_tp(argv: Sequence[str], n: int, grace_s: float = 30.0, module: str = 
     os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(n)))
     # The ranks print their own errors; the agent's log lines would only repeat them.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torch before 2.13 (the lent GPU machines' 2.11) has no shutdown_timeout; its agent gives the
+    # ranks a fixed 30 s.
+    fields = {field.name for field in dataclasses.fields(LaunchConfig)}
+    grace = {"shutdown_timeout": math.ceil(grace_s)} if "shutdown_timeout" in fields else {}
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -215,7 +220,7 @@ def launch_tp(argv: Sequence[str], n: int, grace_s: float = 30.0, module: str = 
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
-        shutdown_timeout=math.ceil(grace_s),
+        **grace,
     )
     try:
         elastic_launch(config, sys.executable)("-m", module, *argv)

@@ -33,6 +33,7 @@ from genfast.llm.tensor_parallel import (
     check_same_tokens,
     check_shardable,
     gpu_per_rank,
+    launch_tp,
     leave,
     shard_model,
     tp_device,
@@ -242,6 +243,39 @@ def test_tp_on_cuda_needs_a_gpu_per_rank(monkeypatch):
     check_devices("auto", 2)
     with pytest.raises(UserError, match=r"torch sees 2; use --tp 2 at most, or --device cpu"):
         check_devices("cuda:0", 4)
+
+
+@pytest.mark.parametrize("has_shutdown_timeout", [True, False])
+def test_launch_gives_the_ranks_their_grace_where_torch_can(monkeypatch, has_shutdown_timeout):
+    """The ranks get `grace_s` to finish after Ctrl-C where LaunchConfig takes shutdown_timeout
+    (torch 2.13); torch 2.11's has no such field (the lent GPU machines' --tp failed on it), and
+    the launch goes on without it."""
+    from torch.distributed.launcher import api
+
+    @dataclass
+    class OldLaunchConfig:  # torch 2.11's fields that launch_tp sets
+        min_nodes: int
+        max_nodes: int
+        nproc_per_node: int
+        run_id: str = ""
+        rdzv_endpoint: str = ""
+        rdzv_backend: str = "etcd"
+        max_restarts: int = 3
+
+    configs, commands = [], []
+
+    def elastic_launch(config, entrypoint):
+        configs.append(config)
+        return lambda *args: commands.append((entrypoint, args))
+
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # launch_tp sets it where unset
+    if not has_shutdown_timeout:
+        monkeypatch.setattr(api, "LaunchConfig", OldLaunchConfig)
+    assert launch_tp(["generate", "w1"], 2, grace_s=7.5) == 0
+    assert commands == [(sys.executable, ("-m", "genfast", "generate", "w1"))]
+    assert configs[0].nproc_per_node == 2 and configs[0].max_restarts == 0
+    assert getattr(configs[0], "shutdown_timeout", None) == (8 if has_shutdown_timeout else None)
 
 
 def test_a_rank_runs_on_the_gpu_of_its_local_rank(monkeypatch):
