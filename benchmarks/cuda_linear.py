@@ -14,8 +14,10 @@ Variants per format, each compiled with the decode step's inductor options:
 `--sweep` first times the Triton kernels' block sizes, with K split into slices among them: for
 one row per linear shape, for more rows on the same blocks (each block's four launches captured in
 a CUDA graph, so only kernel time counts), the tables genfast/kernels/qlinear_triton.py's defaults
-come from. A block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Median of
-CUDA-event timings; GB/s counts the weight bytes only (codes and scales).
+come from. A block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Every
+time is a CUDA graph's replay, as decode runs (a compiled block launched from Python measured the
+host's launches too: 12 or more for the Triton kernels' four linears). Median of CUDA-event
+timings; GB/s counts the weight bytes only (codes and scales).
 """
 
 from __future__ import annotations
@@ -263,7 +265,7 @@ def main() -> None:
                 for rows in (r for r in rows_wanted if r > 1):
                     sweep(shape, rows)
             print()
-    print("| shapes | variant | rows | ms per block | weight GB/s |")
+    print("| shapes | variant | rows | ms per block (CUDA graph) | weight GB/s |")
     print("|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         table = variants(SHAPES[shape])
@@ -279,8 +281,8 @@ def main() -> None:
                 if rows > 1 and not many_rows:
                     continue
                 xs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _, k in SHAPES[shape]]
-                try:
-                    ms = median_ms(run, xs)
+                try:  # in a CUDA graph, as decode runs: the GPU's time, not the host's launches
+                    ms = graph_ms(run, xs)
                 except Exception as e:  # a variant torch cannot run here: say so in the table
                     print(f"| {shape} | {name} | {rows} | failed: {type(e).__name__}: {str(e)[:80]} | |")
                     continue

@@ -9,6 +9,8 @@
 #                        launches and CUDA-graph replays per token, per weight format and kernel
 #            linear      benchmarks/cuda_linear.py: the Triton kernels' block sizes, then decode's
 #                        matrix-vector products per weight format
+#            stalls      benchmarks/cuda_kernel_stalls.py under Nsight Compute: each linear kernel's
+#                        DRAM GB/s, occupancy and stall reasons (why a kernel streams slower than bf16's)
 #            llm-7b      genfast bench llm on Llama-2-7B's shape (--model random:llama-2-7b)
 #            llm-8b      the same on Llama-3.1-8B's shape
 #            llm-70b     Llama-2-70B's shape in int4 (its bf16 weights do not fit one GPU), alone and
@@ -30,6 +32,8 @@
 #   LINEAR_ARGS  the linear stage's cuda_linear.py flags (split at spaces; default "--rows 1,8 --sweep"),
 #            LINEAR_VARIANTS its variants, comma-separated, kept whole (default: all of them), e.g.
 #            LINEAR_ARGS="--rows 8 --shapes llama-2-7b" LINEAR_VARIANTS="bf16 F.linear,int4 g32 triton".
+#   STALLS_ARGS, STALLS_VARIANTS  the same for the stalls stage (default "--shapes llama-2-7b --rows 1,8";
+#            variants "bf16 F.linear,int8 triton,int4 g32 triton,int4 g32 tinygemm k-tiles 8").
 #   SAM_ARGS, DIFFUSION_ARGS: more `genfast bench sam|diffusion` flags (split at spaces; they come
 #            last, so they override), e.g. SAM_ARGS="--batch-size 1 --steps original,baseline,compile".
 #   PYTEST_ARGS  more pytest arguments for the tests stage (split at spaces)
@@ -44,7 +48,7 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 out=$(realpath -m "${1:-gpu-check.md}")
 work=${WORKDIR:-/tmp/genfast-gpu}
-stages=${STAGES:-tests,decode,linear,llm-7b,llm-8b,llm-70b,serve,sam-attention,sam-b,sam-h,sam-amg,diffusion}
+stages=${STAGES:-tests,decode,linear,stalls,llm-7b,llm-8b,llm-70b,serve,sam-attention,sam-b,sam-h,sam-amg,diffusion}
 python=${PYTHON:-python3}
 mkdir -p "$work"
 export PYTHONUNBUFFERED=1
@@ -156,6 +160,10 @@ stage decode "A compiled decode step, Llama-2-7B shape cut to 4 blocks" "$python
 read -ra linear_args <<< "${LINEAR_ARGS:---rows 1,8 --sweep}"
 if [ -n "${LINEAR_VARIANTS:-}" ]; then linear_args+=(--variants "$LINEAR_VARIANTS"); fi
 stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py "${linear_args[@]}"
+read -ra stalls_args <<< "${STALLS_ARGS:---shapes llama-2-7b --rows 1,8}"
+stalls_args+=(--variants "${STALLS_VARIANTS:-bf16 F.linear,int8 triton,int4 g32 triton,int4 g32 tinygemm k-tiles 8}")
+stage stalls "Decode's linear kernels under Nsight Compute" "$python" benchmarks/cuda_kernel_stalls.py \
+    "${stalls_args[@]}"
 ladder_steps=${LLM_STEPS:-bf16,compile,int8,int4,spec-int4}
 llm_ladder llama-2-7b "$ladder_steps"
 stage llm-7b "LLM ladder, Llama-2-7B shape (random weights)" "${ladder[@]}"
