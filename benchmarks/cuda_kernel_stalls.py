@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import glob
 import io
 import json
 import os
@@ -177,9 +178,9 @@ def table(groups: list[tuple[list, list[dict[str, object]]]]) -> list[str]:
 
 
 def find_ncu() -> str:
-    found = shutil.which("ncu") or next(
-        (p for p in ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu") if os.path.exists(p)), None
-    )
+    """ncu on PATH, else where CUDA toolkits and Nsight Compute's own installer put it."""
+    candidates = ["/usr/local/cuda/bin/ncu", *sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), reverse=True)]
+    found = shutil.which("ncu") or next((path for path in candidates if os.access(path, os.X_OK)), None)
     if found is None:
         raise SystemExit("cuda_kernel_stalls: needs Nsight Compute's `ncu` on PATH (CUDA toolkits ship it)")
     return found

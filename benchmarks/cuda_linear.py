@@ -11,10 +11,9 @@ Variants per format, each compiled with the decode step's inductor options:
   codes (gpt-fast's form), `_weight_int8pack_mm`, and F.linear over the codes upcast in the graph;
 - int4 in groups of 32 and 128: genfast's Triton kernel, tinygemm (`_weight_int4pack_mm`) with 2, 4
   and 8 inner k-tiles, and row_linear over codes dequantized in the graph ("dequantize").
-`--sweep` first times the Triton kernels' block sizes, with K split into slices among them: for
-one row per linear shape, for more rows on the same blocks (each block's four launches captured in
-a CUDA graph, so only kernel time counts), the tables genfast/kernels/qlinear_triton.py's defaults
-come from. A block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Every
+`--sweep` first times the Triton kernels' block sizes (in the Triton formats that `--variants`
+names, or all three), with K split into slices among them: for one row per linear shape, for more
+rows on the same blocks, the tables genfast/kernels/qlinear_triton.py's defaults come from. A block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Every
 time is a CUDA graph's replay, as decode runs (a compiled block launched from Python measured the
 host's launches too: 12 or more for the Triton kernels' four linears). Median of CUDA-event
 timings; GB/s counts the weight bytes only (codes and scales).
@@ -149,6 +148,8 @@ def graph_ms(fn, xs: list[torch.Tensor]) -> float:
     return median_ms(lambda _: graph.replay(), xs)
 
 
+# The formats the sweeps time the Triton kernels in: (variant name, bits, group size).
+TRITON_FORMATS = [("int8 triton", 8, None), ("int4 g32 triton", 4, 32), ("int4 g128 triton", 4, 128)]
 # The one-row kernel's block sizes timed per linear shape: (BLOCK_N, UNROLL, SUB, num_warps), each
 # with K split 1, 2 and 4 ways. Chosen by what benchmarks/triton_sass.py counts: rows per thread
 # (a thread loads x once for all of them; 4-8 rows load 1.5-2.1 bytes per byte of codes), no spills.
@@ -167,7 +168,7 @@ FEW_ROW_BLOCKS = [
 ABOVE_L2_BYTES = 512 * 2**20  # each timed call reads another copy of the weight: no L2 hits
 
 
-def sweep_one_row(shapes: list[tuple[int, int]]) -> None:
+def sweep_one_row(shapes: list[tuple[int, int]], formats: list[tuple[int, int | None]]) -> None:
     """The one-row kernel's block sizes (SPLIT_K among them) per linear shape and format, each
     call of a CUDA graph reading another copy of the weight (one matrix fits an H200's 60 MB L2):
     the best three, and the best that does not split K."""
@@ -185,7 +186,7 @@ def sweep_one_row(shapes: list[tuple[int, int]]) -> None:
         xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         bf16_us = 1000 * graph_ms(lambda xs: [F.linear(x, w) for x, w in zip(xs, bf16)], xs) / copies
         print(f"| {n} x {k} | bf16 (cuBLAS) | | {bf16_us:.1f} | {weight.nbytes / bf16_us / 1e3:.0f} | 1 |")
-        for bits, group in ((8, None), (4, 32), (4, 128)):
+        for bits, group in formats:
             q = quantize(weight, bits, group)
             codes = store_codes(q.codes, bits)
             stored = [(codes.clone(), q.scales.clone(), q.mins.clone()) for _ in range(copies)]
@@ -208,7 +209,7 @@ def sweep_one_row(shapes: list[tuple[int, int]]) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep(shape: str, rows: int) -> None:
+def sweep(shape: str, rows: int, formats: list[tuple[int, int | None]]) -> None:
     """The Triton kernels' block sizes, one block's linears per format, best first."""
     from itertools import product
 
@@ -227,7 +228,7 @@ def sweep(shape: str, rows: int) -> None:
     bf16 = graph_ms(lambda xs: [F.linear(x, w) for x, w in zip(xs, weights)], xs)
     nbytes = sum(w.numel() * 2 for w in weights)
     print(f"| {shape} | bf16 (cuBLAS) | {rows} | | {bf16:.3f} | {nbytes / bf16 / 1e6:.0f} |")
-    for bits, group in ((8, None), (4, 32), (4, 128)):
+    for bits, group in formats:
         qweights = [quantize(w, bits, group) for w in weights]
         stored = [(store_codes(q.codes, bits), q.scales, q.mins, q.group_size) for q in qweights]
         nbytes = stored_bytes(qweights)
@@ -253,17 +254,23 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     if args.sweep:
+        # the Triton formats that --variants names (all three without it)
+        formats = [
+            (bits, group)
+            for name, bits, group in TRITON_FORMATS
+            if not args.variants or name in args.variants.split(",")
+        ]
         rows_wanted = [int(r) for r in args.rows.split(",")]
         if 1 in rows_wanted:
             linears = dict.fromkeys(nk for shape in args.shapes.split(",") for nk in SHAPES[shape])
-            sweep_one_row(list(linears))
+            sweep_one_row(list(linears), formats)
             print()
         if any(rows > 1 for rows in rows_wanted):
             print("| shapes | format | rows | Triton block sizes | ms per block (CUDA graph) | weight GB/s |")
             print("|---|---|---|---|---|---|")
             for shape in args.shapes.split(","):
                 for rows in (r for r in rows_wanted if r > 1):
-                    sweep(shape, rows)
+                    sweep(shape, rows, formats)
             print()
     print("| shapes | variant | rows | ms per block (CUDA graph) | weight GB/s |")
     print("|---|---|---|---|---|")
