@@ -13,10 +13,11 @@ Variants per format, each compiled with the decode step's inductor options:
   and 8 inner k-tiles, and row_linear over codes dequantized in the graph ("dequantize").
 `--sweep` first times the Triton kernels' block sizes (in the Triton formats that `--variants`
 names, or all three), with K split into slices among them: for one row per linear shape, for more
-rows on the same blocks, the tables genfast/kernels/qlinear_triton.py's defaults come from. A block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Every
-time is a CUDA graph's replay, as decode runs (a compiled block launched from Python measured the
-host's launches too: 12 or more for the Triton kernels' four linears). Median of CUDA-event
-timings; GB/s counts the weight bytes only (codes and scales).
+rows on the same blocks, the tables genfast/kernels/qlinear_triton.py's defaults come from. A
+block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Every time is a
+CUDA graph's replay, as decode runs (a compiled block launched from Python measured the host's
+launches too: 12 or more for the Triton kernels' four linears). Median of CUDA-event timings; GB/s
+counts the weight bytes only (codes and scales).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ widest backward branch of the SASS), and divides its instruction count by the by
 thread reads per pass. It also prints the bytes the loop loads per byte of codes (codes, x and the
 grid: every load goes through L1, and x is loaded once per output row), registers, stack bytes
 (spills), and the loop's shared-memory traffic and barriers, which mark a layout conversion
-inside the loop (the few-row kernel's are its operands for tl.dot, by design). A count is a
+inside the loop (the few-row kernel's are its operands for tl.dot, by design), and how many of its
+programs fit one SM and the warps an H100's SMs then hold for a 4096-row matrix. A count is a
 prediction, not a timing:
 `benchmarks/cuda_linear.py --sweep` times the same configurations on a GPU.
 """
@@ -152,6 +153,21 @@ def bytes_per_pass(bits: int, config: dict, k: int = K, group: int | None = None
     return codes / (32 * config["num_warps"])
 
 
+# An H100 SXM's multiprocessors and what each holds (sm_90): registers, shared memory, warps, programs.
+SMS, SM_REGISTERS, SM_SHARED, SM_WARPS, SM_PROGRAMS = 132, 65536, 228 * 1024, 64, 32
+
+
+def warps_per_sm(compiled, num_warps: int, programs: int) -> tuple[int, float]:
+    """The programs of `compiled` that fit on one SM (registers, allocated 8 per thread at a time;
+    shared memory, with the 1 KB a program reserves), and the warps an SM then holds on average when
+    `programs` are launched over an H100's 132 SMs. Fewer than ~4 per scheduler (16 per SM) leave
+    memory and instruction latencies exposed: each scheduler issues only from the warps it holds."""
+    registers = -(-count_kernel(compiled).registers // 8) * 8
+    fit = min(SM_PROGRAMS, SM_WARPS // num_warps, SM_REGISTERS // (registers * 32 * num_warps),
+              SM_SHARED // (compiled.metadata.shared + 1024))  # fmt: skip
+    return fit, min(fit, programs / SMS) * num_warps
+
+
 def configs(kind: str, kernel: str, bits: int, k: int, rows: int) -> list[dict]:
     if kernel == "few-row":
         if kind == "default":
@@ -186,20 +202,24 @@ def main() -> None:
     rows = f", {args.rows} rows" if args.kernel == "few-row" else ""
     print(f"Triton {triton.__version__}, sm_{args.arch}, {args.kernel} kernel{rows}, K = {args.k}, bf16 activations\n")
     print("| format | block sizes | instructions per byte of codes | bytes loaded per byte of codes "
-          "| registers | stack bytes | in the loop |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| registers | stack bytes | programs that fit an SM | warps per SM, 4096 rows | in the loop |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.formats.split(","):
         bits, group = FORMATS[name]
         for config in configs(args.configs, args.kernel, bits, args.k, args.rows):
             if args.kernel == "few-row":
                 compiled = compile_gemm(bits, group, "bf16", args.rows, args.arch, args.k, config)
+                _, splits, _ = gemm_launch(args.k, bits, group or args.k, config)
+                programs = splits * triton.cdiv(4096, config["BLOCK_N"]) * triton.cdiv(args.rows, config["BLOCK_M"])
             else:
                 compiled = compile_gemv(bits, group, config, args.arch, args.k)
+                programs = config.get("SPLIT_K", 1) * triton.cdiv(4096, config["BLOCK_N"])
+            fit, warps = warps_per_sm(compiled, config["num_warps"], programs)
             count = count_kernel(compiled)
             codes = bytes_per_pass(bits, config, args.k, group)
             per_byte, loaded = count.instructions / codes, load_bytes(count.by_opcode) / codes
             top = ", ".join(f"{op} {n}" for op, n in count.by_opcode.most_common(6))
-            resources = f"{count.registers} | {count.stack_bytes}"
+            resources = f"{count.registers} | {count.stack_bytes} | {fit} | {warps:.1f}"
             print(f"| {name} | {config} | {per_byte:.1f} | {loaded:.1f} | {resources} | {top} |")
 
 
