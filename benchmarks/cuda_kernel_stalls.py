@@ -93,11 +93,11 @@ def profile_variants(shapes: list[str], rows_wanted: list[int], wanted: list[str
                     run(xs)
                 _variant_marker[(1,)](flag)
                 torch.cuda.synchronize()
-                torch.cuda.cudart().cudaProfilerStart()
+                torch.cuda.profiler.start()
                 _variant_marker[(1,)](flag)
                 run(xs)
                 torch.cuda.synchronize()
-                torch.cuda.cudart().cudaProfilerStop()
+                torch.cuda.profiler.stop()
                 labels.append([shape, name, rows])
     with open(labels_path, "w") as f:
         json.dump(labels, f)
@@ -191,8 +191,10 @@ def profile(ncu: str, metrics: list[str], args: argparse.Namespace, folder: str)
              "--shapes", args.shapes, "--rows", args.rows]  # fmt: skip
     if args.variants:
         child += ["--variants", args.variants]
-    command = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", ",".join(metrics),
-               "--export", os.path.join(folder, "report"), "--force-overwrite", *child]  # fmt: skip
+    # application-only: not inductor's compile workers, which launch no kernels
+    command = [ncu, "--profile-from-start", "off", "--target-processes", "application-only", "--clock-control",
+               "none", "--metrics", ",".join(metrics), "--export", os.path.join(folder, "report"), "--force-overwrite",
+               *child]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True)
 
 
