@@ -30,10 +30,14 @@ class LlmSettings:
     transforms: tuple[Step, ...] = ()  # steps that bring their own transform (genfast.recipe.apply_transforms)
 
 
-# What CUDA's kernels measured so far: a compiled decode step of 4 Llama-2-7B-shaped blocks on an
-# H100 (benchmarks/cuda_decode.py; docs/performance.md, "CUDA (NVIDIA H100), 2026-11-27"). The
-# whole-model ladder with these kernels is not measured yet.
+# What CUDA's kernels measured so far (docs/performance.md): int8's Triton GEMV in a compiled decode
+# step of 4 Llama-2-7B-shaped blocks on an H100 ("CUDA (NVIDIA H100), 2026-11-27"); int4 on tinygemm
+# in the whole model's ladder ("CUDA (NVIDIA H100), 2026-11-28").
 CUDA_STEP_MEASURED = "in a Llama-2-7B-shaped decode step (4 blocks) on an H100; whole-model decode not measured yet"
+CUDA_INT4_MEASURED = (
+    "1.68x compiled bf16 decode on the whole Llama-2-7B shape on an H100 (287.7 against 171.6 tok/s), "
+    "but its 128-token prefill took 7x bf16's (TTFT 60 against 8 ms)"
+)
 
 
 def _cuda_quantized_note(bits: int, target: Target) -> str:
@@ -47,11 +51,14 @@ def _cuda_quantized_note(bits: int, target: Target) -> str:
     dtype = resolve_dtype(target.dtype, target.device)
     kernel = cuda_weight_only_kernel(bits, per_channel=bits == 8, dtype=dtype, int4pack_ok=bits == 4)
     if kernel == "int4pack" and dtype == torch.bfloat16:  # (other activations dequantize: QuantLinear.forward)
-        return f"int4 runs tinygemm (torch's _weight_int4pack_mm): 1.51x compiled bf16 {CUDA_STEP_MEASURED}"
+        return f"int4 runs tinygemm (torch's _weight_int4pack_mm): {CUDA_INT4_MEASURED}"
     if kernel == "triton":
         if bits == 8:
             return f"int8 runs a Triton GEMV: 1.26x compiled bf16 {CUDA_STEP_MEASURED}"
-        return "int4 runs a Triton GEMV (for bf16 activations tinygemm is faster): its current layout is not timed yet"
+        return (
+            "int4 runs a Triton GEMV (tinygemm takes bf16 activations only): it streamed 0.7-0.8 TB/s on an H100 "
+            "and an H200, slower than bf16 decode"
+        )
     return (
         "Triton is not installed (torch's CUDA wheels bring it): torch's own int8 op or the dequantize "
         "path, measured slower than unquantized decode"

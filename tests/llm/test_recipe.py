@@ -59,8 +59,8 @@ def test_quantized_steps_on_cuda_name_their_kernel_and_what_it_measured(monkeypa
     bf16, fp32 = Target(torch.device("cuda"), "auto"), Target(torch.device("cuda"), "float32")
     monkeypatch.setattr(linear, "triton_available", lambda: True)
     assert "Triton GEMV: 1.26x compiled bf16" in RECIPE.step("int8").fallback(bf16)
-    assert "tinygemm" in RECIPE.step("int4").fallback(bf16)
-    assert "not timed yet" in RECIPE.step("int4").fallback(fp32)
+    assert "tinygemm" in RECIPE.step("int4").fallback(bf16) and "1.68x" in RECIPE.step("int4").fallback(bf16)
+    assert "0.7-0.8 TB/s" in RECIPE.step("int4").fallback(fp32)
     monkeypatch.setattr(linear, "triton_available", lambda: False)
     assert "tinygemm" in RECIPE.step("int4").fallback(bf16)
     for step, target in (("int8", bf16), ("int4", fp32)):
