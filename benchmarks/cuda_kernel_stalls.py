@@ -58,8 +58,10 @@ STALLS = (
 STALL_METRICS = {f"stall {s}": f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS}
 CORE = ("time", "dram_read", "achieved", "theoretical")  # kept if ncu refuses the others
 MARKER = "_variant_marker"
-SCALE = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0, "byte": 1.0, "Kbyte": 1e3,
-         "Mbyte": 1e6, "Gbyte": 1e9}  # fmt: skip
+# Units to seconds and bytes (--print-units base gives nsecond and byte; the others in case it does not).
+SCALE = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3, "second": 1.0,
+         "s": 1.0, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}  # fmt: skip
+SCALED = ("time", "dram_read")  # the columns whose unit matters
 SHOWN_SHARE = 0.03
 
 
@@ -113,6 +115,10 @@ def parse_raw_csv(text: str) -> list[dict[str, object]]:
     reader = csv.reader(io.StringIO("\n".join(lines[start:])))
     header = next(reader)
     units = dict(zip(header, next(reader, []), strict=False))  # the row under the header
+    for column in SCALED:
+        unit = units.get(METRICS[column])
+        if unit is not None and unit not in SCALE:
+            raise ValueError(f"{METRICS[column]} in {unit!r}, a unit this script does not know")
     kernels = []
     for row in reader:
         cells = dict(zip(header, row, strict=False))
@@ -122,7 +128,7 @@ def parse_raw_csv(text: str) -> list[dict[str, object]]:
         for column, metric in {**METRICS, **STALL_METRICS}.items():
             raw = cells.get(metric, "").replace(",", "").strip()
             try:
-                kernel[column] = float(raw) * SCALE.get(units.get(metric, ""), 1.0)
+                kernel[column] = float(raw) * (SCALE[units[metric]] if column in SCALED else 1.0)
             except ValueError:
                 kernel[column] = None
         kernels.append(kernel)

@@ -59,5 +59,7 @@ def test_a_report_that_does_not_match_the_variants_is_an_error():
     kernels = stalls.parse_raw_csv(report([("_variant_marker", "1", "0", "0"), ("_gemv", "5", "5", "1")]))
     with pytest.raises(ValueError, match="1 marked groups of kernels for 2 variants"):
         stalls.by_variant(kernels, [["a", "b", 1], ["a", "c", 1]])
+    with pytest.raises(ValueError, match="in 'furlong', a unit this script does not know"):
+        stalls.parse_raw_csv(report([]).replace('"nsecond"', '"furlong"'))
     with pytest.raises(ValueError, match="no kernel table"):
         stalls.parse_raw_csv("==ERROR== the application returned an error")
