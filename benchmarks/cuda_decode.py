@@ -1,6 +1,6 @@
 """Where a compiled CUDA decode step spends its time, per weight format and linear kernel.
 
-    python benchmarks/cuda_decode.py [--shape llama-2-7b] [--layers 4] [--tokens 128]
+    python benchmarks/cuda_decode.py [--shape llama-2-7b] [--layers 4] [--tokens 128] [--top 4]
 
 The model is `random:SHAPE` cut to its first `--layers` blocks (a block's cost is what differs
 between formats; fewer blocks compile faster). Each variant is compiled as `genfast generate`
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--top", type=int, default=4, help="kernels listed per variant, by GPU time")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; random:{args.shape}, {args.layers} blocks\n")
     rows, tops = [], []
@@ -103,7 +104,7 @@ def main() -> None:
         skips = counters["inductor"]["cudagraph_skips"]
         per_token = f"{replays / args.tokens:.2f} | {launches / args.tokens:.1f} | {gpu_kernels / args.tokens:.0f}"
         rows.append(f"| {name} | {ms:.3f} | {busy / ms:.0%} | {per_token} | {skips} |")
-        top = ", ".join(f"{k} {v:.3f}" for k, v in kernels.most_common(4))
+        top = ", ".join(f"{k} {v:.3f}" for k, v in kernels.most_common(args.top))
         tops.append(f"| {name} | {top} |")
         print(rows[-1], tops[-1], sep="\n", flush=True)  # as each finishes: a stopped run keeps them
         del generator, loaded

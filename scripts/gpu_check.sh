@@ -28,7 +28,9 @@
 #            (scripts/gpu_wheels.sh downloads the ones such a machine lacks).
 #   LLM_STEPS, NEW_TOKENS, REPEATS: the LLM ladder's rows (default bf16,compile,int8,int4,spec-int4), 256, 3.
 #   DECODE_VARIANTS  the decode stage's weight formats and kernels, comma-separated (default: all of
-#            benchmarks/cuda_decode.py's), e.g. DECODE_VARIANTS="bf16,int8 triton,int4 g32 torch".
+#            benchmarks/cuda_decode.py's), e.g. DECODE_VARIANTS="bf16,int8 triton,int4 g32 torch";
+#            DECODE_ARGS its other flags (split at spaces), e.g. DECODE_ARGS="--layers 32 --top 12" for the
+#            whole 7B-shape model's step.
 #   LINEAR_ARGS  the linear stage's cuda_linear.py flags (split at spaces; default "--rows 1,8 --sweep"),
 #            LINEAR_VARIANTS its variants, comma-separated, kept whole (default: all of them), e.g.
 #            LINEAR_ARGS="--rows 8 --shapes llama-2-7b" LINEAR_VARIANTS="bf16 F.linear,int4 g32 triton".
@@ -153,10 +155,10 @@ if "$python" -c 'import pytest_timeout' 2>/dev/null; then
 fi
 stage tests "CUDA tests" "${compile_threads[@]}" "$python" -m pytest -v -rfEs --tb=short -p no:cacheprovider tests/cuda \
     "${pytest_args[@]}"
-decode_variants=()
-if [ -n "${DECODE_VARIANTS:-}" ]; then decode_variants=(--variants "$DECODE_VARIANTS"); fi
-stage decode "A compiled decode step, Llama-2-7B shape cut to 4 blocks" "$python" benchmarks/cuda_decode.py \
-    "${decode_variants[@]}"
+read -ra decode_args <<< "${DECODE_ARGS:-}"
+if [ -n "${DECODE_VARIANTS:-}" ]; then decode_args+=(--variants "$DECODE_VARIANTS"); fi
+stage decode "A compiled decode step, Llama-2-7B shape (4 blocks unless DECODE_ARGS says)" "$python" \
+    benchmarks/cuda_decode.py "${decode_args[@]}"
 read -ra linear_args <<< "${LINEAR_ARGS:---rows 1,8 --sweep}"
 if [ -n "${LINEAR_VARIANTS:-}" ]; then linear_args+=(--variants "$LINEAR_VARIANTS"); fi
 stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py "${linear_args[@]}"
