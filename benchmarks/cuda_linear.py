@@ -169,13 +169,16 @@ FEW_ROW_BLOCKS = [
 ABOVE_L2_BYTES = 512 * 2**20  # each timed call reads another copy of the weight: no L2 hits
 
 
-def sweep_one_row(shapes: list[tuple[int, int]], formats: list[tuple[int, int | None]]) -> None:
+def sweep_one_row(
+    shapes: list[tuple[int, int]], formats: list[tuple[int, int | None]], blocks: list[tuple[int, ...]] | None = None
+) -> None:
     """The one-row kernel's block sizes (SPLIT_K among them) per linear shape and format, each
     call of a CUDA graph reading another copy of the weight (one matrix fits an H200's 60 MB L2):
-    the best three, and the best that does not split K."""
+    the best three, the best that does not split K and the default (gemv_config's); every one of
+    `blocks` where given (default ONE_ROW_BLOCKS)."""
     from itertools import product
 
-    from genfast.kernels.qlinear_triton import qlinear, store_codes
+    from genfast.kernels.qlinear_triton import gemv_config, qlinear, store_codes
 
     print("| out x in | format | block sizes | us per call | weight GB/s | vs bf16 (cuBLAS) |")
     print("|---|---|---|---|---|---|")
@@ -193,9 +196,13 @@ def sweep_one_row(shapes: list[tuple[int, int]], formats: list[tuple[int, int | 
             stored = [(codes.clone(), q.scales.clone(), q.mins.clone()) for _ in range(copies)]
             nbytes = stored_bytes([q])
             label = f"int{bits} {f'g{group}' if group else 'per channel'}"
+            default = {"SPLIT_K": 1, **gemv_config(n, k, bits)}
+            configs = [
+                dict(BLOCK_N=block_n, UNROLL=unroll, SUB=sub, num_warps=warps, SPLIT_K=split)
+                for (block_n, unroll, sub, warps), split in product(blocks or ONE_ROW_BLOCKS, ONE_ROW_SPLITS)
+            ]
             timed = []
-            for (block_n, unroll, sub, warps), split in product(ONE_ROW_BLOCKS, ONE_ROW_SPLITS):
-                config = dict(BLOCK_N=block_n, UNROLL=unroll, SUB=sub, num_warps=warps, SPLIT_K=split)
+            for config in [default, *(c for c in configs if c != default)]:
                 fn = lambda xs, config=config: [  # noqa: E731
                     qlinear(x, c, s, m, bits, q.group_size, config) for x, (c, s, m) in zip(xs, stored)
                 ]
@@ -203,10 +210,13 @@ def sweep_one_row(shapes: list[tuple[int, int]], formats: list[tuple[int, int | 
                     timed.append((1000 * graph_ms(fn, xs) / copies, config))
                 except Exception as e:  # a configuration Triton cannot build here (registers, shared memory)
                     print(f"| {n} x {k} | {label} | {config} | failed: {type(e).__name__} | | |")
-            timed.sort(key=lambda t: t[0])
-            unsplit = next(t for t in timed if t[1]["SPLIT_K"] == 1)
-            for us, config in [*timed[:3], *([unsplit] if unsplit not in timed[:3] else [])]:
-                print(f"| {n} x {k} | {label} | {config} | {us:.1f} | {nbytes / us / 1e3:.0f} | {bf16_us / us:.2f}x |")
+            shown = timed if blocks else timed[:1]  # the default first
+            ranked = sorted(timed, key=lambda t: t[0])
+            unsplit = [t for t in ranked if t[1]["SPLIT_K"] == 1][:1]
+            for us, config in shown + [t for t in ranked[:3] + unsplit if t not in shown]:
+                name = "default " if config is default else ""
+                print(f"| {n} x {k} | {label} | {name}{config} | {us:.1f} | {nbytes / us / 1e3:.0f} "
+                      f"| {bf16_us / us:.2f}x |")  # fmt: skip
         torch.cuda.empty_cache()
 
 
@@ -252,7 +262,17 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="first time the Triton kernels' block sizes")
     parser.add_argument("--variants", help="comma-separated variant names to time (default: all)")
+    parser.add_argument(
+        "--one-row-blocks",
+        help='the one-row sweep\'s block sizes, "BLOCK_N,UNROLL,SUB,num_warps;...", each with K split 1, 2 and 4 '
+        "ways, every one printed (default: ONE_ROW_BLOCKS, the best printed)",
+    )
     args = parser.parse_args()
+    blocks = (
+        [tuple(int(v) for v in b.split(",")) for b in args.one_row_blocks.split(";")] if args.one_row_blocks else None
+    )
+    if blocks and any(len(b) != 4 for b in blocks):
+        raise SystemExit(f"--one-row-blocks wants BLOCK_N,UNROLL,SUB,num_warps per block size: {args.one_row_blocks}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     if args.sweep:
         # the Triton formats that --variants names (all three without it)
@@ -264,7 +284,7 @@ def main() -> None:
         rows_wanted = [int(r) for r in args.rows.split(",")]
         if 1 in rows_wanted:
             linears = dict.fromkeys(nk for shape in args.shapes.split(",") for nk in SHAPES[shape])
-            sweep_one_row(list(linears), formats)
+            sweep_one_row(list(linears), formats, blocks)
             print()
         if any(rows > 1 for rows in rows_wanted):
             print("| shapes | format | rows | Triton block sizes | ms per block (CUDA graph) | weight GB/s |")
