@@ -9,8 +9,9 @@ Variants per format, each compiled with the decode step's inductor options:
 - bf16: F.linear (cuBLAS) and row_linear (inductor's fused multiply-sum);
 - int8 (per-channel): genfast's Triton kernel (QuantLinear's "triton"), row_linear over the int8
   codes (gpt-fast's form), `_weight_int8pack_mm`, and F.linear over the codes upcast in the graph;
-- int4 in groups of 32 and 128: genfast's Triton kernel, tinygemm (`_weight_int4pack_mm`) with 2, 4
-  and 8 inner k-tiles, and row_linear over codes dequantized in the graph ("dequantize").
+- int4 in groups of 32 and 128: genfast's Triton kernel (and, for one row, the same with the
+  minima's part from x's sums: "x-sums"), tinygemm (`_weight_int4pack_mm`) with 2, 4 and 8 inner
+  k-tiles, and row_linear over codes dequantized in the graph ("dequantize").
 `--sweep` first times the Triton kernels' block sizes (in the Triton formats that `--variants`
 names, or all three), with K split into slices among them: for one row per linear shape, for more
 rows on the same blocks, the tables genfast/kernels/qlinear_triton.py's defaults come from. A
@@ -103,6 +104,11 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
             stored_bytes(qweights),
             True,
         )
+        out[f"int4 g{group} triton x-sums"] = (
+            block(lambda i, x, layers=triton_layers: x_sums_gemv(layers[i], x)),
+            stored_bytes(qweights),
+            False,
+        )
         for tiles in (2, 4, 8):
             packed = [(int4pack(q.codes, tiles), int4pack_scales_and_zeros(q)) for q in qweights]
             nbytes = sum(p.numel() * p.element_size() + sz.numel() * 2 for p, sz in packed)
@@ -126,6 +132,15 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
             False,
         )
     return out
+
+
+def x_sums_gemv(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The one-row Triton kernel with its minima's part in the loop, from x's sums per 32 columns
+    (X_SUMS, a candidate default), at the default block sizes."""
+    from genfast.kernels.qlinear_triton import gemv_config, qlinear
+
+    config = {**gemv_config(layer.out_features, layer.padded_in_features, layer.bits), "X_SUMS": 1}
+    return qlinear(x, layer.codes, layer.scales, layer.mins, layer.bits, layer.group_size, config)
 
 
 @torch.library.custom_op("cuda_linear::int8pack_mm", mutates_args=())
@@ -198,8 +213,9 @@ def sweep_one_row(
             label = f"int{bits} {f'g{group}' if group else 'per channel'}"
             default = {"SPLIT_K": 1, **gemv_config(n, k, bits)}
             configs = [
-                dict(BLOCK_N=block_n, UNROLL=unroll, SUB=sub, num_warps=warps, SPLIT_K=split)
-                for (block_n, unroll, sub, warps), split in product(blocks or ONE_ROW_BLOCKS, ONE_ROW_SPLITS)
+                dict(BLOCK_N=block[0], UNROLL=block[1], SUB=block[2], num_warps=block[3], SPLIT_K=split)
+                | ({"X_SUMS": block[4]} if len(block) > 4 else {})
+                for block, split in product(blocks or ONE_ROW_BLOCKS, ONE_ROW_SPLITS)
             ]
             timed = []
             for config in [default, *(c for c in configs if c != default)]:
@@ -264,15 +280,15 @@ def main() -> None:
     parser.add_argument("--variants", help="comma-separated variant names to time (default: all)")
     parser.add_argument(
         "--one-row-blocks",
-        help='the one-row sweep\'s block sizes, "BLOCK_N,UNROLL,SUB,num_warps;...", each with K split 1, 2 and 4 '
-        "ways, every one printed (default: ONE_ROW_BLOCKS, the best printed)",
+        help='the one-row sweep\'s block sizes, "BLOCK_N,UNROLL,SUB,num_warps[,X_SUMS];...", each with K split 1, 2 '
+        "and 4 ways, every one printed (default: ONE_ROW_BLOCKS, the best printed)",
     )
     args = parser.parse_args()
     blocks = (
         [tuple(int(v) for v in b.split(",")) for b in args.one_row_blocks.split(";")] if args.one_row_blocks else None
     )
-    if blocks and any(len(b) != 4 for b in blocks):
-        raise SystemExit(f"--one-row-blocks wants BLOCK_N,UNROLL,SUB,num_warps per block size: {args.one_row_blocks}")
+    if blocks and any(len(b) not in (4, 5) for b in blocks):
+        raise SystemExit(f"--one-row-blocks wants BLOCK_N,UNROLL,SUB,num_warps[,X_SUMS] each: {args.one_row_blocks}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     if args.sweep:
         # the Triton formats that --variants names (all three without it)

@@ -40,7 +40,8 @@ from genfast.kernels.qlinear_triton import _gemm, _gemv, gemm_config, gemm_launc
 
 # As `qlinear` launches it for bf16 activations (x cast to fp32 before, the output in bf16).
 SIGNATURE = {
-    "x_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "out_ptr": "*bf16",
+    "x_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "x_sums_ptr": "*fp32",
+    "out_ptr": "*bf16",
     "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_codes": "i32", "stride_grid": "i32", "exponent": "i32",
 }  # fmt: skip
 FORMATS = {

@@ -35,7 +35,8 @@
 #            LINEAR_VARIANTS its variants, comma-separated, kept whole (default: all of them), e.g.
 #            LINEAR_ARGS="--rows 8 --shapes llama-2-7b" LINEAR_VARIANTS="bf16 F.linear,int4 g32 triton".
 #   STALLS_ARGS, STALLS_VARIANTS  the same for the stalls stage (default "--shapes llama-2-7b --rows 1,8";
-#            variants "bf16 F.linear,int8 triton,int4 g32 triton,int4 g32 tinygemm k-tiles 8").
+#            variants "bf16 F.linear,int8 triton,int4 g32 triton,int4 g32 triton x-sums,int4 g32 tinygemm
+#            k-tiles 8").
 #   SAM_ARGS, DIFFUSION_ARGS: more `genfast bench sam|diffusion` flags (split at spaces; they come
 #            last, so they override), e.g. SAM_ARGS="--batch-size 1 --steps original,baseline,compile".
 #   PYTEST_ARGS  more pytest arguments for the tests stage (split at spaces)
@@ -163,7 +164,8 @@ read -ra linear_args <<< "${LINEAR_ARGS:---rows 1,8 --sweep}"
 if [ -n "${LINEAR_VARIANTS:-}" ]; then linear_args+=(--variants "$LINEAR_VARIANTS"); fi
 stage linear "Decode's matrix-vector products" "$python" benchmarks/cuda_linear.py "${linear_args[@]}"
 read -ra stalls_args <<< "${STALLS_ARGS:---shapes llama-2-7b --rows 1,8}"
-stalls_args+=(--variants "${STALLS_VARIANTS:-bf16 F.linear,int8 triton,int4 g32 triton,int4 g32 tinygemm k-tiles 8}")
+stall_variants="bf16 F.linear,int8 triton,int4 g32 triton,int4 g32 triton x-sums,int4 g32 tinygemm k-tiles 8"
+stalls_args+=(--variants "${STALLS_VARIANTS:-$stall_variants}")
 stage stalls "Decode's linear kernels under Nsight Compute" "$python" benchmarks/cuda_kernel_stalls.py \
     "${stalls_args[@]}"
 ladder_steps=${LLM_STEPS:-bf16,compile,int8,int4,spec-int4}

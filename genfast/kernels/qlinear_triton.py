@@ -23,7 +23,9 @@ Two kernels:
   floats through the exponent trick (OR-ed under the exponent of a power of two, minus that power),
   two full-rate ops instead of a quarter-rate integer conversion. Per group the loop multiplies the
   codes alone and scales their sum (one scale per row: once at the end); the minima's part,
-  sum_g min[n, g] * (sum of x over group g), comes after the loop. x is read in fp32 (the caller
+  sum_g min[n, g] * (sum of x over group g), comes after the loop. (X_SUMS, a candidate not yet
+  timed: it comes in the loop instead, from x's sums per group made before the launch, without
+  the pass's barriers.) x is read in fp32 (the caller
   casts it: inside a compiled step that cast fuses into the op that made x), which saves a
   conversion per product. The loop is bound by instruction issue before memory on an H100 (its
   132 SMs issue 128 thread-instructions per cycle each; streaming 3 TB/s needs ~12 bytes of codes
@@ -141,14 +143,26 @@ def _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k, stride_codes, 
 
 
 @triton.jit
-def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride_codes, stride_grid, exponent,
-          BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr, LANES: tl.constexpr,
-          BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PER_ROW: tl.constexpr, TIES_FIRST: tl.constexpr):  # fmt: skip
+def _gemv_mins(acc_mins, mins_ptr, x_sums_ptr, rows, row_ok, k, stride_grid, GROUP: tl.constexpr,
+               GS: tl.constexpr, NG: tl.constexpr, TIES_FIRST: tl.constexpr):  # fmt: skip
+    """acc_mins [BLOCK_N, NG, 1] += min[n, g] * (sum of x over group g) for one sub-block from
+    column k, the sums of x given (x_sums: one per GS columns), both tiles in the scales' layout."""
+    mins = _gemv_scales(mins_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG, TIES_FIRST)
+    return acc_mins + mins * _gemv_scales(x_sums_ptr, rows, row_ok, k, 0, GS, GS, NG, TIES_FIRST)
+
+
+@triton.jit
+def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, x_sums_ptr, out_ptr, N, K, K_SPLIT, stride_codes, stride_grid,
+          exponent, BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr,
+          LANES: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PER_ROW: tl.constexpr,
+          TIES_FIRST: tl.constexpr, X_SUMS: tl.constexpr):  # fmt: skip
     """Program (i, j): rows i * BLOCK_N.., columns j * K_SPLIT.. up to K_SPLIT of them, its sum
-    stored to out[j] (one split: the output itself; several: fp32 partial sums)."""
+    stored to out[j] (one split: the output itself; several: fp32 partial sums). X_SUMS: the
+    minima's part in the loop, from x's sums per GS columns (x_sums_ptr, made by the caller)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     acc = tl.zeros([BLOCK_N, NG, LANES], dtype=tl.float32)
+    acc_mins = tl.zeros([BLOCK_N, NG, 1], dtype=tl.float32)
     sub: tl.constexpr = GS * NG
     block_k = sub * UNROLL
     begin = tl.program_id(1) * K_SPLIT
@@ -158,13 +172,22 @@ def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_SPLIT, stride
         for j in tl.static_range(UNROLL):
             acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k0 + j * sub, stride_codes, stride_grid,
                             exponent, BITS, GROUP, GS, NG, LANES, PER_ROW, TIES_FIRST)  # fmt: skip
+            if X_SUMS and not PER_ROW:
+                acc_mins = _gemv_mins(acc_mins, mins_ptr, x_sums_ptr, rows, row_ok, k0 + j * sub, stride_grid, GROUP,
+                                      GS, NG, TIES_FIRST)  # fmt: skip
     for k in range(whole, end, sub):
         acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k, stride_codes, stride_grid, exponent,
                         BITS, GROUP, GS, NG, LANES, PER_ROW, TIES_FIRST)  # fmt: skip
+        if X_SUMS and not PER_ROW:
+            acc_mins = _gemv_mins(acc_mins, mins_ptr, x_sums_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG,
+                                  TIES_FIRST)  # fmt: skip
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    # The minima's part, sum_g min[n, g] * sum_{k in g} x_k over this program's columns, after the
-    # loop: inside it, each product would add the minimum's share (an instruction per code).
-    if PER_ROW:
+    # Without X_SUMS, the minima's part, sum_g min[n, g] * sum_{k in g} x_k over this program's
+    # columns, comes after the loop: inside it, each product would add the minimum's share (an
+    # instruction per code).
+    if X_SUMS and not PER_ROW:
+        total += tl.sum(tl.sum(acc_mins, axis=2), axis=1)
+    elif PER_ROW:
         x_sum = tl.zeros([sub], dtype=tl.float32)
         for k in range(begin, end, sub):
             x_sum += tl.load(x_ptr + k + tl.arange(0, sub)).to(tl.float32)
@@ -327,7 +350,7 @@ def gemv_launch(k: int, bits: int, group_size: int, config: dict[str, int]) -> t
     splits, k_split = k_splits(k, gs * ng, config.pop("SPLIT_K", 1))
     lanes = 4 if bits == 4 else gs  # int4: a lane per word
     layout = dict(LANES=lanes, PER_ROW=group_size >= k, TIES_FIRST=TRITON_TIES_FIRST)
-    constants = dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, **layout, **config)
+    constants = dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, X_SUMS=config.pop("X_SUMS", 0), **layout, **config)
     return constants, splits, k_split
 
 
@@ -378,7 +401,9 @@ def qlinear(
         constants, splits, k_split = gemv_launch(k, bits, group_size, config or gemv_config(n, k, bits))
         out = _split_output(splits, m, n, x)
         grid = (triton.cdiv(n, constants["BLOCK_N"]), splits)
-        wrap_triton(_gemv)[grid](x.float(), codes, scales, mins, out, n, k, k_split, codes.stride(0),
+        x32 = x.float()
+        x_sums = x32.view(-1, constants["GS"]).sum(1) if constants["X_SUMS"] else x32  # (else unread)
+        wrap_triton(_gemv)[grid](x32, codes, scales, mins, x_sums, out, n, k, k_split, codes.stride(0),
                                  scales.stride(0), EXPONENT_OF_2_23, **constants)  # fmt: skip
     else:
         if not few_rows_take(k, bits):

@@ -130,6 +130,13 @@ def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel, k):
         for rows in (1, 5):  # 5: the few-row kernel, K split for int4
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             assert torch.equal(qlinear(x, *args), op(x))
+        # the one-row candidate with the minima's part from x's sums (X_SUMS), compiled for the GPU
+        from genfast.kernels.qlinear_triton import gemv_config
+
+        x = torch.randn(1, k, device="cuda", dtype=torch.float32)
+        got = qlinear(x, *args, {**gemv_config(392, k, bits), "X_SUMS": 1})
+        want = x.double() @ reference.t()
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
 
 
 def test_int4_runs_tinygemm_with_bf16_activations_and_triton_otherwise():

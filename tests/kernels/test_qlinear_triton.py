@@ -140,6 +140,22 @@ def test_one_row_split_over_k_matches_the_dequantized_weight(bits, group, split_
     assert relative_error(got, F.linear(x.double(), lin.dequantize(torch.float64))) < 1e-6
 
 
+@pytest.mark.parametrize("ties_first", [True, False])
+@pytest.mark.parametrize("k,split_k", [(512, 1), (384, 1), (2048, 1), (512, 3)])
+@pytest.mark.parametrize("bits,group", FORMATS)
+def test_one_row_minima_from_the_sums_of_x(bits, group, k, split_k, ties_first, monkeypatch):
+    """X_SUMS: the minima's part inside the loop, from x's sums per group (or 32-column block)
+    made before the launch, in both tile forms, unrolled, with remainders and K split; per-channel
+    weights keep theirs at the end."""
+    monkeypatch.setattr(qlinear_triton, "TRITON_TIES_FIRST", ties_first)
+    lin = layer(bits, group, k=k)
+    x = torch.randn(1, k)
+    want = F.linear(x.double(), lin.dequantize(torch.float64))
+    for config in (dict(BLOCK_N=8, UNROLL=2, SUB=128, num_warps=4), qlinear_triton.gemv_config(37, k, bits)):
+        got = run(lin, x, {**config, "SPLIT_K": split_k, "X_SUMS": 1})
+        assert relative_error(got, want) < 1e-6, config
+
+
 def test_k_is_split_into_whole_sub_blocks():
     from genfast.kernels.qlinear_triton import k_splits
 
@@ -207,6 +223,10 @@ for bits, group in ((8, None), (4, 32), (8, 32)):  # (8, 32): GGUF's Q8_0 as it 
     few_config = gemm_config(8, 4096, 4096, bits)
     counts[f"few {bits}"] = {"per_byte": few.instructions / triton_sass.bytes_per_pass(bits, few_config, 4096, group),
                              "stack": few.stack_bytes}
+config = {**gemv_config(4096, 4096, 4), "X_SUMS": 1}  # the candidate: the minima's part in the loop
+sums = triton_sass.count_kernel(triton_sass.compile_gemv(4, 32, config, 90))
+counts["x_sums"] = {"per_byte": sums.instructions / triton_sass.bytes_per_pass(4, config, 4096, 32),
+                   "stack": sums.stack_bytes}
 print(json.dumps(counts))
 """
 
@@ -238,6 +258,8 @@ def test_the_loops_compile_for_sm90_to_few_instructions_per_byte():
     out = subprocess.run([sys.executable, "-c", COUNT_LOOPS], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     counts = json.loads(out.stdout.splitlines()[-1])
+    x_sums = counts.pop("x_sums")
+    assert x_sums["per_byte"] < 10 and x_sums["stack"] == 0, x_sums  # X_SUMS builds: 7.9-8.1 per byte
     few_row = {shape: counts.pop(shape) for shape in list(counts) if shape.startswith("few")}
     assert few_row["few 8"]["per_byte"] < 10 and few_row["few 4"]["per_byte"] < 13, few_row
     assert few_row["few 8"]["stack"] == few_row["few 4"]["stack"] == 0
