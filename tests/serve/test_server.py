@@ -411,7 +411,9 @@ def test_a_client_sharing_a_system_prompt_with_a_running_one_reuses_its_blocks(s
     second = [system, {"role": "user", "content": words(7, 8, 9)}]
     stream = client.chat.completions.create(model="tiny", messages=first, max_tokens=600, temperature=0, stream=True)
     try:
-        next(iter(stream))  # the first client is decoding
+        # The first client is decoding once text comes; the role chunk before it comes before the
+        # prefill (under load the second request then prefilled before the first stored its prompt).
+        next(chunk for chunk in stream if chunk.choices and chunk.choices[0].delta.content)
         reply = client.chat.completions.create(model="tiny", messages=second, max_tokens=8, temperature=0)
         assert scrape(server)["genfast_requests_running"] == 1
     finally:
