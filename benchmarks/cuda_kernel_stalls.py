@@ -74,33 +74,22 @@ def _variant_marker(ptr):
 def profile_variants(shapes: list[str], rows_wanted: list[int], wanted: list[str] | None, labels_path: str) -> None:
     """Under ncu (--profile-from-start off): each variant compiled and warmed up with the profiler
     off, then one marked call with it on; the variants' labels, in order, to `labels_path`."""
-    from cuda_linear import SHAPES, compiled, variants
+    from cuda_linear import compiled_variants
 
     flag = torch.zeros(1, device="cuda", dtype=torch.int32)
     labels = []
     for shape in shapes:
-        table = variants(SHAPES[shape])
-        names = wanted or list(table)
-        if unknown := [name for name in names if name not in table]:
-            raise SystemExit(f"unknown variants {unknown}; the variants: {', '.join(table)}")
-        for name in names:
-            fn, _, many_rows = table[name]
-            torch._dynamo.reset()  # as in cuda_linear.py: the variants share the block's code
-            run = compiled(fn)
-            for rows in rows_wanted:
-                if rows > 1 and not many_rows:
-                    continue
-                xs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _, k in SHAPES[shape]]
-                for _ in range(3):  # compiles, then Triton's and cuBLAS's first-call work
-                    run(xs)
-                _variant_marker[(1,)](flag)
-                torch.cuda.synchronize()
-                torch.cuda.profiler.start()
-                _variant_marker[(1,)](flag)
+        for name, _, rows, run, xs in compiled_variants(shape, wanted, rows_wanted):
+            for _ in range(3):  # compiles, then Triton's and cuBLAS's first-call work
                 run(xs)
-                torch.cuda.synchronize()
-                torch.cuda.profiler.stop()
-                labels.append([shape, name, rows])
+            _variant_marker[(1,)](flag)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            _variant_marker[(1,)](flag)
+            run(xs)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            labels.append([shape, name, rows])
     with open(labels_path, "w") as f:
         json.dump(labels, f)
 

@@ -24,6 +24,7 @@ counts the weight bytes only (codes and scales).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +133,23 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
             False,
         )
     return out
+
+
+def compiled_variants(shape: str, wanted: list[str] | None, rows_wanted: list[int]) -> Iterator:
+    """The variants of one `shape` block that `wanted` names (None: all), each compiled afresh (they
+    share the block's code), with inputs for each of `rows_wanted` it takes: (name, weight bytes,
+    rows, compiled block, inputs)."""
+    table = variants(SHAPES[shape])
+    if unknown := [name for name in wanted or () if name not in table]:
+        raise SystemExit(f"unknown variants {unknown}; the variants: {', '.join(table)}")
+    for name, (fn, nbytes, many_rows) in table.items():
+        if wanted and name not in wanted:
+            continue
+        torch._dynamo.reset()
+        run = compiled(fn)
+        for rows in (r for r in rows_wanted if r == 1 or many_rows):
+            xs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _, k in SHAPES[shape]]
+            yield name, nbytes, rows, run, xs
 
 
 def x_sums_gemv(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
@@ -311,26 +329,15 @@ def main() -> None:
             print()
     print("| shapes | variant | rows | ms per block (CUDA graph) | weight GB/s |")
     print("|---|---|---|---|---|")
+    wanted = args.variants.split(",") if args.variants else None
     for shape in args.shapes.split(","):
-        table = variants(SHAPES[shape])
-        wanted = args.variants.split(",") if args.variants else list(table)
-        if unknown := [name for name in wanted if name not in table]:
-            raise SystemExit(f"unknown variants {unknown}; the variants: {', '.join(table)}")
-        for name, (fn, nbytes, many_rows) in table.items():
-            if name not in wanted:
+        for name, nbytes, rows, run, xs in compiled_variants(shape, wanted, [int(r) for r in args.rows.split(",")]):
+            try:  # in a CUDA graph, as decode runs: the GPU's time, not the host's launches
+                ms = graph_ms(run, xs)
+            except Exception as e:  # a variant torch cannot run here: say so in the table
+                print(f"| {shape} | {name} | {rows} | failed: {type(e).__name__}: {str(e)[:80]} | |")
                 continue
-            torch._dynamo.reset()  # each variant compiles afresh (they share the block's code)
-            run = compiled(fn)
-            for rows in (int(r) for r in args.rows.split(",")):
-                if rows > 1 and not many_rows:
-                    continue
-                xs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _, k in SHAPES[shape]]
-                try:  # in a CUDA graph, as decode runs: the GPU's time, not the host's launches
-                    ms = graph_ms(run, xs)
-                except Exception as e:  # a variant torch cannot run here: say so in the table
-                    print(f"| {shape} | {name} | {rows} | failed: {type(e).__name__}: {str(e)[:80]} | |")
-                    continue
-                print(f"| {shape} | {name} | {rows} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |")
+            print(f"| {shape} | {name} | {rows} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |")
 
 
 if __name__ == "__main__":
