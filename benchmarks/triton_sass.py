@@ -158,14 +158,15 @@ def bytes_per_pass(bits: int, config: dict, k: int = K, group: int | None = None
 SMS, SM_REGISTERS, SM_SHARED, SM_WARPS, SM_PROGRAMS = 132, 65536, 228 * 1024, 64, 32
 
 
-def warps_per_sm(compiled, num_warps: int, programs: int) -> tuple[int, float]:
-    """The programs of `compiled` that fit on one SM (registers, allocated 8 per thread at a time;
-    shared memory, with the 1 KB a program reserves), and the warps an SM then holds on average when
-    `programs` are launched over an H100's 132 SMs. Fewer than ~4 per scheduler (16 per SM) leave
-    memory and instruction latencies exposed: each scheduler issues only from the warps it holds."""
-    registers = -(-count_kernel(compiled).registers // 8) * 8
+def warps_per_sm(registers: int, shared: int, num_warps: int, programs: int) -> tuple[int, float]:
+    """The programs of a kernel with `registers` per thread and `shared` bytes of shared memory
+    that fit on one SM (registers allocated 8 per thread at a time; shared memory with the 1 KB a
+    program reserves), and the warps an SM then holds on average when `programs` are launched over
+    an H100's 132 SMs. Fewer than ~4 per scheduler (16 per SM) leave memory and instruction
+    latencies exposed: each scheduler issues only from the warps it holds."""
+    registers = -(-registers // 8) * 8
     fit = min(SM_PROGRAMS, SM_WARPS // num_warps, SM_REGISTERS // (registers * 32 * num_warps),
-              SM_SHARED // (compiled.metadata.shared + 1024))  # fmt: skip
+              SM_SHARED // (shared + 1024))  # fmt: skip
     return fit, min(fit, programs / SMS) * num_warps
 
 
@@ -215,8 +216,8 @@ def main() -> None:
             else:
                 compiled = compile_gemv(bits, group, config, args.arch, args.k)
                 programs = config.get("SPLIT_K", 1) * triton.cdiv(4096, config["BLOCK_N"])
-            fit, warps = warps_per_sm(compiled, config["num_warps"], programs)
             count = count_kernel(compiled)
+            fit, warps = warps_per_sm(count.registers, compiled.metadata.shared, config["num_warps"], programs)
             codes = bytes_per_pass(bits, config, args.k, group)
             per_byte, loaded = count.instructions / codes, load_bytes(count.by_opcode) / codes
             top = ", ".join(f"{op} {n}" for op, n in count.by_opcode.most_common(6))
