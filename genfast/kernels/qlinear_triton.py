@@ -158,7 +158,8 @@ def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, x_sums_ptr, out_ptr, N, K, K_S
           TIES_FIRST: tl.constexpr, X_SUMS: tl.constexpr):  # fmt: skip
     """Program (i, j): rows i * BLOCK_N.., columns j * K_SPLIT.. up to K_SPLIT of them, its sum
     stored to out[j] (one split: the output itself; several: fp32 partial sums). X_SUMS: the
-    minima's part in the loop, from x's sums per GS columns (x_sums_ptr, made by the caller)."""
+    minima's part in the loop, from x's sums per GS columns (x_sums_ptr, made by the caller;
+    never with PER_ROW)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     acc = tl.zeros([BLOCK_N, NG, LANES], dtype=tl.float32)
@@ -172,20 +173,20 @@ def _gemv(x_ptr, codes_ptr, scales_ptr, mins_ptr, x_sums_ptr, out_ptr, N, K, K_S
         for j in tl.static_range(UNROLL):
             acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k0 + j * sub, stride_codes, stride_grid,
                             exponent, BITS, GROUP, GS, NG, LANES, PER_ROW, TIES_FIRST)  # fmt: skip
-            if X_SUMS and not PER_ROW:
+            if X_SUMS:
                 acc_mins = _gemv_mins(acc_mins, mins_ptr, x_sums_ptr, rows, row_ok, k0 + j * sub, stride_grid, GROUP,
                                       GS, NG, TIES_FIRST)  # fmt: skip
     for k in range(whole, end, sub):
         acc = _gemv_sub(acc, x_ptr, codes_ptr, scales_ptr, rows, row_ok, k, stride_codes, stride_grid, exponent,
                         BITS, GROUP, GS, NG, LANES, PER_ROW, TIES_FIRST)  # fmt: skip
-        if X_SUMS and not PER_ROW:
+        if X_SUMS:
             acc_mins = _gemv_mins(acc_mins, mins_ptr, x_sums_ptr, rows, row_ok, k, stride_grid, GROUP, GS, NG,
                                   TIES_FIRST)  # fmt: skip
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
     # Without X_SUMS, the minima's part, sum_g min[n, g] * sum_{k in g} x_k over this program's
     # columns, comes after the loop: inside it, each product would add the minimum's share (an
     # instruction per code).
-    if X_SUMS and not PER_ROW:
+    if X_SUMS:
         total += tl.sum(tl.sum(acc_mins, axis=2), axis=1)
     elif PER_ROW:
         x_sum = tl.zeros([sub], dtype=tl.float32)
@@ -349,8 +350,10 @@ def gemv_launch(k: int, bits: int, group_size: int, config: dict[str, int]) -> t
     gs, ng = sub_block(k, group_size, config.pop("SUB"), bits)
     splits, k_split = k_splits(k, gs * ng, config.pop("SPLIT_K", 1))
     lanes = 4 if bits == 4 else gs  # int4: a lane per word
-    layout = dict(LANES=lanes, PER_ROW=group_size >= k, TIES_FIRST=TRITON_TIES_FIRST)
-    constants = dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, X_SUMS=config.pop("X_SUMS", 0), **layout, **config)
+    per_row = group_size >= k
+    layout = dict(LANES=lanes, PER_ROW=per_row, TIES_FIRST=TRITON_TIES_FIRST)
+    x_sums = int(bool(config.pop("X_SUMS", 0)) and not per_row)  # one minimum per row: added at the end anyway
+    constants = dict(BITS=bits, GROUP=group_size, GS=gs, NG=ng, X_SUMS=x_sums, **layout, **config)
     return constants, splits, k_split
 
 
