@@ -3,7 +3,7 @@
 fastest, per weight format and batch size.
 
     python benchmarks/cuda_linear.py [--rows 1,8] [--shapes llama-2-7b,llama-3.1-8b] [--sweep]
-                                     [--variants "bf16 F.linear,int4 g32 triton"]
+                                     [--sweep-rows 1] [--variants "bf16 F.linear,int4 g32 triton"]
 
 Variants per format, each compiled with the decode step's inductor options:
 - bf16: F.linear (cuBLAS) and row_linear (inductor's fused multiply-sum);
@@ -11,7 +11,9 @@ Variants per format, each compiled with the decode step's inductor options:
   codes (gpt-fast's form), `_weight_int8pack_mm`, and F.linear over the codes upcast in the graph;
 - int4 in groups of 32 and 128: genfast's Triton kernel (and, for one row, the same with the
   minima's part from x's sums: "x-sums"), tinygemm (`_weight_int4pack_mm`) with 2, 4 and 8 inner
-  k-tiles, and row_linear over codes dequantized in the graph ("dequantize").
+  k-tiles, tinygemm's layout dequantized in the graph into cuBLAS (QuantLinear's path for more
+  than `tinygemm.MAX_ROWS` rows: `--rows 8,16,32,64,128` finds where it overtakes tinygemm), and
+  row_linear over codes dequantized in the graph ("dequantize").
 `--sweep` first times the Triton kernels' block sizes (in the Triton formats that `--variants`
 names, or all three), with K split into slices among them: for one row per linear shape, for more
 rows on the same blocks, the tables genfast/kernels/qlinear_triton.py's defaults come from. A
@@ -31,8 +33,9 @@ import torch.nn.functional as F
 
 from genfast.compile import inductor_options
 from genfast.nn import row_linear
+from genfast.quant import tinygemm
 from genfast.quant.grids import QuantizedWeight, pack_nibbles, quantize, unpack_nibbles
-from genfast.quant.linear import QuantLinear, int4pack, int4pack_scales_and_zeros
+from genfast.quant.linear import QuantLinear
 
 SHAPES = {  # (out, in) of one block's linears
     "llama-2-7b": [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)],
@@ -111,7 +114,7 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
             False,
         )
         for tiles in (2, 4, 8):
-            packed = [(int4pack(q.codes, tiles), int4pack_scales_and_zeros(q)) for q in qweights]
+            packed = [(tinygemm.pack(q.codes, tiles), tinygemm.scales_and_zeros(q.scales, q.mins)) for q in qweights]
             nbytes = sum(p.numel() * p.element_size() + sz.numel() * 2 for p, sz in packed)
             out[f"int4 g{group} tinygemm k-tiles {tiles}"] = (
                 block(lambda i, x, packed=packed, g=group: torch.ops.aten._weight_int4pack_mm(x, *packed[i][:1], g,
@@ -119,6 +122,14 @@ def variants(shapes: list[tuple[int, int]]) -> dict[str, tuple[callable, int, bo
                 nbytes,
                 True,
             )  # fmt: skip
+        # tinygemm's layout dequantized in the graph, then cuBLAS: what QuantLinear runs for more
+        # than tinygemm.MAX_ROWS rows (prefill), against tinygemm itself at those rows
+        int4pack_layers = [QuantLinear(q, kernel="int4pack") for q in qweights]
+        out[f"int4 g{group} tinygemm dequantize+F.linear"] = (
+            block(lambda i, x, layers=int4pack_layers: F.linear(x, layers[i].dequantize(x.dtype))),
+            stored_bytes(qweights),
+            True,
+        )
         stored = [(pack_nibbles(q.codes), q.scales, q.mins) for q in qweights]
         nbytes = stored_bytes(qweights)
 
@@ -295,6 +306,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="first time the Triton kernels' block sizes")
+    parser.add_argument("--sweep-rows", help="the row counts the sweep times (default: --rows)")
     parser.add_argument("--variants", help="comma-separated variant names to time (default: all)")
     parser.add_argument(
         "--one-row-blocks",
@@ -315,7 +327,7 @@ def main() -> None:
             for name, bits, group in TRITON_FORMATS
             if not args.variants or name in args.variants.split(",")
         ]
-        rows_wanted = [int(r) for r in args.rows.split(",")]
+        rows_wanted = [int(r) for r in (args.sweep_rows or args.rows).split(",")]
         if 1 in rows_wanted:
             linears = dict.fromkeys(nk for shape in args.shapes.split(",") for nk in SHAPES[shape])
             sweep_one_row(list(linears), formats, blocks)

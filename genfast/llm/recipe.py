@@ -35,8 +35,9 @@ class LlmSettings:
 # in the whole model's ladder ("CUDA (NVIDIA H100), 2026-11-28").
 CUDA_STEP_MEASURED = "in a Llama-2-7B-shaped decode step (4 blocks) on an H100; whole-model decode not measured yet"
 CUDA_INT4_MEASURED = (
-    "1.68x compiled bf16 decode on the whole Llama-2-7B shape on an H100 (287.7 against 171.6 tok/s), "
-    "but its 128-token prefill took 7x bf16's (TTFT 60 against 8 ms)"
+    "1.68x compiled bf16 decode on the whole Llama-2-7B shape on an H100 (287.7 against 171.6 tok/s); "
+    "prefill dequantizes into cuBLAS (through tinygemm a 128-token prefill took 7x bf16's, TTFT 60 against "
+    "8 ms; the dequantized prefill is not measured yet)"
 )
 
 
@@ -51,7 +52,7 @@ def _cuda_quantized_note(bits: int, target: Target) -> str:
     dtype = resolve_dtype(target.dtype, target.device)
     kernel = cuda_weight_only_kernel(bits, per_channel=bits == 8, dtype=dtype, int4pack_ok=bits == 4)
     if kernel == "int4pack" and dtype == torch.bfloat16:  # (other activations dequantize: QuantLinear.forward)
-        return f"int4 runs tinygemm (torch's _weight_int4pack_mm): {CUDA_INT4_MEASURED}"
+        return f"int4 decode runs tinygemm (torch's _weight_int4pack_mm): {CUDA_INT4_MEASURED}"
     if kernel == "triton":
         if bits == 8:
             return f"int8 runs a Triton GEMV: 1.26x compiled bf16 {CUDA_STEP_MEASURED}"

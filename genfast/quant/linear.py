@@ -12,12 +12,15 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
   torch's tinygemm kernel (`_weight_int4pack_mm`), which wants w = (u - 8) * scale + zero per group.
   In a compiled Llama-2-7B-shape decode step on an H100 it beat genfast's Triton GEMV both times
   the two ran side by side (0.712 against 0.775 ms per token, then 0.511 against 0.964 after the
-  word layout; docs/performance.md), so it is CUDA's int4 kernel wherever it applies.
+  word layout; docs/performance.md), so it is CUDA's int4 kernel wherever it applies, for up to
+  `tinygemm.MAX_ROWS` rows; more (prefill) dequantize its layout (genfast/quant/tinygemm.py) and
+  use cuBLAS.
 - "triton", CUDA where Triton is installed (it ships with torch's CUDA wheels), weight-only int8
   and the int4 that tinygemm does not take (fp32 or fp16 activations, other group sizes):
   genfast/kernels/qlinear_triton.py reads the codes directly (int4 in a word layout of its own),
   one pass over the weight for up to 64 rows (int4 with more than one row: K in whole 128
   columns); longer inputs, and narrower int4, dequantize and use cuBLAS.
+  Compiled prefill, whose length is dynamic, always takes the dequantize path (`rows_at_most`).
 - "int8pack", CUDA without Triton, weight-only int8 with one scale per output channel: the codes
   as int8; one row (decode) under torch.compile is a fused multiply-sum that reads the int8 codes
   once (`row_linear`), more rows a matmul over the upcast codes. (torch 2.11's CUDA
@@ -38,11 +41,12 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from genfast import hardware
 from genfast.kernels import QLINEAR
 from genfast.nn import DtypeAttribute, ExpertLinear, grouped_by_expert, row_linear
-from genfast.quant import packing
+from genfast.quant import packing, tinygemm
 from genfast.quant.grids import QuantizedWeight, pack_nibbles, unpack_nibbles
 
 
@@ -70,11 +74,6 @@ def _unpack(packed: Tensor, bits: int, rows: int, n: int, k: int, group_size: in
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_GEMM_ROWS = 64
 
-# tinygemm's layout: K in tiles of 16 x inner_k_tiles, N in tiles of 8 (aten's checks).
-INT4PACK_INNER_K_TILES = 8
-INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
-
-
 KERNELS = ("native", "triton", "int4pack", "int8pack", "dequantize")  # see the module docstring
 
 
@@ -84,14 +83,15 @@ def triton_available() -> bool:
 
 
 def int4pack_fits(qweight: QuantizedWeight) -> bool:
-    """Whether tinygemm takes this weight: int4, its group sizes and tiles, an Ampere or later GPU."""
+    """Whether tinygemm takes this weight: int4, its group sizes and tiles, an Ampere or later GPU
+    whose torch packs it as genfast reads it."""
     n, k = qweight.codes.shape
+    device = qweight.codes.device
     return (
         qweight.bits == 4
-        and qweight.group_size in INT4PACK_GROUP_SIZES
-        and k % (16 * INT4PACK_INNER_K_TILES) == 0
-        and n % 8 == 0
-        and torch.cuda.get_device_capability(qweight.codes.device) >= (8, 0)
+        and tinygemm.fits(n, k, qweight.group_size)
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+        and tinygemm.layout_matches(device)
     )
 
 
@@ -120,34 +120,13 @@ def cuda_weight_only_kernel(bits: int, per_channel: bool, dtype: torch.dtype | N
     return "int4pack" if int4pack_ok else "dequantize"
 
 
-def int4pack(codes: Tensor, inner_k_tiles: int = INT4PACK_INNER_K_TILES) -> Tensor:
-    """Codes [N, K] in [0, 15] in tinygemm's layout (`_convert_weight_to_int4pack` takes them two
-    per byte, even column in the high nibble)."""
-    pairs = (codes[:, 0::2] << 4) | codes[:, 1::2]
-    return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
-
-
-def int4pack_scales_and_zeros(qweight: QuantizedWeight) -> Tensor:
-    """tinygemm's grid [groups, N, 2] bf16: w = (u - 8) * scale + zero, so zero = min + 8 * scale."""
-    scales, mins = qweight.scales.float(), qweight.mins.float()
-    return torch.stack([scales, mins + 8 * scales], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
-
-
-def int4unpack(packed: Tensor, scales_and_zeros: Tensor, k: int, group_size: int) -> Tensor:
-    """The codes [N, K] behind a tinygemm weight, read back through the kernel itself (aten has no
-    unpacking op): a product with identity rows gives (u - 8) * scale + zero, from which the code
-    is exact after rounding (bf16 output keeps the error under a tenth of a step for codes 0..15)."""
-    n = scales_and_zeros.shape[1]
-    step, zeros = (scales_and_zeros[..., i].float().t() for i in (0, 1))  # [N, groups]
-    codes = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
-    for start in range(0, k, 1024):
-        rows = min(1024, k - start)
-        eye = torch.zeros(rows, k, dtype=torch.bfloat16, device=packed.device)
-        eye[torch.arange(rows), torch.arange(start, start + rows)] = 1
-        w = torch.ops.aten._weight_int4pack_mm(eye, packed, group_size, scales_and_zeros).float().t()  # [N, rows]
-        g = torch.arange(start, start + rows, device=packed.device) // group_size
-        codes[:, start : start + rows] = torch.round((w - zeros[:, g]) / step[:, g] + 8).clamp(0, 15).to(torch.uint8)
-    return codes
+def rows_at_most(x: Tensor, most: int) -> bool:
+    """Whether x has at most `most` rows (its size but the last dimension), known without a guard:
+    inside a compiled prefill the prompt's length is a dynamic dimension, and a kernel picked by
+    comparing it would guard on it, so that the prefill compiled again at each bound a prompt
+    crosses (the Triton kernels' 16, 32 and 64 rows). A dynamic length takes the path for any
+    length instead (dequantize, cuBLAS), and one prefill graph serves every prompt."""
+    return statically_known_true(x.numel() // x.shape[-1] <= most)
 
 
 class QuantLinear(nn.Module):
@@ -182,8 +161,8 @@ class QuantLinear(nn.Module):
             self.padded_out_features = _kernel_rows(self.out_features)
             self.register_buffer("packed", _pack(qweight, self.padded_out_features))
         elif self.kernel == "int4pack":
-            self.register_buffer("packed", int4pack(qweight.codes))
-            self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(qweight))
+            self.register_buffer("packed", tinygemm.pack(qweight.codes))
+            self.register_buffer("scales_and_zeros", tinygemm.scales_and_zeros(qweight.scales, qweight.mins))
         elif self.kernel == "int8pack":
             self.register_buffer("weight_int8", (qweight.codes ^ 0x80).view(torch.int8).contiguous())  # u - 128
         elif self.kernel == "triton":
@@ -213,7 +192,7 @@ class QuantLinear(nn.Module):
         if self.native:
             codes, scales, mins = _unpack(self.packed, self.bits, self.padded_out_features, n, k, self.group_size)
         elif self.kernel == "int4pack":
-            codes = int4unpack(self.packed, self.scales_and_zeros, k, self.group_size)
+            codes = tinygemm.unpack(self.packed)
             scales, mins = self.scales, self.mins
         elif self.kernel == "int8pack":
             codes, scales, mins = self.weight_int8.view(torch.uint8) ^ 0x80, self.scales, self.mins
@@ -260,26 +239,27 @@ class QuantLinear(nn.Module):
             return self._outputs(out, x)
         if self.dynamic:
             return self._dynamic_int8_fallback(x)
-        # (other dtypes than bf16 take the dequantize path below: correct, slow, rare on CUDA)
-        if self.kernel == "int4pack" and x.dtype == torch.bfloat16:
-            rows = self._rows(x)
-            out = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group_size, self.scales_and_zeros)
+        # (other dtypes than bf16, many rows and CPU tensors take the dequantize path below)
+        if self.kernel == "int4pack" and x.dtype == torch.bfloat16 and x.is_cuda and rows_at_most(x, tinygemm.MAX_ROWS):
+            out = torch.ops.aten._weight_int4pack_mm(self._rows(x), self.packed, self.group_size, self.scales_and_zeros)
             return self._outputs(out, x)
         if self.kernel == "int8pack":
             return self._int8pack_forward(x)
-        if self.kernel == "triton" and x.dtype in TRITON_DTYPES and self._triton_takes(x.numel() // x.shape[-1]):
+        if self.kernel == "triton" and x.dtype in TRITON_DTYPES and self._triton_takes(x):
             return self._triton_forward(x)
         weight = self.dequantize(x.dtype)
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
             return row_linear(x, weight, self.bias)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
-    def _triton_takes(self, rows: int) -> bool:
-        """Whether the Triton kernels take `rows` rows (more, or a K the few-row kernel does not
-        take: dequantize and cuBLAS)."""
+    def _triton_takes(self, x: Tensor) -> bool:
+        """Whether the Triton kernels take x's rows (`rows_at_most`; more, or a K the few-row
+        kernel does not take: dequantize and cuBLAS)."""
         from genfast.kernels import qlinear_triton
 
-        return rows == 1 or (rows <= MAX_GEMM_ROWS and qlinear_triton.few_rows_take(self.padded_in_features, self.bits))
+        if not rows_at_most(x, MAX_GEMM_ROWS):
+            return False
+        return x.numel() == x.shape[-1] or qlinear_triton.few_rows_take(self.padded_in_features, self.bits)
 
     def _triton_forward(self, x: Tensor) -> Tensor:
         from genfast.kernels import qlinear_triton  # registers the op; imports triton
