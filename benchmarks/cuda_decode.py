@@ -1,6 +1,6 @@
 """Where a compiled CUDA decode step spends its time, per weight format and linear kernel.
 
-    python benchmarks/cuda_decode.py [--shape llama-2-7b] [--layers 4] [--tokens 128] [--top 4]
+    python benchmarks/cuda_decode.py [--shape llama-2-7b] [--layers 4] [--tokens 128] [--top 4] [--pdl]
 
 The model is `random:SHAPE` cut to its first `--layers` blocks (a block's cost is what differs
 between formats; fewer blocks compile faster). Each variant is compiled as `genfast generate`
@@ -82,22 +82,35 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--top", type=int, default=4, help="kernels listed per variant, by GPU time")
+    parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="time each variant again compiled with inductor's Programmatic Dependent Launch (Hopper and "
+        "later: a kernel starts while the one before it drains), as 'VARIANT, PDL'",
+    )
     args = parser.parse_args()
+    if args.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        print(f"torch {torch.__version__}'s inductor has no triton.enable_pdl: no PDL rows\n")
+        args.pdl = False
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; random:{args.shape}, {args.layers} blocks\n")
     rows, tops = [], []
     prompt = list(range(10, 42))
-    for name in args.variants.split(","):
-        quant, group_size, kernels = VARIANTS[name]
+    runs = [(variant, pdl) for variant in args.variants.split(",") for pdl in ((False, True) if args.pdl else (False,))]
+    for variant, pdl in runs:
+        quant, group_size, kernels = VARIANTS[variant]
         torch._dynamo.reset()
         counters.clear()
         loaded = build(args.shape, args.layers, quant, group_size, kernels)
         generator = make_generator(loaded, len(prompt) + args.tokens + 8, 1, True)
+        name = f"{variant}, PDL" if pdl else variant
 
         def generate(generator=generator):
             return generator.generate([prompt], args.tokens, stop_at_eos=False)
 
-        for _ in range(2):  # compile, then record the CUDA graphs
-            generate()
+        # (the steps compile at their first call; a benchmark's A/B, not how genfast compiles)
+        with torch._inductor.config.patch({"triton.enable_pdl": True} if pdl else {}):
+            for _ in range(2):  # compile, then record the CUDA graphs
+                generate()
         rates = [generate().decode_tok_s for _ in range(3)]
         ms = 1000 / median(rates)
         busy, kernels, replays, launches, gpu_kernels = profile_step(generate, args.tokens)
