@@ -214,12 +214,15 @@ ABOVE_L2_BYTES = 512 * 2**20  # each timed call reads another copy of the weight
 
 
 def sweep_one_row(
-    shapes: list[tuple[int, int]], formats: list[tuple[int, int | None]], blocks: list[tuple[int, ...]] | None = None
+    shapes: list[tuple[int, int]],
+    formats: list[tuple[int, int | None]],
+    blocks: list[tuple[int, ...]] | None = None,
+    splits: tuple[int, ...] = ONE_ROW_SPLITS,
 ) -> None:
-    """The one-row kernel's block sizes (SPLIT_K among them) per linear shape and format, each
-    call of a CUDA graph reading another copy of the weight (one matrix fits an H200's 60 MB L2):
-    the best three, the best that does not split K and the default (gemv_config's); every one of
-    `blocks` where given (default ONE_ROW_BLOCKS)."""
+    """The one-row kernel's block sizes (SPLIT_K among them: each of `splits`) per linear shape
+    and format, each call of a CUDA graph reading another copy of the weight (one matrix fits an
+    H200's 60 MB L2): the best three, the best that does not split K and the default
+    (gemv_config's); every one of `blocks` where given (default ONE_ROW_BLOCKS)."""
     from itertools import product
 
     from genfast.kernels.qlinear_triton import gemv_config, qlinear, store_codes
@@ -244,7 +247,7 @@ def sweep_one_row(
             configs = [
                 dict(BLOCK_N=block[0], UNROLL=block[1], SUB=block[2], num_warps=block[3], SPLIT_K=split)
                 | ({"X_SUMS": block[4]} if len(block) > 4 else {})
-                for block, split in product(blocks or ONE_ROW_BLOCKS, ONE_ROW_SPLITS)
+                for block, split in product(blocks or ONE_ROW_BLOCKS, splits)
             ]
             timed = []
             for config in [default, *(c for c in configs if c != default)]:
@@ -310,8 +313,14 @@ def main() -> None:
     parser.add_argument("--variants", help="comma-separated variant names to time (default: all)")
     parser.add_argument(
         "--one-row-blocks",
-        help='the one-row sweep\'s block sizes, "BLOCK_N,UNROLL,SUB,num_warps[,X_SUMS];...", each with K split 1, 2 '
-        "and 4 ways, every one printed (default: ONE_ROW_BLOCKS, the best printed)",
+        help='the one-row sweep\'s block sizes, "BLOCK_N,UNROLL,SUB,num_warps[,X_SUMS];...", each with K split as '
+        "--one-row-splits says, every one printed (default: ONE_ROW_BLOCKS, the best printed)",
+    )
+    parser.add_argument(
+        "--one-row-splits",
+        default=",".join(map(str, ONE_ROW_SPLITS)),
+        help="the slices K is cut into for each of the one-row sweep's block sizes (a slice is whole "
+        "sub-blocks, so a 1024-column SUB cuts K=4096 at most 4 ways)",
     )
     args = parser.parse_args()
     blocks = (
@@ -330,7 +339,7 @@ def main() -> None:
         rows_wanted = [int(r) for r in (args.sweep_rows or args.rows).split(",")]
         if 1 in rows_wanted:
             linears = dict.fromkeys(nk for shape in args.shapes.split(",") for nk in SHAPES[shape])
-            sweep_one_row(list(linears), formats, blocks)
+            sweep_one_row(list(linears), formats, blocks, tuple(int(v) for v in args.one_row_splits.split(",")))
             print()
         if any(rows > 1 for rows in rows_wanted):
             print("| shapes | format | rows | Triton block sizes | ms per block (CUDA graph) | weight GB/s |")
