@@ -26,7 +26,8 @@
 #   WHEELS   a folder of wheels to install offline (no index, no dependencies) into WORKDIR/site
 #            instead of `pip install -e .[test]`: for machines with torch but no network
 #            (scripts/gpu_wheels.sh downloads the ones such a machine lacks).
-#   LLM_STEPS, NEW_TOKENS, REPEATS: the LLM ladder's rows (default bf16,compile,int8,int4,spec-int4), 256, 3.
+#   LLM_STEPS, NEW_TOKENS, REPEATS: the LLM ladder's rows (default bf16,compile,int8,int4,spec-int4), 256, 3;
+#            LLM_ARGS more `genfast bench llm` flags (split at spaces), e.g. LLM_ARGS="--int4-group-size 128".
 #   DECODE_VARIANTS  the decode stage's weight formats and kernels, comma-separated (default: all of
 #            benchmarks/cuda_decode.py's), e.g. DECODE_VARIANTS="bf16,int8 triton,int4 g32 torch";
 #            DECODE_ARGS its other flags (split at spaces), e.g. DECODE_ARGS="--layers 32 --top 12" for the
@@ -133,9 +134,11 @@ stage() {
     } >> "$out"
 }
 
+read -ra llm_args <<< "${LLM_ARGS:-}"
 llm_ladder() {  # sets `ladder`: random weights at the shape, drawn on the GPU (genfast/llm/random_model.py)
     ladder=("${genfast[@]}" bench llm --model "random:$1" --device cuda --steps "$2" --prompt-tokens 128
-        --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --json "$work/llm-$1.json" --force "${@:3}")
+        --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --json "$work/llm-$1.json" --force "${@:3}"
+        "${llm_args[@]}")
 }
 
 read -ra pytest_args <<< "${PYTEST_ARGS:-}"

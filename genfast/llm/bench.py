@@ -107,6 +107,7 @@ class LlmLadder(Ladder):
             "prompt": args.prompt,
             "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens,
+            "int4_group_size": args.int4_group_size,
             "speculate_k": args.speculate_k,
             "spec_target": self.recipe.step(args.spec_target).name,  # checked: a step of the recipe
             "tp": args.tp or 1,
@@ -122,10 +123,11 @@ class LlmLadder(Ladder):
 
     def header(self, options: Options, machine: str) -> str:
         ranks = f", tensor parallel over {options['tp']} ranks (per-rank bytes and MBU)" if options["tp"] > 1 else ""
+        groups = f"; int4 rows in groups of {options['int4_group_size']}" if options.get("int4_group_size") else ""
         return (
             f"genfast bench llm: {options['model']} on {machine}{ranks}\nprompt: {options['prompt']}, "
             f"{options['prompt_tokens']} tokens; {options['new_tokens']} new tokens (greedy), median of "
-            f"{options['repeats']}"
+            f"{options['repeats']}{groups}"
         )
 
     def model(self, options: Options) -> str:
@@ -178,8 +180,11 @@ class LlmLadder(Ladder):
         tp = options["tp"]
         if tp > 1:
             join(tp)
+        group_size = options.get("int4_group_size") if settings.quant == "int4" else None
         loaded = apply_recipe(
-            load(options["model"], options["device"], settings.dtype, options["threads"], settings.quant, tp=tp),
+            load(
+                options["model"], options["device"], settings.dtype, options["threads"], settings.quant, group_size, tp
+            ),
             settings,
         )
         prompt = benchmark_prompt(loaded.tokenizer, options["prompt_tokens"], options["prompt"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from genfast.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int, seed
 from genfast.llm.recipe import DEFAULT_STEP, RECIPE
-from genfast.quant import QUANT_MODES, QUANTIZE_MODES
+from genfast.quant import INT4_GROUP_SIZES, QUANT_MODES, QUANTIZE_MODES
 
 DTYPE_HELP = """the recipe's bf16 step: auto (bfloat16 on CUDA and CPUs with native bf16; elsewhere float32 arithmetic
 on bf16-stored linear weights: see `genfast info`), bfloat16, float32 (no bf16 step) or float16 (CUDA only)"""
@@ -213,6 +213,14 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--prompt-tokens", type=positive_int, default=128)
     g.add_argument("--new-tokens", type=positive_int, default=128)
+    g.add_argument(
+        "--int4-group-size",
+        type=int,
+        choices=INT4_GROUP_SIZES,
+        default=None,
+        help="input columns per scale in the int4 rows (default 32): larger groups read fewer scale bytes "
+        "per token for some accuracy",
+    )
     g.add_argument(
         "--speculate-k",
         type=positive_int,
