@@ -52,6 +52,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
+from genfast.quant.grids import nibbles_from_words, words_from_nibbles
+
 
 @triton.jit
 def _as_float(u):
@@ -276,14 +278,10 @@ def store_codes(codes: Tensor, bits: int) -> Tensor:
         return codes.contiguous()
     n, k = codes.shape
     words = torch.empty(n, k // 8, dtype=torch.int32, device=codes.device)
-    shifts = 4 * torch.arange(8, device=codes.device, dtype=torch.int64).view(1, 1, 8, 1)
     rows = max(1, (1 << 22) // k)
     for start in range(0, n, rows):
-        chunk = codes[start : start + rows]
-        nibbles = chunk.reshape(-1, k // 32, 8, 4).to(torch.int64) << shifts  # [row, block, j, word]
-        packed = nibbles.sum(dim=2)  # the nibbles' bits do not overlap: the sum is their OR
-        packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # as int32's two's complement
-        words[start : start + rows] = packed.reshape(-1, k // 8)
+        nibbles = codes[start : start + rows].reshape(-1, k // 32, 8, 4).transpose(2, 3)  # [row, block, word, j]
+        words[start : start + rows] = words_from_nibbles(nibbles).reshape(-1, k // 8)
     return words
 
 
@@ -292,10 +290,7 @@ def load_codes(stored: Tensor, bits: int) -> Tensor:
     if bits == 8:
         return stored
     n, words = stored.shape
-    shifts = 4 * torch.arange(8, device=stored.device, dtype=torch.int32).view(1, 1, 8, 1)
-    # An arithmetic shift of a negative word fills with ones above the nibble; the mask drops them.
-    nibbles = (stored.reshape(n, words // 4, 1, 4) >> shifts) & 0xF
-    return nibbles.to(torch.uint8).reshape(n, words * 8)
+    return nibbles_from_words(stored.reshape(n, words // 4, 4)).transpose(2, 3).reshape(n, words * 8)
 
 
 # How Triton orders a load's dimensions of equal contiguity (`_gemv_scales`): first to last before 3.7.

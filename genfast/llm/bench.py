@@ -123,7 +123,7 @@ class LlmLadder(Ladder):
 
     def header(self, options: Options, machine: str) -> str:
         ranks = f", tensor parallel over {options['tp']} ranks (per-rank bytes and MBU)" if options["tp"] > 1 else ""
-        groups = f"; int4 rows in groups of {options['int4_group_size']}" if options.get("int4_group_size") else ""
+        groups = f"; int4 rows in groups of {options['int4_group_size']}" if options["int4_group_size"] else ""
         return (
             f"genfast bench llm: {options['model']} on {machine}{ranks}\nprompt: {options['prompt']}, "
             f"{options['prompt_tokens']} tokens; {options['new_tokens']} new tokens (greedy), median of "
@@ -180,7 +180,7 @@ class LlmLadder(Ladder):
         tp = options["tp"]
         if tp > 1:
             join(tp)
-        group_size = options.get("int4_group_size") if settings.quant == "int4" else None
+        group_size = options["int4_group_size"] if settings.quant == "int4" else None
         loaded = apply_recipe(
             load(
                 options["model"], options["device"], settings.dtype, options["threads"], settings.quant, group_size, tp

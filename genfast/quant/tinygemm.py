@@ -24,6 +24,8 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from genfast.quant.grids import nibbles_from_words, words_from_nibbles
+
 # K in tiles of 16 x INNER_K_TILES (a lane loads 16 bytes of them at once), N in tiles of 8.
 INNER_K_TILES = 8
 GROUP_SIZES = (32, 64, 128, 256)
@@ -57,9 +59,8 @@ def pack(codes: Tensor, inner_k_tiles: int = INNER_K_TILES) -> Tensor:
     for start in range(0, n // 8, tiles):
         chunk = codes[8 * start : 8 * (start + tiles)]
         split = chunk.reshape(-1, 8, k // (16 * t), t // 2, 2, 2, 4, 2)  # nt, lane//4, ko, j, parity, half, lane%4, odd
-        nibbles = split.permute(_TO_PACKED).reshape(-1, k // (16 * t), 32, t // 2, 8).to(torch.int64)
-        words = (nibbles << _shifts(codes.device, torch.int64)).sum(dim=-1)  # the bits do not overlap: an OR
-        packed[start : start + tiles] = torch.where(words >= 2**31, words - 2**32, words)  # int32's two's complement
+        nibbles = split.permute(_TO_PACKED).reshape(-1, k // (16 * t), 32, t // 2, 8)
+        packed[start : start + tiles] = words_from_nibbles(nibbles)
     return packed
 
 
@@ -67,15 +68,10 @@ def unpack(packed: Tensor) -> Tensor:
     """Inverse of `pack`: the codes [N, K] (uint8) of a tinygemm weight. Element-wise on the words
     and a permutation: under torch.compile one pass with the scaling that follows."""
     nt, ko, _, half_t = packed.shape
-    # an arithmetic shift of a negative word fills with ones above the nibble; the mask drops them
-    nibbles = ((packed.unsqueeze(-1) >> _shifts(packed.device, torch.int32)) & 15).to(torch.uint8)
-    split = nibbles.reshape(nt, ko, 8, 4, half_t, 2, 2, 2)  # nt, ko, lane//4, lane%4, j, odd, parity, half
+    split = nibbles_from_words(packed).reshape(
+        nt, ko, 8, 4, half_t, 2, 2, 2
+    )  # nt, ko, lane//4, lane%4, j, odd, parity, half
     return split.permute(_FROM_PACKED).reshape(nt * 8, ko * 32 * half_t)
-
-
-def _shifts(device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Each nibble's shift in its word, by position 4 odd + 2 parity + half."""
-    return 4 * torch.arange(8, device=device, dtype=dtype)
 
 
 def scales_and_zeros(scales: Tensor, mins: Tensor) -> Tensor:
