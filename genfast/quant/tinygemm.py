@@ -68,9 +68,8 @@ def unpack(packed: Tensor) -> Tensor:
     """Inverse of `pack`: the codes [N, K] (uint8) of a tinygemm weight. Element-wise on the words
     and a permutation: under torch.compile one pass with the scaling that follows."""
     nt, ko, _, half_t = packed.shape
-    split = nibbles_from_words(packed).reshape(
-        nt, ko, 8, 4, half_t, 2, 2, 2
-    )  # nt, ko, lane//4, lane%4, j, odd, parity, half
+    # nt, ko, lane//4, lane%4, j, odd, parity, half
+    split = nibbles_from_words(packed).reshape(nt, ko, 8, 4, half_t, 2, 2, 2)
     return split.permute(_FROM_PACKED).reshape(nt * 8, ko * 32 * half_t)
 
 
