@@ -73,6 +73,12 @@ def unpack(packed: Tensor) -> Tensor:
     return split.permute(_FROM_PACKED).reshape(nt * 8, ko * 32 * half_t)
 
 
+def aten_bytes(codes: Tensor) -> Tensor:
+    """Codes [N, K] as aten's `_convert_weight_to_int4pack` takes them: [N, K / 2] bytes, even
+    column in the high nibble (genfast's storage form, `grids.pack_nibbles`, has it in the low)."""
+    return ((codes[:, 0::2] << 4) | codes[:, 1::2]).contiguous()
+
+
 def scales_and_zeros(scales: Tensor, mins: Tensor) -> Tensor:
     """tinygemm's grid [groups, N, 2] bf16 from genfast's [N, groups] scales and minima:
     w = (u - 8) * scale + zero, so zero = min + 8 * scale."""
@@ -86,8 +92,7 @@ def layout_matches(device: torch.device) -> bool:
     `device` (an Ampere or later GPU): checked once, on a random weight two tiles each way."""
     generator = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (16, 32 * INNER_K_TILES), dtype=torch.uint8, generator=generator).to(device)
-    pairs = (codes[:, 0::2] << 4) | codes[:, 1::2]
-    theirs = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), INNER_K_TILES)
+    theirs = torch.ops.aten._convert_weight_to_int4pack(aten_bytes(codes), INNER_K_TILES)
     if torch.equal(theirs, pack(codes)):
         return True
     print(

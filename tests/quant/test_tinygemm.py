@@ -46,6 +46,11 @@ def test_pack_lays_codes_out_as_aten_and_unpack_reads_them_back(inner_k_tiles):
     assert torch.equal(tinygemm.unpack(packed), codes)
 
 
+def test_aten_bytes_hold_the_even_column_in_the_high_nibble():
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    assert tinygemm.aten_bytes(codes).tolist() == [[0x12, 0xF0]]
+
+
 def test_scales_and_zeros_give_the_same_weights_within_bf16s_rounding():
     qweight = quantize(torch.randn(16, 128, generator=torch.Generator().manual_seed(2)), 4, 32)
     grid = tinygemm.scales_and_zeros(qweight.scales, qweight.mins).float()  # [groups, N, 2], bf16 values
