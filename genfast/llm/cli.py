@@ -8,8 +8,11 @@ from pathlib import Path
 
 from genfast.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int, seed
 from genfast.llm.recipe import DEFAULT_STEP, RECIPE
-from genfast.quant import INT4_GROUP_SIZES, QUANT_MODES, QUANTIZE_MODES
+from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, QUANT_MODES, QUANTIZE_MODES
 
+INT4_GROUPS_HELP = (
+    f"{', '.join(map(str, INT4_GROUP_SIZES[:-1]))} or {INT4_GROUP_SIZES[-1]} (default {DEFAULT_INT4_GROUP_SIZE})"
+)
 DTYPE_HELP = """the recipe's bf16 step: auto (bfloat16 on CUDA and CPUs with native bf16; elsewhere float32 arithmetic
 on bf16-stored linear weights: see `genfast info`), bfloat16, float32 (no bf16 step) or float16 (CUDA only)"""
 
@@ -46,7 +49,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--group-size",
         type=positive_int,
         default=None,
-        help="input columns per quantization scale: int4 32, 64, 128 or 256 (default 32); "
+        help=f"input columns per quantization scale: int4 {INT4_GROUPS_HELP}; "
         "int8 a multiple of 32 (default: one scale per output channel)",
     )
     g.add_argument(
@@ -169,7 +172,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--group-size",
         type=positive_int,
         default=None,
-        help="int4: 32, 64, 128 or 256 (default 32); int8: a multiple of 32 (default: per channel)",
+        help=f"int4: {INT4_GROUPS_HELP}; int8: a multiple of 32 (default: per channel)",
     )
     p.add_argument("--output", "-o", required=True, help="output directory (must be empty or absent)")
     p.add_argument("--force", action="store_true", help="replace an earlier `genfast quantize` output")
@@ -218,8 +221,8 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
         type=int,
         choices=INT4_GROUP_SIZES,
         default=None,
-        help="input columns per scale in the int4 rows (default 32): larger groups read fewer scale bytes "
-        "per token for some accuracy",
+        help=f"input columns per scale in the int4 rows (default {DEFAULT_INT4_GROUP_SIZE}): larger groups read "
+        "fewer scale bytes per token for some accuracy",
     )
     g.add_argument(
         "--speculate-k",
