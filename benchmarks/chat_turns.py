@@ -19,7 +19,7 @@ import torch
 
 from genfast.bench.machine import machine_info
 from genfast.llm.corpus import pydoc_text
-from genfast.llm.generate import Generator
+from genfast.llm.decoding.generate import Generator
 from genfast.llm.session import load
 
 QUESTIONS = ["What does this text describe?", "Give one example.", "Why is that useful?", "Summarize it briefly."]

@@ -18,8 +18,8 @@ import time
 import torch
 
 from genfast.bench.machine import machine_info
-from genfast.llm.generate import Generator
-from genfast.llm.sampling import SamplingParams
+from genfast.llm.decoding.generate import Generator
+from genfast.llm.decoding.sampling import SamplingParams
 from genfast.llm.session import load
 from genfast.serve.constraints import Constraints, response_format_grammar
 from genfast.serve.engine import Engine, GenerationRequest

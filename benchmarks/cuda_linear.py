@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from genfast.compile import inductor_options
+from genfast.compilation.inductor import inductor_options
 from genfast.nn import row_linear
 from genfast.quant import tinygemm
 from genfast.quant.grids import QuantizedWeight, pack_nibbles, quantize, unpack_nibbles

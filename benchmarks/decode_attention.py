@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from genfast.compile import use_persistent_cache
+from genfast.compilation.inductor import use_persistent_cache
 from genfast.kernels import DECODE_ATTENTION
-from genfast.llm import decode_attention
-from genfast.llm.config import ModelArgs
-from genfast.llm.layers import Attention
+from genfast.llm.model import decode_attention
+from genfast.llm.model.config import ModelArgs
+from genfast.llm.model.layers import Attention
 
 
 def timed(fn, *args) -> float:

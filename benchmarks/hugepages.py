@@ -4,7 +4,7 @@
     bash scripts/with_isa.sh avx2 python benchmarks/hugepages.py --model ... --dtype auto
 
 One model, compiled steps and generator; each round moves its weights into a huge-page mapping
-(`genfast.hugepages.move_to_hugepages`, what `genfast.llm.session.load` does) or back into
+(`genfast.platform.hugepages.move_to_hugepages`, what `genfast.llm.session.load` does) or back into
 PyTorch's allocator (a copy per tensor, as loading leaves them), then generates. Alternating in
 one process matters on a shared host: between processes its speed drifts by more than the effect.
 """
@@ -16,11 +16,11 @@ import statistics
 import torch
 from torch import nn
 
-from genfast import hugepages
 from genfast.bench.machine import device_name
-from genfast.compile import use_persistent_cache
+from genfast.compilation.inductor import use_persistent_cache
+from genfast.llm.decoding.speculative import make_generator
 from genfast.llm.session import load
-from genfast.llm.speculative import make_generator
+from genfast.platform import hugepages
 
 
 def move_to_default_memory(module: nn.Module) -> None:

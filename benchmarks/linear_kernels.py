@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from genfast.bench.machine import device_name, measure_read_bandwidth
 from genfast.bench.timing import median_seconds
-from genfast.llm.random_model import SHAPES, decode_step_shapes
+from genfast.llm.checkpoints.random_model import SHAPES, decode_step_shapes
 from genfast.nn import (
     few_rows_linear,
     few_rows_unavailable_reason,

@@ -52,7 +52,7 @@ def write_random_gguf(source: Path, shape: str, out: Path) -> Path:
     import gguf
     import numpy as np
 
-    from genfast.llm.random_model import SHAPES
+    from genfast.llm.checkpoints.random_model import SHAPES
 
     if out.exists():
         return out
@@ -160,11 +160,11 @@ LLAMA_TYPE = {"none": "F16", "int8": "Q8_0", "int4": "Q4_0"}
 
 def alternate(source: Path, workdir: Path, quant: str, args: argparse.Namespace, prompt_text: str) -> None:
     """genfast and llama.cpp in turns in this process, on the same weights (see the docstring)."""
-    from genfast.compile import use_persistent_cache
-    from genfast.llm.precompiled import attach
-    from genfast.llm.sampling import SamplingParams
+    from genfast.compilation.inductor import use_persistent_cache
+    from genfast.llm.decoding.precompiled import attach
+    from genfast.llm.decoding.sampling import SamplingParams
+    from genfast.llm.decoding.speculative import make_generator
     from genfast.llm.session import load
-    from genfast.llm.speculative import make_generator
 
     name = LLAMA_TYPE[quant]
     path = source if name == "F16" else convert(source, workdir / f"{name}.gguf", name)
@@ -208,8 +208,8 @@ def alternate(source: Path, workdir: Path, quant: str, args: argparse.Namespace,
 
 
 def main() -> None:
-    from genfast.hardware import cpu_model, describe_isa
     from genfast.llm.corpus import pydoc_text
+    from genfast.platform.hardware import cpu_model, describe_isa
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, required=True, help="source GGUF (e.g. the Q4_1 SmolLM2 genfast uses)")

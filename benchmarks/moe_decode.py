@@ -6,7 +6,7 @@ Qwen3-0.6B (dense) and Qwen3-30B-A3B's mixture of experts, reduced in layers to 
 
 Per shape and weight format: a compiled model, greedy decode of --new-tokens after a 16-token
 prompt, the median decode tok/s of --repeats runs, the weight bytes a step reads (a mixture's
-experts: only the 8 of 128 each token runs; genfast.llm.stats) and MBU against the machine's
+experts: only the 8 of 128 each token runs; genfast.llm.decoding.stats) and MBU against the machine's
 measured read bandwidth.
 """
 
@@ -19,12 +19,12 @@ import statistics
 import torch
 
 from genfast.bench.machine import machine_info, peak_read_bandwidth
-from genfast.llm.config import ModelArgs
-from genfast.llm.generate import Generator
-from genfast.llm.model import Transformer
-from genfast.llm.quantize import HEAD, INT4_HEAD_BITS
-from genfast.llm.stats import weight_bytes_per_step
-from genfast.llm.tokenizer import Tokenizer
+from genfast.llm.checkpoints.quantize import HEAD, INT4_HEAD_BITS
+from genfast.llm.checkpoints.tokenizer import Tokenizer
+from genfast.llm.decoding.generate import Generator
+from genfast.llm.decoding.stats import weight_bytes_per_step
+from genfast.llm.model.config import ModelArgs
+from genfast.llm.model.transformer import Transformer
 from genfast.quant.linear import quantize_linears
 
 # From the published config.json files.

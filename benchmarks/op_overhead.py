@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from genfast.kernels import LINEAR_FEW_ROWS, QLINEAR
-from genfast.llm import decode_attention
+from genfast.llm.model import decode_attention
 from genfast.nn import few_rows_kernel_available
 from genfast.quant.linear import QuantLinear
 

@@ -19,11 +19,11 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
-from genfast.compile import use_persistent_cache
-from genfast.llm.precompiled import attach
-from genfast.llm.sampling import SamplingParams
+from genfast.compilation.inductor import use_persistent_cache
+from genfast.llm.decoding.precompiled import attach
+from genfast.llm.decoding.sampling import SamplingParams
+from genfast.llm.decoding.speculative import make_generator
 from genfast.llm.session import load
-from genfast.llm.speculative import make_generator
 
 
 def main() -> None:

@@ -21,10 +21,10 @@ import torch
 
 from genfast.bench.machine import machine_info
 from genfast.llm.bench import benchmark_prompt
-from genfast.llm.generate import positions
-from genfast.llm.sampling import SamplingParams
+from genfast.llm.decoding.generate import positions
+from genfast.llm.decoding.sampling import SamplingParams
+from genfast.llm.decoding.speculative import make_generator
 from genfast.llm.session import load
-from genfast.llm.speculative import make_generator
 
 
 @torch.inference_mode()  # as in generate(): the compiled graphs were made for it

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Sequence
 
 from genfast import __version__
-from genfast.arguments import add_threads, lazy
 from genfast.diffusion import cli as diffusion_cli
 from genfast.errors import UserError
+from genfast.interface.arguments import add_threads, lazy
 from genfast.llm import cli as llm_cli
 from genfast.sam import cli as sam_cli
 from genfast.serve import cli as serve_cli
@@ -24,7 +24,7 @@ against the baseline, on this machine."""
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from genfast.hub import pull
+    from genfast.storage.hub import pull
 
     pull(args.model, force=args.force, log=lambda m: print(m, file=sys.stderr))
     return 0
@@ -52,14 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", nargs="?", choices=("list", "size", "clear"), help="default: list")
     p.add_argument("parts", nargs="*", metavar="PART",
                    help="clear: compiled, inductor, kernels and/or models (default: all but models)")  # fmt: skip
-    p.set_defaults(run=lazy("genfast.cache", "cache_command"))
+    p.set_defaults(run=lazy("genfast.storage.cache", "cache_command"))
 
     p = commands.add_parser(
         "info", help="this machine: CPU, ISA, bandwidth, auto dtype, which kernel variants run and why"
     )
     add_threads(p)
     p.add_argument("--no-bandwidth", action="store_true", help="skip measuring the read bandwidth")
-    p.set_defaults(run=lazy("genfast.info", "info_command"))
+    p.set_defaults(run=lazy("genfast.interface.info", "info_command"))
 
     p = commands.add_parser(
         "bench", help="run a workload's optimization ladder and print a table", description=BENCH_DESCRIPTION
@@ -82,7 +82,7 @@ def _tensor_parallel_ranks(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from genfast.compile import use_persistent_cache
+    from genfast.compilation.inductor import use_persistent_cache
 
     use_persistent_cache()
     try:

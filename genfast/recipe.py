@@ -45,8 +45,8 @@ class Target:
 
 
 def target(device: str = "auto", dtype: str = "auto") -> Target:
-    """A Target from --device and --dtype values (resolved by genfast.hardware: imports torch)."""
-    from genfast.hardware import dtype_name, resolve_device
+    """A Target from --device and --dtype values (resolved by genfast.platform.hardware: imports torch)."""
+    from genfast.platform.hardware import dtype_name, resolve_device
 
     return Target(resolve_device(device), dtype_name(dtype))
 
@@ -202,6 +202,6 @@ def apply_transforms(settings: Any, parts: Mapping[str, Any]) -> None:
 
 def settings_key(settings: Any) -> dict[str, Any]:
     """`settings` (a recipe's settings dataclass) as JSON-able values, for the key of compiled code
-    saved for it (genfast/saved_compile.py): its transform steps by name."""
+    saved for it (genfast/compilation/saved.py): its transform steps by name."""
     values = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name != "transforms"}
     return {**values, "transforms": [step.name for step in getattr(settings, "transforms", ())]}

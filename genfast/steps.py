@@ -18,8 +18,8 @@ def baseline(changes: str, **sets: Any) -> Step:
 
 def low_precision_name(target: Target) -> str | None:
     """The dtype the bf16 step computes in on `target` ('bfloat16', or 'float16' on CUDA when
-    --dtype asks for it), or None where the step is left out (genfast.hardware.low_precision_dtype)."""
-    from genfast.hardware import low_precision_dtype
+    --dtype asks for it), or None where the step is left out (genfast.platform.hardware.low_precision_dtype)."""
+    from genfast.platform.hardware import low_precision_dtype
 
     dtype = low_precision_dtype(target.dtype, target.device)
     return None if dtype is None else str(dtype).removeprefix("torch.")
@@ -30,7 +30,7 @@ def _float32_asked(target: Target) -> str | None:
 
 
 def _low_precision_unavailable(target: Target) -> str | None:
-    from genfast.hardware import low_precision_note
+    from genfast.platform.hardware import low_precision_note
 
     return low_precision_note(target.device) if low_precision_name(target) is None else None
 
@@ -52,7 +52,7 @@ def bf16(budget: str) -> Step:
 def _emulated_bf16_note(target: Target) -> str | None:
     """An explicit --dtype bfloat16 on a CPU that emulates bf16 arithmetic runs, slower than auto
     (which keeps bf16 weights and computes in fp32 there, as the load line says)."""
-    from genfast.hardware import has_native_bf16
+    from genfast.platform.hardware import has_native_bf16
 
     if target.dtype != "bfloat16" or target.device.type != "cpu" or has_native_bf16():
         return None

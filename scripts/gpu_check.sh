@@ -135,7 +135,7 @@ stage() {
 }
 
 read -ra llm_args <<< "${LLM_ARGS:-}"
-llm_ladder() {  # sets `ladder`: random weights at the shape, drawn on the GPU (genfast/llm/random_model.py)
+llm_ladder() {  # sets `ladder`: random weights at the shape, drawn on the GPU (genfast/llm/checkpoints/random_model.py)
     ladder=("${genfast[@]}" bench llm --model "random:$1" --device cuda --steps "$2" --prompt-tokens 128
         --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --json "$work/llm-$1.json" --force "${@:3}"
         "${llm_args[@]}")

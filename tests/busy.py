@@ -20,8 +20,8 @@ needs_proc = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="samples
 @contextmanager
 def busy_loop(nice: int = 0, count: int = 1) -> Iterator[None]:
     """`count` processes spinning on a core each, in sessions of their own, niced as a whole with
-    `nice` (genfast.llm.precompiled.lower_priority)."""
-    from genfast.llm.precompiled import lower_priority
+    `nice` (genfast.llm.decoding.precompiled.lower_priority)."""
+    from genfast.llm.decoding.precompiled import lower_priority
 
     loops = [subprocess.Popen(BUSY_LOOP, start_new_session=True) for _ in range(count)]
     try:

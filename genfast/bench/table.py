@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from genfast.bench.machine import describe_machine
-from genfast.files import write_json_atomic
+from genfast.storage.files import write_json_atomic
 
 
 def median(values: Sequence[float]) -> float:

@@ -24,7 +24,7 @@ from genfast.bench.table import median
 from genfast.diffusion.pipelines import DenoiserWrapper
 from genfast.diffusion.recipe import RECIPE
 from genfast.errors import UserError
-from genfast.hardware import synchronize
+from genfast.platform.hardware import synchronize
 from genfast.recipe import Plan, Target
 
 ARCHS = ("sd15", "sdxl", "tiny-sd15", "tiny-sdxl")
@@ -81,7 +81,7 @@ class DiffusionLadder(Ladder):
 
     def header(self, options: Options, machine: str) -> str:
         from genfast import steps
-        from genfast.hardware import resolve_device
+        from genfast.platform.hardware import resolve_device
 
         dtype = steps.low_precision_name(Target(resolve_device(options["device"]), options["dtype"])) or "float32"
         return (
@@ -159,7 +159,7 @@ class DiffusionLadder(Ladder):
             return result
 
         def notes() -> list[str]:
-            from genfast.saved_compile import compile_notes
+            from genfast.compilation.saved import compile_notes
 
             return compile_notes(timer.denoiser) + compile_notes(pipe.vae)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from genfast.arguments import (
+from genfast.diffusion.recipe import DEFAULT_STEP, RECIPE
+from genfast.interface.arguments import (
     add_bench_args,
     add_device,
     add_recipe,
@@ -15,7 +16,6 @@ from genfast.arguments import (
     positive_int,
     seed,
 )
-from genfast.diffusion.recipe import DEFAULT_STEP, RECIPE
 
 IMAGINE_DESCRIPTION = """Generate an image from a prompt with a diffusers pipeline, made fast by genfast's recipe
 (genfast/diffusion/recipe.py). Needs diffusers: pip install 'genfast[diffusion]'."""

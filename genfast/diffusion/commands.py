@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from genfast import images
 from genfast.errors import UserError
-from genfast.files import check_outputs
+from genfast.interface import images
+from genfast.storage.files import check_outputs
 
 RANDOM_ARCHS = {"tiny-sd15": "sd15", "tiny-sdxl": "sdxl", "tiny-pixart": "pixart"}
 RANDOM_WEIGHTS_WARNING = "random weights (--random-weights): for smoke tests and timing only; the image is noise"
@@ -59,9 +59,9 @@ def load(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
 def imagine_command(args: argparse.Namespace) -> int:
     from genfast.diffusion.pipelines import call_kwargs, initial_latents, native_size
     from genfast.diffusion.recipe import RECIPE, apply_recipe
-    from genfast.hardware import DTYPES, dtype_name, resolve_device
+    from genfast.platform.hardware import DTYPES, dtype_name, resolve_device
+    from genfast.platform.threads import avoid_busy_cores, use_threads
     from genfast.recipe import Target
-    from genfast.threads import avoid_busy_cores, use_threads
 
     size = parse_size(args.size) if args.size is not None else None
     output = Path(args.output).expanduser()
@@ -82,7 +82,7 @@ def imagine_command(args: argparse.Namespace) -> int:
         avoid_busy_cores(other_work, lambda message: print(message, file=sys.stderr))
     width, height = size or native_size(pipe)
     apply_recipe(pipe, recipe)
-    # Saved compiles (CPU, static shapes) show their own progress (genfast/saved_compile.py).
+    # Saved compiles (CPU, static shapes) show their own progress (genfast/compilation/saved.py).
     compiles_lazily = recipe.compile != "none" and (recipe.dynamic_shapes or device.type != "cpu")
     print(
         f"genfast: {description} | recipe {args.recipe} in {recipe.dtype} | {width}x{height}, "

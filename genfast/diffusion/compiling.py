@@ -5,10 +5,10 @@ No global inductor or dynamo config is changed: each `torch.compile` call gets i
   coordinate_descent_check_all_directions) with max-autotune; CUDA graphs only for whole-model
   static-shape compiles (regional/dynamic graphs would each need their own pools).
 - CPU: `freezing` (weights become constants: conv weights are pre-packed for oneDNN), as for the
-  LLM and SAM compiles in genfast/compile.py.
+  LLM and SAM compiles in genfast/compilation/inductor.py.
 Modules are compiled in place, so the pipeline keeps its own objects (state dicts, `config`,
 attribute access are unchanged). On a CPU, static-shape compiles (whole model or regions) are
-compiled ahead of time and kept on disk for later runs (genfast/saved_compile.py): the caller
+compiled ahead of time and kept on disk for later runs (genfast/compilation/saved.py): the caller
 passes `saved`, what the code depends on beyond the module (the recipe's settings). Dynamic-shape
 compiles and CUDA (not yet run) compile when first called, with inductor's own cache.
 """
@@ -26,7 +26,7 @@ import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
-from genfast.saved_compile import compile_saved, unsavable_reason
+from genfast.compilation.saved import compile_saved, unsavable_reason
 
 
 def diffusion_inductor_options(

@@ -187,7 +187,7 @@ def apply_recipe(pipe: Any, settings: DiffusionSettings) -> Any:
     from genfast.diffusion.feature_cache import DeepCacheUNet
     from genfast.diffusion.group_norm import use_channels_last_group_norm
     from genfast.diffusion.pipelines import denoiser_name, denoiser_of
-    from genfast.hardware import DTYPES
+    from genfast.platform.hardware import DTYPES
     from genfast.quant.conv import fewer_channels_than, quantize_dynamic_int8_convs
     from genfast.quant.linear import narrower_than, quantize_dynamic_int8
 

@@ -1,7 +1,7 @@
 """genfast's native CPU kernels: one declaration per kernel, a variant per ISA, chosen at run time.
 
 Every C++ source lives in this folder, with the headers its variants share. A `Kernel` lists its
-variants best first; each variant names its ISA level (genfast.hardware.ISA_LEVELS), the CPU flags
+variants best first; each variant names its ISA level (genfast.platform.hardware.ISA_LEVELS), the CPU flags
 it needs and the compiler flags that match them. `Kernel.choose()` takes the first variant the CPU
 and GENFAST_ISA allow; `Kernel.unavailable_reason()` (or `available()`) compiles it on first use
 with the local C++ compiler (torch.utils.cpp_extension, into GENFAST_KERNEL_DIR, default
@@ -16,7 +16,7 @@ CUDA's kernels are Triton's (`qlinear_triton.py`, imported only where a GPU uses
 on first use through Triton and need nothing from this registry.
 
 Adding a variant (e.g. ARM NEON): write `<name>_<isa>.cpp` next to the others, add the ISA level to
-genfast.hardware.ISA_LEVELS with its CPU flags, and list the variant in its Kernel below.
+genfast.platform.hardware.ISA_LEVELS with its CPU flags, and list the variant in its Kernel below.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from genfast import hardware
+from genfast.platform import hardware
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ _AVX2 = ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c")
 
 @dataclass(frozen=True)
 class Variant:
-    isa: str  # a level of genfast.hardware.ISA_LEVELS
+    isa: str  # a level of genfast.platform.hardware.ISA_LEVELS
     source: str  # file name in this folder
     cpu_flags: tuple[str, ...]  # what the CPU must have (as /proc/cpuinfo names it)
     cflags: tuple[str, ...]  # the matching compiler flags
@@ -178,9 +178,9 @@ def by_name(name: str) -> Kernel:
 
 
 def kernel_dir() -> Path:
-    from genfast.hub import genfast_home
+    from genfast.storage.paths import kernels_dir
 
-    return Path(os.environ.get("GENFAST_KERNEL_DIR") or genfast_home() / "kernels")
+    return kernels_dir()
 
 
 def build_name(name: str, variant: Variant) -> str:

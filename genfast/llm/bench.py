@@ -5,7 +5,7 @@ Each row loads the model as its step says, then generates `new_tokens` greedy to
 it): a first call (compiling, for compiled rows), then `repeats` timed ones. Rates are medians
 over the repeats. Accuracy: how many of the baseline's greedy tokens the row reproduces before the
 first difference. Rows named spec-<draft> add speculative decoding with that draft to the compile
-step (genfast.llm.drafters.parse_draft); `--steps speculative` runs compile and four of them.
+step (genfast.llm.decoding.drafters.parse_draft); `--steps speculative` runs compile and four of them.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, SPEEDUP, STEP, Case, Ladder, Options, Row
 from genfast.bench.table import median
 from genfast.errors import UserError
-from genfast.files import write_json_atomic
 from genfast.llm.corpus import pydoc_text
 from genfast.llm.recipe import RECIPE
 from genfast.recipe import Plan, Target
+from genfast.storage.files import write_json_atomic
 
 COMPILE = "compile"  # the quantized and speculative rows' reference (the issues' speed bars are relative to it)
 SPECULATIVE = [COMPILE, "spec-int4", "spec-int8", "spec-layers:24", "spec-prompt-lookup"]
@@ -63,7 +63,7 @@ def draft_of(step: str) -> str | None:
     """The draft a spec-<draft> row speculates with (checked), None for a recipe step."""
     if not step.startswith("spec-"):
         return None
-    from genfast.llm.drafters import parse_draft
+    from genfast.llm.decoding.drafters import parse_draft
 
     draft = step.removeprefix("spec-")
     parse_draft(draft)
@@ -88,9 +88,9 @@ class LlmLadder(Ladder):
 
     def options(self, args: Any) -> Options:
         from genfast.bench.machine import peak_read_bandwidth
-        from genfast.hardware import resolve_device
-        from genfast.hub import resolve_model
-        from genfast.llm.checkpoint import read_model_args
+        from genfast.llm.checkpoints.weights import read_model_args
+        from genfast.platform.hardware import resolve_device
+        from genfast.storage.hub import resolve_model
 
         model = resolve_model(args.model)  # fail early on a missing model or an unknown random: shape
         model_args = read_model_args(model)
@@ -134,8 +134,8 @@ class LlmLadder(Ladder):
         return options["model"]
 
     def footnote(self, options: Options, rows: list[dict[str, Any]]) -> str:
-        from genfast import hugepages
-        from genfast.hardware import resolve_device
+        from genfast.platform import hugepages
+        from genfast.platform.hardware import resolve_device
 
         on_cpu = resolve_device(options["device"]).type == "cpu"
         return (
@@ -167,12 +167,12 @@ class LlmLadder(Ladder):
         return super().skip_reason(Row(options["spec_target"]), options, target)
 
     def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
-        from genfast.llm.generate import GenerationResult
-        from genfast.llm.precompiled import attach
-        from genfast.llm.sampling import SamplingParams
+        from genfast.llm.decoding.generate import GenerationResult
+        from genfast.llm.decoding.precompiled import attach
+        from genfast.llm.decoding.sampling import SamplingParams
+        from genfast.llm.decoding.speculative import make_generator
+        from genfast.llm.decoding.stats import decode_traffic
         from genfast.llm.session import apply_recipe, load
-        from genfast.llm.speculative import make_generator
-        from genfast.llm.stats import decode_traffic
         from genfast.llm.tensor_parallel import check_same_tokens, join
 
         draft = draft_of(row.step)
@@ -261,7 +261,7 @@ class LlmLadder(Ladder):
 def agreement(tokens: list[int], workdir: Path, step: str) -> float | None:
     """The share of `step`'s row's greedy tokens (left in `workdir` by `LlmLadder.compare`) that
     `tokens` reproduce before the first difference; None where that row did not run."""
-    from genfast.llm.generate import common_prefix
+    from genfast.llm.decoding.generate import common_prefix
 
     path = workdir / f"tokens-{step}.json"
     if not path.exists():

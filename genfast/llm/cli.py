@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from genfast.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int, seed
+from genfast.interface.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int, seed
 from genfast.llm.recipe import DEFAULT_STEP, RECIPE
 from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, QUANT_MODES, QUANTIZE_MODES
 

@@ -15,22 +15,22 @@ import torch
 from genfast import __version__
 from genfast.bench.machine import peak_read_bandwidth
 from genfast.errors import UserError
-from genfast.hardware import DTYPES
-from genfast.hub import publish_directory, resolve_model, staging_dir
-from genfast.llm.checkpoint import QUANTIZED_FILE, checkpoint_format, read_model_args
-from genfast.llm.generate import Generator
-from genfast.llm.precompiled import attach
-from genfast.llm.quantize import HEAD, describe_quantization, quantize_loaded
+from genfast.interface.startup import Phases
+from genfast.llm.checkpoints.quantize import HEAD, describe_quantization, quantize_loaded
+from genfast.llm.checkpoints.weights import QUANTIZED_FILE, checkpoint_format, read_model_args
+from genfast.llm.decoding.generate import Generator
+from genfast.llm.decoding.precompiled import attach
+from genfast.llm.decoding.sampling import SamplingParams
+from genfast.llm.decoding.speculative import make_generator
+from genfast.llm.decoding.stats import format_stats
 from genfast.llm.recipe import RECIPE, LlmSettings
-from genfast.llm.sampling import SamplingParams
 from genfast.llm.session import LoadedModel, genfast_chooses_threads, load, load_for_command, plan
-from genfast.llm.speculative import make_generator
-from genfast.llm.stats import format_stats
 from genfast.llm.tensor_parallel import check_same_tokens, from_main_rank, is_main_rank
+from genfast.platform.hardware import DTYPES
+from genfast.platform.threads import OtherWork, follow_other_work
 from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 from genfast.recipe import Target
-from genfast.startup import Phases
-from genfast.threads import OtherWork, follow_other_work
+from genfast.storage.hub import publish_directory, resolve_model, staging_dir
 
 
 def _log(message: str) -> None:
@@ -74,7 +74,7 @@ def _start_compiled(
     defer: bool = False,
 ) -> float | None:  # fmt: skip
     """Make the compiled steps available: from disk or a background compile, streaming eagerly
-    meanwhile (genfast/llm/precompiled.py; `defer`: saved steps load after the first token);
+    meanwhile (genfast/llm/decoding/precompiled.py; `defer`: saved steps load after the first token);
     where that does not apply (CUDA, --tp, speculative decoding), compile here first, as
     torch.compile does. Returns the seconds spent waiting."""
     steps = attach(generator, loaded, params, _log)
@@ -86,9 +86,9 @@ def _start_compiled(
 
 
 def _draft(args: argparse.Namespace) -> str | None:
-    """The draft (genfast.llm.speculative.parse_draft) that --draft, --self-draft or
+    """The draft (genfast.llm.decoding.speculative.parse_draft) that --draft, --self-draft or
     --prompt-lookup ask for, validated before the slow load."""
-    from genfast.llm.drafters import parse_draft
+    from genfast.llm.decoding.drafters import parse_draft
 
     if args.self_draft is not None and parse_draft(args.self_draft)[0] not in ("int4", "int8", "layers"):
         raise UserError(f"--self-draft takes int4, int8 or layers:N, got {args.self_draft!r}")
@@ -282,7 +282,7 @@ def gptq_quantize_model(
 ) -> str:
     """Replace the model's linears by GPTQ int4 layers, calibrated on `calibration` (text, source
     from `read_calibration`); returns a description of the calibration."""
-    from genfast.llm.calibration import calibrate_gptq, calibration_windows
+    from genfast.llm.checkpoints.calibration import calibrate_gptq, calibration_windows
 
     text, source = calibration
     window = min(window, loaded.model.args.max_seq_len)
@@ -291,7 +291,7 @@ def gptq_quantize_model(
     except ValueError as e:
         raise UserError(f"calibration text too short: {e}") from e
     start = time.perf_counter()
-    # The head is not GPTQ'd: int4 models keep it in int8 (genfast.llm.quantize.INT4_HEAD_BITS).
+    # The head is not GPTQ'd: int4 models keep it in int8 (genfast.llm.checkpoints.quantize.INT4_HEAD_BITS).
     weights = calibrate_gptq(
         loaded.model, windows, bits=4, group_size=group_size, progress=_log, skip=lambda name, _: name == HEAD
     )

@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 
 from genfast.errors import UserError
-from genfast.llm.model import Transformer
-from genfast.llm.tokenizer import Tokenizer
+from genfast.llm.checkpoints.tokenizer import Tokenizer
+from genfast.llm.model.transformer import Transformer
 
 CORPUS_NAME = "pydoc_data.topics evaluation half"
 # Rows of logits turned into log-probabilities at a time: bounds the log-softmax temporary to
@@ -166,8 +166,8 @@ def _log(message: str, end: str = "\n") -> None:
 
 def eval_ppl_command(args: argparse.Namespace) -> int:
     """`genfast eval ppl`: one summary line on stdout, optional JSON (never over a file unasked)."""
-    from genfast.files import check_outputs, write_json_atomic
     from genfast.llm.session import load_for_command, plan
+    from genfast.storage.files import check_outputs, write_json_atomic
 
     json_path = Path(args.json_path) if args.json_path else None
     if json_path is not None:

@@ -46,7 +46,7 @@ def _cuda_quantized_note(bits: int, target: Target) -> str:
     weights: int4 in groups of 32, int8 per channel, an Ampere or later GPU) and what it measured."""
     import torch
 
-    from genfast.hardware import resolve_dtype
+    from genfast.platform.hardware import resolve_dtype
     from genfast.quant.linear import cuda_weight_only_kernel
 
     dtype = resolve_dtype(target.dtype, target.device)

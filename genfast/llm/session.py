@@ -11,19 +11,19 @@ from typing import Any
 import torch
 
 from genfast.errors import UserError
-from genfast.hardware import dtype_name, resolve_device, resolve_dtype
-from genfast.hub import resolve_model
-from genfast.hugepages import move_to_hugepages
-from genfast.llm.checkpoint import checkpoint_format, load_model, read_model_args
-from genfast.llm.model import Transformer
-from genfast.llm.quantize import describe_quantization, quantize_loaded
-from genfast.llm.random_model import is_random
+from genfast.llm.checkpoints.quantize import describe_quantization, quantize_loaded
+from genfast.llm.checkpoints.random_model import is_random
+from genfast.llm.checkpoints.tokenizer import Tokenizer, load_tokenizer, pydoc_tokenizer
+from genfast.llm.checkpoints.weights import checkpoint_format, load_model, read_model_args
+from genfast.llm.model.transformer import Transformer
 from genfast.llm.recipe import RECIPE, LlmSettings
-from genfast.llm.tokenizer import Tokenizer, load_tokenizer, pydoc_tokenizer
 from genfast.nn import auto_weight_dtype, store_linear_weights
+from genfast.platform.hardware import dtype_name, resolve_device, resolve_dtype
+from genfast.platform.hugepages import move_to_hugepages
+from genfast.platform.threads import OtherWork, avoid_busy_cores
 from genfast.quant import INT4_GROUP_SIZES, QUANT_MODES
 from genfast.recipe import Plan, Target, apply_transforms
-from genfast.threads import OtherWork, avoid_busy_cores
+from genfast.storage.hub import resolve_model
 
 
 @dataclass
@@ -80,7 +80,7 @@ def load_for_command(args: argparse.Namespace, settings: LlmSettings, log: Calla
     """The model that a run command's flags name (--model, --device, --threads, --group-size),
     loaded and run as `settings` say. Without --threads, on the CPU and in one process, the thread
     count leaves the cores that other processes kept busy while it loaded to them
-    (genfast/threads.py), and `log` says so."""
+    (genfast/platform/threads.py), and `log` says so."""
     other_work = OtherWork() if args.threads is None else None
     loaded = apply_recipe(
         load(args.model, args.device, settings.dtype, args.threads, settings.quant, args.group_size, tp), settings
@@ -92,7 +92,7 @@ def load_for_command(args: argparse.Namespace, settings: LlmSettings, log: Calla
 
 def genfast_chooses_threads(args: argparse.Namespace, loaded: LoadedModel) -> bool:
     """Whether the thread count is genfast's to fit beside other work: no --threads, on the CPU, in
-    one process (genfast/threads.py also leaves a count from OMP_NUM_THREADS alone)."""
+    one process (genfast/platform/threads.py also leaves a count from OMP_NUM_THREADS alone)."""
     return args.threads is None and loaded.device.type == "cpu" and loaded.tp == 1
 
 
@@ -156,7 +156,7 @@ def load(
         transformer.cache_dtype = weight_dt
     if dev.type == "cpu":
         move_to_hugepages(transformer)  # decode streams the weights: 2 MB pages read them faster
-        from genfast.llm.decode_attention import build_for
+        from genfast.llm.model.decode_attention import build_for
 
         build_for(transformer.args.head_dim)
     return LoadedModel(

@@ -51,9 +51,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from genfast.errors import UserError
-from genfast.llm.config import ModelArgs
-from genfast.llm.layers import TransformerBlock
-from genfast.llm.model import Transformer
+from genfast.llm.model.config import ModelArgs
+from genfast.llm.model.layers import TransformerBlock
+from genfast.llm.model.transformer import Transformer
 from genfast.nn import ExpertLinear, Linear
 from genfast.quant.grids import QuantizedWeight
 from genfast.quant.linear import QuantExpertLinear, QuantLinear, quantized_layer
@@ -122,7 +122,7 @@ def gpu_per_rank(ranks: int) -> bool:
 def check_devices(device: str, tp: int) -> None:
     """`--device` resolved, and on CUDA a GPU for each of the `tp` ranks (NCCL runs one rank per
     GPU): checked before the ranks start, so `--tp 2` on one GPU is one clear error."""
-    from genfast.hardware import resolve_device
+    from genfast.platform.hardware import resolve_device
 
     if resolve_device(device).type == "cuda" and not gpu_per_rank(tp):
         gpus = torch.cuda.device_count()
@@ -252,8 +252,8 @@ def launch_or_join(tp: int, model: str | None, device: str, argv: Sequence[str],
     if launched():
         join(tp)
         return None
-    from genfast.hub import resolve_model
-    from genfast.llm.checkpoint import read_model_args
+    from genfast.llm.checkpoints.weights import read_model_args
+    from genfast.storage.hub import resolve_model
 
     check_shardable(read_model_args(resolve_model(model)), tp)  # fail before starting processes
     return launch_tp(argv, tp, grace_s)

@@ -22,10 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from genfast.errors import UserError
-from genfast.files import make_public
 from genfast.nn import ExpertLinear
 from genfast.quant.grids import QuantizedWeight, check_group_size, pack_nibbles, unpack_nibbles
 from genfast.quant.linear import QuantExpertLinear, QuantLinear, quantized_layer, replace_linears
+from genfast.storage.files import make_public
 
 FORMAT = "genfast-quantized"
 VERSION = "1"

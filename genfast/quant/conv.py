@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genfast import hardware
+from genfast.platform import hardware
 
 ConvFilter = Callable[[str, nn.Conv2d], bool]  # (name, conv) -> True to keep it in floating point
 

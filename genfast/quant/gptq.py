@@ -11,7 +11,7 @@ The column loop follows the paper: the inverse Hessian's upper Cholesky factor g
 at once, and updates are applied lazily, a block of columns at a time, so the bulk of the work is a
 matrix product per block. A group's grid is fitted to its weights as they stand when its first
 column comes up, after the updates from earlier columns (the reference GPTQ with groups).
-Calibration of a whole model is workload-specific: genfast/llm/calibration.py for the LLM.
+Calibration of a whole model is workload-specific: genfast/llm/checkpoints/calibration.py for the LLM.
 """
 
 from __future__ import annotations

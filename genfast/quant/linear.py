@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from genfast import hardware
 from genfast.kernels import QLINEAR
 from genfast.nn import DtypeAttribute, ExpertLinear, grouped_by_expert, row_linear
+from genfast.platform import hardware
 from genfast.quant import packing, tinygemm
 from genfast.quant.grids import QuantizedWeight, pack_nibbles, unpack_nibbles
 

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, SPEEDUP, STEP, Case, Ladder, Options, Row
+from genfast.compilation.saved import compile_notes
 from genfast.errors import UserError
 from genfast.recipe import Plan, Target
 from genfast.sam.config import SamConfig, sam_preset
 from genfast.sam.recipe import RECIPE
-from genfast.saved_compile import compile_notes
 
 ORIGINAL = "original"  # the original package's predictor: a row of the ladder, not a recipe step
 _SKIMAGE_SAMPLES = (
@@ -219,7 +219,7 @@ class SamLadder(Ladder):
     @staticmethod
     def _dtype(options: Options) -> str:
         from genfast import steps
-        from genfast.hardware import resolve_device
+        from genfast.platform.hardware import resolve_device
 
         return steps.low_precision_name(Target(resolve_device(options["device"]), options["dtype"])) or "float32"
 

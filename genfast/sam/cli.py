@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from genfast.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int, unit_float
+from genfast.interface.arguments import (
+    add_bench_args,
+    add_device,
+    add_recipe,
+    add_threads,
+    lazy,
+    positive_int,
+    unit_float,
+)
 from genfast.sam.recipe import DEFAULT_STEP, RECIPE
 
 DTYPE_HELP = """the recipe's bf16 step: float32 (the default: no bf16 step, masks as the original model makes them),

@@ -36,14 +36,14 @@ import numpy as np
 import torch
 
 from genfast import __version__
-from genfast import images as image_files
 from genfast.errors import UserError
-from genfast.files import check_outputs
-from genfast.hardware import synchronize
+from genfast.interface import images as image_files
+from genfast.interface.startup import since_launch
+from genfast.platform.hardware import synchronize
 from genfast.sam import images
 from genfast.sam.masks import box_xyxy_to_xywh, mask_to_rle, masks_to_boxes
 from genfast.sam.modeling import Sam
-from genfast.startup import since_launch
+from genfast.storage.files import check_outputs
 
 RANDOM_WEIGHTS_WARNING = "random weights (--random-weights): for benchmarking only; these masks are meaningless"
 
@@ -143,9 +143,9 @@ class LoadedSam:
 
 def load_model(args: argparse.Namespace, device: torch.device) -> LoadedSam:
     """The model --checkpoint, --model and --random-weights name, in float32 on `device`."""
-    from genfast.hub import DEFAULT_SAM_MODEL, SAM_CHECKPOINTS, resolve_sam_checkpoint, sam_model_name
     from genfast.sam.build import build_random_sam, config_from_state_dict, load_sam_checkpoint, load_sam_state_dict
     from genfast.sam.config import sam_preset
+    from genfast.storage.hub import DEFAULT_SAM_MODEL, SAM_CHECKPOINTS, resolve_sam_checkpoint, sam_model_name
 
     if args.checkpoint and args.model:
         raise UserError("give --checkpoint PATH or --model NAME, not both")
@@ -182,7 +182,7 @@ class Segmentation:
     records: list[dict[str, Any]]  # one JSON record per mask (without the RLE)
     encode_s: float
     decode_s: float
-    called_s: float = 0.0  # when the encoder was called, in seconds since launch (genfast.startup)
+    called_s: float = 0.0  # when the encoder was called, in seconds since launch (genfast.interface.startup)
 
 
 def segment_prompt(model: Sam, image: np.ndarray, prompt: Prompt, multimask: bool) -> Segmentation:
@@ -276,10 +276,10 @@ def _output_paths(args: argparse.Namespace, multimask_outputs: int) -> OutputPat
 
 
 def segment_command(args: argparse.Namespace) -> int:
-    from genfast.hardware import dtype_name, resolve_device
+    from genfast.platform.hardware import dtype_name, resolve_device
+    from genfast.platform.threads import avoid_busy_cores, use_threads
     from genfast.recipe import Target
     from genfast.sam.recipe import RECIPE, apply_recipe
-    from genfast.threads import avoid_busy_cores, use_threads
 
     prompt = parse_prompt(args)
     device = resolve_device(args.device)

@@ -1,5 +1,5 @@
 """Drawing SAM's masks for `genfast segment`: mask PNGs, label maps and a coloured overlay (the
-files themselves are read and written by genfast/images.py)."""
+files themselves are read and written by genfast/interface/images.py)."""
 
 from __future__ import annotations
 

@@ -114,12 +114,12 @@ RECIPE = Recipe(
 def apply_recipe(model: Sam, settings: SamSettings) -> Sam:
     """Make `model` run as `settings` say, in place (and return it). batched_prompts is a property
     of how the predictor is called (predict_batch), so it changes nothing here."""
-    from genfast.compile import compile_fn, inductor_options
-    from genfast.hardware import DTYPES
+    from genfast.compilation.inductor import compile_fn, inductor_options
+    from genfast.compilation.saved import compile_saved
+    from genfast.platform.hardware import DTYPES
     from genfast.quant.linear import narrower_than, quantize_dynamic_int8
     from genfast.quant.sparse import sparse_2_4_unavailable, sparsify_2_4_
     from genfast.sam.modeling.attention import set_attention
-    from genfast.saved_compile import compile_saved
 
     if settings.sparse_2_4 and settings.dynamic_int8:
         raise UserError("2:4 sparsity and dynamic int8 cannot be combined (no kernel does both)")

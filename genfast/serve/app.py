@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from genfast.errors import UserError
-from genfast.llm.sampling import SamplingParams
+from genfast.llm.decoding.sampling import SamplingParams
 from genfast.serve.engine import (
     Delta,
     Engine,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from genfast.arguments import lazy, non_negative_int, port_number, positive_int
+from genfast.interface.arguments import lazy, non_negative_int, port_number, positive_int
 from genfast.llm.cli import add_model_args, add_tp_arg
 
 SERVE_DESCRIPTION = """Serve the OpenAI API (GET /v1/models, POST /v1/completions and /v1/chat/completions, streamed

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from genfast.errors import UserError
-from genfast.hub import DEFAULT_MODEL
-from genfast.startup import since_launch
+from genfast.interface.startup import since_launch
+from genfast.storage.hub import DEFAULT_MODEL
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from genfast.errors import UserError
 
 if TYPE_CHECKING:
-    from genfast.llm.tokenizer import Tokenizer
+    from genfast.llm.checkpoints.tokenizer import Tokenizer
 
 MISSING = "structured output needs the llguidance package: pip install 'genfast[serve]'"
 # Replies are laid out as Python's json.dumps does (', ' and ': ', no other whitespace): fewer

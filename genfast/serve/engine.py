@@ -50,19 +50,19 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from genfast.compile import CUDA_GRAPHS_IN_THREADS, compile_fn
+from genfast.compilation.inductor import CUDA_GRAPHS_IN_THREADS, compile_fn
 from genfast.errors import UserError
-from genfast.llm.generate import cache_length, reusable_prefix
-from genfast.llm.model import Transformer, attention_mask
-from genfast.llm.precompiled import PrecompiledSteps, StepSet, key_parts
-from genfast.llm.sampling import SamplingParams, draw, probabilities
-from genfast.llm.streaming import TextStream
+from genfast.llm.checkpoints.tokenizer import Tokenizer
+from genfast.llm.decoding.generate import cache_length, reusable_prefix
+from genfast.llm.decoding.precompiled import PrecompiledSteps, StepSet, key_parts
+from genfast.llm.decoding.sampling import SamplingParams, draw, probabilities
+from genfast.llm.decoding.streaming import TextStream
+from genfast.llm.model.transformer import Transformer, attention_mask
 from genfast.llm.tensor_parallel import current_world_size
-from genfast.llm.tokenizer import Tokenizer
+from genfast.platform.threads import OtherWork, follow_other_work
 from genfast.serve.constraints import Constraints, Matcher
 from genfast.serve.prefix_cache import BLOCK_SIZE, PrefixCache
 from genfast.serve.tensor_parallel import KEEPALIVE_S, Op, StepBroadcast
-from genfast.threads import OtherWork, follow_other_work
 
 if TYPE_CHECKING:
     from genfast.llm.session import LoadedModel
@@ -148,7 +148,7 @@ class QueueFull(Exception):
     """Every slot is busy and the waiting queue holds `max_queue` requests."""
 
 
-# The engine's steps as functions of the model (genfast/llm/precompiled.py saves them compiled).
+# The engine's steps as functions of the model (genfast/llm/decoding/precompiled.py saves them compiled).
 def serve_prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
     return model(tokens, input_pos, mask, cache_rows=rows)
 
@@ -417,7 +417,7 @@ class Engine:
 
     def follow_other_work(self, most_threads: int, log: Callable[[str], None]) -> None:
         """Between steps, every FOLLOW_OTHER_WORK_S, fit the scheduler thread's count (at most
-        `most_threads`) to the CPUs that other processes kept busy meanwhile (genfast/threads.py),
+        `most_threads`) to the CPUs that other processes kept busy meanwhile (genfast/platform/threads.py),
         so that a server follows other work that starts or stops while it runs. Only where the
         thread count is genfast's to choose (genfast.llm.session.genfast_chooses_threads)."""
         self._other_work = (OtherWork(), most_threads, log)
@@ -498,7 +498,7 @@ class Engine:
                 on_text(event.text)
 
     def precompile(self, loaded: LoadedModel, log: Callable[[str], None]) -> PrecompiledSteps | None:
-        """Use steps compiled ahead of time and kept on disk (genfast/llm/precompiled.py) for
+        """Use steps compiled ahead of time and kept on disk (genfast/llm/decoding/precompiled.py) for
         `loaded` (the session.LoadedModel of this engine's model): on the CPU, one process, no
         transforming recipe step. `warmup` then loads them, or compiles and saves them."""
         if not self.compiled or self.device.type != "cpu" or loaded.tp > 1 or loaded.transforms:

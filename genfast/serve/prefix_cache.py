@@ -20,7 +20,7 @@ blocks are evicted. Matching or storing a prefix touches its blocks from the las
 so a block is always more recent than the blocks after it. The least recently used block is
 therefore a leaf, and eviction never strands a block whose parent is gone.
 
-Sliding-window layers keep a ring of their latest positions (genfast/llm/layers.py). A block
+Sliding-window layers keep a ring of their latest positions (genfast/llm/model/layers.py). A block
 stores their keys and values only if the ring still held them when the block was stored, for
 example right after a prefill chunk. Only a prefix whose last `window` positions have them can be
 restored.
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from genfast.llm.generate import common_prefix
-from genfast.llm.layers import CacheRows, KVCache, WindowKVCache
+from genfast.llm.decoding.generate import common_prefix
+from genfast.llm.model.layers import CacheRows, KVCache, WindowKVCache
 
 BLOCK_SIZE = 16  # tokens per block: a prompt reuses whole blocks and prefills the rest
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genfast.llm.sampling import SamplingParams
+from genfast.llm.decoding.sampling import SamplingParams
 from genfast.quant.grids import quantize
 from genfast.quant.linear import QuantLinear
 from tests.cuda.syncs import host_syncs, needs_cuda
@@ -40,13 +40,13 @@ def load(directory: Path, device: str, dtype: str, quant: str = "none"):
 
 
 def generator(loaded, compile: bool, draft: str | None = None, batch: int = 1):
-    from genfast.llm.speculative import make_generator
+    from genfast.llm.decoding.speculative import make_generator
 
     return make_generator(loaded, 256, batch, compile, draft, 4 if draft else None)
 
 
 def logits(loaded, tokens: list[int]) -> torch.Tensor:
-    from genfast.llm.model import attention_mask
+    from genfast.llm.model.transformer import attention_mask
 
     model = loaded.model
     model.setup_caches(1, 64)
@@ -185,7 +185,7 @@ def test_a_bf16_int4_model_runs_tinygemm_and_its_prefill_dequantizes(model_dir):
     prompt through the dequantized weight and cuBLAS, the int8 head on Triton. The two agree on
     the same positions within bf16's rounding (tinygemm's grid is bf16, the dequantized weight's
     fp16), and the compiled model generates."""
-    from genfast.llm.model import attention_mask
+    from genfast.llm.model.transformer import attention_mask
 
     loaded = load(model_dir, "cuda", "bfloat16", "int4")
     kernels = {(m.bits, m.kernel) for m in loaded.model.modules() if isinstance(m, QuantLinear)}
@@ -243,7 +243,7 @@ def test_batched_generation_matches_single_sequences(model_dir):
 
 
 def test_gptq_on_the_gpu(model_dir):
-    from genfast.llm.calibration import calibrate_gptq
+    from genfast.llm.checkpoints.calibration import calibrate_gptq
 
     loaded = load(model_dir, "cuda", "float32")
     windows = torch.randint(0, CONFIG["vocab_size"], (8, 64))
@@ -273,7 +273,7 @@ def test_serve_engine_batches_requests_on_the_gpu(model_dir):
 
 def test_greedy_params_are_sync_free_samplers():
     """Sampling with temperature/top-k/top-p inside a compiled step on the GPU: no host reads."""
-    from genfast.llm.sampling import sample
+    from genfast.llm.decoding.sampling import sample
 
     logits = torch.randn(2, 512, device="cuda")
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)

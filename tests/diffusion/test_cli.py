@@ -195,7 +195,7 @@ def test_a_recipe_step_the_pipeline_cannot_take_is_one_line(tmp_path, capsys):
 
 def test_a_compiled_recipe_is_saved_by_the_first_run_and_loaded_by_the_next(tmp_path, capsys):
     """The first run shows each compile; a later process loads them; the images agree with eager."""
-    from genfast import saved_compile
+    from genfast.compilation import saved as saved_compile
 
     smoke = [*SMOKE, "--dtype", "float32"]
     assert cli.main(["imagine", "x", *smoke, "--recipe", "sdpa", "-o", str(tmp_path / "eager.png")]) == 0

@@ -12,14 +12,14 @@ pytest.importorskip("diffusers")
 
 from torch._dynamo.utils import counters
 
-from genfast import artifacts
+from genfast.compilation import artifacts
+from genfast.compilation.saved import compile_saved
 from genfast.diffusion.compiling import compile_module, compile_regions, repeated_blocks
 from genfast.diffusion.pipelines import call_kwargs, initial_latents, tiny_pipeline
 from genfast.diffusion.quality import psnr
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe
 from genfast.quant.conv import DynamicInt8Conv2d, int8_conv_unavailable_reason
 from genfast.recipe import Target
-from genfast.saved_compile import compile_saved
 
 CPU_BF16 = Target(torch.device("cpu"), "bfloat16")
 

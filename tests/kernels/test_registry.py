@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from genfast import hardware, kernels
+from genfast import kernels
+from genfast.platform import hardware
 from tests.cpus import OLD_X86, SKYLAKE_X, ZEN3, ZEN4, pretend_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,7 +163,7 @@ VARIANT_TESTS = [
     "tests/test_nn.py",
     "tests/sam/test_attention.py",
     "tests/diffusion/test_group_norm.py",
-    "tests/llm/test_decode_attention.py",
+    "tests/llm/model/test_decode_attention.py",
 ]
 
 
@@ -197,7 +198,7 @@ def test_lower_isa_variants_pass_the_kernel_tests(level):
 def test_saved_compiled_code_depends_on_the_kernel_sources(tmp_path, monkeypatch):
     # A packed weight layout lives in a kernel's source and in genfast/quant/packing.py together:
     # code compiled against one build must not be loaded beside another.
-    from genfast import artifacts
+    from genfast.compilation import artifacts
 
     pretend_cpu(monkeypatch, ZEN3)
     monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)

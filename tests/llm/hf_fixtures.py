@@ -282,7 +282,7 @@ def word_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers
 
-    from genfast.llm.tokenizer import Tokenizer
+    from genfast.llm.checkpoints.tokenizer import Tokenizer
 
     backend = Backend(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -292,7 +292,7 @@ def word_tokenizer(vocab_size: int):
 
 def tiny_genfast_model(name: str, tmp_path: Path, seed: int = 0):
     """(transformers model, genfast model) with identical random weights."""
-    from genfast.llm.checkpoint import load_model
+    from genfast.llm.checkpoints.weights import load_model
 
     hf = make_hf_model(name, seed)
     return hf, load_model(save_hf_model(hf, tmp_path / f"{name}-{seed}"))

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from genfast.llm.bench import benchmark_prompt
-from genfast.llm.checkpoint import load_model
-from genfast.llm.generate import Generator
-from genfast.llm.tokenizer import load_tokenizer
+from genfast.llm.checkpoints.tokenizer import load_tokenizer
+from genfast.llm.checkpoints.weights import load_model
+from genfast.llm.decoding.generate import Generator
 
 PROMPTS = [
     "The capital of France is",

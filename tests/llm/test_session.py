@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genfast import hardware
 from genfast.llm.session import load
 from genfast.nn import Linear, few_rows_unavailable_reason
+from genfast.platform import hardware
 from tests.cpus import ZEN4, pretend_cpu
 from tests.llm.gguf_fixtures import write_gguf_from_hf
 from tests.llm.hf_fixtures import make_hf_model

@@ -23,9 +23,9 @@ import torch.multiprocessing as mp
 
 from genfast.cli import main
 from genfast.errors import UserError
-from genfast.llm.checkpoint import load_model, read_model_args
-from genfast.llm.generate import Generator
-from genfast.llm.quantize import quantize_loaded
+from genfast.llm.checkpoints.quantize import quantize_loaded
+from genfast.llm.checkpoints.weights import load_model, read_model_args
+from genfast.llm.decoding.generate import Generator
 from genfast.llm.session import load
 from genfast.llm.tensor_parallel import (
     RowParallelLinear,
@@ -302,7 +302,7 @@ def test_bench_llm_measures_a_row_on_two_ranks(smollm2_gguf, tmp_path):
     speculative row says why it is left out."""
     import transformers
 
-    from genfast.llm.tokenizer import load_tokenizer
+    from genfast.llm.checkpoints.tokenizer import load_tokenizer
 
     cfg = dict(TINY_CONFIGS["qwen2"], vocab_size=49152)  # SmolLM2's tokenizer: the bench prompt needs real text
     model_type = cfg.pop("model_type")

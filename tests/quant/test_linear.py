@@ -145,7 +145,7 @@ def test_a_named_kernel_overrides_the_choice_and_an_unknown_one_is_refused():
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
 def test_compiled_layer_matches_eager(native, monkeypatch):
     """One-row decode shape and a dynamic number of rows behind a fused op (prefill shape)."""
-    from genfast.compile import compile_fn
+    from genfast.compilation.inductor import compile_fn
 
     torch.manual_seed(0)
     layer = make_layer(96, 50, 4, 32, True, torch.bfloat16, native, monkeypatch)

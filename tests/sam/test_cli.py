@@ -12,8 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from genfast import images, saved_compile
 from genfast.cli import main
+from genfast.compilation import saved as saved_compile
+from genfast.interface import images
 from genfast.sam.build import build_sam, load_sam_checkpoint
 from genfast.sam.commands import RANDOM_WEIGHTS_WARNING
 from genfast.sam.predictor import SamPredictor
@@ -233,7 +234,7 @@ def test_missing_and_unreadable_images(files, tmp_path, capsys, monkeypatch):
 
 
 def test_no_checkpoint_names_where_it_looked_and_the_pull_command(files, tmp_path, capsys):
-    from genfast.hub import sam_checkpoint_path
+    from genfast.storage.hub import sam_checkpoint_path
 
     argv = ["segment", str(files["image"]), "--point", "1,1", "-o", str(tmp_path / "o.png")]
     assert main(argv) == 2
@@ -249,7 +250,7 @@ def test_no_checkpoint_names_where_it_looked_and_the_pull_command(files, tmp_pat
 
 
 def test_pulled_checkpoint_is_found_by_model_name(files, tmp_path):
-    from genfast.hub import sam_checkpoint_path
+    from genfast.storage.hub import sam_checkpoint_path
 
     cached = sam_checkpoint_path("sam-vit-b")
     cached.parent.mkdir(parents=True)

@@ -38,8 +38,8 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def load_tiny(directory: Path):
     """A fresh (model, tokenizer): every engine needs its own model, since the KV caches live in it."""
-    from genfast.llm.checkpoint import load_model
-    from genfast.llm.tokenizer import load_tokenizer
+    from genfast.llm.checkpoints.tokenizer import load_tokenizer
+    from genfast.llm.checkpoints.weights import load_model
 
     return load_model(directory), load_tokenizer(directory)
 

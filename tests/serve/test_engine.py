@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from genfast.llm.generate import Generator
-from genfast.llm.sampling import SamplingParams
+from genfast.llm.decoding.generate import Generator
+from genfast.llm.decoding.sampling import SamplingParams
 from genfast.serve import engine as engine_module
 from genfast.serve.engine import Delta, Engine, EngineStopped, Finished, GenerationRequest
 from tests.busy import busy_loop, needs_proc, threads_restored
@@ -236,7 +236,7 @@ def test_tensor_parallel_leader_announces_every_model_call_and_a_follower_replay
 
 
 def test_saved_compiled_steps_serve_every_mix_of_requests(tiny_dir):
-    """The engine's steps compiled ahead of time (genfast/llm/precompiled.py): the first engine
+    """The engine's steps compiled ahead of time (genfast/llm/decoding/precompiled.py): the first engine
     compiles and saves them, a second one (as at the next start) loads them; both equal eager
     single requests for requests joining and leaving."""
     from genfast.llm.session import load

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genfast.llm.layers import WindowKVCache
-from genfast.llm.model import attention_mask
+from genfast.llm.model.layers import WindowKVCache
+from genfast.llm.model.transformer import attention_mask
 from genfast.serve.prefix_cache import PrefixCache
 from tests.llm.hf_fixtures import tiny_genfast_model
 

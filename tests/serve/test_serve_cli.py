@@ -114,9 +114,9 @@ def test_real_model_greedy_equals_genfast_generate(smollm2_gguf):
     """fp32: in bf16 a batched matmul rounds differently from a one-row one (different kernels and
     accumulation), so greedy continuations can drift apart after a near tie (measured: 4 of 8
     prompts within 48 tokens); in fp32 every row is exactly the single-request computation."""
-    from genfast.llm.checkpoint import load_model
-    from genfast.llm.generate import Generator
-    from genfast.llm.tokenizer import load_tokenizer
+    from genfast.llm.checkpoints.tokenizer import load_tokenizer
+    from genfast.llm.checkpoints.weights import load_model
+    from genfast.llm.decoding.generate import Generator
     from genfast.serve.engine import Engine
 
     tokenizer = load_tokenizer(smollm2_gguf)

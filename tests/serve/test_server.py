@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from genfast.llm.generate import Generator
+from genfast.llm.decoding.generate import Generator
 from tests.serve.conftest import load_tiny, wait_until, words
 
 PROMPT = words(5, 17, 3, 99, 42)

@@ -1,0 +1,1 @@
+"""torch.compile settings and compiled code kept on disk for later runs."""

@@ -1,0 +1,1 @@
+"""What the user sees and types: shared flags, progress, images, start-up timing, `genfast info`."""

@@ -1,0 +1,1 @@
+"""Weights and tokenizers in and out: safetensors, GGUF, genfast's quantized directories."""

@@ -1,0 +1,384 @@
+"""Loading Llama-family weights from a Hugging Face directory (safetensors), a GGUF file, or a
+directory written by `genfast quantize` (see genfast/quant/checkpoint.py).
+
+All formats are read lazily (memory-mapped) and tensor by tensor into a model built on the meta
+device, one transformer block at a time, so peak memory is the model plus one tensor; a caller
+that quantizes or shards each block as it is filled (`load_model`'s `prepare_block`) never holds
+more than one block at full size. Pickle checkpoints are refused: they can
+run code when loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from genfast.errors import UserError
+from genfast.llm.checkpoints import random_model
+from genfast.llm.checkpoints.gguf_file import GGUFFile, is_gguf, open_gguf
+from genfast.llm.model import families
+from genfast.llm.model.config import ModelArgs, RopeScaling, longrope_attention_factor
+from genfast.llm.model.layers import TransformerBlock
+from genfast.llm.model.transformer import Transformer
+from genfast.quant.grids import QuantizedWeight
+
+if TYPE_CHECKING:
+    from genfast.quant.checkpoint import QuantizedCheckpoint
+
+# GGUF block types whose codes are a genfast grid as they are (gguf_file.GGUFFile.quantized).
+GGUF_TYPES_FOR_BITS = {8: ("Q8_0",), 4: ("Q4_0", "Q4_1")}
+# The weights file of a `genfast quantize` output directory.
+QUANTIZED_FILE = "model.safetensors"
+
+# genfast parameter suffix -> source tensor names (several are concatenated along dim 0).
+_HF_LAYER = {
+    "attention.wqkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    "attention.wqkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+    "attention.wo.weight": ["self_attn.o_proj.weight"],
+    "attention.wo.bias": ["self_attn.o_proj.bias"],
+    "feed_forward.w13.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "feed_forward.w2.weight": ["mlp.down_proj.weight"],
+    "attention_norm.weight": ["input_layernorm.weight"],
+    "ffn_norm.weight": ["post_attention_layernorm.weight"],
+}
+_HF_GLOBAL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attention.wqkv.weight": ["attn_q.weight", "attn_k.weight", "attn_v.weight"],
+    "attention.wqkv.bias": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+    "attention.wo.weight": ["attn_output.weight"],
+    "attention.wo.bias": ["attn_output.bias"],
+    "feed_forward.w13.weight": ["ffn_gate.weight", "ffn_up.weight"],
+    "feed_forward.w2.weight": ["ffn_down.weight"],
+    "attention_norm.weight": ["attn_norm.weight"],
+    "ffn_norm.weight": ["ffn_norm.weight"],
+}
+# A mixture-of-experts MLP in GGUF: the experts stacked in one tensor per projection, under the
+# same names for every architecture (HF names differ per family: Family.hf_expert_tensors).
+_GGUF_EXPERTS = {
+    "feed_forward.router.weight": ["ffn_gate_inp.weight"],
+    "feed_forward.w13.weight": ["ffn_gate_exps.weight", "ffn_up_exps.weight"],
+    "feed_forward.w2.weight": ["ffn_down_exps.weight"],
+}
+_GGUF_GLOBAL = {
+    "tok_embeddings.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "output.weight": "output.weight",
+}
+
+
+def checkpoint_format(path: Path) -> str:
+    """'hf' (a directory with config.json), 'genfast' (a directory written by `genfast quantize`),
+    'gguf' (a file with the GGUF magic) or 'random' (`random:SHAPE`: genfast.llm.checkpoints.random_model)."""
+    if random_model.is_random(path):
+        random_model.shape_name(path)  # a known shape
+        return "random"
+    if not path.exists():
+        raise UserError(f"model not found: {path} does not exist")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return "hf"
+        if (path / QUANTIZED_FILE).is_file():
+            return "genfast"
+        ggufs = sorted(p for p in path.glob("*.gguf") if is_gguf(p))
+        if len(ggufs) == 1:
+            return "gguf"
+        raise UserError(f"{path} holds neither a config.json (Hugging Face model) nor exactly one .gguf file")
+    if is_gguf(path):
+        return "gguf"
+    raise UserError(f"{path} is neither a GGUF file nor a Hugging Face model directory")
+
+
+def gguf_path(path: Path) -> Path:
+    """The GGUF file itself, for a path that is the file or a directory holding exactly one."""
+    return path if path.is_file() else next(p for p in sorted(path.glob("*.gguf")) if is_gguf(p))
+
+
+BlockHook = Callable[[str, TransformerBlock], None]
+
+
+def load_model(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    prepare_block: BlockHook | None = None,
+) -> Transformer:
+    """Build the model described by the checkpoint at `path` and fill it with its weights.
+
+    Transformer blocks are allocated and filled one at a time. `prepare_block(prefix, block)`
+    (e.g. quantize and shard it, in place) runs on each before the next is read, so peak memory
+    is the prepared model plus one block as stored, never the whole model at full size."""
+    fmt = checkpoint_format(path)
+    if fmt == "genfast":
+        args, fill = _quantized_filler(path, dtype)
+    elif fmt == "random":
+        args, fill = random_model.random_args(path), random_model.fill_random
+    else:
+        args, fill = _source_filler(path, fmt)
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)  # cast while empty: memory is allocated once, in dtype
+    blocks, model.layers = model.layers, torch.nn.ModuleList()
+    model.to_empty(device=device)  # everything but the blocks
+    fill(model, "")
+    if args.tie_embeddings and isinstance(model.output, torch.nn.Linear):
+        model.output.weight = model.tok_embeddings.weight
+    for i, block in enumerate(blocks):
+        prefix = f"layers.{i}."
+        fill(block.to_empty(device=device), prefix)
+        if prepare_block is not None:
+            prepare_block(prefix, block)
+    model.layers = blocks
+    model.reset_rope()  # computed buffers (the model's and its blocks') were left uninitialized by to_empty
+    return model.eval().requires_grad_(False)
+
+
+Filler = Callable[[torch.nn.Module, str], None]
+
+
+def _source_filler(path: Path, fmt: str) -> tuple[ModelArgs, Filler]:
+    """The config of a Hugging Face or GGUF checkpoint, and a function that fills a part of the
+    model (the module stored under a prefix) from it, tensor by tensor."""
+    if fmt == "hf":
+        args = ModelArgs.from_hf_config(_read_json(path / "config.json"))
+        get, available = _hf_source(path)
+        family = families.family(args.family)
+        layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
+        layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
+        expert_names = family.hf_expert_tensors
+    else:
+        gguf = open_gguf(gguf_path(path))
+        args = _gguf_args(gguf)
+        get, available = _gguf_getter(gguf, args), gguf.tensor_names
+        own = families.family(args.family).gguf_layer_tensors
+        layer_names = {**_GGUF_LAYER, **own}
+        layer_prefix, global_names = "blk.{i}.", _GGUF_GLOBAL
+        expert_names = _GGUF_EXPERTS
+
+    def fill(module: torch.nn.Module, prefix: str) -> None:
+        for local, param in module.named_parameters(remove_duplicate=False):
+            name = prefix + local
+            if name == "output.weight" and args.tie_embeddings:
+                continue
+            if name.startswith("layers."):
+                _, idx, suffix = name.split(".", 2)
+                names = expert_names if args.is_moe_layer(int(idx)) and suffix in expert_names else layer_names
+                per_expert = len(names[suffix]) if any("{e}" in s for s in names[suffix]) else None
+                experts = range(args.n_experts) if per_expert else [0]
+                sources = [layer_prefix.format(i=idx) + s.format(e=e) for e in experts for s in names[suffix]]
+            else:
+                sources, per_expert = [global_names[name]], None
+            missing = [s for s in sources if s not in available]
+            if missing:
+                raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
+            tensor = _assemble([get(s) for s in sources], per_expert)
+            if tensor.shape != param.shape:
+                raise UserError(
+                    f"{path}: tensor {sources[0]} has shape {tuple(tensor.shape)} but the config implies "
+                    f"{tuple(param.shape)} for {name}; the checkpoint and its config disagree"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+
+    return args, fill
+
+
+def _assemble(parts: list[torch.Tensor], per_expert: int | None) -> torch.Tensor:
+    """One parameter from its source tensors: fused projections are concatenated along the output
+    features (GGUF's expert stacks [E, out, in] too); experts stored a tensor each (HF; `per_expert`
+    tensors per expert, expert by expert) are concatenated per expert and stacked."""
+    if per_expert is not None:
+        return torch.stack([torch.cat(parts[i : i + per_expert]) for i in range(0, len(parts), per_expert)])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=max(parts[0].dim() - 2, 0))
+
+
+def _quantized_filler(path: Path, dtype: torch.dtype) -> tuple[ModelArgs, Filler]:
+    """The same for a `genfast quantize` directory: a part gets the header's layers under its prefix
+    (the top level: those outside the blocks)."""
+    from genfast.quant.checkpoint import QuantizedCheckpoint, load_quantized_into
+
+    checkpoint = QuantizedCheckpoint(path / QUANTIZED_FILE)
+    args = _quantized_args(checkpoint, path)
+    block_prefixes = tuple(f"layers.{i}." for i in range(args.n_layers))
+    for name in checkpoint.layers:
+        if name.startswith("layers.") and not name.startswith(block_prefixes):
+            raise UserError(f"{checkpoint.path}: header lists layer {name}, which this model has no linear for")
+
+    def fill(module: torch.nn.Module, prefix: str) -> None:
+        if prefix:
+            layers = [n for n in checkpoint.layers if n.startswith(prefix)]
+        else:
+            layers = [n for n in checkpoint.layers if not n.startswith("layers.")]
+        load_quantized_into(module, checkpoint, convert=lambda _, t: t.to(dtype), prefix=prefix, layers=layers)
+
+    return args, fill
+
+
+def _quantized_args(checkpoint: QuantizedCheckpoint, path: Path) -> ModelArgs:
+    try:
+        return ModelArgs.from_dict(json.loads(checkpoint.metadata["model_args"]))
+    except (KeyError, json.JSONDecodeError) as e:
+        raise UserError(f"{path / QUANTIZED_FILE}: header has no valid model_args: {e}") from e
+
+
+def read_model_args(path: Path) -> ModelArgs:
+    """The architecture of the checkpoint at `path`, read without its weights."""
+    fmt = checkpoint_format(path)
+    if fmt == "hf":
+        return ModelArgs.from_hf_config(_read_json(path / "config.json"))
+    if fmt == "random":
+        return random_model.random_args(path)
+    if fmt == "gguf":
+        return _gguf_args(open_gguf(gguf_path(path)))
+    from genfast.quant.checkpoint import QuantizedCheckpoint
+
+    return _quantized_args(QuantizedCheckpoint(path / QUANTIZED_FILE), path)
+
+
+def gguf_quantized_linears(path: Path, bits: int, only: set[str] | None = None) -> dict[str, QuantizedWeight]:
+    """The linears of a GGUF model whose blocks are already `bits`-bit codes on a genfast grid
+    (Q8_0 for int8; Q4_0/Q4_1 for int4), in genfast module names, ready to use without
+    dequantizing and requantizing. Layers stored in other types are absent; `only` limits the
+    search to some module names."""
+    gguf = open_gguf(gguf_path(path))
+    args = _gguf_args(gguf)
+    interleaved = families.family(args.family).gguf_rope_interleaved
+    permuted = {"attn_q.weight": args.n_heads, "attn_k.weight": args.n_kv_heads} if interleaved else {}
+    types = GGUF_TYPES_FOR_BITS[bits]
+    found: dict[str, QuantizedWeight] = {}
+
+    def fused(sources: list[str]) -> QuantizedWeight | None:
+        # Check every part's type before decoding any: a fused layer needs all of them.
+        if not all(s in gguf.tensor_names and gguf.tensor_type(s) in types for s in sources):
+            return None
+        parts = []
+        for source in sources:
+            qw = gguf.quantized(source)
+            suffix = source.split(".", 2)[-1]
+            if suffix in permuted:
+                qw = QuantizedWeight(
+                    *(unpermute_rope_rows(t, permuted[suffix]) for t in (qw.codes, qw.scales, qw.mins)),
+                    qw.bits,
+                    qw.group_size,
+                    qw.in_features,
+                )
+            parts.append(qw)
+        return QuantizedWeight(  # along the output features (of each expert, for experts)
+            torch.cat([p.codes for p in parts], dim=-2),
+            torch.cat([p.scales for p in parts], dim=-2),
+            torch.cat([p.mins for p in parts], dim=-2),
+            bits,
+            parts[0].group_size,
+            parts[0].in_features,
+        )
+
+    sources = {
+        f"layers.{i}.{module}": [f"blk.{i}.{s}" for s in _GGUF_LAYER[f"{module}.weight"]]
+        for i in range(args.n_layers)
+        for module in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
+    }
+    for i in range(args.n_layers):  # a mixture's experts: stacks of codes, read the same way
+        if args.is_moe_layer(i):
+            for module in ("feed_forward.w13", "feed_forward.w2"):
+                sources[f"layers.{i}.{module}"] = [f"blk.{i}.{s}" for s in _GGUF_EXPERTS[f"{module}.weight"]]
+    sources["output"] = ["output.weight" if "output.weight" in gguf.tensor_names else "token_embd.weight"]
+    for name, parts in sources.items():
+        if only is None or name in only:
+            qw = fused(parts)
+            if qw is not None:
+                found[name] = qw
+    return found
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from e
+
+
+def _hf_source(path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
+    from safetensors import SafetensorError, safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = _read_json(index)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
+            hint = (
+                (
+                    f" (found {pickles[0]}: pickle checkpoints are not loaded, as they can run code; "
+                    "convert them to safetensors)"
+                )
+                if pickles
+                else ""
+            )
+            raise UserError(f"{path}: no .safetensors weights found{hint}")
+        weight_map = {}
+    handles = {}
+    for name in files:
+        try:
+            handles[name] = safe_open(str(path / name), framework="pt")
+        except (OSError, SafetensorError) as e:
+            raise UserError(f"cannot read {path / name} (missing, truncated or corrupt): {e}") from e
+        if not index.is_file():
+            weight_map.update(dict.fromkeys(handles[name].keys(), name))
+
+    def get(name: str) -> torch.Tensor:
+        return handles[weight_map[name]].get_tensor(name)
+
+    return get, set(weight_map)
+
+
+def _gguf_args(gguf: GGUFFile) -> ModelArgs:
+    args = ModelArgs.from_gguf_metadata(gguf.metadata, gguf.tensor_names)
+    if "rope_freqs.weight" in gguf.tensor_names:
+        divisors = tuple(gguf.tensor("rope_freqs.weight").tolist())
+        args = ModelArgs(**{**args.__dict__, "rope_freq_divisors": divisors})
+    if "rope_factors_long.weight" in gguf.tensor_names:  # LongRoPE (Phi-3): its factors are tensors
+        arch = gguf.metadata["general.architecture"]
+        original = int(gguf.metadata.get(f"{arch}.rope.scaling.original_context_length", args.max_seq_len))
+        factor = args.max_seq_len / original
+        scaling = RopeScaling(
+            "longrope",
+            factor,
+            original_max_position_embeddings=original,
+            short_factor=tuple(gguf.tensor("rope_factors_short.weight").tolist()),
+            long_factor=tuple(gguf.tensor("rope_factors_long.weight").tolist()),
+            attention_factor=float(
+                gguf.metadata.get(f"{arch}.rope.scaling.attn_factor") or longrope_attention_factor(factor, original)
+            ),
+        )
+        args = ModelArgs(**{**args.__dict__, "rope_scaling": scaling})
+    return args
+
+
+def _gguf_getter(gguf: GGUFFile, args: ModelArgs) -> Callable[[str], torch.Tensor]:
+    # llama.cpp's converter interleaves the rotary halves of q/k rows for the "llama"
+    # architecture; undo it so the rows are in Hugging Face's rotate-half order.
+    family = families.family(args.family)
+    permuted = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads} if family.gguf_rope_interleaved else {}
+
+    def get(name: str) -> torch.Tensor:
+        tensor = gguf.tensor(name)
+        kind = name.split(".")[-2]
+        if kind in permuted:
+            tensor = unpermute_rope_rows(tensor, permuted[kind])
+        return family.gguf_tensor(name, tensor)
+
+    return get
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k row permutation (per head: [pairs interleaved] -> [half | half])."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

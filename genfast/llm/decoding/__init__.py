@@ -1,0 +1,1 @@
+"""Turning a model into text: generation, sampling, speculative decoding, saved compiled steps."""

@@ -1,0 +1,54 @@
+"""What a decoder family declares (see genfast/llm/model/families/__init__.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from genfast.llm.model.layers import RMSNorm, TransformerBlock
+
+if TYPE_CHECKING:
+    from genfast.llm.model.config import ModelArgs
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_model_types: tuple[str, ...]
+    gguf_architectures: tuple[str, ...]
+    # ModelArgs fields that the family sets from a Hugging Face config (beyond the shared ones).
+    hf_fields: Callable[[dict[str, Any]], dict[str, Any]] = lambda cfg: {}
+    # The block of layer i (the shared pre-norm block unless the family differs; its MLP a mixture
+    # of experts where the config has them).
+    block: Callable[[ModelArgs, int], nn.Module] = lambda args, i: TransformerBlock(args, moe=args.is_moe_layer(i))
+    norm: type[nn.Module] = RMSNorm  # the final norm
+    # genfast parameter suffix in a block -> the family's own source tensors (HF, GGUF).
+    hf_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
+    gguf_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
+    # The same for a mixture-of-experts MLP in HF checkpoints, which store a tensor per expert
+    # ("{e}"); GGUF files stack them under names shared by all families (genfast.llm.checkpoints.weights).
+    hf_expert_tensors: dict[str, list[str]] = field(default_factory=dict)
+    # ModelArgs fields that the family reads from GGUF metadata (beyond the shared ones), given
+    # the metadata and its architecture.
+    gguf_fields: Callable[[dict[str, Any], str], dict[str, Any]] = lambda meta, arch: {}
+    # A GGUF tensor as llama.cpp stores it -> as the model takes it (name: the GGUF tensor's).
+    gguf_tensor: Callable[[str, Tensor], Tensor] = lambda name, tensor: tensor
+    # llama.cpp's converter interleaves the rotary halves of q/k rows for this architecture.
+    gguf_rope_interleaved: bool = False
+    # A config's `sliding_window` applies to every layer unless it says `use_sliding_window: false`
+    # (Mistral, Phi-3); otherwise only when it says true, and then to some layers (Qwen2/3).
+    sliding_window_by_default: bool = False
+
+
+# Per-head q/k norm weights (Qwen3, Gemma 3): genfast's names -> the checkpoints' (HF, GGUF).
+QK_NORM_HF_TENSORS = {
+    "attention.q_norm.weight": ["self_attn.q_norm.weight"],
+    "attention.k_norm.weight": ["self_attn.k_norm.weight"],
+}
+QK_NORM_GGUF_TENSORS = {
+    "attention.q_norm.weight": ["attn_q_norm.weight"],
+    "attention.k_norm.weight": ["attn_k_norm.weight"],
+}

@@ -1,0 +1,157 @@
+"""Gemma 2: RMSNorm scaling by (1 + w) in fp32, a norm before and after both attention and MLP,
+GeGLU with tanh GELU, embeddings scaled by sqrt(dim), queries scaled by query_pre_attn_scalar,
+attention-logit and final-logit soft-capping (cap * tanh(x / cap)), and sliding-window
+attention on alternate layers (even layers local). Config values it adds live in
+`ModelArgs.extra`: query_pre_attn_scalar, attn_logit_softcap, final_logit_softcap,
+sliding_window, sliding_layers, embedding_scale.
+
+A local layer's cache is a ring of its window (genfast.llm.model.layers.WindowKVCache): it does not
+grow with the sequence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from genfast.llm.model.families.base import Family
+from genfast.llm.model.layers import Attention, FeedForward
+
+if TYPE_CHECKING:
+    from genfast.llm.model.config import ModelArgs
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), all in fp32, then cast (the order Gemma's reference uses)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GeluFeedForward(FeedForward):
+    def activation(self, gate: Tensor) -> Tensor:
+        return F.gelu(gate, approximate="tanh")
+
+
+class GemmaAttention(Attention):
+    """Attention with its own query scale, optional logit soft-capping and, on local layers, a
+    sliding window; computed explicitly (SDPA has no soft-capping), in fp32 scores."""
+
+    def __init__(self, args: ModelArgs, local: bool) -> None:
+        super().__init__(args)
+        self.scale = float(args.extra.get("query_pre_attn_scalar", args.head_dim)) ** -0.5
+        self.softcap = args.extra.get("attn_logit_softcap")
+        self.sliding_window = args.extra["sliding_window"] if local else None
+
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+        bsz, _, seqlen, hd = q.shape
+        group = self.n_heads // self.n_kv_heads
+        qg = q.reshape(bsz, self.n_kv_heads, group * seqlen, hd)
+        scores = (qg @ keys.transpose(2, 3)).float() * self.scale  # [B, KV, G*S, L]
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.view(bsz, self.n_kv_heads, group, seqlen, -1).masked_fill(~mask[:, :, None], float("-inf"))
+        probs = scores.softmax(dim=-1).to(values.dtype).view(bsz, self.n_kv_heads, group * seqlen, -1)
+        return (probs @ values).view(bsz, self.n_heads, seqlen, hd)
+
+
+class GemmaBlock(nn.Module):
+    """Norms before and after attention and MLP; the same attribute names as the shared block
+    (attention, feed_forward, attention_norm, ffn_norm), so quantization and sharding apply."""
+
+    def __init__(self, args: ModelArgs, attention: Attention) -> None:
+        super().__init__()
+        self.attention = attention
+        self.feed_forward = GeluFeedForward(args)
+        self.attention_norm = GemmaRMSNorm(args.dim, args.norm_eps)
+        self.post_attention_norm = GemmaRMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = GemmaRMSNorm(args.dim, args.norm_eps)
+        self.post_ffn_norm = GemmaRMSNorm(args.dim, args.norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor, cache_rows: Tensor | None = None
+    ) -> Tensor:
+        attended = self.attention(self.attention_norm(x), cos, sin, input_pos, mask, cache_rows)
+        h = x + self.post_attention_norm(attended)
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+
+
+def sliding_layers(n_layers: int, every: int) -> list[int]:
+    """Gemma's layer pattern: every `every`-th layer (1-based) global, the others local."""
+    return [i for i in range(n_layers) if (i + 1) % every]
+
+
+def hf_fields(cfg: dict[str, Any], every: int = 2) -> dict[str, Any]:
+    types = cfg.get("layer_types")
+    local = [i for i, t in enumerate(types) if t == "sliding_attention"] if types else None
+    extra = {
+        "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256),
+        "attn_logit_softcap": cfg.get("attn_logit_softcapping"),
+        "final_logit_softcap": cfg.get("final_logit_softcapping"),
+        "sliding_window": cfg.get("sliding_window") or 4096,
+        "sliding_layers": local if local is not None else sliding_layers(cfg["num_hidden_layers"], every),
+        "embedding_scale": cfg["hidden_size"] ** 0.5,
+    }
+    bias = bool(cfg.get("attention_bias", False))
+    return {"qkv_bias": bias, "out_bias": bias, "extra": extra}
+
+
+def gguf_fields(meta: dict[str, Any], arch: str, every: int = 2) -> dict[str, Any]:
+    """GGUF stores no query_pre_attn_scalar; as llama.cpp does, queries scale by head_dim
+    (key_length, Gemma 2 2B and 9B) except for the 46-layer 27B, which uses dim / heads."""
+    n_layers, dim = int(meta[f"{arch}.block_count"]), int(meta[f"{arch}.embedding_length"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", dim // int(meta[f"{arch}.attention.head_count"])))
+    scalar = dim // int(meta[f"{arch}.attention.head_count"]) if arch == "gemma2" and n_layers == 46 else head_dim
+    extra = {
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcap": meta.get(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcap": meta.get(f"{arch}.final_logit_softcapping"),
+        "sliding_window": int(meta.get(f"{arch}.attention.sliding_window", 4096)),
+        "sliding_layers": sliding_layers(n_layers, every),
+        "embedding_scale": dim**0.5,
+    }
+    return {"extra": extra}
+
+
+def from_gguf_norm(name: str, tensor: Tensor) -> Tensor:
+    """llama.cpp's converter stores Gemma's norm weights as 1 + w."""
+    return tensor - 1 if name.endswith("norm.weight") else tensor
+
+
+def block(args: ModelArgs, i: int) -> GemmaBlock:
+    return GemmaBlock(args, GemmaAttention(args, local=i in args.extra["sliding_layers"]))
+
+
+GEMMA_LAYER_TENSORS_HF = {
+    "post_attention_norm.weight": ["post_attention_layernorm.weight"],
+    "ffn_norm.weight": ["pre_feedforward_layernorm.weight"],
+    "post_ffn_norm.weight": ["post_feedforward_layernorm.weight"],
+}
+GEMMA_LAYER_TENSORS_GGUF = {
+    "post_attention_norm.weight": ["post_attention_norm.weight"],
+    "ffn_norm.weight": ["ffn_norm.weight"],  # llama.cpp's FFN_PRE_NORM
+    "post_ffn_norm.weight": ["post_ffw_norm.weight"],
+}
+
+FAMILY = Family(
+    "gemma2",
+    ("gemma2",),
+    ("gemma2",),
+    hf_fields,
+    block=block,
+    norm=GemmaRMSNorm,
+    hf_layer_tensors=GEMMA_LAYER_TENSORS_HF,
+    gguf_layer_tensors=GEMMA_LAYER_TENSORS_GGUF,
+    gguf_fields=gguf_fields,
+    gguf_tensor=from_gguf_norm,
+)

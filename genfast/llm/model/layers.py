@@ -1,0 +1,344 @@
+"""The blocks every Llama-style decoder family shares: RMSNorm, the static KV cache, rotary
+embedding, attention over the cache, the gated MLP and the pre-norm block. A family (genfast/llm/
+families/) reuses them and overrides only what differs (e.g. Qwen3's per-head q/k norms).
+
+Layout choices, all for decode speed:
+- q/k/v are one fused projection and gate/up another, so a layer runs four matmuls, not seven.
+- The KV cache is a fixed buffer per layer; attention reads only its valid prefix, whose length
+  is the attention mask's last dimension. Compiled with that dimension dynamic, one graph
+  serves every length. One query per sequence (decode) attends through a native kernel on CPUs
+  with one (genfast/llm/model/decode_attention.py), eager or compiled.
+- Rotary embeddings use the Hugging Face (rotate-half) layout, so HF weights load unpermuted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from genfast.llm.model import decode_attention
+from genfast.llm.model.moe import MoEFeedForward
+from genfast.nn import Linear
+
+if TYPE_CHECKING:
+    from genfast.llm.model.config import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalize in fp32 and scale in the input dtype, the order HF uses (bf16 agreement).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+# A sliding-window layer's ring holds this many slots beyond its window: a speculative
+# verification writes up to MAX_K + 1 tokens that may be rejected, and those writes must not
+# overwrite keys that are still inside the window of the next accepted position.
+WINDOW_SLACK = 32
+
+
+def window_mask(mask: Tensor, input_pos: Tensor, window: int) -> Tensor:
+    """`mask` [B|1, 1, S, L] over slots that are positions, with keys at or before query position
+    - window masked out."""
+    key_pos = torch.arange(mask.shape[-1], device=mask.device)[None, None, None, :]
+    query_pos = input_pos.reshape(-1, 1, input_pos.shape[-1], 1)
+    return mask & (key_pos > query_pos - window)
+
+
+class KVCache(nn.Module):
+    """Static per-layer key/value buffers of shape [batch, kv_heads, max_len, head_dim], slot =
+    position; `window`: the layer attends only to that many latest positions (masked here)."""
+
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+        window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.window = window
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def attend_inputs(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, mask: Tensor, rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Store this call's k/v and return the keys, values (in the cache's dtype, which may be
+        narrower than the model's: `Transformer.cache_dtype`) and mask its queries attend over."""
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        self.update(input_pos, k, v, rows)
+        keys, values = self.read(mask.shape[-1], rows)
+        return keys, values, mask if self.window is None else window_mask(mask, input_pos, self.window)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
+        """Write k/v [B, kv_heads, S, D] at slots input_pos: [S] shared by all rows, or [B, S]
+        per row (continuous batching, where each sequence is at its own length). rows: [B], the
+        cache rows the batch rows write (default: all, in order)."""
+        if input_pos.dim() == 1 and rows is None:
+            self.k.index_copy_(2, input_pos, k)
+            self.v.index_copy_(2, input_pos, v)
+            return
+        if rows is None:
+            rows = torch.arange(k.shape[0], device=k.device)
+        pos = input_pos.expand(k.shape[0], k.shape[2])
+        # Advanced indices on dims 0 and 2 put the indexed dims first: the target is [B, S, H, D].
+        self.k[rows[:, None], :, pos] = k.transpose(1, 2)
+        self.v[rows[:, None], :, pos] = v.transpose(1, 2)
+
+    def read(self, kv_len: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values of the first kv_len slots, of all rows or of `rows` [B] (a copy)."""
+        if rows is None:
+            return self.k[:, :, :kv_len], self.v[:, :, :kv_len]
+        return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
+
+    def read_span(self, row: int, start: int, end: int) -> Tensor:
+        """Keys and values of positions start..end-1 of cache row `row`: [2, kv_heads, end - start, head_dim]."""
+        return torch.stack([self.k[row, :, start:end], self.v[row, :, start:end]])
+
+    def write_span(self, row: int, start: int, kv: Tensor) -> None:
+        """Put keys and values [2, kv_heads, n, head_dim] (read_span's) at positions start.. of row `row`."""
+        end = start + kv.shape[2]
+        self.k[row, :, start:end] = kv[0]
+        self.v[row, :, start:end] = kv[1]
+
+
+class WindowKVCache(nn.Module):
+    """The cache of a sliding-window layer: a ring of `size` slots per row (the window plus
+    WINDOW_SLACK), position p in slot p % size, so it never grows with the sequence and a decode
+    step reads `size` slots, not the whole prefix. Each slot remembers its position (-1: empty).
+
+    A call's queries attend over the ring as it was before the call (its slots at or past the
+    call's first position are stale: a rewound sequence, rejected drafts) and over the call's
+    own keys, so a prefill longer than the ring needs nothing evicted before it is used; then the
+    call's last `size` positions are written.
+
+    The last position a cache of `max_len` slots holds, max_len - 1, is never written to the ring:
+    no later call has a query beyond it that could read it back, and the serve engine runs its
+    idle rows' dummy tokens there, which must not overwrite the ring of a row that is between two
+    prefill chunks or keeps a finished request's keys for reuse (genfast/serve/engine.py)."""
+
+    def __init__(
+        self,
+        batch: int,
+        size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        window: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.size, self.window, self.max_len = size, window, max_len
+        shape = (batch, n_kv_heads, size + 1, head_dim)  # + 1: where the writes that are dropped go
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        empty = torch.full((batch, size + 1), -1, dtype=torch.long, device=device)
+        self.register_buffer("pos", empty, persistent=False)
+
+    def attend_inputs(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, mask: Tensor, rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        bsz, _, seqlen, _ = k.shape
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        if rows is None:
+            rows = torch.arange(bsz, device=k.device)
+        ring = slice(0, self.size)
+        old_k, old_v, old_pos = self.k[rows, :, ring], self.v[rows, :, ring], self.pos[rows, ring]
+        pos = input_pos.expand(bsz, seqlen)
+        key_pos = torch.cat([old_pos, pos], dim=1)  # [B, size + S]
+        current = torch.cat([(old_pos >= 0) & (old_pos < pos[:, :1]), torch.ones_like(pos, dtype=torch.bool)], 1)
+        query_pos, kp = pos[:, None, :, None], key_pos[:, None, None, :]
+        attended = current[:, None, None, :] & (kp <= query_pos) & (kp > query_pos - self.window)
+        # Causality and left padding as the shared mask has them, read at each key's position
+        # (clamped: stale and empty slots, masked already, may hold any position).
+        shared = mask.expand(bsz, 1, seqlen, mask.shape[-1])
+        at = kp.clamp(0, mask.shape[-1] - 1).expand(bsz, 1, seqlen, key_pos.shape[1])
+        attended = attended & shared.gather(-1, at)
+        keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+
+        kept = (torch.arange(seqlen, device=k.device) >= seqlen - self.size) & (pos < self.max_len - 1)
+        slots = torch.where(kept, pos % self.size, self.size)  # the others to the spare slot
+        self.k[rows[:, None], :, slots] = k.transpose(1, 2)
+        self.v[rows[:, None], :, slots] = v.transpose(1, 2)
+        self.pos[rows[:, None], slots] = pos
+        return keys, values, attended
+
+    def held_positions(self, row: int) -> set[int]:
+        """The positions whose keys and values the ring of row `row` holds."""
+        return {p for p in self.pos[row, : self.size].tolist() if p >= 0}
+
+    def read_span(self, row: int, start: int, end: int) -> Tensor:
+        """Keys and values of positions start..end-1 of row `row`, which the ring must hold (see
+        `held_positions`): [2, kv_heads, end - start, head_dim]."""
+        slots = torch.arange(start, end, device=self.k.device) % self.size
+        return torch.stack([self.k[row, :, slots], self.v[row, :, slots]])
+
+    def write_span(self, row: int, start: int, kv: Tensor) -> None:
+        """Make row `row`'s ring hold exactly the keys and values [2, kv_heads, n, head_dim] (n at
+        most `size`) at positions start..: as if they were the only positions written so far."""
+        positions = torch.arange(start, start + kv.shape[2], device=self.k.device)
+        slots = positions % self.size
+        self.pos[row] = -1
+        self.k[row, :, slots] = kv[0]
+        self.v[row, :, slots] = kv[1]
+        self.pos[row, slots] = positions
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, H, S, D]; cos/sin: [S, R/2] (rotate-half layout) for the first R dims of each head
+    (R < D: partial rotary embedding, the rest passes through)."""
+    rotary = 2 * cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    half = rotary // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class CacheRows:
+    """A model's KV caches seen as rows of positions (one row per sequence of the batch), split
+    into full caches and sliding-window rings (all of one shape per position: the same kv heads
+    and head dim in every layer). `Transformer.cache_rows()` makes one."""
+
+    def __init__(self, caches: Sequence[KVCache | WindowKVCache]) -> None:
+        self.full = [c for c in caches if isinstance(c, KVCache)]
+        self.rings = [c for c in caches if isinstance(c, WindowKVCache)]
+        # The positions before a kept prefix that the rings must hold: the longest window.
+        self.window = max((ring.window for ring in self.rings), default=0)
+
+    def ring_positions(self, row: int) -> set[int] | None:
+        """The positions the rings of row `row` hold (all rings are written alike); None: no rings."""
+        return self.rings[0].held_positions(row) if self.rings else None
+
+    def reusable(self, row: int, common: int) -> int:
+        """How many of the `common` leading positions that row `row` shares with a new call's
+        tokens the call can skip: all, unless a ring has overwritten part of the window just
+        before them (a ring keeps only its latest positions)."""
+        held = self.ring_positions(row) if common else None
+        if held is None or all(p in held for p in range(max(0, common - self.window), common)):
+            return common
+        return 0
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
+        self.kv_cache: KVCache | WindowKVCache | None = None
+        self.sliding_window: int | None = args.sliding_window  # a family may set it per layer (Gemma)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor, cache_rows: Tensor | None = None
+    ) -> Tensor:
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.project(x)
+        q, k = self.rotate(q, k, cos, sin, input_pos)
+
+        if self.kv_cache is None:  # no cache: attend within this call only
+            keys, values = k, v
+            if self.sliding_window is not None:
+                mask = window_mask(mask, input_pos, self.sliding_window)
+        else:
+            keys, values, mask = self.kv_cache.attend_inputs(input_pos, k, v, mask, cache_rows)
+
+        out = self.attend(q, keys, values, mask, input_pos)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim))
+
+    def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """q and k with the rotary embedding applied (cos/sin: the model's, at input_pos)."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+        """Attention of q [B, H, S, D] over the valid keys and values [B, KV, L, D]: [B, H, S, D]."""
+        if decode_attention.applies(q, keys, mask):
+            return decode_attention.decode_attention(q, keys, values, mask, self.head_dim**-0.5)
+        if q.shape[2] == 1 and torch.compiler.is_compiling():
+            return self._decode_attention(q, keys, values, mask)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under fp32 compute
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of `x` [B, S, dim], each [B, heads, S, head_dim], before rotary embedding (a
+        family that normalizes q and k per head overrides this)."""
+        bsz, seqlen, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def _decode_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """One query per sequence, grouped by KV head (no KV repeat), in fp32, as multiply-sums:
+        decode's attention where the native kernel does not apply (a CPU without a variant, a
+        head size it does not take).
+
+        Compiled, this fuses into a few loops over the valid cache prefix. SDPA's CPU flash kernel
+        is tiled for long queries and costs ~0.45 us per cached token per layer for one query:
+        at 1,100 cached tokens SmolLM2 decodes at 44 tok/s with it and 88 tok/s with this
+        (docs/performance.md). Used only under torch.compile: eagerly it would materialize the
+        products.
+        """
+        bsz, _, _, hd = q.shape
+        group = self.n_heads // self.n_kv_heads
+        qg = q.view(bsz, self.n_kv_heads, group, 1, hd).float()
+        scores = (qg * k[:, :, None].float()).sum(-1) * hd**-0.5  # [B, KV, G, L]
+        scores = scores.masked_fill(~mask, float("-inf"))  # mask: [B|1, 1, 1, L]
+        probs = scores.softmax(dim=-1)
+        out = (probs[..., None] * v[:, :, None].float()).sum(-2)  # [B, KV, G, D]
+        return out.to(q.dtype).view(bsz, self.n_heads, 1, hd)
+
+
+class FeedForward(nn.Module):
+    """The gated MLP: w2(act(gate) * up), gate and up one fused projection (SwiGLU by default)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate ‖ up
+        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(self.activation(gate) * up)
+
+    def activation(self, gate: Tensor) -> Tensor:
+        return F.silu(gate)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual stream; `attention`: the family's
+    attention class; `moe`: the MLP is a mixture of experts (genfast/llm/model/moe.py)."""
+
+    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention, moe: bool = False) -> None:
+        super().__init__()
+        self.attention = attention(args)
+        self.feed_forward = MoEFeedForward(args) if moe else FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor, cache_rows: Tensor | None = None
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask, cache_rows)
+        return h + self.feed_forward(self.ffn_norm(h))

@@ -1,0 +1,65 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts,
+gated MLPs of the shared shape whose outputs are summed with the router's weights.
+
+The experts' weights are stacked per projection ([E, 2 * width, dim] and [E, dim, width]) in
+`ExpertLinear`s, which multiply each row by its own expert's weight only (genfast.nn.
+grouped_by_expert): a decode step reads the k active experts' weights, not all E, and a prefill
+runs one matmul per expert over the tokens routed to it. Quantization, tensor parallelism and
+checkpoints treat the stacks as they treat linears, one more leading dimension.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from genfast.nn import ExpertLinear
+
+if TYPE_CHECKING:
+    from genfast.llm.model.config import ModelArgs
+
+
+class Router(nn.Module):
+    """Top-k routing: softmax over the experts' logits (fp32), the k most probable, their
+    probabilities renormalized to sum to 1 where the family does (Mixtral always; Qwen3-MoE per
+    its norm_topk_prob). Kept in floating point: quantizing it would change which experts run
+    (llama.cpp keeps it in F32 too)."""
+
+    def __init__(self, dim: int, n_experts: int, n_active: int, normalize: bool) -> None:
+        super().__init__()
+        self.n_active, self.normalize = n_active, normalize
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, dim] -> (weights [T, k] in x's dtype, experts [T, k] int64)."""
+        probs = F.linear(x, self.weight.to(x.dtype)).float().softmax(dim=-1)
+        weights, experts = torch.topk(probs, self.n_active, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+
+class MoEFeedForward(nn.Module):
+    """Each token through its k experts' gated MLPs (SwiGLU), summed with the router's weights.
+    `w13`, `w2` and `intermediate_size` mirror the dense FeedForward's, per expert."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.expert_intermediate_size
+        self.router = Router(args.dim, args.n_experts, args.n_active_experts, args.normalize_expert_weights)
+        self.w13 = ExpertLinear(args.n_experts, args.dim, 2 * args.expert_intermediate_size)  # gate ‖ up
+        self.w2 = ExpertLinear(args.n_experts, args.expert_intermediate_size, args.dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.router(x)
+        k = experts.shape[-1]
+        rows = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
+        per_row = experts.reshape(-1)
+        gate, up = self.w13(rows, per_row).split(self.intermediate_size, dim=-1)
+        out = self.w2(F.silu(gate) * up, per_row).view(-1, k, shape[-1])
+        return (out * weights[..., None]).sum(dim=1).view(shape)

@@ -1,0 +1,152 @@
+"""A decoder-only language model with a static KV cache: embedding, the blocks of its family
+(genfast/llm/model/families/: Llama 2/3/3.x, Mistral, Mixtral, SmolLM, TinyLlama, Qwen2, Qwen3,
+Qwen3-MoE, Phi-3/4, Gemma 2/3), final norm and output head. The shared blocks are in
+genfast/llm/model/layers.py, the mixture-of-experts MLP in genfast/llm/model/moe.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from genfast.llm.model import families
+from genfast.llm.model.config import ModelArgs, rope_inverse_frequencies
+from genfast.llm.model.layers import WINDOW_SLACK, CacheRows, KVCache, WindowKVCache
+from genfast.nn import DtypeAttribute, Linear
+
+
+class Transformer(nn.Module):
+    # The KV caches' dtype; None: the compute dtype. bf16 where fp32 compute keeps bf16 weights
+    # (--dtype auto on a CPU without native bf16): decode reads half the cache's bytes.
+    cache_dtype = DtypeAttribute()
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        family = families.family(args.family)
+        self.layers = nn.ModuleList(family.block(args, i) for i in range(args.n_layers))
+        self.norm = family.norm(args.dim, args.norm_eps)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", torch.empty(args.rotary_dim // 2), persistent=False)
+        self.longrope = args.rope_scaling is not None and args.rope_scaling.kind == "longrope"
+        if self.longrope:  # LongRoPE: a second set of frequencies, beyond the original context
+            self.register_buffer("inv_freq_long", torch.empty(args.rotary_dim // 2), persistent=False)
+        self.reset_rope()
+        self.max_batch_size = 0
+        self.max_seq_len = 0
+        self.cache_dtype = None
+
+    def reset_rope(self) -> None:
+        """(Re)compute the rotary inverse frequencies in fp32 on the model's device, and those of
+        any layer with its own (Gemma 3's local layers: a `reset_rope` method of theirs)."""
+        if self.inv_freq.is_meta:
+            return
+        for module in self.layers.modules():
+            if hasattr(module, "reset_rope"):
+                module.reset_rope()
+        freqs = rope_inverse_frequencies(self.args)
+        self.inv_freq = torch.tensor(freqs, dtype=torch.float32, device=self.inv_freq.device)
+        if self.longrope:
+            long = rope_inverse_frequencies(self.args, long=True)
+            self.inv_freq_long = torch.tensor(long, dtype=torch.float32, device=self.inv_freq.device)
+
+    def setup_caches(self, batch_size: int, max_seq_len: int) -> None:
+        """Allocate static KV caches (in the model's dtype and device) for `max_seq_len` slots."""
+        if max_seq_len > self.args.max_seq_len:
+            raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
+        dtype = self.cache_dtype or self.norm.weight.dtype  # norm: the compute dtype (linears may store bf16)
+        current = self.layers[0].attention.kv_cache
+        if (batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len) and current.k.dtype == dtype:
+            return
+        device = self.norm.weight.device
+        for layer in self.layers:  # the layer's own kv heads: a tensor-parallel shard holds a slice
+            heads, window = layer.attention.n_kv_heads, layer.attention.sliding_window
+            if window is not None and window + WINDOW_SLACK < max_seq_len:  # a ring of the window
+                cache = WindowKVCache(
+                    batch_size, window + WINDOW_SLACK, heads, self.args.head_dim, window, max_seq_len, dtype, device
+                )
+            else:
+                cache = KVCache(batch_size, max_seq_len, heads, self.args.head_dim, dtype, device, window)
+            layer.attention.kv_cache = cache
+        self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
+
+    def cache_rows(self) -> CacheRows:
+        """The KV caches (`setup_caches`) as rows of positions: what a new call may reuse of them."""
+        return CacheRows([layer.attention.kv_cache for layer in self.layers])
+
+    def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """fp32 cos and sin of the rotary angles at `input_pos` [S]: [S, rotary_dim // 2] each; for
+        per-row positions [B, S]: [B, 1, S, rotary_dim // 2] (broadcast over heads).
+
+        LongRoPE takes its long frequencies once the sequence outgrows the original context, for
+        every position of the call, as transformers does (a device-side choice: no host sync)."""
+        inv_freq = self.inv_freq
+        if self.longrope:
+            beyond = input_pos.max() + 1 > self.args.rope_scaling.original_max_position_embeddings
+            inv_freq = torch.where(beyond, self.inv_freq_long, self.inv_freq)
+        angles = input_pos.to(torch.float32)[..., None] * inv_freq.float()
+        if input_pos.dim() == 2:
+            angles = angles[:, None]
+        if self.longrope:
+            scale = self.args.rope_scaling.attention_factor
+            return angles.cos() * scale, angles.sin() * scale
+        return angles.cos(), angles.sin()
+
+    def clear_caches(self) -> None:
+        for layer in self.layers:
+            layer.attention.kv_cache = None
+        self.max_batch_size = self.max_seq_len = 0
+
+    def forward(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        mask: Tensor | None = None,
+        all_logits: bool = False,
+        cache_rows: Tensor | None = None,
+        n_layers: int | None = None,
+    ) -> Tensor:
+        """Run `tokens` [B, S] at cache slots `input_pos` [S]; return fp32 logits.
+
+        input_pos may also be [B, S]: each row at its own positions (continuous batching).
+        cache_rows: [B], the KV-cache rows the batch rows use (default: all rows, in order), e.g.
+        to prefill one new sequence into a free row while the others keep their caches.
+
+        mask: boolean [B|1, 1, S, L] over the first L cache slots (see `attention_mask`); L is
+        how many slots are valid after this call. Without a mask (and without caches) attention
+        is causal within `tokens`, whose positions must then start at 0.
+        all_logits: logits for every position [B, S, V]; otherwise for the last one [B, V].
+        n_layers: run only the first n layers, then the final norm and head (an early-exit
+        self-draft for speculative decoding; genfast.llm.decoding.speculative).
+        """
+        if mask is None:
+            mask = attention_mask(input_pos, tokens.shape[1])
+        cos, sin = self.rope(input_pos)
+
+        x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)  # the table may be stored in bf16
+        if (scale := self.args.extra.get("embedding_scale")) is not None:  # Gemma: sqrt(dim), rounded to the dtype
+            x = x * torch.tensor(scale, dtype=x.dtype)
+        for layer in self.layers[:n_layers]:
+            x = layer(x, cos, sin, input_pos, mask, cache_rows)
+        if not all_logits:
+            x = x[:, -1]
+        logits = self.output(self.norm(x)).float()
+        if (cap := self.args.extra.get("final_logit_softcap")) is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def attention_mask(input_pos: Tensor, kv_len: int, pad_start: Tensor | None = None) -> Tensor:
+    """Boolean [B|1, 1, S, kv_len] mask for queries at `input_pos` ([S], or [B, S] per row) over
+    the first kv_len slots: causal, minus each sequence's left padding (pad_start: [B] first real slot)."""
+    key_pos = torch.arange(kv_len, device=input_pos.device)[None, None, None, :]
+    query_pos = input_pos.reshape(-1, 1, input_pos.shape[-1], 1)
+    mask = key_pos <= query_pos
+    if pad_start is not None:
+        # Padding queries still see themselves, so their rows stay finite (never NaN).
+        real = key_pos >= pad_start[:, None, None, None]
+        mask = mask & (real | (key_pos == query_pos))
+    return mask

@@ -1,0 +1,1 @@
+"""Where genfast keeps things: its home directory, downloaded models, files written whole."""
