@@ -6,7 +6,7 @@ python benchmarks/decode_attention.py [--keys 64,512,2048,8192] [--heads 9] [--k
 One query per head over `keys` cached positions (SmolLM2's shape by default), fp32 queries; median
 of 7 runs of 200 calls each. GB/s counts the keys' and values' bytes once. The cache is a slice of
 a longer buffer, as in decode, and stays in cache between calls here (inside a decode step the
-weights evict it: expect less there, see docs/performance.md).
+weights evict it: expect less there, see docs/notes.md, "Decode attention").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The parts of an SD 1.5 image that the int8-conv and group-norm-kernel steps were chosen by
-(docs/performance.md, "int8 convolutions, a GroupNorm kernel, ..."), medians on this machine:
+(docs/notes.md, "int8 convolutions, a GroupNorm kernel, ..."), medians on this machine:
 
     python benchmarks/diffusion_parts.py vae          # VAE decode at 512x512: int8 thresholds, GroupNorm kernel
     python benchmarks/diffusion_parts.py group-norm [--dtype float32]  # one GroupNorm+SiLU: ATen, inductor,

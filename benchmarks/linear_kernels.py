@@ -10,7 +10,7 @@ SmolLM2-135M's (121 matrices, 30 blocks, a 49152 x 576 head); `--shape` takes an
     python benchmarks/linear_kernels.py --prefill 6,64,512   # fp32 rows over bf16 weights (AVX2's auto)
 
 The results decided genfast.nn.Linear's compiled paths, MAX_FEW_ROWS and the widening GEMM
-(docs/performance.md).
+(docs/notes.md).
 """
 
 import argparse

@@ -9,7 +9,7 @@ genfast's `random:` shapes (e.g. llama-3.2-1b). Variants take turns; medians of 
 kernels' arithmetic rate shows without memory (compare with a pass to see how well a kernel hides
 its loads).
 
-The result decided genfast's CPU int8/int4 kernels (docs/performance.md, "Quantization").
+The result decided genfast's CPU int8/int4 kernels (docs/notes.md, "Quantization").
 """
 
 import argparse

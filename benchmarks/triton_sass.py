@@ -7,7 +7,7 @@ without a GPU.
 Decode's int8/int4 matrix-vector product on an H100 is bound by instruction issue before memory:
 132 SMs issue 128 thread-instructions per cycle each, and streaming ~3 TB/s of codes at ~1.98 GHz
 means ~12 bytes per SM and cycle, so a loop of more than ~10 instructions per byte cannot keep up
-even at full issue (docs/performance.md, "The one-row kernel by instruction count"). Triton ships
+even at full issue (docs/notes.md, "CUDA's one-row int8/int4 kernel by instruction count"). Triton ships
 ptxas and cuobjdump, so the kernel compiles for an sm_90 target on any machine: this script
 compiles `genfast.kernels.qlinear_triton._gemv` (`--kernel few-row`: `_gemm`, for `--rows`
 rows) for each configuration (integer arguments marked
