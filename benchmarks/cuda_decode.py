@@ -26,8 +26,8 @@ from statistics import median
 import torch
 from torch._dynamo.utils import counters
 
-from genfast.llm.decoding.speculative import make_generator
-from genfast.llm.session import LoadedModel, load
+from genfast.llm.loading import LoadedModel, load
+from genfast.llm.recipe import make_generator
 from genfast.quant.linear import QuantLinear
 
 VARIANTS = {  # name -> (quant, group size, the kernel per weight bits: int4 models keep an int8 output head)

@@ -163,8 +163,8 @@ def alternate(source: Path, workdir: Path, quant: str, args: argparse.Namespace,
     from genfast.compilation.inductor import use_persistent_cache
     from genfast.llm.decoding.precompiled import attach
     from genfast.llm.decoding.sampling import SamplingParams
-    from genfast.llm.decoding.speculative import make_generator
-    from genfast.llm.session import load
+    from genfast.llm.loading import load
+    from genfast.llm.recipe import make_generator
 
     name = LLAMA_TYPE[quant]
     path = source if name == "F16" else convert(source, workdir / f"{name}.gguf", name)

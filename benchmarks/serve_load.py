@@ -36,7 +36,7 @@ import torch
 
 from genfast.bench.machine import machine_info
 from genfast.llm.corpus import pydoc_text
-from genfast.llm.session import load
+from genfast.llm.loading import load
 from genfast.serve.engine import Engine, GenerationRequest
 
 PROMPTS = [

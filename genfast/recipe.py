@@ -16,10 +16,18 @@ decline (`Step.declined`, e.g. the bf16 step under --dtype float32):
 A step that runs in a lesser form here (`Step.fallback`, e.g. without its native kernel) runs, and
 its note goes into `Plan.notes` and the bench row.
 
-A step either sets fields that the workload's `apply_recipe` acts on, or carries its own
-`transform` of model parts, which `apply_transforms` runs on the parts each workload names (its
-`on`): a new step shared by all workloads is then one function in one shared file plus one line
-per workload recipe, e.g. `Step("name", what, budget, transform=fn, on=("denoiser", "vae"))`.
+A step sets fields of the settings; what realizes them is the step's `transforms`: each a function
+of one model part and the settings, with the parts it applies to (`on`) and its `Stage`. One rule
+decides which run: a step's transforms run when the settings hold what the step sets (so settings
+built by hand run as the same settings from a plan), in stage order, then ladder order. Transforms
+read the settings, so a step may carry none and only change what another step's transform does
+(bf16 sets the dtype that the baseline's cast reads; regional-compile the mode that compile reads).
+`Recipe.apply(settings, parts, target)` is every workload's one way to apply its recipe: it refuses a
+step held by the settings that cannot run on `target`, then runs the transforms.
+
+A step shared by all workloads is one function in genfast/steps.py (the step and its transforms)
+plus one line in each workload's recipe; the field it sets goes in the settings base there
+(`steps.StepSettings`), which every workload's settings extend.
 
 This module imports no torch: the CLI lists step names without loading it.
 """
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from enum import IntEnum
 from typing import Any, Generic, TypeVar
 
 from genfast.errors import UserError
@@ -49,6 +58,30 @@ def target(device: str = "auto", dtype: str = "auto") -> Target:
     from genfast.platform.hardware import dtype_name, resolve_device
 
     return Target(resolve_device(device), dtype_name(dtype))
+
+
+class Stage(IntEnum):
+    """When a transform runs, whichever step brings it: every workload applies its steps in this
+    order (then in ladder order within a stage), because e.g. quantizing must precede compiling
+    while the ladder may list compile first."""
+
+    PRECISION = 0  # the dtype of weights and activations
+    KERNELS = 1  # which implementation computes an op (attention processors, native kernels)
+    LAYOUT = 2  # memory formats
+    REWRITE = 3  # modules replaced by equivalent ones (fused projections, 1x1 convs as linears)
+    QUANTIZE = 4  # fewer bits or fewer weights
+    COMPILE = 5  # torch.compile
+    WRAP = 6  # wrappers around the finished model (feature caches)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """What a step does to a workload's model parts: `apply(part, settings)` changes the part in
+    place, for each part named in `on` (the names a workload's `apply_recipe` gives its parts)."""
+
+    apply: Callable[[Any, Any], None]
+    on: tuple[str, ...]
+    stage: Stage
 
 
 Requirement = Callable[[Target], "str | None"]  # why a step cannot run (or is degraded) on a target; None: fine
@@ -73,11 +106,17 @@ class Step:
     declined: Requirement = _no_requirement
     fallback: Requirement = _no_requirement
     replaces: tuple[str, ...] = ()
-    transform: Callable[[Any, Any], None] | None = None  # (model part, settings): changes the part in place
-    on: tuple[str, ...] = ()  # the workload's parts `transform` applies to
+    transforms: tuple[Transform, ...] = ()
 
     def settings_on(self, target: Target) -> Mapping[str, Any]:
         return self.sets(target) if callable(self.sets) else self.sets
+
+    def held_by(self, settings: Any) -> bool:
+        """Whether `settings` hold what this step sets (a step that sets by target never is: it
+        carries no transforms, Recipe checks). A recipe's baseline is always held (Recipe.held)."""
+        if callable(self.sets):
+            return False
+        return all(getattr(settings, name) == value for name, value in self.sets.items())
 
     def unavailable(self, target: Target) -> str | None:
         """Why the step does not run on `target` (declined or impossible), or None."""
@@ -110,9 +149,11 @@ class Recipe(Generic[Settings]):
         if len(set(names)) != len(names):
             raise ValueError(f"{workload} recipe: duplicate step names in {names}")
         known = {f.name for f in fields(settings)}  # type: ignore[arg-type]
-        if any(step.transform for step in steps) and "transforms" not in known:
-            raise ValueError(f"{workload} recipe: a step has a transform, but its settings have no `transforms` field")
         for step in steps:
+            if step.transforms and callable(step.sets):
+                raise ValueError(f"{workload} step {step.name} sets by target: its transforms could not be matched")
+            if step.transforms and not step.sets and step is not steps[0]:
+                raise ValueError(f"{workload} step {step.name} has transforms but sets nothing (only the baseline may)")
             if not callable(step.sets) and set(step.sets) - known:
                 raise ValueError(f"{workload} step {step.name} sets unknown fields {set(step.sets) - known}")
             if any(r not in names[: names.index(step.name)] for r in step.replaces):
@@ -163,9 +204,6 @@ class Recipe(Generic[Settings]):
             note = step.fallback(target)
             if note:
                 notes.append((step.name, note))
-        transforms = tuple(step for step in active if step.transform)
-        if transforms:
-            settings = replace(settings, transforms=transforms)  # type: ignore[type-var]
         return Plan(name, settings, tuple(s.name for s in active), tuple(skipped), tuple(notes), tuple(declined))
 
     def settings(self, name: str, on: Target | None = None) -> Settings:
@@ -189,19 +227,33 @@ class Recipe(Generic[Settings]):
         lines += [f"| {s.name} | {s.changes} | {s.budget} |" + (f" {here(s)} |" if target else "") for s in self.steps]
         return "\n".join(lines)
 
+    def held(self, settings: Settings) -> list[Step]:
+        """The steps whose settings `settings` hold (Step.held_by), in ladder order."""
+        return [self.steps[0]] + [step for step in self.steps[1:] if step.held_by(settings)]
 
-def apply_transforms(settings: Any, parts: Mapping[str, Any]) -> None:
-    """Run the transforms of the steps in `settings.transforms` (Recipe.plan puts them there), in
-    ladder order, on the parts they name. `parts`: the workload's model parts by name."""
-    for step in settings.transforms:
-        for name in step.on:
-            if name not in parts:
-                raise ValueError(f"step {step.name} transforms {name!r}, which this model has not ({', '.join(parts)})")
-            step.transform(parts[name], settings)
+    def apply(self, settings: Settings, parts: Mapping[str, Any], target: Target) -> tuple[str, ...]:
+        """Make the model `parts` (the workload's parts by name) run as `settings` say, in place:
+        a held step that cannot run on `target` is refused with the reason, then the held steps'
+        transforms run by stage, then in ladder order. Returns the steps whose transforms ran."""
+        held = self.held(settings)
+        for step in held:
+            if reason := step.needs(target):
+                raise UserError(f"the {self.workload} step {step.name} cannot run here: {reason}")
+        ordered = sorted(
+            ((transform, step, i) for i, step in enumerate(held) for transform in step.transforms),
+            key=lambda item: (item[0].stage, item[2]),
+        )
+        for transform, step, _ in ordered:
+            for name in transform.on:
+                if name not in parts:
+                    raise ValueError(
+                        f"step {step.name} transforms {name!r}, which this model has not ({', '.join(parts)})"
+                    )
+                transform.apply(parts[name], settings)
+        return tuple(step.name for step in held if step.transforms)
 
 
 def settings_key(settings: Any) -> dict[str, Any]:
     """`settings` (a recipe's settings dataclass) as JSON-able values, for the key of compiled code
-    saved for it (genfast/compilation/saved.py): its transform steps by name."""
-    values = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name != "transforms"}
-    return {**values, "transforms": [step.name for step in getattr(settings, "transforms", ())]}
+    saved for it (genfast/compilation/saved.py)."""
+    return {f.name: getattr(settings, f.name) for f in fields(settings)}

@@ -1,19 +1,30 @@
 """The steps several workloads' recipes share (genfast/recipe.py): one name, one requirement and
-one description per idea, declared here once. Each workload's recipe adds one line per step with
-the settings it sets there and its accuracy budget on that workload.
+one description per idea, declared here once, and the settings they share (`StepSettings`, which
+every workload's settings extend). Each workload's recipe adds one line per step with the settings
+it sets there, its accuracy budget on that workload and the transforms that do it to its parts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from genfast.recipe import Step, Target
+from genfast.recipe import Step, Target, Transform
 
 
-def baseline(changes: str, **sets: Any) -> Step:
-    """The first step of every recipe: the unoptimized model, the reference of every budget."""
-    return Step("baseline", changes, "the reference", sets)
+@dataclass(frozen=True)
+class StepSettings:
+    """The settings fields the shared steps set, in every workload's settings."""
+
+    dtype: str = "float32"  # a --dtype value: auto, bfloat16, float32 or float16 (CUDA)
+
+
+def baseline(changes: str, transforms: Sequence[Transform] = ()) -> Step:
+    """The first step of every recipe: the unoptimized model, the reference of every budget. Its
+    transforms always run: they put the model in the settings' dtype and kernels, which later steps
+    only change."""
+    return Step("baseline", changes, "the reference", transforms=tuple(transforms))
 
 
 def low_precision_name(target: Target) -> str | None:
@@ -73,9 +84,9 @@ def bf16_weights(budget: str) -> Step:
     )
 
 
-def compile_step(changes: str, budget: str, sets: Mapping[str, Any]) -> Step:
+def compile_step(changes: str, budget: str, sets: Mapping[str, Any], transforms: Sequence[Transform] = ()) -> Step:
     """torch.compile of the workload's hot path (fullgraph: a graph break is a bug)."""
-    return Step("compile", changes, budget, sets)
+    return Step("compile", changes, budget, sets, transforms=tuple(transforms))
 
 
 def native_int8_note(target: Target) -> str | None:
@@ -88,7 +99,7 @@ def native_int8_note(target: Target) -> str | None:
     return f"native int8 kernel unavailable ({reason}): dequantize fallback" if reason else None
 
 
-def dynamic_int8(changes: str, budget: str, sets: Mapping[str, Any]) -> Step:
+def dynamic_int8(changes: str, budget: str, sets: Mapping[str, Any], transforms: Sequence[Transform] = ()) -> Step:
     """int8 activations (quantized per call) times int8 weights in the linears a shape rule picks
     (genfast.quant.linear.narrower_than); genfast's native kernel on x86 CPUs."""
-    return Step("dynamic-int8", changes, budget, sets, fallback=native_int8_note)
+    return Step("dynamic-int8", changes, budget, sets, fallback=native_int8_note, transforms=tuple(transforms))

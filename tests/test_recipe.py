@@ -3,7 +3,7 @@ cannot run, fallbacks, replacement; and that each workload's recipe is well form
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, make_dataclass, replace
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from genfast import steps
 from genfast.diffusion.recipe import RECIPE as DIFFUSION
 from genfast.errors import UserError
 from genfast.llm.recipe import RECIPE as LLM
-from genfast.recipe import Recipe, Step, Target
+from genfast.recipe import Recipe, Stage, Step, Target, Transform
 from genfast.sam.recipe import RECIPE as SAM
 
 CPU = Target(torch.device("cpu"), "auto")
@@ -105,16 +105,16 @@ def test_every_workload_recipe_starts_at_the_baseline_and_names_steps_alike(reci
     assert recipe.names.index("bf16") < recipe.names.index("compile")
 
 
-def test_a_step_with_its_own_transform_is_one_line_per_workload_recipe(tmp_path):
-    """A new step shared by all workloads: one transform function, and one line in each recipe
-    naming the parts it applies to; each workload's apply runs it on those parts, in order."""
+def test_a_step_shared_by_all_workloads_is_one_function_and_one_line_per_recipe(tmp_path, monkeypatch):
+    """A new shared step: one function (the step and its transform, as in genfast/steps.py) and one
+    line in each workload's recipe naming the parts it applies to; its settings field goes in the
+    shared settings base (steps.StepSettings; stood in for here by a subclass of each workload's
+    settings). Each workload's apply_recipe then runs it on those parts, in its stage's turn."""
+    import genfast.diffusion.recipe
+    import genfast.llm.recipe
+    import genfast.sam.recipe
     from genfast.diffusion.pipelines import tiny_pipeline
-    from genfast.diffusion.recipe import apply_recipe as apply_diffusion
-    from genfast.llm.session import apply_recipe as apply_llm
-    from genfast.llm.session import load
-    from genfast.recipe import apply_transforms
     from genfast.sam.build import build_random_sam
-    from genfast.sam.recipe import apply_recipe as apply_sam
     from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
     from tests.sam.test_recipe import SMALL
 
@@ -123,30 +123,70 @@ def test_a_step_with_its_own_transform_is_one_line_per_workload_recipe(tmp_path)
     def mark(part, settings) -> None:  # the shared step's transform: here it records what it got
         seen.append((type(part).__name__, settings.dtype))
 
-    def shared(on: tuple[str, ...]) -> Step:
-        return Step("marked", "records the parts it gets", "exact", transform=mark, on=on)
+    def marked(on: tuple[str, ...]) -> Step:  # the one function
+        return Step("marked", "records the parts it gets", "exact", {"marked": True},
+                    transforms=(Transform(mark, on, Stage.WRAP),))  # fmt: skip
+
+    def with_the_step(module, on: tuple[str, ...]):  # the one line in the workload's recipe
+        recipe = module.RECIPE
+        settings_type = make_dataclass(
+            recipe.settings_type.__name__, [("marked", bool, False)], bases=(recipe.settings_type,), frozen=True
+        )
+        extended = Recipe(recipe.workload, settings_type, [*recipe.steps, marked(on)])
+        monkeypatch.setattr(module, "RECIPE", extended)
+        return extended
 
     cpu = Target(torch.device("cpu"), "float32")
-    for recipe, on in ((SAM, ("image_encoder",)), (DIFFUSION, ("denoiser", "vae")), (LLM, ("model",))):
-        extended = Recipe(recipe.workload, recipe.settings_type, [*recipe.steps, shared(on)])
-        settings = extended.plan("marked", cpu).settings
-        assert [s.name for s in settings.transforms] == ["marked"]
-        plan = extended.plan("marked", cpu)
-        runnable = [n for n in recipe.names if not recipe.unavailable(n, cpu)]
-        assert plan.applied[-1] == "marked" and len(plan.applied) <= len(runnable) + 1
-    sam_settings = Recipe("sam", SAM.settings_type, [*SAM.steps[:3], shared(("image_encoder",))]).plan("marked", cpu)
-    apply_sam(build_random_sam(SMALL), sam_settings.settings)
-    diffusion = Recipe("diffusion", DIFFUSION.settings_type, [*DIFFUSION.steps[:3], shared(("denoiser", "vae"))])
-    apply_diffusion(tiny_pipeline("sd15"), diffusion.plan("marked", cpu).settings)
+    sam = with_the_step(genfast.sam.recipe, ("image_encoder",))
+    diffusion = with_the_step(genfast.diffusion.recipe, ("denoiser", "vae"))
+    llm = with_the_step(genfast.llm.recipe, ("model",))
+    for recipe in (sam, diffusion, llm):
+        plan = recipe.plan("marked", cpu)
+        assert plan.applied[-1] == "marked" and plan.settings.marked
+    sam_settings = replace(sam.settings_type(), attention="sdpa", marked=True)
+    genfast.sam.recipe.apply_recipe(build_random_sam(SMALL), sam_settings)
+    genfast.diffusion.recipe.apply_recipe(tiny_pipeline("sd15"), replace(diffusion.settings_type(), marked=True))
     hf = make_hf_model("smollm")
     directory = save_hf_model(hf, tmp_path / "llm")
     word_tokenizer(hf.config.vocab_size).save(directory)
-    llm = Recipe("llm", LLM.settings_type, [*LLM.steps[:2], shared(("model",))])
-    loaded = apply_llm(load(str(directory), "cpu", "float32"), llm.plan("marked", cpu).settings)
+    loaded = genfast.llm.recipe.apply_recipe(str(directory), replace(llm.settings_type(), marked=True), "cpu")
     assert seen == [("ImageEncoderViT", "float32"), ("UNet2DConditionModel", "float32"), ("AutoencoderKL", "float32"),
                     ("Transformer", "float32")]  # fmt: skip
-    assert loaded.transforms == ("marked",)
+    assert loaded.transforms == ("marked",)  # (a background compile could not redo it)
     with pytest.raises(ValueError, match="transforms 'unet', which this model has not"):
-        apply_transforms(replace(llm.plan("marked", cpu).settings, transforms=(shared(("unet",)),)), {"model": None})
-    with pytest.raises(ValueError, match="no `transforms` field"):
-        Recipe("toy", Toy, [steps.baseline("a"), shared(("x",))])
+        Recipe("toy", llm.settings_type, [steps.baseline("a"), marked(("unet",))]).apply(
+            llm.settings_type(marked=True), {"model": None}, cpu
+        )
+
+
+def test_transforms_run_by_stage_then_ladder_order_when_the_settings_hold_their_step():
+    """The stage, not the ladder, orders the transforms (a ladder may list compile before a
+    quantization that must precede it); a step runs when the settings hold what it sets, so
+    settings built by hand apply as the same settings from a plan."""
+    ran: list[str] = []
+
+    def record(name: str) -> Transform:
+        return Transform(lambda part, settings: ran.append(name), ("model",), STAGES[name])
+
+    STAGES = {"cast": Stage.PRECISION, "compile": Stage.COMPILE, "quantize": Stage.QUANTIZE}
+    recipe = Recipe(
+        "toy",
+        Toy,
+        [
+            steps.baseline("plain", [record("cast")]),
+            Step("fast", "compiles", "exact", {"fast": True}, transforms=(record("compile"),)),
+            Step("faster", "quantizes", "exact", {"faster": True, "level": 2}, transforms=(record("quantize"),)),
+        ],
+    )
+    assert recipe.apply(recipe.plan("faster", CPU).settings, {"model": None}, CPU) == ("baseline", "fast", "faster")
+    assert ran == ["cast", "quantize", "compile"]
+    ran.clear()
+    recipe.apply(Toy(faster=True), {"model": None}, CPU)  # by hand, and `level` is not what faster sets
+    assert ran == ["cast"]
+    recipe.apply(Toy(faster=True, level=2), {"model": None}, CPU)
+    assert ran == ["cast", "cast", "quantize"]
+    gpu_only = Step("gpu", "", "", {"fastest": True}, needs=lambda t: "needs a GPU")
+    with pytest.raises(UserError, match="the toy step gpu cannot run here: needs a GPU"):
+        Recipe("toy", Toy, [steps.baseline("plain"), gpu_only]).apply(Toy(fastest=True), {}, CPU)
+    with pytest.raises(ValueError, match="has transforms but sets nothing"):
+        Recipe("toy", Toy, [steps.baseline("a"), Step("x", "", "", transforms=(record("cast"),))])

@@ -38,7 +38,7 @@ from typing import Any
 
 from genfast import steps
 from genfast.errors import UserError
-from genfast.recipe import Recipe, Step, Target, apply_transforms, settings_key
+from genfast.recipe import Recipe, Stage, Step, Target, Transform, settings_key
 
 COMPILE_MODES = ("none", "full", "regional")
 DEFAULT_STEP = "sdpa"  # what `genfast imagine` runs unless told otherwise: no compile (minutes on a CPU)
@@ -55,10 +55,9 @@ INT8_CONV_MIN_CHANNELS = 128
 
 
 @dataclass(frozen=True)
-class DiffusionSettings:
+class DiffusionSettings(steps.StepSettings):
     """What the recipe's steps set; `apply_recipe` makes a pipeline so."""
 
-    dtype: str = "float32"
     attention: str = "math"
     channels_last: bool = False
     fuse_qkv: bool = False
@@ -74,7 +73,6 @@ class DiffusionSettings:
     group_norm_kernel: bool = False
     dynamic_shapes: bool = False  # compile with symbolic sizes: a new resolution reuses the graphs
     feature_cache_interval: int = 0  # 0: off; N: full UNet every N steps
-    transforms: tuple[Step, ...] = ()  # steps that bring their own transform (genfast.recipe.apply_transforms)
 
 
 def _int8_conv_unavailable(target: Target) -> str | None:
@@ -91,36 +89,135 @@ def _group_norm_kernel_unavailable(target: Target) -> str | None:
     return unavailable_reason()
 
 
+# The steps' transforms. The parts: "pipe" (the diffusers pipeline), "denoiser" (its UNet or
+# transformer), "vae" and "vae_decoder" (the VAE's decoder: txt2img runs no VAE encoder).
+MODELS = ("denoiser", "vae")
+
+
+def _cast(pipe: Any, settings: DiffusionSettings) -> None:
+    from genfast.diffusion.pipelines import denoiser_of
+    from genfast.platform.hardware import DTYPES
+
+    dtype = DTYPES[settings.dtype]
+    if next(denoiser_of(pipe).parameters()).dtype != dtype:  # (diffusers warns on every cast)
+        pipe.to(dtype=dtype)
+
+
+def _set_attention(model: Any, settings: DiffusionSettings) -> None:
+    from genfast.diffusion.attention import set_attention
+
+    set_attention(model, settings.attention)
+
+
+def _channels_last(model: Any, settings: DiffusionSettings) -> None:
+    import torch
+
+    model.to(memory_format=torch.channels_last)
+
+
+def _fuse_qkv(model: Any, settings: DiffusionSettings) -> None:
+    from genfast.diffusion.attention import fuse_qkv
+
+    fuse_qkv(model)
+
+
+def _conv1x1_to_linear(model: Any, settings: DiffusionSettings) -> None:
+    from genfast.diffusion.conv1x1 import conv1x1_to_linear
+
+    conv1x1_to_linear(model)
+
+
+def _quantize_dynamic_int8(denoiser: Any, settings: DiffusionSettings) -> None:
+    from genfast.quant.linear import narrower_than, quantize_dynamic_int8
+
+    quantize_dynamic_int8(denoiser, keep=narrower_than(settings.int8_min_features))
+
+
+def _quantize_int8_convs(model: Any, settings: DiffusionSettings) -> None:
+    from genfast.quant.conv import fewer_channels_than, quantize_dynamic_int8_convs
+
+    quantize_dynamic_int8_convs(model, keep=fewer_channels_than(settings.int8_conv_min_channels))
+
+
+def _channels_last_group_norm(model: Any, settings: DiffusionSettings) -> None:
+    from genfast.diffusion.group_norm import use_channels_last_group_norm
+
+    use_channels_last_group_norm(model)
+
+
+def _compile_options(settings: DiffusionSettings) -> dict[str, Any]:
+    return {"dynamic": settings.dynamic_shapes, "saved": settings_key(settings), "max_autotune": settings.max_autotune}
+
+
+def _compile_denoiser(denoiser: Any, settings: DiffusionSettings) -> None:
+    """The whole denoiser, or (regional) each of its repeated blocks."""
+    from genfast.diffusion.compiling import compile_module, compile_regions
+
+    compile = compile_regions if settings.compile == "regional" else compile_module
+    compile(denoiser, **_compile_options(settings))
+
+
+def _compile_vae_decoder(vae: Any, settings: DiffusionSettings) -> None:
+    from genfast.diffusion.compiling import compile_vae_decoder
+
+    compile_vae_decoder(vae, **_compile_options(settings))
+
+
+def _cache_features(pipe: Any, settings: DiffusionSettings) -> None:
+    from genfast.diffusion.feature_cache import DeepCacheUNet
+    from genfast.diffusion.pipelines import denoiser_name, denoiser_of
+
+    cached = DeepCacheUNet(denoiser_of(pipe), pipe.scheduler, settings.feature_cache_interval)
+    setattr(pipe, denoiser_name(pipe), cached)
+
+
+COMPILE = (
+    Transform(_compile_denoiser, ("denoiser",), Stage.COMPILE),
+    Transform(_compile_vae_decoder, ("vae",), Stage.COMPILE),
+)
 EXACT = "fp32 max abs diff <= 1e-4; cumulative: as bf16"
 RECIPE = Recipe(
     "diffusion",
     DiffusionSettings,
     [
-        steps.baseline("fp32, attention by explicit softmax (AttnProcessor), eager"),
+        steps.baseline(
+            "fp32, attention by explicit softmax (AttnProcessor), eager",
+            [Transform(_cast, ("pipe",), Stage.PRECISION), Transform(_set_attention, MODELS, Stage.KERNELS)],
+        ),
         steps.bf16("PSNR >= 35 dB (tiny models: ~48)"),
         Step("sdpa", "AttnProcessor2_0: F.scaled_dot_product_attention", EXACT, {"attention": "sdpa"}),
-        Step("channels-last", "denoiser and VAE weights and activations in NHWC", EXACT, {"channels_last": True}),
+        Step(
+            "channels-last",
+            "denoiser and VAE weights and activations in NHWC",
+            EXACT,
+            {"channels_last": True},
+            transforms=(Transform(_channels_last, MODELS, Stage.LAYOUT),),
+        ),
         Step(
             "fused-qkv",
             "one QKV (self-) / KV (cross-attention) linear: diffusers' fuse_qkv_projections",
             EXACT,
             {"fuse_qkv": True},
+            transforms=(Transform(_fuse_qkv, MODELS, Stage.REWRITE),),
         ),
         Step(
             "conv1x1-linear",
             "every 1x1 Conv2d of denoiser and VAE runs as a Linear over channels",
             EXACT,
             {"conv1x1_linear": True},
+            transforms=(Transform(_conv1x1_to_linear, MODELS, Stage.REWRITE),),
         ),
         steps.compile_step(
             "torch.compile (fullgraph) of the denoiser and the VAE decoder",
             "as bf16 (fp32: max abs diff <= 1e-3)",
             {"compile": "full"},
+            COMPILE,
         ),
         steps.dynamic_int8(
             "int8 activations x int8 weights in the denoiser's linears of >= 320 features",
             "PSNR >= 35 dB (tiny models, every linear quantized: 45-53)",
             {"dynamic_int8": True},
+            [Transform(_quantize_dynamic_int8, ("denoiser",), Stage.QUANTIZE)],
         ),
         Step(
             "int8-conv",
@@ -129,6 +226,7 @@ RECIPE = Recipe(
             "PSNR >= 35 dB (tiny models, every conv quantized)",
             {"int8_conv": True},
             needs=_int8_conv_unavailable,
+            transforms=(Transform(_quantize_int8_convs, ("denoiser", "vae_decoder"), Stage.QUANTIZE),),
         ),
         Step(
             "group-norm-kernel",
@@ -136,12 +234,14 @@ RECIPE = Recipe(
             "fp32 max abs diff <= 1e-4; cumulative: as int8-conv",
             {"group_norm_kernel": True},
             needs=_group_norm_kernel_unavailable,
+            transforms=(Transform(_channels_last_group_norm, MODELS, Stage.KERNELS),),
         ),
         Step(
             "regional-compile",
             "instead of whole-model compile: each repeated (transformer) block compiled",
             "as dynamic-int8",
             {"compile": "regional"},
+            transforms=COMPILE,
         ),
         Step(
             "dynamic-shapes",
@@ -154,13 +254,14 @@ RECIPE = Recipe(
             "DeepCache: UNet deep features reused every other step (UNet pipelines)",
             "not accuracy-preserving: PSNR >= 30 dB vs the same recipe uncached on tiny models (measured ~50)",
             {"feature_cache_interval": 2},
+            transforms=(Transform(_cache_features, ("pipe",), Stage.WRAP),),
         ),
     ],
 )
 
 
-def validate(settings: DiffusionSettings) -> None:
-    """Reject combinations that cannot run, before anything is changed."""
+def validate(settings: DiffusionSettings, pipe: Any = None) -> None:
+    """Reject combinations that cannot run (on `pipe`, when given), before anything is changed."""
     if settings.compile not in COMPILE_MODES:
         raise UserError(f"unknown compile mode {settings.compile!r}; choose one of {', '.join(COMPILE_MODES)}")
     if settings.feature_cache_interval and settings.compile == "full":
@@ -173,73 +274,29 @@ def validate(settings: DiffusionSettings) -> None:
         raise UserError(f"feature_cache_interval must be >= 0, got {settings.feature_cache_interval}")
     if settings.fuse_qkv and settings.attention != "sdpa":
         raise UserError("fused QKV uses diffusers' FusedAttnProcessor2_0 (SDPA): it needs attention 'sdpa'")
+    if pipe is None:
+        return
+    from genfast.diffusion.pipelines import denoiser_of
+
+    if getattr(pipe, "vae", None) is None:
+        raise UserError(f"{type(pipe).__name__} has no `vae`: genfast's steps do not apply")
+    denoiser = type(denoiser_of(pipe)).__name__
+    if settings.feature_cache_interval and denoiser != "UNet2DConditionModel":
+        raise UserError(
+            f"feature caching is implemented for UNet2DConditionModel, not {denoiser}; "
+            "choose an earlier --recipe step for this pipeline"
+        )
 
 
 def apply_recipe(pipe: Any, settings: DiffusionSettings) -> Any:
-    """Make a freshly loaded diffusers pipeline run as `settings` say, in place (and return it).
-    The order matters: processors before fusing, shape changes (fusing, conv->linear, int8) before
-    compiling, the feature cache around the (regionally compiled) UNet last."""
-    import torch
+    """Make a freshly loaded diffusers pipeline run as `settings` say, in place (and return it):
+    the recipe's transforms (genfast/recipe.py), in their stages' order: processors before fusing,
+    shape changes (fusing, conv->linear, int8) before compiling, the feature cache around the
+    (regionally compiled) UNet last."""
+    from genfast.diffusion.pipelines import denoiser_of
 
-    from genfast.diffusion.attention import fuse_qkv, set_attention
-    from genfast.diffusion.compiling import compile_module, compile_regions, compile_vae_decoder
-    from genfast.diffusion.conv1x1 import conv1x1_to_linear
-    from genfast.diffusion.feature_cache import DeepCacheUNet
-    from genfast.diffusion.group_norm import use_channels_last_group_norm
-    from genfast.diffusion.pipelines import denoiser_name, denoiser_of
-    from genfast.platform.hardware import DTYPES
-    from genfast.quant.conv import fewer_channels_than, quantize_dynamic_int8_convs
-    from genfast.quant.linear import narrower_than, quantize_dynamic_int8
-
-    validate(settings)
+    validate(settings, pipe)
     denoiser = denoiser_of(pipe)
-    vae = getattr(pipe, "vae", None)
-    if vae is None:
-        raise UserError(f"{type(pipe).__name__} has no `vae`: genfast's steps do not apply")
-    models = [denoiser, vae]
-    if settings.feature_cache_interval and type(denoiser).__name__ != "UNet2DConditionModel":
-        raise UserError(
-            f"feature caching is implemented for UNet2DConditionModel, not {type(denoiser).__name__}; "
-            "choose an earlier --recipe step for this pipeline"
-        )
-    target = Target(next(denoiser.parameters()).device)
-    for wanted, requirement, step in (
-        (settings.int8_conv, _int8_conv_unavailable, "int8-conv"),
-        (settings.group_norm_kernel, _group_norm_kernel_unavailable, "group-norm-kernel"),
-    ):
-        if wanted and (reason := requirement(target)):
-            raise UserError(f"the diffusion step {step} cannot run here: {reason}")
-    dtype = DTYPES[settings.dtype]
-    if next(denoiser.parameters()).dtype != dtype:  # (diffusers warns on every cast)
-        pipe.to(dtype=dtype)
-    for model in models:
-        set_attention(model, settings.attention)
-    if settings.channels_last:
-        for model in models:
-            model.to(memory_format=torch.channels_last)
-    if settings.fuse_qkv:
-        for model in models:
-            fuse_qkv(model)
-    if settings.conv1x1_linear:
-        for model in models:
-            conv1x1_to_linear(model)
-    if settings.dynamic_int8:
-        quantize_dynamic_int8(denoiser, keep=narrower_than(settings.int8_min_features))
-    if settings.int8_conv:
-        for model in (denoiser, getattr(vae, "decoder", vae)):  # (txt2img runs no VAE encoder)
-            quantize_dynamic_int8_convs(model, keep=fewer_channels_than(settings.int8_conv_min_channels))
-    if settings.group_norm_kernel:
-        for model in models:
-            use_channels_last_group_norm(model)
-    apply_transforms(settings, {"denoiser": denoiser, "vae": vae})
-    saved = settings_key(settings)
-    how = {"dynamic": settings.dynamic_shapes, "saved": saved, "max_autotune": settings.max_autotune}
-    if settings.compile == "full":
-        compile_module(denoiser, **how)
-    elif settings.compile == "regional":
-        compile_regions(denoiser, **how)
-    if settings.compile != "none":
-        compile_vae_decoder(vae, **how)
-    if settings.feature_cache_interval:
-        setattr(pipe, denoiser_name(pipe), DeepCacheUNet(denoiser, pipe.scheduler, settings.feature_cache_interval))
+    parts = {"pipe": pipe, "denoiser": denoiser, "vae": pipe.vae, "vae_decoder": getattr(pipe.vae, "decoder", pipe.vae)}
+    RECIPE.apply(settings, parts, Target(next(denoiser.parameters()).device, settings.dtype))
     return pipe

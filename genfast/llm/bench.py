@@ -170,9 +170,8 @@ class LlmLadder(Ladder):
         from genfast.llm.decoding.generate import GenerationResult
         from genfast.llm.decoding.precompiled import attach
         from genfast.llm.decoding.sampling import SamplingParams
-        from genfast.llm.decoding.speculative import make_generator
         from genfast.llm.decoding.stats import decode_traffic
-        from genfast.llm.session import apply_recipe, load
+        from genfast.llm.recipe import apply_recipe, make_generator
         from genfast.llm.tensor_parallel import check_same_tokens, join
 
         draft = draft_of(row.step)
@@ -181,12 +180,7 @@ class LlmLadder(Ladder):
         if tp > 1:
             join(tp)
         group_size = options["int4_group_size"] if settings.quant == "int4" else None
-        loaded = apply_recipe(
-            load(
-                options["model"], options["device"], settings.dtype, options["threads"], settings.quant, group_size, tp
-            ),
-            settings,
-        )
+        loaded = apply_recipe(options["model"], settings, options["device"], options["threads"], group_size, tp)
         prompt = benchmark_prompt(loaded.tokenizer, options["prompt_tokens"], options["prompt"])
         k = options["speculate_k"] if draft else None
         max_seq = len(prompt) + options["new_tokens"] + (k or 0)  # speculative: room for the last verify pass

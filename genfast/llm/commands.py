@@ -21,10 +21,9 @@ from genfast.llm.checkpoints.weights import QUANTIZED_FILE, checkpoint_format, r
 from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.precompiled import attach
 from genfast.llm.decoding.sampling import SamplingParams
-from genfast.llm.decoding.speculative import make_generator
 from genfast.llm.decoding.stats import format_stats
-from genfast.llm.recipe import RECIPE, LlmSettings
-from genfast.llm.session import LoadedModel, genfast_chooses_threads, load, load_for_command, plan
+from genfast.llm.loading import LoadedModel, load
+from genfast.llm.recipe import RECIPE, LlmSettings, genfast_chooses_threads, load_for_command, make_generator, plan
 from genfast.llm.tensor_parallel import check_same_tokens, from_main_rank, is_main_rank
 from genfast.platform.hardware import DTYPES
 from genfast.platform.threads import OtherWork, follow_other_work

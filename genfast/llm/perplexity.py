@@ -166,7 +166,7 @@ def _log(message: str, end: str = "\n") -> None:
 
 def eval_ppl_command(args: argparse.Namespace) -> int:
     """`genfast eval ppl`: one summary line on stdout, optional JSON (never over a file unasked)."""
-    from genfast.llm.session import load_for_command, plan
+    from genfast.llm.recipe import load_for_command, plan
     from genfast.storage.files import check_outputs, write_json_atomic
 
     json_path = Path(args.json_path) if args.json_path else None

@@ -1,33 +1,44 @@
-"""gpt-fast's recipe as named steps (genfast/recipe.py), each on top of the previous.
+"""gpt-fast's recipe as named steps (genfast/recipe.py), each on top of the previous, and the one
+place it is applied.
 
 The steps, in ladder order, with what each changes and its accuracy budget (tests/llm), are the
 `RECIPE` below; `genfast bench llm --list-steps` prints them as a table with how each runs on
-this machine.
+this machine. Applying them (`apply_recipe` then `make_generator`): the dtype and quantization
+happen as the weights load, block by block (the whole model never exists at full size); then the
+steps' transforms run on the loaded model (part "model"); compiling is the generator's, which
+compiles prefill and decode (or the serving engine's, which takes `settings.compile`).
 
 `--dtype auto` on a CPU that emulates bf16 arithmetic keeps the bf16 step as bf16 weights with
-fp32 arithmetic: decode reads half the bytes (docs/performance.md, "AVX2"). `--dtype float32`
+fp32 arithmetic: decode reads half the bytes. `--dtype float32`
 leaves the step out. Speculative decoding is not a step: it needs a draft (--draft, --self-draft,
 --prompt-lookup) and combines with any step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from genfast import steps
-from genfast.recipe import Recipe, Requirement, Step, Target
+from genfast.errors import UserError
+from genfast.quant import QUANT_MODES
+from genfast.recipe import Plan, Recipe, Requirement, Step, Target
+
+if TYPE_CHECKING:
+    from genfast.llm.decoding.generate import Generator
+    from genfast.llm.loading import LoadedModel
 
 DEFAULT_STEP = "compile"  # what generate, chat and serve run unless told otherwise
 
 
 @dataclass(frozen=True)
-class LlmSettings:
-    """What the recipe's steps set; genfast.llm.session.load and make_generator take them."""
+class LlmSettings(steps.StepSettings):
+    """What the recipe's steps set; `apply_recipe` and `make_generator` make a model run so."""
 
-    dtype: str = "float32"  # a --dtype value: auto, bfloat16, float32 or float16 (CUDA)
     compile: bool = False
     quant: str = "none"  # weight-only quantization on load: none, int8 or int4
-    transforms: tuple[Step, ...] = ()  # steps that bring their own transform (genfast.recipe.apply_transforms)
 
 
 # What CUDA's kernels measured so far (docs/performance.md): int8's Triton GEMV in a compiled decode
@@ -114,3 +125,96 @@ RECIPE = Recipe(
         ),
     ],
 )
+
+
+def plan(
+    step: str, device: str = "auto", dtype: str = "auto", quant: str | None = None, compile: bool = True
+) -> Plan[LlmSettings]:
+    """The LLM recipe up to `step` on `device`, `dtype` being the bf16 step's; `quant` (when given)
+    and `compile=False` override what the steps set: the flags --quant and --no-compile are
+    shorthands on top of --recipe."""
+    from genfast.platform.hardware import dtype_name, resolve_device
+
+    result = RECIPE.plan(step, Target(resolve_device(device), dtype_name(dtype)))
+    settings = result.settings
+    if quant is not None:
+        if quant not in QUANT_MODES:
+            raise UserError(f"unknown --quant {quant!r}; use one of {', '.join(QUANT_MODES)}")
+        settings = replace(settings, quant=quant)
+    if not compile:
+        settings = replace(settings, compile=False)
+    return replace(result, settings=settings)
+
+
+def apply_recipe(
+    model: str | None,
+    settings: LlmSettings,
+    device: str = "auto",
+    threads: int | None = None,
+    group_size: int | None = None,
+    tp: int = 1,
+) -> LoadedModel:
+    """The model `model` names, loaded to run as `settings` say: in their dtype and quantization
+    (`group_size` columns per scale), this rank's shard when `tp` > 1, then the steps' transforms.
+    Compiling is the generator's: make_generator."""
+    from genfast.llm import loading
+
+    loaded = loading.load(model, device, settings.dtype, threads, settings.quant, group_size, tp)
+    loaded.transforms = RECIPE.apply(settings, {"model": loaded.model}, Target(loaded.device, settings.dtype))
+    return loaded
+
+
+def make_generator(
+    loaded: LoadedModel,
+    max_seq_len: int | None,
+    batch_size: int,
+    compile: bool,
+    draft: str | None = None,
+    speculate_k: int | None = None,
+) -> Generator:
+    """A Generator (compiled when `compile`: the recipe's compile step), or with `draft`
+    (genfast.llm.decoding.drafters.parse_draft) a SpeculativeGenerator drafting `speculate_k`
+    tokens per target pass."""
+    from genfast.llm.decoding.drafters import make_drafter
+    from genfast.llm.decoding.generate import Generator
+    from genfast.llm.decoding.speculative import DEFAULT_K, SpeculativeGenerator
+
+    if draft is None:
+        if speculate_k is not None:
+            raise UserError("--speculate-k needs --draft, --self-draft or --prompt-lookup")
+        return Generator(
+            loaded.model, loaded.tokenizer, max_seq_len=max_seq_len, max_batch_size=batch_size, compile=compile
+        )
+    if batch_size != 1:
+        raise UserError(f"speculative decoding runs one prompt at a time; got {batch_size} prompts")
+    if loaded.tp > 1:
+        raise UserError("speculative decoding does not combine with --tp yet; drop one of them")
+    return SpeculativeGenerator(
+        loaded.model,
+        loaded.tokenizer,
+        make_drafter(draft, loaded),
+        k=speculate_k or DEFAULT_K,
+        max_seq_len=max_seq_len,
+        compile=compile,
+    )
+
+
+def load_for_command(args: argparse.Namespace, settings: LlmSettings, log: Callable[[str], None],
+                     tp: int = 1) -> LoadedModel:  # fmt: skip
+    """The model that a run command's flags name (--model, --device, --threads, --group-size),
+    loaded and run as `settings` say. Without --threads, on the CPU and in one process, the thread
+    count leaves the cores that other processes kept busy while it loaded to them
+    (genfast/platform/threads.py), and `log` says so."""
+    from genfast.platform.threads import OtherWork, avoid_busy_cores
+
+    other_work = OtherWork() if args.threads is None else None
+    loaded = apply_recipe(args.model, settings, args.device, args.threads, args.group_size, tp)
+    if other_work is not None and genfast_chooses_threads(args, loaded):
+        avoid_busy_cores(other_work, log)
+    return loaded
+
+
+def genfast_chooses_threads(args: argparse.Namespace, loaded: LoadedModel) -> bool:
+    """Whether the thread count is genfast's to fit beside other work: no --threads, on the CPU, in
+    one process (genfast/platform/threads.py also leaves a count from OMP_NUM_THREADS alone)."""
+    return args.threads is None and loaded.device.type == "cpu" and loaded.tp == 1

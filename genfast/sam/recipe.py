@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING
 
 from genfast import steps
 from genfast.errors import UserError
-from genfast.recipe import Recipe, Step, Target, apply_transforms, settings_key
+from genfast.recipe import Recipe, Stage, Step, Target, Transform, settings_key
 
 if TYPE_CHECKING:
+    import torch
+
     from genfast.sam.modeling import Sam
 
 INT8_MIN_FEATURES = 256  # smaller linears gain nothing from int8 and cost accuracy
@@ -30,10 +32,9 @@ DEFAULT_STEP = "fused-attention"
 
 
 @dataclass(frozen=True)
-class SamSettings:
+class SamSettings(steps.StepSettings):
     """What the recipe's steps set; `apply_recipe` makes a model so."""
 
-    dtype: str = "float32"
     attention: str = "math"  # genfast.sam.modeling.attention.ATTENTION_IMPLS
     compile: bool = False
     # CUDA: the compiled encoder's matrix products tuned at compile time (compile.inductor_options);
@@ -42,7 +43,6 @@ class SamSettings:
     batched_prompts: bool = False  # how the predictor is called (predict_batch), not a model change
     dynamic_int8: bool = False
     sparse_2_4: bool = False
-    transforms: tuple[Step, ...] = ()  # steps that bring their own transform (genfast.recipe.apply_transforms)
 
 
 def _fused_attention_note(target: Target) -> str | None:
@@ -68,11 +68,55 @@ def _sparse_2_4_unavailable(target: Target) -> str | None:
     return sparse_2_4_unavailable(target.device)
 
 
+# The steps' transforms; the parts are "model" (a Sam) and "image_encoder".
+
+
+def _cast(model: Sam, settings: SamSettings) -> None:
+    from genfast.platform.hardware import DTYPES
+
+    model.to(DTYPES[settings.dtype])
+
+
+def _set_attention(model: Sam, settings: SamSettings) -> None:
+    from genfast.sam.modeling.attention import set_attention
+
+    set_attention(model, settings.attention)
+
+
+def _quantize_dynamic_int8(encoder: torch.nn.Module, settings: SamSettings) -> None:
+    from genfast.quant.linear import narrower_than, quantize_dynamic_int8
+
+    quantize_dynamic_int8(encoder, keep=narrower_than(INT8_MIN_FEATURES))
+
+
+def _sparsify_2_4(encoder: torch.nn.Module, settings: SamSettings) -> None:
+    from genfast.quant.sparse import sparsify_2_4_
+
+    sparsify_2_4_(encoder)
+
+
+def _compile_encoder(model: Sam, settings: SamSettings) -> None:
+    """On the CPU the compiled encoder is saved for later runs; on CUDA it compiles in-process."""
+    from genfast.compilation.inductor import compile_fn, inductor_options
+    from genfast.compilation.saved import compile_saved
+
+    if model.device.type == "cpu":
+        options = inductor_options(model.device, decode=False)
+        compile_saved(model.image_encoder, "SAM image encoder", settings_key(settings), options)
+    else:
+        model.image_encoder = compile_fn(
+            model.image_encoder, model.device, decode=False, max_autotune=settings.max_autotune
+        )
+
+
 RECIPE = Recipe(
     "sam",
     SamSettings,
     [
-        steps.baseline("genfast's model in fp32, attention computed like the original (explicit softmax)"),
+        steps.baseline(
+            "genfast's model in fp32, attention computed like the original (explicit softmax)",
+            [Transform(_cast, ("model",), Stage.PRECISION), Transform(_set_attention, ("model",), Stage.KERNELS)],
+        ),
         steps.bf16("mask-logit error <= 5% of the logit range, mask IoU >= 0.95"),
         Step("sdpa", "scaled_dot_product_attention with the bias as a float mask", "as bf16", {"attention": "sdpa"}),
         Step(
@@ -86,6 +130,7 @@ RECIPE = Recipe(
             "torch.compile of the image encoder (fullgraph, static shapes), saved for later runs",
             "as bf16",
             {"compile": True},
+            [Transform(_compile_encoder, ("model",), Stage.COMPILE)],
         ),
         Step(
             "batched-prompts",
@@ -97,6 +142,7 @@ RECIPE = Recipe(
             "int8 activations x int8 weights in the image encoder's linears",
             "logit error <= 10%, IoU >= 0.9",
             {"dynamic_int8": True},
+            [Transform(_quantize_dynamic_int8, ("image_encoder",), Stage.QUANTIZE)],
         ),
         # No kernel combines int8 and 2:4 sparsity: the sparse step replaces dynamic int8.
         Step(
@@ -106,38 +152,17 @@ RECIPE = Recipe(
             {"sparse_2_4": True},
             needs=_sparse_2_4_unavailable,
             replaces=("dynamic-int8",),
+            transforms=(Transform(_sparsify_2_4, ("image_encoder",), Stage.QUANTIZE),),
         ),
     ],
 )
 
 
 def apply_recipe(model: Sam, settings: SamSettings) -> Sam:
-    """Make `model` run as `settings` say, in place (and return it). batched_prompts is a property
-    of how the predictor is called (predict_batch), so it changes nothing here."""
-    from genfast.compilation.inductor import compile_fn, inductor_options
-    from genfast.compilation.saved import compile_saved
-    from genfast.platform.hardware import DTYPES
-    from genfast.quant.linear import narrower_than, quantize_dynamic_int8
-    from genfast.quant.sparse import sparse_2_4_unavailable, sparsify_2_4_
-    from genfast.sam.modeling.attention import set_attention
-
+    """Make `model` run as `settings` say, in place (and return it): the recipe's transforms
+    (genfast/recipe.py). batched_prompts is a property of how the predictor is called
+    (predict_batch), so it changes nothing here."""
     if settings.sparse_2_4 and settings.dynamic_int8:
         raise UserError("2:4 sparsity and dynamic int8 cannot be combined (no kernel does both)")
-    if settings.sparse_2_4 and (reason := sparse_2_4_unavailable(model.device)):
-        raise UserError(f"cannot apply 2:4 sparsity: {reason}")
-    model.to(DTYPES[settings.dtype])
-    set_attention(model, settings.attention)
-    if settings.sparse_2_4:
-        sparsify_2_4_(model.image_encoder)
-    if settings.dynamic_int8:
-        quantize_dynamic_int8(model.image_encoder, keep=narrower_than(INT8_MIN_FEATURES))
-    apply_transforms(settings, {"image_encoder": model.image_encoder, "prompt_encoder": model.prompt_encoder,
-                                "mask_decoder": model.mask_decoder})  # fmt: skip
-    if settings.compile and model.device.type == "cpu":  # saved for later runs (CUDA: not yet run)
-        options = inductor_options(model.device, decode=False)
-        compile_saved(model.image_encoder, "SAM image encoder", settings_key(settings), options)
-    elif settings.compile:
-        model.image_encoder = compile_fn(
-            model.image_encoder, model.device, decode=False, max_autotune=settings.max_autotune
-        )
+    RECIPE.apply(settings, {"model": model, "image_encoder": model.image_encoder}, Target(model.device, settings.dtype))
     return model

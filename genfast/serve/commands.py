@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket | None) -> int:
     import uvicorn
 
     from genfast.llm.commands import load_announced
-    from genfast.llm.session import genfast_chooses_threads
+    from genfast.llm.recipe import genfast_chooses_threads
     from genfast.llm.tensor_parallel import is_main_rank
     from genfast.serve.app import create_app
     from genfast.serve.engine import Engine

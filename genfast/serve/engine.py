@@ -65,7 +65,7 @@ from genfast.serve.prefix_cache import BLOCK_SIZE, PrefixCache
 from genfast.serve.tensor_parallel import KEEPALIVE_S, Op, StepBroadcast
 
 if TYPE_CHECKING:
-    from genfast.llm.session import LoadedModel
+    from genfast.llm.loading import LoadedModel
 
 log = logging.getLogger("genfast.serve")
 
@@ -419,7 +419,7 @@ class Engine:
         """Between steps, every FOLLOW_OTHER_WORK_S, fit the scheduler thread's count (at most
         `most_threads`) to the CPUs that other processes kept busy meanwhile (genfast/platform/threads.py),
         so that a server follows other work that starts or stops while it runs. Only where the
-        thread count is genfast's to choose (genfast.llm.session.genfast_chooses_threads)."""
+        thread count is genfast's to choose (genfast.llm.loading.genfast_chooses_threads)."""
         self._other_work = (OtherWork(), most_threads, log)
 
     def _follow_other_work(self) -> None:
@@ -499,7 +499,7 @@ class Engine:
 
     def precompile(self, loaded: LoadedModel, log: Callable[[str], None]) -> PrecompiledSteps | None:
         """Use steps compiled ahead of time and kept on disk (genfast/llm/decoding/precompiled.py) for
-        `loaded` (the session.LoadedModel of this engine's model): on the CPU, one process, no
+        `loaded` (the loading.LoadedModel of this engine's model): on the CPU, one process, no
         transforming recipe step. `warmup` then loads them, or compiles and saves them."""
         if not self.compiled or self.device.type != "cpu" or loaded.tp > 1 or loaded.transforms:
             return None

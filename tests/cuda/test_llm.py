@@ -34,13 +34,13 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def load(directory: Path, device: str, dtype: str, quant: str = "none"):
-    from genfast.llm.session import load as load_model
+    from genfast.llm.loading import load as load_model
 
     return load_model(str(directory), device, dtype, quant=quant)
 
 
 def generator(loaded, compile: bool, draft: str | None = None, batch: int = 1):
-    from genfast.llm.decoding.speculative import make_generator
+    from genfast.llm.recipe import make_generator
 
     return make_generator(loaded, 256, batch, compile, draft, 4 if draft else None)
 

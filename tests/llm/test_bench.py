@@ -23,7 +23,7 @@ def test_the_int4_group_size_reaches_the_int4_rows_only(monkeypatch, tmp_path, s
     rows in groups of 128 and leaves int8 per channel."""
     import torch
 
-    import genfast.llm.session
+    import genfast.llm.loading
     from genfast.llm.bench import LlmLadder
     from genfast.recipe import Target
 
@@ -33,7 +33,7 @@ def test_the_int4_group_size_reaches_the_int4_rows_only(monkeypatch, tmp_path, s
     def fake_load(model, device, dtype, threads, quant, group_size=None, tp=1):
         raise Loaded(quant, group_size)
 
-    monkeypatch.setattr(genfast.llm.session, "load", fake_load)
+    monkeypatch.setattr(genfast.llm.loading, "load", fake_load)
     ladder = LlmLadder()
     options = {
         "model": "m",

@@ -124,8 +124,8 @@ def test_cli_window_longer_than_context(tmp_path, capsys):
 @pytest.mark.slow
 def test_real_model_matches_transformers(smollm2_gguf, smollm2_hf):
     from genfast.llm.corpus import evaluation_text
+    from genfast.llm.loading import load
     from genfast.llm.perplexity import evaluation_token_ids, window_bos
-    from genfast.llm.session import load
 
     loaded = load(str(smollm2_gguf), "cpu", "float32")
     ids = evaluation_token_ids(loaded.tokenizer)

@@ -94,7 +94,7 @@ def test_int4_on_load_uses_the_gguf_blocks_and_stays_close(smollm2_gguf):
     """`--quant int4` on the Q4_1 GGUF keeps the file's own 4-bit codes (the linears are exactly
     the float loader's weights) and an int8 head; with the kernel's int8 activations the logits
     stay within cosine 0.998 on average of bf16 (measured: perplexity +0.3%, docs/performance.md)."""
-    from genfast.llm.session import load
+    from genfast.llm.loading import load
 
     tokenizer = load_tokenizer(smollm2_gguf)
     ids = torch.tensor([benchmark_prompt(tokenizer, 256)])

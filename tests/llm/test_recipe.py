@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from genfast.errors import UserError
-from genfast.llm.recipe import RECIPE, LlmSettings
-from genfast.llm.session import plan
+from genfast.llm.recipe import RECIPE, LlmSettings, plan
 from tests.cpus import ZEN3, ZEN4, pretend_cpu
 
 

@@ -26,7 +26,7 @@ from genfast.errors import UserError
 from genfast.llm.checkpoints.quantize import quantize_loaded
 from genfast.llm.checkpoints.weights import load_model, read_model_args
 from genfast.llm.decoding.generate import Generator
-from genfast.llm.session import load
+from genfast.llm.loading import load
 from genfast.llm.tensor_parallel import (
     RowParallelLinear,
     check_devices,

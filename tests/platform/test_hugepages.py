@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from genfast.llm.session import load
+from genfast.llm.loading import load
 from genfast.platform import hugepages
 from tests.llm.gguf_fixtures import write_gguf_from_hf
 from tests.llm.hf_fixtures import make_hf_model

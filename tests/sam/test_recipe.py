@@ -179,7 +179,7 @@ def test_sparse_step_says_why_it_cannot_run_on_cpu():
     assert "CUDA only" in sparse_2_4_unavailable(torch.device("cpu"))
     with pytest.raises(UserError, match="step sparse-2:4 cannot run here: torch has no 2:4"):
         RECIPE.plan("sparse-2:4", CPU_BF16)
-    with pytest.raises(UserError, match="cannot apply 2:4 sparsity"):
+    with pytest.raises(UserError, match="the sam step sparse-2:4 cannot run here"):
         apply_recipe(build_random_sam(SMALL), SamSettings(sparse_2_4=True))
 
 

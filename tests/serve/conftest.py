@@ -102,7 +102,7 @@ def serve(tiny_dir) -> Iterator:
 def smollm2_server(smollm2_gguf) -> Iterator[Server]:
     """The real SmolLM2-135M-Instruct (eager fp32, 4 slots) served as "smollm2": for replies whose
     form matters (structured output, tool calls)."""
-    from genfast.llm.session import load
+    from genfast.llm.loading import load
     from genfast.serve.engine import Engine
 
     loaded = load(str(smollm2_gguf), "cpu", "float32")

@@ -239,7 +239,7 @@ def test_saved_compiled_steps_serve_every_mix_of_requests(tiny_dir):
     """The engine's steps compiled ahead of time (genfast/llm/decoding/precompiled.py): the first engine
     compiles and saves them, a second one (as at the next start) loads them; both equal eager
     single requests for requests joining and leaving."""
-    from genfast.llm.session import load
+    from genfast.llm.loading import load
 
     want = single_request_outputs(*load_tiny(tiny_dir), PROMPTS, LENGTHS)
     requests = [GenerationRequest(tuple(p), n) for p, n in zip(PROMPTS, LENGTHS)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -25,13 +25,21 @@ from genfast.errors import UserError
 from genfast.llm.checkpoints.tokenizer import Tokenizer
 from genfast.llm.decoding.generate import Generator, positions
 from genfast.llm.decoding.sampling import SamplingParams, draw, probabilities
+from genfast.llm.loading import LoadedModel, load
 from genfast.llm.model.transformer import Transformer
-from genfast.llm.session import LoadedModel, load
-
-if TYPE_CHECKING:
-    from genfast.llm.decoding.speculative import SpeculativeGenerator
 
 DRAFT_KINDS = "int4, int8, layers:N, prompt-lookup or model:PATH"
+
+
+class DraftTarget(Protocol):
+    """What a drafter reads of the generator it drafts for (genfast.llm.decoding.speculative's)."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    device: torch.device
+    k: int  # tokens drafted per round
+    max_seq_len: int
+    compiled: bool
 
 
 class Drafter(ABC):
@@ -39,7 +47,7 @@ class Drafter(ABC):
 
     name = "draft"
 
-    def attach(self, gen: SpeculativeGenerator) -> None:
+    def attach(self, gen: DraftTarget) -> None:
         """Called once by the generator (check compatibility, allocate caches, compile)."""
 
     def start(self, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -101,7 +109,7 @@ class ModelDrafter(Drafter):
         self.model, self.n_layers = model, n_layers
         self._seen = self._fed = self._calls = 0
 
-    def attach(self, gen: SpeculativeGenerator) -> None:
+    def attach(self, gen: DraftTarget) -> None:
         vocab, want = self.model.args.vocab_size, gen.model.args.vocab_size
         if vocab != want:
             raise UserError(
@@ -149,7 +157,7 @@ class LayerDrafter(ModelDrafter):
         self.name = f"first {n_layers} layers"
         self._seen = self._fed = self._calls = 0
 
-    def attach(self, gen: SpeculativeGenerator) -> None:
+    def attach(self, gen: DraftTarget) -> None:
         total = gen.model.args.n_layers
         if not 1 <= self.n_layers < total:
             raise UserError(
@@ -178,7 +186,7 @@ class PromptLookupDrafter(Drafter):
         self._ends: list[dict[tuple[int, ...], int]] = []
         self._indexed = 0
 
-    def attach(self, gen: SpeculativeGenerator) -> None:
+    def attach(self, gen: DraftTarget) -> None:
         self.k, self.vocab, self.device = gen.k, gen.model.args.vocab_size, gen.device
 
     def start(self, prompt: Sequence[int], params: SamplingParams) -> None:

@@ -330,7 +330,7 @@ def lower_priority(pid: int) -> None:
 def compile_for(spec_path: Path) -> int:
     """The background process: load the model as the spec says and compile both steps."""
     from genfast.compilation.inductor import use_persistent_cache
-    from genfast.llm.session import load
+    from genfast.llm.loading import load
 
     use_persistent_cache()
     spec = json.loads(spec_path.read_text())
@@ -360,7 +360,7 @@ def compile_for(spec_path: Path) -> int:
 
 
 def attach(generator: Any, loaded: Any, params: SamplingParams, log: Callable[[str], None]) -> PrecompiledSteps | None:
-    """Give `generator` (a plain Generator of `loaded`, a session.LoadedModel) precompiled steps
+    """Give `generator` (a plain Generator of `loaded`, a loading.LoadedModel) precompiled steps
     for `params`, where they apply: on the CPU, one process (no tensor parallelism), not
     speculative, and no recipe step transformed the model (a background process could not redo
     it). None elsewhere: there the generator compiles when first called, as before."""

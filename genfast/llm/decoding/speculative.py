@@ -21,11 +21,10 @@ from torch import Tensor
 from genfast.compilation.inductor import compile_fn
 from genfast.errors import UserError
 from genfast.llm.checkpoints.tokenizer import Tokenizer
-from genfast.llm.decoding.drafters import Drafter, make_drafter
+from genfast.llm.decoding.drafters import Drafter
 from genfast.llm.decoding.generate import Completions, GenerationResult, Generator, TextCallback, positions
 from genfast.llm.decoding.sampling import SamplingParams, draw, probabilities
 from genfast.llm.model.transformer import Transformer
-from genfast.llm.session import LoadedModel
 from genfast.platform.hardware import synchronize
 
 DEFAULT_K = 4
@@ -186,33 +185,3 @@ class SpeculativeGenerator(Generator):
             torch.zeros(1, self.k + 1, dtype=torch.long, device=self.device), input_pos, mask, q, params, steady=False
         )
         return time.perf_counter() - t0
-
-
-def make_generator(
-    loaded: LoadedModel,
-    max_seq_len: int | None,
-    batch_size: int,
-    compile: bool,
-    draft: str | None = None,
-    speculate_k: int | None = None,
-) -> Generator:
-    """A Generator, or with `draft` (see genfast.llm.decoding.drafters.parse_draft) a SpeculativeGenerator
-    drafting `speculate_k` tokens per target pass."""
-    if draft is None:
-        if speculate_k is not None:
-            raise UserError("--speculate-k needs --draft, --self-draft or --prompt-lookup")
-        return Generator(
-            loaded.model, loaded.tokenizer, max_seq_len=max_seq_len, max_batch_size=batch_size, compile=compile
-        )
-    if batch_size != 1:
-        raise UserError(f"speculative decoding runs one prompt at a time; got {batch_size} prompts")
-    if loaded.tp > 1:
-        raise UserError("speculative decoding does not combine with --tp yet; drop one of them")
-    return SpeculativeGenerator(
-        loaded.model,
-        loaded.tokenizer,
-        make_drafter(draft, loaded),
-        k=speculate_k or DEFAULT_K,
-        max_seq_len=max_seq_len,
-        compile=compile,
-    )

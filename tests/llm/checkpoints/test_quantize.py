@@ -8,7 +8,7 @@ import torch
 from genfast.cli import main
 from genfast.errors import UserError
 from genfast.llm.checkpoints.weights import gguf_quantized_linears, load_model
-from genfast.llm.session import load
+from genfast.llm.loading import load
 from genfast.quant.linear import QuantLinear
 from tests.llm.gguf_fixtures import write_gguf_from_hf
 from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer

@@ -7,7 +7,7 @@ import torch
 
 from genfast.errors import UserError
 from genfast.llm.checkpoints import random_model
-from genfast.llm.session import load
+from genfast.llm.loading import load
 from tests.llm.hf_fixtures import TINY_CONFIGS
 
 # Published parameter counts (their model cards), within 1%.

@@ -19,7 +19,7 @@ from genfast.compilation import artifacts
 from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.precompiled import PrecompiledSteps, attach, key_parts, lower_priority
 from genfast.llm.decoding.sampling import SamplingParams
-from genfast.llm.session import LoadedModel, load
+from genfast.llm.loading import LoadedModel, load
 from genfast.nn import store_linear_weights
 from tests.cpus import ZEN4, pretend_cpu
 from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer

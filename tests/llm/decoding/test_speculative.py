@@ -233,7 +233,7 @@ def test_compiled_speculative_equals_eager(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_fp32(smollm2_gguf):
-    from genfast.llm.session import load
+    from genfast.llm.loading import load
 
     loaded = load(str(smollm2_gguf), "cpu", "float32")
     plain = Generator(loaded.model, loaded.tokenizer, max_seq_len=256, compile=False)
@@ -245,7 +245,7 @@ def smollm2_fp32(smollm2_gguf):
 def test_greedy_speculative_equals_plain_on_the_real_model(smollm2_fp32, smollm2_gguf, draft):
     """fp32, eager: a k+1-token verify pass rounds differently from a one-token step, but in fp32
     no argmax of these 64 tokens is close enough to a tie to flip (bf16: see docs/performance.md)."""
-    from genfast.llm.decoding.speculative import make_generator
+    from genfast.llm.recipe import make_generator
 
     loaded, prompt, want = smollm2_fp32
     spec = make_generator(loaded, 256, 1, False, f"model:{smollm2_gguf}" if draft == "model" else draft, 4)

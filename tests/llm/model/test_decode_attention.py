@@ -115,7 +115,7 @@ def test_attention_layer_decode_matches_sdpa(compiled):
 
 @pytest.mark.parametrize("name, builds", [("smollm", True), ("qwen3", False)])  # head sizes 16 and 24
 def test_a_cpu_load_builds_the_kernel_only_for_heads_it_takes(name, builds, tmp_path, monkeypatch):
-    from genfast.llm.session import load
+    from genfast.llm.loading import load
     from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
 
     hf = make_hf_model(name)

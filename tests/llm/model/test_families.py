@@ -21,10 +21,10 @@ from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.precompiled import attach
 from genfast.llm.decoding.sampling import SamplingParams
 from genfast.llm.decoding.speculative import MAX_K, SpeculativeGenerator
+from genfast.llm.loading import load
 from genfast.llm.model import families
 from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.layers import WINDOW_SLACK, WindowKVCache
-from genfast.llm.session import load
 from tests.llm.decoding.test_generate import check_compiled_matches_eager
 from tests.llm.gguf_fixtures import write_gguf_from_hf
 from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, word_tokenizer

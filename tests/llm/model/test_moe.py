@@ -16,8 +16,8 @@ from genfast.llm.decoding.drafters import LayerDrafter
 from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.speculative import SpeculativeGenerator
 from genfast.llm.decoding.stats import weight_bytes_per_step
+from genfast.llm.loading import load
 from genfast.llm.model.config import ModelArgs
-from genfast.llm.session import load
 from genfast.nn import ExpertLinear, few_rows_unavailable_reason
 from genfast.quant import packing
 from genfast.quant.grids import quantize

@@ -1,10 +1,10 @@
-"""genfast.llm.session.load: what `--dtype auto` means on this machine (and on others)."""
+"""genfast.llm.loading.load: what `--dtype auto` means on this machine (and on others)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from genfast.llm.session import load
+from genfast.llm.loading import load
 from genfast.nn import Linear, few_rows_unavailable_reason
 from genfast.platform import hardware
 from tests.cpus import ZEN4, pretend_cpu

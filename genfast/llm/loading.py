@@ -1,10 +1,9 @@
-"""Loading a model and tokenizer for generation with the user's device/dtype/compile choices."""
+"""Loading a model and its tokenizer to run: on the user's device, in their dtype, quantized and
+sharded block by block as the weights load (the recipe's dtype and quantization: genfast/llm/recipe.py)."""
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +15,10 @@ from genfast.llm.checkpoints.random_model import is_random
 from genfast.llm.checkpoints.tokenizer import Tokenizer, load_tokenizer, pydoc_tokenizer
 from genfast.llm.checkpoints.weights import checkpoint_format, load_model, read_model_args
 from genfast.llm.model.transformer import Transformer
-from genfast.llm.recipe import RECIPE, LlmSettings
 from genfast.nn import auto_weight_dtype, store_linear_weights
-from genfast.platform.hardware import dtype_name, resolve_device, resolve_dtype
+from genfast.platform.hardware import resolve_device, resolve_dtype
 from genfast.platform.hugepages import move_to_hugepages
-from genfast.platform.threads import OtherWork, avoid_busy_cores
 from genfast.quant import INT4_GROUP_SIZES, QUANT_MODES
-from genfast.recipe import Plan, Target, apply_transforms
 from genfast.storage.hub import resolve_model
 
 
@@ -39,7 +35,9 @@ class LoadedModel:
     weight_dtype: torch.dtype | None = None
     # The `load` arguments that give this model again (another process compiling for it reloads it).
     load_args: dict[str, Any] = field(default_factory=dict)
-    transforms: tuple[str, ...] = ()  # recipe steps whose own transform changed the model (apply_recipe)
+    # Recipe steps whose transforms changed the model after loading (a process that reloads it to
+    # compile for it could not redo them).
+    transforms: tuple[str, ...] = ()
 
     def dtype_label(self) -> str:
         """e.g. 'bfloat16', or 'float32 (bfloat16 linear weights and KV cache)'."""
@@ -47,53 +45,6 @@ class LoadedModel:
         if self.weight_dtype is not None:
             label += f" ({str(self.weight_dtype).removeprefix('torch.')} linear weights and KV cache)"
         return label
-
-
-def plan(
-    step: str, device: str = "auto", dtype: str = "auto", quant: str | None = None, compile: bool = True
-) -> Plan[LlmSettings]:
-    """The LLM recipe up to `step` (genfast/llm/recipe.py) on `device`, `dtype` being the bf16
-    step's; `quant` (when given) and `compile=False` override what the steps set: the flags
-    --quant and --no-compile are shorthands on top of --recipe."""
-    result = RECIPE.plan(step, Target(resolve_device(device), dtype_name(dtype)))
-    settings = result.settings
-    if quant is not None:
-        if quant not in QUANT_MODES:
-            raise UserError(f"unknown --quant {quant!r}; use one of {', '.join(QUANT_MODES)}")
-        settings = replace(settings, quant=quant)
-    if not compile:
-        settings = replace(settings, compile=False)
-    return replace(result, settings=settings)
-
-
-def apply_recipe(loaded: LoadedModel, settings: LlmSettings) -> LoadedModel:
-    """What the recipe does to a loaded model beyond `load`'s dtype and quantization: the steps
-    that bring their own transform (genfast.recipe.apply_transforms; the model's one part is
-    "model"). Compiling is the generator's (make_generator)."""
-    apply_transforms(settings, {"model": loaded.model})
-    loaded.transforms += tuple(step.name for step in settings.transforms)
-    return loaded
-
-
-def load_for_command(args: argparse.Namespace, settings: LlmSettings, log: Callable[[str], None],
-                     tp: int = 1) -> LoadedModel:  # fmt: skip
-    """The model that a run command's flags name (--model, --device, --threads, --group-size),
-    loaded and run as `settings` say. Without --threads, on the CPU and in one process, the thread
-    count leaves the cores that other processes kept busy while it loaded to them
-    (genfast/platform/threads.py), and `log` says so."""
-    other_work = OtherWork() if args.threads is None else None
-    loaded = apply_recipe(
-        load(args.model, args.device, settings.dtype, args.threads, settings.quant, args.group_size, tp), settings
-    )
-    if other_work is not None and genfast_chooses_threads(args, loaded):
-        avoid_busy_cores(other_work, log)
-    return loaded
-
-
-def genfast_chooses_threads(args: argparse.Namespace, loaded: LoadedModel) -> bool:
-    """Whether the thread count is genfast's to fit beside other work: no --threads, on the CPU, in
-    one process (genfast/platform/threads.py also leaves a count from OMP_NUM_THREADS alone)."""
-    return args.threads is None and loaded.device.type == "cpu" and loaded.tp == 1
 
 
 def load(
