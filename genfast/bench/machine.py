@@ -52,7 +52,7 @@ def peak_read_bandwidth(device: torch.device | str, remeasure: bool = False) -> 
         return float(os.environ["GENFAST_PEAK_BW_GBS"]) * 1e9
     key = device_name(device)
     if torch.device(device).type == "cpu" and hugepages.unavailable_reason() is None:
-        key += ", huge pages"  # measured in the memory the weights live in (changed 2026-11-25)
+        key += ", huge pages"  # measured in the memory the weights live in
     store = machine_file()
     known: dict[str, float] = {}
     if store.is_file():
@@ -73,7 +73,7 @@ def peak_read_bandwidth(device: torch.device | str, remeasure: bool = False) -> 
 
 def measure_read_bandwidth(device: torch.device | str, repeats: int = 7) -> float:
     device = torch.device(device)
-    # A GPU reads 512 MiB in ~0.2 ms, where a launch's ~10 us would show: read 4 GiB there.
+    # A GPU reads 512 MiB in a fraction of a millisecond, where a launch's overhead would show: read 4 GiB there.
     nbytes = _BANDWIDTH_BYTES * (8 if device.type == "cuda" else 1)
     if device.type == "cpu":  # where an LLM's weights are (huge pages where the kernel has them)
         x = hugepages.empty((nbytes // 4,), torch.float32).fill_(1.0)

@@ -1,14 +1,12 @@
 """torch.compile settings per device, passed per call (no global inductor config is changed).
 
-CPU: `freezing` (measured 8.7 vs 9.5 ms per SmolLM2 decode step, single runs, within this
-host's noise). Weights stay graph inputs: with dynamo's `prepare_freezing` they become constants
-and inductor folds their fp32 upcast, doubling the bytes each decode step reads (57 vs ~100 tok/s).
-`max_autotune` was measured and did not help (docs/performance.md). `cpp_wrapper` (the graph's
-calls made from C++, not Python) speeds up the decode of models whose linears are genfast's native
-quantized kernels (+6-8% int4/int8 decode on SmolLM2: 121 extern kernel calls per step), and bf16
-decode only 1.04x (an in-process A/B) for twice the compile time, so it is used for the quantized
-ones only; not with tensor parallelism (untested there). CPU decode also drops inductor's input
-size asserts (1.035x).
+CPU: `freezing`. Weights stay graph inputs: with dynamo's `prepare_freezing` they would become
+constants and inductor would fold their fp32 upcast, doubling the bytes each decode step reads.
+`max_autotune` does not help on the CPU. `cpp_wrapper` (the graph's calls made from C++, not
+Python) speeds up the decode of models whose linears are genfast's native quantized kernels (a
+hundred extern kernel calls a step), where it pays for its doubled compile time; so it is used for
+those only, and not with tensor parallelism (untested there). CPU decode also drops inductor's
+input size asserts. The measurements behind each choice: docs/notes.md.
 CUDA: CUDA graphs remove the per-kernel launch cost of decode; coordinate-descent tuning for decode only.
 """
 
@@ -58,8 +56,8 @@ def inductor_options(
     options: dict[str, Any] = {"freezing": True}
     if decode:
         # Inductor's checks of every input's sizes and strides (~400 a SmolLM2 step, in Python):
-        # genfast builds the inputs and the guards checked them on the first call. Without them
-        # the step ran 1.035x faster (in-process A/B, Zen 4; docs/performance.md, "Huge pages").
+        # genfast builds the inputs and the guards checked them on the first call; they cost a
+        # few percent of a small model's step.
         options["size_asserts"] = False
     if decode and native_kernels and not (dist.is_available() and dist.is_initialized()):
         options["cpp_wrapper"] = True

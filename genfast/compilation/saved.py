@@ -14,9 +14,9 @@ change after its first call (its structure is read once). Modules of one structu
 repeated blocks) share one compiled function, loaded once per process.
 
 The weights are inputs of the compiled code, not constants (no inductor `freezing`), so an
-artifact does not depend on them: random weights and a checkpoint of one architecture share it.
-Measured on SAM vit_b's encoder, fp32, 2-core Xeon: 4.7 s a call (5.1 s with freezing), loaded in
-1.2 s where it took 14 s to compile (docs/performance.md, "Start-up").
+artifact does not depend on them: random weights and a checkpoint of one architecture share it
+(and freezing did not make SAM's encoder faster on the CPU). Loading an artifact takes a fraction
+of compiling it.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ INT8_MIN_FEATURES = 320
 # the UNet and VAE (3 or 4 image/latent channels), which gain nothing and carry the most error.
 # Every other convolution of SD 1.5/SDXL has >= 128 (measured on the SD 1.5 VAE decoder at 512 x 512:
 # thresholds 512 / 256 / 128 took its decode from 3.74 s to 3.31 / 3.01 / 2.74 s:
-# `python benchmarks/diffusion_parts.py vae`, docs/performance.md).
+# `python benchmarks/diffusion_parts.py vae`).
 INT8_CONV_MIN_CHANNELS = 128
 
 
@@ -84,7 +84,7 @@ def _int8_conv_unavailable(target: Target) -> str | None:
 def _group_norm_kernel_unavailable(target: Target) -> str | None:
     if target.device.type != "cpu":
         return "the channels-last GroupNorm kernel is a CPU kernel"
-    from genfast.diffusion.group_norm import unavailable_reason
+    from genfast.kernels.group_norm.ops import unavailable_reason
 
     return unavailable_reason()
 

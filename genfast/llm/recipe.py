@@ -41,9 +41,9 @@ class LlmSettings(steps.StepSettings):
     quant: str = "none"  # weight-only quantization on load: none, int8 or int4
 
 
-# What CUDA's kernels measured so far (docs/performance.md): int8's Triton GEMV in a compiled decode
-# step of 4 Llama-2-7B-shaped blocks on an H100 ("CUDA (NVIDIA H100), 2026-11-27"); int4 on tinygemm
-# in the whole model's ladder ("CUDA (NVIDIA H100), 2026-11-28").
+# What CUDA's quantized kernels measured, said to the user with the step (docs/performance.md has
+# the current figures): int8's Triton GEMV in a compiled decode step of 4 Llama-2-7B-shaped blocks
+# on an H100; int4 on tinygemm in the whole model's ladder.
 CUDA_STEP_MEASURED = "in a Llama-2-7B-shaped decode step (4 blocks) on an H100; whole-model decode not measured yet"
 CUDA_INT4_MEASURED = (
     "1.68x compiled bf16 decode on the whole Llama-2-7B shape on an H100 (287.7 against 171.6 tok/s); "

@@ -4,9 +4,8 @@ Why: batch-1 decode reads every weight once per token, hundreds of MB in long se
 In 4 KB pages that is a page walk per 4 KB read (under a hypervisor a two-level one), and the
 hardware prefetchers stop at each 4 KB boundary. Linux backs an anonymous mapping with 2 MB
 pages where the program asks for them (`madvise(MADV_HUGEPAGE)`; the default THP mode of most
-distributions is `madvise`, under which PyTorch's allocator never asks). On a 2-core Zen 4 VM the
-bf16 linears of a SmolLM2 decode step ran 1.13-1.49x faster from one huge-page mapping than from
-their own allocations, and decode gained 6-20% (docs/performance.md, "Huge pages").
+distributions is `madvise`, under which PyTorch's allocator never asks). The linears of a decode
+step run measurably faster from one huge-page mapping than from their own allocations.
 
 `move_to_hugepages(module)` copies a module's parameters and persistent buffers into one new
 mapping, each tensor its own storage (so nothing aliases in the compiled code's inputs), and

@@ -2,9 +2,8 @@
 
 PyTorch's default is one thread per physical core. Every parallel region of a step (~150 in a
 SmolLM2 decode step) ends when its slowest thread does, so a thread that shares its core with a busy
-process at the same priority holds the whole team back: one busy loop beside a 2-core decode took
-it from 93.7 to 23.7 tok/s on two threads, where one thread ran at 56.8 (AMD EPYC Zen 4;
-docs/performance.md, "Threads beside other work"). `OtherWork` samples how many cores other
+process at the same priority holds the whole team back: beside one busy loop, a 2-core decode on
+two threads runs several times slower, and slower than on one thread. `OtherWork` samples how many cores other
 processes keep busy (Linux: /proc), and `threads_beside` leaves those cores to them.
 
 Work at a lower priority (nice > 0, such as genfast's own background compile) yields to this

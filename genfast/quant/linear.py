@@ -10,9 +10,8 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
   variants compute the same integer sums.
 - "int4pack", CUDA (compute capability 8.0+), int4 in groups of 32-256 with bf16 activations:
   torch's tinygemm kernel (`_weight_int4pack_mm`), which wants w = (u - 8) * scale + zero per group.
-  In a compiled Llama-2-7B-shape decode step on an H100 it beat genfast's Triton GEMV both times
-  the two ran side by side (0.712 against 0.775 ms per token, then 0.511 against 0.964 after the
-  word layout; docs/performance.md), so it is CUDA's int4 kernel wherever it applies, for up to
+  In a compiled Llama-2-7B-shape decode step on an H100 it beat genfast's Triton GEMV each time
+  the two ran side by side, so it is CUDA's int4 kernel wherever it applies, for up to
   `tinygemm.MAX_ROWS` rows; more (prefill) dequantize its layout (genfast/quant/tinygemm.py) and
   use cuBLAS.
 - "triton", CUDA where Triton is installed (it ships with torch's CUDA wheels), weight-only int8
@@ -23,8 +22,8 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
   Compiled prefill, whose length is dynamic, always takes the dequantize path (`rows_at_most`).
 - "int8pack", CUDA without Triton, weight-only int8 with one scale per output channel: the codes
   as int8; one row (decode) under torch.compile is a fused multiply-sum that reads the int8 codes
-  once (`row_linear`), more rows a matmul over the upcast codes. (torch 2.11's CUDA
-  `_weight_int8pack_mm` streamed a Llama-2-7B block at ~100 GB/s on an H100, 10-20x slower:
+  once (`row_linear`), more rows a matmul over the upcast codes. (torch's CUDA
+  `_weight_int8pack_mm` streams a Llama-2-7B block an order of magnitude slower:
   benchmarks/cuda_linear.py.)
 - "dequantize" elsewhere, weight-only: dequantize to the activation dtype and matmul. Under
   torch.compile a one-row input becomes a single fused loop that reads the codes (`row_linear`).

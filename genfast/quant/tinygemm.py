@@ -29,11 +29,11 @@ from genfast.quant.grids import nibbles_from_words, words_from_nibbles
 # K in tiles of 16 x INNER_K_TILES (a lane loads 16 bytes of them at once), N in tiles of 8.
 INNER_K_TILES = 8
 GROUP_SIZES = (32, 64, 128, 256)
-# The most rows that run tinygemm itself, one m16 tile: its time grows with each 16 rows (an H100,
-# a Llama-2-7B block: 0.132 ms at 1 row, 0.205 at 8; the 128-token prefill 7x bf16's), where
-# dequantizing (0.94 GB a block moved: codes and grid read, the bf16 weight written and read back
-# by cuBLAS, ~0.33 ms at ~2.8 TB/s) barely grows with the rows. The crossover is predicted at
-# 16-32 rows, not yet timed (benchmarks/cuda_linear.py --rows 8,16,32,64,128).
+# The most rows that run tinygemm itself, one m16 tile: its time grows with each 16 rows (a
+# 128-token prefill through it takes several times bf16's), where dequantizing (a Llama-2-7B
+# block moves 0.94 GB: codes and grid read, the bf16 weight written and read back by cuBLAS)
+# barely grows with the rows. The crossover is predicted at 16-32 rows
+# (benchmarks/cuda_linear.py --rows 8,16,32,64,128 times it).
 MAX_ROWS = 16
 
 # The codes' dimensions as `pack` arranges them: rows (nt, lane // 4), columns (ko, j, parity,

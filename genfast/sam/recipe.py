@@ -51,7 +51,7 @@ def _fused_attention_note(target: Target) -> str | None:
         return None
     import torch
 
-    from genfast.sam import fused_attention
+    from genfast.kernels.rel_pos_attention import ops as fused_attention
 
     reason = fused_attention.unavailable_reason()
     if reason:
@@ -158,11 +158,16 @@ RECIPE = Recipe(
 )
 
 
+def validate(settings: SamSettings) -> None:
+    """Reject combinations that cannot run, before anything is changed."""
+    if settings.sparse_2_4 and settings.dynamic_int8:
+        raise UserError("2:4 sparsity and dynamic int8 cannot be combined (no kernel does both)")
+
+
 def apply_recipe(model: Sam, settings: SamSettings) -> Sam:
     """Make `model` run as `settings` say, in place (and return it): the recipe's transforms
     (genfast/recipe.py). batched_prompts is a property of how the predictor is called
     (predict_batch), so it changes nothing here."""
-    if settings.sparse_2_4 and settings.dynamic_int8:
-        raise UserError("2:4 sparsity and dynamic int8 cannot be combined (no kernel does both)")
+    validate(settings)
     RECIPE.apply(settings, {"model": model, "image_encoder": model.image_encoder}, Target(model.device, settings.dtype))
     return model

@@ -1,10 +1,10 @@
 """Structured output: OpenAI's `response_format` as a grammar, and a token mask per decode step.
 
 The grammar library is llguidance (Microsoft's; llama.cpp, vLLM and SGLang use it too). Of the
-three considered (docs/performance.md, "Structured output"), it has no dependencies (one abi3
+three considered (xgrammar, outlines-core), it has no dependencies (one abi3
 wheel; xgrammar pulls in triton and transformers), compiles a JSON schema in milliseconds, where
 outlines-core builds a regex index over the whole vocabulary per schema, and computes a mask in
-~20-100 us per token on this CPU for SmolLM2's 49k-token vocabulary (a decode step is ~10 ms).
+tens of microseconds per token for SmolLM2's 49k-token vocabulary, small against a decode step.
 
 The mask is applied to a row's logits after the compiled decode step, before sampling, so the
 step's graph is the same with and without constraints (nothing recompiles), and log-probabilities

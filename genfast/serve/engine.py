@@ -266,9 +266,7 @@ def release_openmp_workers() -> None:
     The engine computes on its own thread, whose parallel regions get an OpenMP team of their
     own. If the thread that loaded the model keeps its team too, libgomp sees more threads than
     cores and cuts its workers' spin-waits short, so they sleep and wake for each of a step's
-    hundreds of parallel regions. That halved decode speed: SmolLM2 bf16 decoded at 54 tok/s on
-    a second thread and 96 after this call (107 when loading on one thread; 2-core Zen 4). The
-    caller's team is recreated if it computes again. A runtime without the call does nothing."""
+    hundreds of parallel regions, which halves decode speed on a 2-core CPU. The caller's team is recreated if it computes again. A runtime without the call does nothing."""
     if torch.get_num_threads() <= 1:
         return
     try:
@@ -297,7 +295,7 @@ class Engine:
         max_queue: int = 64,
         max_seq_len: int | None = None,
         compile: bool = True,
-        prefill_chunk: int = 256,  # docs/performance.md, "Chunked prefill"
+        prefill_chunk: int = 256,  # long prompts prefill in chunks, so running rows keep decoding
         prefix_cache_mib: float = 1024,
         prefix_block: int = BLOCK_SIZE,
     ) -> None:

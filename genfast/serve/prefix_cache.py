@@ -13,7 +13,7 @@ into its own row instead of prefilling them.
 Blocks are copied in, not shared in place: a slot's row stays one contiguous buffer, so
 attention and the compiled graphs do not change. The price is memory (a block lives here and in
 every row that uses it) and one copy of the prefix's keys and values, which costs milliseconds
-where prefilling the same tokens costs seconds (docs/performance.md, "Prefix caching").
+where prefilling the same tokens costs seconds.
 
 The memory budget is `budget_bytes`. When a new block does not fit, the least recently used
 blocks are evicted. Matching or storing a prefix touches its blocks from the last to the first,

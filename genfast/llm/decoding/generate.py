@@ -348,8 +348,8 @@ class Generator:
 
         steady: a decode step after the first one of this generate() call. That first step ran
         with all of dynamo's guards (compiling if needed); later steps differ from it only in the
-        cache length, a dynamic dimension, so they skip guard evaluation (~0.5 ms a step here:
-        the guards check every weight and cache tensor). If dynamo still finds it would have to
+        cache length, a dynamic dimension, so they skip guard evaluation (the guards check
+        every weight and cache tensor: a large part of a small model's step). If dynamo still finds it would have to
         recompile, it raises before running anything and the step is retried with all guards.
         """
         if self.precompiled is not None:
