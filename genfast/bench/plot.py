@@ -94,10 +94,17 @@ def machine_line(rows: Sequence[dict[str, Any]]) -> str:
     return "; ".join(lines)
 
 
-def bar_label(row: dict[str, Any]) -> str:
-    """The step, and the values that tell the row's group apart (e.g. batch 8)."""
-    group = [f"{k.replace('_', ' ')} {row.get(k)}" for k in row.get("group", ())]
-    return "\n".join([str(row.get("step", "?")), *group])
+def bar_labels(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Each row's step, with the values that tell its group apart (e.g. batch size 8), and its dtype
+    where two rows would read alike otherwise (an LLM ladder's compile row in fp32 and in bf16)."""
+    labels = []
+    for row in rows:
+        group = [f"{k.replace('_', ' ')} {row.get(k)}" for k in row.get("group", ())]
+        labels.append("\n".join([str(row.get("step", "?")), *group]))
+    return [
+        f"{label}\n{row['dtype']}" if labels.count(label) > 1 and row.get("dtype") else label
+        for label, row in zip(labels, rows)
+    ]
 
 
 def _absent_reason(row: dict[str, Any]) -> str:
@@ -135,7 +142,7 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: str | Path, title: str | Non
             text += f"\n{accuracy}"
         ax.text(x, value + top * 0.01, text, ha="center", va="bottom", fontsize=7)
     ax.axhline(1.0, color="#888888", linewidth=0.8, linestyle="--")
-    ax.set_xticks(list(positions), [bar_label(r) for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(list(positions), bar_labels(rows), rotation=30, ha="right", fontsize=8)
     ax.set_ylim(0, top)
     ax.set_ylabel(f"speed-up {against}")
     workload = next((r["workload"] for r in rows if r.get("workload")), None)
