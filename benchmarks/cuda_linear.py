@@ -16,7 +16,7 @@ Variants per format, each compiled with the decode step's inductor options:
   row_linear over codes dequantized in the graph ("dequantize").
 `--sweep` first times the Triton kernels' block sizes (in the Triton formats that `--variants`
 names, or all three), with K split into slices among them: for one row per linear shape, for more
-rows on the same blocks, the tables genfast/kernels/qlinear_triton.py's defaults come from. A
+rows on the same blocks, the tables genfast/kernels/triton/qlinear.py's defaults come from. A
 block's weights (400+ MB) exceed the L2 cache, so each call reads them from memory. Every time is a
 CUDA graph's replay, as decode runs (a compiled block launched from Python measured the host's
 launches too: 12 or more for the Triton kernels' four linears). Median of CUDA-event timings; GB/s
@@ -166,7 +166,7 @@ def compiled_variants(shape: str, wanted: list[str] | None, rows_wanted: list[in
 def x_sums_gemv(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """The one-row Triton kernel with its minima's part in the loop, from x's sums per 32 columns
     (X_SUMS, a candidate default), at the default block sizes."""
-    from genfast.kernels.qlinear_triton import gemv_config, qlinear
+    from genfast.kernels.triton.qlinear import gemv_config, qlinear
 
     config = {**gemv_config(layer.out_features, layer.padded_in_features, layer.bits), "X_SUMS": 1}
     return qlinear(x, layer.codes, layer.scales, layer.mins, layer.bits, layer.group_size, config)
@@ -225,7 +225,7 @@ def sweep_one_row(
     (gemv_config's); every one of `blocks` where given (default ONE_ROW_BLOCKS)."""
     from itertools import product
 
-    from genfast.kernels.qlinear_triton import gemv_config, qlinear, store_codes
+    from genfast.kernels.triton.qlinear import gemv_config, qlinear, store_codes
 
     print("| out x in | format | block sizes | us per call | weight GB/s | vs bf16 (cuBLAS) |")
     print("|---|---|---|---|---|---|")
@@ -272,7 +272,7 @@ def sweep(shape: str, rows: int, formats: list[tuple[int, int | None]]) -> None:
     """The Triton kernels' block sizes, one block's linears per format, best first."""
     from itertools import product
 
-    from genfast.kernels.qlinear_triton import gemm_config, qlinear, store_codes
+    from genfast.kernels.triton.qlinear import gemm_config, qlinear, store_codes
 
     torch.manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in SHAPES[shape]]

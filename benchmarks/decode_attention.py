@@ -18,10 +18,7 @@ import time
 import torch
 
 from genfast.compilation.inductor import use_persistent_cache
-from genfast.kernels import DECODE_ATTENTION
-from genfast.llm.model import decode_attention
-from genfast.llm.model.config import ModelArgs
-from genfast.llm.model.layers import Attention
+from genfast.kernels.decode_attention import ops as decode_attention
 
 
 def timed(fn, *args) -> float:
@@ -47,13 +44,10 @@ def main() -> None:
     args = parser.parse_args()
     use_persistent_cache()  # inductor's cache per kind of CPU (and ISA cap), as the CLI keeps it
     torch.set_num_threads(args.threads)
-    if (why := DECODE_ATTENTION.unavailable_reason()) is not None:
+    if (why := decode_attention.KERNEL.unavailable_reason()) is not None:
         raise SystemExit(f"no native decode attention here: {why}")
-    variant, _ = DECODE_ATTENTION.choose()
-    dim = args.heads * args.head_dim
-    model_args = ModelArgs(dim=dim, n_layers=1, n_heads=args.heads, n_kv_heads=args.kv_heads, vocab_size=8,
-                           intermediate_size=8, head_dim=args.head_dim)  # fmt: skip
-    fallback = torch.compile(Attention(model_args)._decode_attention, fullgraph=True, dynamic=False)
+    variant, _ = decode_attention.KERNEL.choose()
+    fallback = torch.compile(decode_attention.portable, fullgraph=True, dynamic=False)
     dtype = getattr(torch, args.cache_dtype)
     print(f"{args.heads} heads over {args.kv_heads} KV heads of {args.head_dim}, {args.cache_dtype} cache, "
           f"{args.threads} threads, kernel variant {variant.isa}")  # fmt: skip
@@ -66,8 +60,9 @@ def main() -> None:
         mask = torch.ones(1, 1, 1, keys, dtype=torch.bool)
         scale = args.head_dim**-0.5
         native = timed(decode_attention.decode_attention, q, k, v, mask, scale)
-        compiled = timed(fallback, q, k, v, mask)
-        diff = (decode_attention.decode_attention(q, k, v, mask, scale) - fallback(q, k, v, mask)).abs().max().item()
+        compiled = timed(fallback, q, k, v, mask, scale)
+        portable = fallback(q, k, v, mask, scale)
+        diff = (decode_attention.decode_attention(q, k, v, mask, scale) - portable).abs().max().item()
         size = 2 * k.numel() * k.element_size()
         print(f"| {keys} | {native * 1e6:.1f} | {size / native / 1e9:.1f} | {compiled * 1e6:.1f} | "
               f"{size / compiled / 1e9:.1f} | {diff:.1e} |")  # fmt: skip

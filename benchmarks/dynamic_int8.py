@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from genfast.bench.machine import device_name
 from genfast.bench.timing import median_seconds
-from genfast.quant import packing as kernels
+from genfast.kernels.qlinear import ops as kernels
 from genfast.quant.grids import quantize
 
 SHAPES = [

@@ -9,7 +9,7 @@ SmolLM2-135M's (121 matrices, 30 blocks, a 49152 x 576 head); `--shape` takes an
     python benchmarks/linear_kernels.py --rows 2,3,5,8   # a few rows: batched decode, verification
     python benchmarks/linear_kernels.py --prefill 6,64,512   # fp32 rows over bf16 weights (AVX2's auto)
 
-The results decided genfast.nn.Linear's compiled paths, MAX_FEW_ROWS and the widening GEMM
+The results decided genfast.nn.Linear's compiled paths, the few-row kernel's MAX_FEW_ROWS and the widening GEMM
 (docs/notes.md).
 """
 
@@ -21,14 +21,10 @@ import torch.nn.functional as F
 
 from genfast.bench.machine import device_name, measure_read_bandwidth
 from genfast.bench.timing import median_seconds
+from genfast.kernels.linear_few_rows import ops as few_rows_kernel
+from genfast.kernels.linear_widening_gemm import ops as widening_kernel
 from genfast.llm.checkpoints.random_model import SHAPES, decode_step_shapes
-from genfast.nn import (
-    few_rows_linear,
-    few_rows_unavailable_reason,
-    row_linear,
-    widening_gemm_unavailable_reason,
-    widening_linear,
-)
+from genfast.nn import row_linear
 
 
 def best_of(fn, repeats: int = 15) -> float:
@@ -43,7 +39,7 @@ def best_of(fn, repeats: int = 15) -> float:
 
 def few_rows(counts: list[int], shapes: list[tuple[int, int]]) -> None:
     """Each formulation compiled over the whole step, per row count."""
-    reason = few_rows_unavailable_reason()
+    reason = few_rows_kernel.unavailable_reason()
     if reason:
         raise SystemExit(f"the few-row kernel cannot run here: {reason}")
     torch.manual_seed(0)
@@ -57,7 +53,7 @@ def few_rows(counts: list[int], shapes: list[tuple[int, int]]) -> None:
 
     formulations = {
         "compiled F.linear (aten)": torch.compile(lambda a, b: step(F.linear, a, b), dynamic=False),
-        "compiled few-row kernel": torch.compile(lambda a, b: step(few_rows_linear, a, b), dynamic=False),
+        "compiled few-row kernel": torch.compile(lambda a, b: step(few_rows_kernel.linear, a, b), dynamic=False),
         "compiled one-row reduction, row by row": torch.compile(
             lambda a, b: [step(row_linear, a[i : i + 1], b[i : i + 1]) for i in range(a.shape[0])], dynamic=False
         ),
@@ -84,14 +80,14 @@ def prefill(counts: list[int], shapes: list[tuple[int, int]]) -> None:
     as `--dtype auto` runs a prefill on a CPU without native bf16: the widening GEMM against the
     weight upcast for aten's GEMM (the path before it) and aten on a weight kept in fp32. Median
     of 7 calls per matrix, GFLOP/s over the four."""
-    reason = widening_gemm_unavailable_reason()
+    reason = widening_kernel.unavailable_reason()
     if reason:
         raise SystemExit(f"the widening GEMM cannot run here: {reason}")
     torch.manual_seed(0)
     weights = [torch.randn(n, k).bfloat16() for n, k in shapes[:4]]
     fp32_weights = [w.float() for w in weights]
     ways = {
-        "widening GEMM": lambda x, i: widening_linear(x, weights[i]),
+        "widening GEMM": lambda x, i: widening_kernel.linear(x, weights[i]),
         "upcast + aten": lambda x, i: F.linear(x, weights[i].float()),
         "aten, fp32 weight": lambda x, i: F.linear(x, fp32_weights[i]),
     }

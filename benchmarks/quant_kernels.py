@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from genfast.bench.machine import device_name
+from genfast.kernels.qlinear import ops as kernels
 from genfast.llm.checkpoints.random_model import SHAPES, decode_step_shapes
-from genfast.quant import packing as kernels
 from genfast.quant.grids import quantize
 
 HOT_CALLS = 2000

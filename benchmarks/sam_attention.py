@@ -16,8 +16,8 @@ import torch
 
 from genfast.bench.machine import describe_machine, machine_info
 from genfast.bench.timing import median_seconds
+from genfast.kernels.rel_pos_attention import ops as kernels
 from genfast.platform.hardware import resolve_device, synchronize
-from genfast.sam import fused_attention as kernels
 from genfast.sam.modeling.attention import rel_pos_attention
 
 SHAPES = {

@@ -9,7 +9,7 @@ Decode's int8/int4 matrix-vector product on an H100 is bound by instruction issu
 means ~12 bytes per SM and cycle, so a loop of more than ~10 instructions per byte cannot keep up
 even at full issue (docs/notes.md, "CUDA's one-row int8/int4 kernel by instruction count"). Triton ships
 ptxas and cuobjdump, so the kernel compiles for an sm_90 target on any machine: this script
-compiles `genfast.kernels.qlinear_triton._gemv` (`--kernel few-row`: `_gemm`, for `--rows`
+compiles `genfast.kernels.triton.qlinear._gemv` (`--kernel few-row`: `_gemm`, for `--rows`
 rows) for each configuration (integer arguments marked
 divisible by 16, as Triton's launcher specializes them for these shapes), finds the loop (the
 widest backward branch of the SASS), and divides its instruction count by the bytes of codes one
@@ -36,7 +36,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from genfast.kernels.qlinear_triton import _gemm, _gemv, gemm_config, gemm_launch, gemv_config, gemv_launch, sub_block
+from genfast.kernels.triton.qlinear import _gemm, _gemv, gemm_config, gemm_launch, gemv_config, gemv_launch, sub_block
 
 # As `qlinear` launches it for bf16 activations (x cast to fp32 before, the output in bf16).
 SIGNATURE = {
@@ -75,7 +75,7 @@ def compile_for(kernel, signature: dict, constants: dict, arch: int):
 
 
 def codes_type(bits: int) -> str:
-    return "*u8" if bits == 8 else "*i32"  # int4: words (qlinear_triton.store_codes)
+    return "*u8" if bits == 8 else "*i32"  # int4: words (genfast.kernels.triton.qlinear.store_codes)
 
 
 def compile_gemm(bits: int, group: int | None, dtype: str, rows: int, arch: int, k: int = K, config=None):

@@ -7,33 +7,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from genfast.kernels import LINEAR_FEW_ROWS, LINEAR_WIDENING_GEMM
-
-# Up to this many rows the kernel beats aten's GEMM on a 2-core Zen 4 (SmolLM2 step, ms: 2 rows 6.4
-# vs 12.1, 3: 7.7 vs 11.7, 5: 10.3 vs 12.6); from 6 rows on its bf16 dot products are the bound and
-# it only ties (`python benchmarks/linear_kernels.py --rows 1,2,3,4,5,6,8`). The AVX2 variant uses
-# the same bound; its own crossover against aten's GEMM has not been measured yet.
-MAX_FEW_ROWS = 5
-
-torch.library.define("genfast::linear_few_rows", "(Tensor x, Tensor weight) -> Tensor")
-torch.library.define("genfast::linear_widening_gemm", "(Tensor x, Tensor weight) -> Tensor")
-
-
-@torch.library.register_fake("genfast::linear_few_rows")
-def _linear_few_rows_fake(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-
-
-@torch.library.register_fake("genfast::linear_widening_gemm")
-def _linear_widening_gemm_fake(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def few_rows_unavailable_reason() -> str | None:
-    """Why the few-row bf16 kernel cannot run here, or None when it is loaded."""
-    return LINEAR_FEW_ROWS.unavailable_reason()
+from genfast.kernels.linear_few_rows import ops as few_rows
+from genfast.kernels.linear_widening_gemm import ops as widening_gemm
 
 
 class DtypeAttribute:
@@ -61,14 +37,13 @@ class DtypeAttribute:
 def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
     """F.linear for inputs with a single row, written as a broadcast multiply-sum in fp32.
 
-    Compiled by inductor this becomes one vectorized reduction that streams the weight at the
-    machine's full read bandwidth (measured on a 2-core Zen 4, bf16 SmolLM2 decode shapes:
-    48 GB/s, against 18 GB/s for aten::mm and 33 GB/s for a pre-packed oneDNN linear), and it
-    fuses with the neighbouring element-wise ops. Eagerly it would materialize an N x K product,
-    so `Linear` only takes this path under torch.compile, and only where the few-row kernel does
-    not apply (fp32 weights, no kernel for this CPU): inside a whole compiled decode step the
-    kernel was as fast on Zen 4 and 1.4x faster on an Intel Xeon (docs/performance.md). `scales`
-    (per output channel) serves quantized weights: the weight is upcast inside the same loop.
+    Compiled by inductor this becomes one vectorized reduction that streams the weight at close
+    to the machine's read bandwidth, faster than aten::mm or a pre-packed oneDNN linear for one
+    row, and it fuses with the neighbouring element-wise ops. Eagerly it would materialize an
+    N x K product, so `Linear` only takes this path under torch.compile, and only where the
+    few-row kernel does not apply (fp32 weights, no kernel for this CPU): inside a whole compiled
+    decode step the kernel was as fast or faster. `scales` (per output channel) serves quantized
+    weights: the weight is upcast inside the same loop.
     """
     out = (x.float().reshape(1, -1) * weight.float()).sum(dim=-1)
     if scales is not None:
@@ -78,74 +53,15 @@ def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Te
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear for 1 to MAX_FEW_ROWS rows (fp32 or bf16) and a bf16 weight by the native kernel,
-    which reads the weight once for all rows (aten's GEMM streams it at under half the bandwidth).
-    fp32 sums, as row_linear; the result has x's dtype."""
-    out = torch.ops.genfast.linear_few_rows(x.reshape(-1, x.shape[-1]), weight)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-
-
-def widening_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear for fp32 rows, any number of them, and a bf16 weight by the native GEMM, which
-    widens the weight to fp32 while packing it (instead of upcasting the whole weight for aten's
-    GEMM first: 1.3-1.4x on a prefill's products, 2-6x on 6-128 rows, on a Zen 4 capped to AVX2;
-    docs/performance.md)."""
-    out = torch.ops.genfast.linear_widening_gemm(x.reshape(-1, x.shape[-1]), weight)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def widening_gemm_unavailable_reason() -> str | None:
-    """Why the bf16-weight GEMM cannot run here, or None when it is loaded."""
-    return LINEAR_WIDENING_GEMM.unavailable_reason()
-
-
-@torch.compiler.assume_constant_result  # run (and build the kernel) while tracing, not traced
-def widening_gemm_available() -> bool:
-    return widening_gemm_unavailable_reason() is None
-
-
-def _widening_apply(x: Tensor, weight: Tensor) -> bool:
-    return (
-        weight.dtype == torch.bfloat16
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and widening_gemm_available()
-    )
-
-
 def mixed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear where the weight is stored in a narrower dtype than x computes in (bf16 weights,
     fp32 rows): the few-row kernel for decode's rows, the widening GEMM for more, else the weight
     upcast for aten's GEMM."""
-    if _few_rows_apply(x, weight):
-        return few_rows_linear(x, weight, bias)
-    if _widening_apply(x, weight):
-        return widening_linear(x, weight, bias)
-    return F.linear(x, weight.to(x.dtype), bias)
-
-
-def _few_rows_apply(x: Tensor, weight: Tensor) -> bool:
-    rows = x.numel() // x.shape[-1]
-    # A dynamic row count (a prefill's length) goes to a GEMM: testing it would add a guard.
-    return (
-        weight.dtype == torch.bfloat16
-        and x.dtype in (torch.bfloat16, torch.float32)
-        and x.device.type == "cpu"
-        and weight.shape[1] % 32 == 0
-        and few_rows_kernel_available()
-        and statically_known_true(rows >= 1)
-        and statically_known_true(rows <= MAX_FEW_ROWS)
-    )
-
-
-@torch.compiler.assume_constant_result  # run (and build the kernel) while tracing, not traced
-def few_rows_kernel_available() -> bool:
-    return few_rows_unavailable_reason() is None
+    if few_rows.applies(x, weight):
+        return few_rows.linear(x, weight, bias)
+    if widening_gemm.applies(x, weight):
+        return widening_gemm.linear(x, weight, bias)
+    return widening_gemm.portable(x, weight, bias)
 
 
 class Linear(nn.Linear):
@@ -159,8 +75,8 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.weight.dtype != x.dtype:
             return mixed_linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling() and _few_rows_apply(x, self.weight):
-            return few_rows_linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling() and few_rows.applies(x, self.weight):
+            return few_rows.linear(x, self.weight, self.bias)
         # On CUDA cuBLAS's GEMV is the faster one-row product (benchmarks/cuda_linear.py).
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1] and x.device.type == "cpu":
             return row_linear(x, self.weight, self.bias)
@@ -192,8 +108,8 @@ def expert_linear(x: Tensor, experts: Tensor, weight: Tensor) -> Tensor:
         w = weight[expert]
         if w.dtype != rows.dtype:
             return mixed_linear(rows, w)
-        if _few_rows_apply(rows, w):
-            return few_rows_linear(rows, w)
+        if few_rows.applies(rows, w):
+            return few_rows.linear(rows, w)
         return F.linear(rows, w)
 
     return grouped_by_expert(x, experts, weight.shape[1], matmul)
@@ -226,7 +142,7 @@ def auto_weight_dtype(device: torch.device, compute: torch.dtype) -> torch.dtype
     """How `--dtype auto` stores Linear weights: in bf16 on a CPU that computes in fp32 (no native
     bf16 dot products) where the few-row kernel multiplies bf16 weights by fp32 rows, halving the
     bytes each decode step reads with no emulated bf16 arithmetic; elsewhere as it computes."""
-    if device.type == "cpu" and compute == torch.float32 and few_rows_unavailable_reason() is None:
+    if device.type == "cpu" and compute == torch.float32 and few_rows.unavailable_reason() is None:
         return torch.bfloat16
     return compute
 

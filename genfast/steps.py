@@ -93,9 +93,9 @@ def native_int8_note(target: Target) -> str | None:
     """How int8 linears run on `target` when genfast's native kernel cannot (None: it runs)."""
     if target.device.type != "cpu":
         return None
-    from genfast.quant import packing
+    from genfast.kernels.qlinear import ops as qlinear
 
-    reason = packing.unavailable_reason()
+    reason = qlinear.unavailable_reason()
     return f"native int8 kernel unavailable ({reason}): dequantize fallback" if reason else None
 
 

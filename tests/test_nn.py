@@ -5,23 +5,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import genfast.nn
-from genfast.kernels import LINEAR_FEW_ROWS
-from genfast.nn import (
-    MAX_FEW_ROWS,
-    Linear,
-    auto_weight_dtype,
-    few_rows_unavailable_reason,
-    row_linear,
-    store_linear_weights,
-    widening_gemm_unavailable_reason,
-)
+from genfast.kernels.linear_few_rows import ops as few_rows
+from genfast.kernels.linear_few_rows.ops import MAX_FEW_ROWS
+from genfast.kernels.linear_widening_gemm import ops as widening_gemm
+from genfast.nn import Linear, auto_weight_dtype, row_linear, store_linear_weights
 
 needs_few_rows_kernel = pytest.mark.skipif(
-    few_rows_unavailable_reason() is not None, reason=f"few-row kernel: {few_rows_unavailable_reason()}"
+    few_rows.unavailable_reason() is not None, reason=f"few-row kernel: {few_rows.unavailable_reason()}"
 )
 needs_widening_gemm = pytest.mark.skipif(
-    widening_gemm_unavailable_reason() is not None, reason=f"widening GEMM: {widening_gemm_unavailable_reason()}"
+    widening_gemm.unavailable_reason() is not None, reason=f"widening GEMM: {widening_gemm.unavailable_reason()}"
 )
 
 
@@ -65,7 +58,7 @@ def test_few_rows_kernel_sums_in_fp32(x_dtype, rows, n, k):
     torch.manual_seed(rows)
     x, w = torch.randn(rows, k).to(x_dtype), torch.randn(n, k).bfloat16()
     got = torch.ops.genfast.linear_few_rows(x, w)
-    multiplied = x.bfloat16() if LINEAR_FEW_ROWS.loaded_isa() == "avx512" else x
+    multiplied = x.bfloat16() if few_rows.KERNEL.loaded_isa() == "avx512" else x
     want = multiplied.double() @ w.double().t()
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), want, atol=1e-5 * k**0.5, rtol=1e-6)
@@ -78,8 +71,8 @@ def test_compiled_linear_takes_the_few_row_kernel_up_to_its_limit(bias, monkeypa
     torch.manual_seed(0)
     layer = Linear(96, 40, bias=bias).bfloat16()
     traced = []
-    kernel = genfast.nn.few_rows_linear
-    monkeypatch.setattr(genfast.nn, "few_rows_linear", lambda *a: traced.append(a[0].shape) or kernel(*a))
+    kernel = few_rows.linear
+    monkeypatch.setattr(few_rows, "linear", lambda *a: traced.append(a[0].shape) or kernel(*a))
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     for rows in range(1, MAX_FEW_ROWS + 3):
         x = torch.randn(1, rows, 96).bfloat16()
@@ -135,13 +128,13 @@ def test_bf16_stored_weights_compute_in_fp32_eager_and_compiled(bias, monkeypatc
     assert store_linear_weights(layer, torch.bfloat16) == 1
     assert layer.weight.dtype == torch.bfloat16 and (layer.bias is None or layer.bias.dtype == torch.float32)
     taken = []
-    for name in ("few_rows_linear", "widening_linear"):
-        kernel = getattr(genfast.nn, name)
-        monkeypatch.setattr(genfast.nn, name, lambda *a, name=name, kernel=kernel: taken.append(name) or kernel(*a))
+    for name, module in (("few_rows_linear", few_rows), ("widening_linear", widening_gemm)):
+        kernel = module.linear
+        monkeypatch.setattr(module, "linear", lambda *a, name=name, kernel=kernel: taken.append(name) or kernel(*a))
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     prefill = torch.compile(layer, fullgraph=True, dynamic=True)
     # AVX-512's kernel multiplies bf16-rounded rows (its products are bf16); AVX2's the fp32 rows.
-    tol = 2e-2 if LINEAR_FEW_ROWS.loaded_isa() == "avx512" else 1e-5
+    tol = 2e-2 if few_rows.KERNEL.loaded_isa() == "avx512" else 1e-5
     for rows, runs, kernel in (
         (1, (layer, compiled), "few_rows_linear"),
         (3, (layer, compiled), "few_rows_linear"),
@@ -158,8 +151,8 @@ def test_bf16_stored_weights_compute_in_fp32_eager_and_compiled(bias, monkeypatc
 
 
 def test_bf16_stored_weights_without_the_kernels_upcast(monkeypatch):
-    monkeypatch.setattr(genfast.nn, "few_rows_kernel_available", lambda: False)
-    monkeypatch.setattr(genfast.nn, "widening_gemm_available", lambda: False)
+    monkeypatch.setattr(few_rows, "kernel_available", lambda: False)
+    monkeypatch.setattr(widening_gemm, "kernel_available", lambda: False)
     layer = Linear(64, 8)
     store_linear_weights(layer, torch.bfloat16)
     for rows in (2, 9):
@@ -187,7 +180,7 @@ def test_auto_weight_dtype(monkeypatch):
     cpu = torch.device("cpu")
     assert auto_weight_dtype(cpu, torch.bfloat16) == torch.bfloat16
     assert auto_weight_dtype(torch.device("cuda"), torch.float32) == torch.float32
-    monkeypatch.setattr(genfast.nn, "few_rows_unavailable_reason", lambda: None)
+    monkeypatch.setattr(few_rows, "unavailable_reason", lambda: None)
     assert auto_weight_dtype(cpu, torch.float32) == torch.bfloat16
-    monkeypatch.setattr(genfast.nn, "few_rows_unavailable_reason", lambda: "this CPU lacks avx2")
+    monkeypatch.setattr(few_rows, "unavailable_reason", lambda: "this CPU lacks avx2")
     assert auto_weight_dtype(cpu, torch.float32) == torch.float32

@@ -42,7 +42,7 @@ def root() -> Path:
 
 def environment() -> dict[str, Any]:
     """What every compiled artifact depends on besides its own inputs."""
-    from genfast import kernels
+    from genfast.kernels import native, registry
     from genfast.platform import hardware
 
     return {
@@ -53,7 +53,7 @@ def environment() -> dict[str, Any]:
         "isa": hardware.isa(),
         "code_target": hardware.code_target(),
         # The variant's build name: its ISA and a digest of its sources (a packed layout may change with them).
-        "kernels": {k.name: kernels.chosen_build(k) for k in kernels.KERNELS},
+        "kernels": {k.name: native.chosen_build(k) for k in registry.KERNELS},
     }
 
 
@@ -100,13 +100,13 @@ class Artifacts:
         The native kernels the compiling process had loaded are loaded first (the compiled code
         calls their ops), and inductor is told the vector ISA, which is part of the key, instead of
         compiling a probe program to find it (1 s of every load, measured)."""
-        from genfast import kernels
+        from genfast.kernels import registry
 
         path = self.path(name)
         if not path.is_file():
             return None
         for kernel in self.saved_description().get("kernels", []):
-            kernels.by_name(kernel).available()
+            registry.by_name(kernel).available()
         try:
             with open(path, "rb") as f, torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
                 return torch.compiler.load_compiled_function(f, f_globals=f_globals)
@@ -133,12 +133,12 @@ class Artifacts:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        from genfast import kernels
+        from genfast.kernels import registry
 
         # What `load` must load first: every kernel any saved step may call. A later step can use
         # one the first did not (decode's attention kernel, not prefill's), so the list grows.
         recorded = self.saved_description().get("kernels")
-        loaded = {k.name for k in kernels.KERNELS if k.loaded()}
+        loaded = {k.name for k in registry.KERNELS if k.loaded()}
         if recorded is None or not loaded <= set(recorded):
             names = sorted(loaded | set(recorded or ()))
             document = {**self.description, "environment": environment(), "kernels": names}

@@ -1,9 +1,9 @@
-"""GroupNorm for channels-last activations on the CPU, with a native kernel.
+"""GroupNorm for channels-last activations on the CPU, with the native kernel
+(genfast/kernels/group_norm/).
 
 A UNet's or VAE decoder's GroupNorm at high resolution is memory-bound work that inductor and
-ATen both run several times slower than the memory allows on channels-last tensors (see
-genfast/kernels/group_norm_avx512.cpp; an AVX2 variant does the same). `ChannelsLastGroupNorm`
-keeps nn.GroupNorm's parameters and state-dict names, and runs `torch.ops.genfast.group_norm_nhwc`
+ATen both run several times slower than the memory allows on channels-last tensors.
+`ChannelsLastGroupNorm` keeps nn.GroupNorm's parameters and state-dict names, and runs the kernel
 (an ordinary custom op: torch.compile calls it without a graph break) when the input is
 channels-last fp32/bf16 with channels a multiple of 16 on a CPU with AVX-512 or AVX2; otherwise
 `F.group_norm`, so it is always safe to swap in.
@@ -12,24 +12,9 @@ channels-last fp32/bf16 with channels a multiple of 16 on a CPU with AVX-512 or 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genfast.kernels import GROUP_NORM
-
-torch.library.define(
-    "genfast::group_norm_nhwc", "(Tensor x, int groups, Tensor weight, Tensor bias, float eps) -> Tensor"
-)
-
-
-@torch.library.register_fake("genfast::group_norm_nhwc")
-def _group_norm_nhwc_fake(x: Tensor, groups: int, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.channels_last)
-
-
-def unavailable_reason() -> str | None:
-    """Why the native kernel cannot run here, or None when it is loaded."""
-    return GROUP_NORM.unavailable_reason()
+from genfast.kernels.group_norm import ops as kernel
 
 
 class ChannelsLastGroupNorm(nn.Module):
@@ -40,23 +25,11 @@ class ChannelsLastGroupNorm(nn.Module):
         self.num_groups, self.num_channels, self.eps = norm.num_groups, norm.num_channels, norm.eps
         self.affine = norm.affine
         self.weight, self.bias = norm.weight, norm.bias
-        self.native = (
-            norm.num_channels % 16 == 0
-            and next(iter(norm.parameters()), torch.empty(0)).device.type == "cpu"
-            and unavailable_reason() is None
-        )
+        device = next(iter(norm.parameters()), torch.empty(0)).device
+        self.native = kernel.takes_channels(norm.num_channels, device)
 
     def forward(self, x: Tensor) -> Tensor:
-        if (
-            self.native
-            and x.dim() == 4
-            and x.dtype in (torch.float32, torch.bfloat16)
-            and x.is_contiguous(memory_format=torch.channels_last)
-        ):
-            weight = self.weight if self.affine else x.new_ones(self.num_channels)
-            bias = self.bias if self.affine else x.new_zeros(self.num_channels)
-            return torch.ops.genfast.group_norm_nhwc(x, self.num_groups, weight, bias, self.eps)
-        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+        return kernel.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.native)
 
     def extra_repr(self) -> str:
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}, native={self.native}"

@@ -10,8 +10,10 @@ import platform
 
 import torch
 
-from genfast import __version__, kernels
+from genfast import __version__
 from genfast.bench.machine import peak_read_bandwidth
+from genfast.kernels import registry
+from genfast.kernels.qlinear import ops as qlinear
 from genfast.platform import hardware, hugepages
 from genfast.platform.threads import OtherWork, threads_for
 
@@ -50,8 +52,8 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
         else "no native bf16 dot products here: bf16 arithmetic would be emulated"
     )
     lines.append(("--dtype auto", f"{str(auto).removeprefix('torch.')} on the CPU ({why})"))
-    reasons = kernels.build_all()  # first use: side by side, not one compiler after another
-    for kernel in kernels.KERNELS:
+    reasons = registry.build_all()  # first use: side by side, not one compiler after another
+    for kernel in registry.KERNELS:
         variant, why = kernel.choose()
         reason = reasons[kernel.name]  # `why` again when no variant fits
         if reason is None:
@@ -60,7 +62,7 @@ def machine_report(measure_bandwidth: bool = True) -> list[tuple[str, str]]:
             lines.append((kernel.what, f"PyTorch path ({reason})"))
     quant = (
         "native kernel: faster than unquantized decode"
-        if kernels.QLINEAR.available()
+        if qlinear.available()
         else "dequantize path: saves memory, but decode is slower than unquantized"
     )
     lines.append(("--quant int8/int4", f"{quant} (on the CPU)"))

@@ -1,11 +1,13 @@
 """The hardware layer every workload uses: which device, which dtype `auto` means there, what the
 CPU's instruction set is (and which native-kernel variants it allows), synchronize and peak memory.
 
-ISA levels, best first: `avx512` (AVX-512 F/BW/VL; a kernel variant may need more, such as VNNI
-or BF16), `avx2` (AVX2 + FMA + F16C) and `none` (portable PyTorch code only). `GENFAST_ISA`
-caps the level, so an AVX-512 machine can run and test the AVX2 and portable paths; it never
-raises the level above what the CPU has. A capped level also stands for a CPU without VNNI or
-native bf16 (the Zen 3 profile), and `torch_isa_env` gives the variables that cap PyTorch's own
+ISA levels form a tree (`ISA_TREE`): `none`, portable PyTorch code only, at the root; on x86
+`avx2` (AVX2 + FMA + F16C), then `avx512` (AVX-512 F/BW/VL; a kernel variant may need more, such
+as VNNI or BF16); on ARM `neon` (Advanced SIMD), then `sve`. A level's code may run wherever the
+CPU has the flags of the level and of every level below it, down to the root (`isa_path`).
+`GENFAST_ISA` caps the level, so an AVX-512 machine can run and test the AVX2 and portable paths;
+it never raises the level above what the CPU has. A capped level also stands for a CPU without VNNI
+or native bf16 (the Zen 3 profile), and `torch_isa_env` gives the variables that cap PyTorch's own
 kernels the same way, for a new process that should behave as such a CPU throughout.
 """
 
@@ -16,6 +18,7 @@ import os
 import platform
 import resource
 import sys
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -24,12 +27,35 @@ from torch import Tensor
 
 from genfast.errors import UserError
 
-ISA_LEVELS = ("avx512", "avx2", "none")  # best first
-ISA_CPU_FLAGS = {
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "fma", "f16c"),
-    "avx2": ("avx2", "fma", "f16c"),
-    "none": (),
+
+@dataclass(frozen=True)
+class IsaLevel:
+    """One level of the ISA tree: what it adds over the level below it."""
+
+    name: str
+    below: str | None  # the next lower level on the way to the portable root; None at the root
+    cpu_flags: tuple[str, ...]  # the CPU flags it adds (as /proc/cpuinfo names them)
+    cflags: tuple[str, ...]  # the compiler flags that let code use those instructions
+
+
+# -mavx512dq without a CPU-flag test: every CPU with AVX-512 BW and VL also has DQ.
+ISA_TREE = {
+    level.name: level
+    for level in (
+        IsaLevel(
+            "avx512",
+            "avx2",
+            ("avx512f", "avx512bw", "avx512vl"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+        ),
+        IsaLevel("avx2", "none", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+        # AArch64: Advanced SIMD is part of the base instruction set, so it needs no compiler flag.
+        IsaLevel("sve", "neon", ("sve",), ("-march=armv8-a+sve",)),
+        IsaLevel("neon", "none", ("asimd",), ()),
+        IsaLevel("none", None, (), ()),
+    )
 }
+ISA_LEVELS = tuple(ISA_TREE)  # each branch best first, the portable root last
 ISA_ENV = "GENFAST_ISA"
 # Variables that cap PyTorch's own CPU code (ATen's kernels and inductor's generated code, oneDNN,
 # MKL) to a level. Each is read once, at import or first use, so they only act on a new process.
@@ -73,10 +99,35 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def isa_path(level: str) -> tuple[str, ...]:
+    """`level` and the levels below it, down to the portable root: the code a CPU of `level` runs."""
+    path = [level]
+    while (below := ISA_TREE[path[-1]].below) is not None:
+        path.append(below)
+    return tuple(path)
+
+
+def lower_levels(level: str) -> tuple[str, ...]:
+    """The levels below `level`, best first: those a CPU of `level` can also test (GENFAST_ISA)."""
+    return isa_path(level)[1:]
+
+
+def level_cpu_flags(level: str) -> tuple[str, ...]:
+    """The CPU flags code of `level` needs: its own and those of every level below it."""
+    return tuple(flag for name in reversed(isa_path(level)) for flag in ISA_TREE[name].cpu_flags)
+
+
+def level_cflags(level: str) -> tuple[str, ...]:
+    """The compiler flags for code of `level`: its own and those of every level below it."""
+    return tuple(flag for name in reversed(isa_path(level)) for flag in ISA_TREE[name].cflags)
+
+
 def detected_isa() -> str:
-    """The best ISA level this CPU supports."""
+    """The best ISA level this CPU supports: the deepest one whose flags, and those of the levels
+    below it, it has."""
     flags = cpu_flags()
-    return next(level for level in ISA_LEVELS if all(f in flags for f in ISA_CPU_FLAGS[level]))
+    supported = [level for level in ISA_LEVELS if all(f in flags for f in level_cpu_flags(level))]
+    return max(supported, key=lambda level: len(isa_path(level)))
 
 
 def isa_override() -> str | None:
@@ -84,22 +135,25 @@ def isa_override() -> str | None:
     value = os.environ.get(ISA_ENV, "").strip().lower()
     if not value:
         return None
-    if value not in ISA_LEVELS:
+    if value not in ISA_TREE:
         raise UserError(f"{ISA_ENV}={value!r} is not an ISA level; use one of {', '.join(ISA_LEVELS)}")
     return value
 
 
 def isa() -> str:
-    """The ISA level genfast uses: the detected one, capped by GENFAST_ISA."""
+    """The ISA level genfast uses: the detected one, capped by GENFAST_ISA to the best level on
+    both of their paths to the root (a cap above the detected level leaves it as it is; one on
+    another branch, an ARM level on x86, leaves the root)."""
     detected, cap = detected_isa(), isa_override()
     if cap is None:
         return detected
-    return max(detected, cap, key=ISA_LEVELS.index)  # later in ISA_LEVELS = lower
+    allowed = isa_path(cap)
+    return next(level for level in isa_path(detected) if level in allowed)
 
 
 def isa_allows(level: str) -> bool:
     """Whether code written for `level` may run under the active ISA level."""
-    return ISA_LEVELS.index(level) >= ISA_LEVELS.index(isa())
+    return level in isa_path(isa())
 
 
 # Feature flags that decide which instructions compiled CPU code may use (x86 and ARM names).
@@ -122,7 +176,7 @@ def code_target() -> str:
 def torch_isa_env(level: str) -> dict[str, str]:
     """The environment for a process that runs as a CPU of `level` would: GENFAST_ISA for genfast's
     kernels plus the caps on PyTorch's own (`scripts/with_isa.sh` runs a command so)."""
-    if level not in ISA_LEVELS:
+    if level not in ISA_TREE:
         raise UserError(f"{level!r} is not an ISA level; use one of {', '.join(ISA_LEVELS)}")
     return {ISA_ENV: level, **TORCH_ISA_ENV.get(level, {})}
 
@@ -139,7 +193,7 @@ def has_vnni() -> bool:
 def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16) under the
     active ISA level. Without it, bf16 matmuls are converted to fp32 and run several times slower
-    than fp32 itself (measured on Zen 3: bf16 prefill 45 vs fp32 279 tok/s; docs/performance.md)."""
+    than fp32 itself."""
     flags = cpu_flags()
     return isa_allows("avx512") and ("avx512_bf16" in flags or "amx_bf16" in flags)
 

@@ -4,8 +4,8 @@ Two uses: weight-only quantization (memory-bound decode: fewer bytes per weight)
 (compute-bound layers: int8 x int8 products; `dynamic=True`, per-channel int8 weights only).
 
 Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
-- "native", CPU with AVX512-VNNI or AVX2: `torch.ops.genfast.qlinear` (genfast/kernels/
-  qlinear_<isa>.cpp, the variant chosen at run time), for any number of rows, eager or compiled.
+- "native", CPU with AVX512-VNNI or AVX2: `torch.ops.genfast.qlinear` (genfast/kernels/qlinear/,
+  the variant chosen at run time), for any number of rows, eager or compiled.
   Weight-only layers quantize activations to int8 per block of 32, dynamic ones per token; both
   variants compute the same integer sums.
 - "int4pack", CUDA (compute capability 8.0+), int4 in groups of 32-256 with bf16 activations:
@@ -16,7 +16,7 @@ Kernels, chosen once per layer from its device (`QuantLinear.kernel`):
   use cuBLAS.
 - "triton", CUDA where Triton is installed (it ships with torch's CUDA wheels), weight-only int8
   and the int4 that tinygemm does not take (fp32 or fp16 activations, other group sizes):
-  genfast/kernels/qlinear_triton.py reads the codes directly (int4 in a word layout of its own),
+  genfast/kernels/triton/qlinear.py reads the codes directly (int4 in a word layout of its own),
   one pass over the weight for up to 64 rows (int4 with more than one row: K in whole 128
   columns); longer inputs, and narrower int4, dequantize and use cuBLAS.
   Compiled prefill, whose length is dynamic, always takes the dequantize path (`rows_at_most`).
@@ -42,10 +42,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from genfast.kernels import QLINEAR
+from genfast.kernels.qlinear import ops as qlinear_kernel
 from genfast.nn import DtypeAttribute, ExpertLinear, grouped_by_expert, row_linear
 from genfast.platform import hardware
-from genfast.quant import packing, tinygemm
+from genfast.quant import tinygemm
 from genfast.quant.grids import QuantizedWeight, pack_nibbles, unpack_nibbles
 
 
@@ -55,17 +55,19 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 
 def _kernel_rows(out_features: int) -> int:
     """Rows of the kernel's layout: out_features padded to whole row groups."""
-    return -(-out_features // packing.ROW_GROUP) * packing.ROW_GROUP
+    return -(-out_features // qlinear_kernel.ROW_GROUP) * qlinear_kernel.ROW_GROUP
 
 
 def _pack(qweight: QuantizedWeight, rows: int) -> Tensor:
     """One weight's codes and grid ([N, ...]) in the kernel's layout, zero-padded to `rows`."""
-    return packing.pack(*(_pad_rows(t, rows) for t in (qweight.codes, qweight.scales, qweight.mins)), qweight.bits)
+    return qlinear_kernel.pack(
+        *(_pad_rows(t, rows) for t in (qweight.codes, qweight.scales, qweight.mins)), qweight.bits
+    )
 
 
 def _unpack(packed: Tensor, bits: int, rows: int, n: int, k: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Inverse of `_pack`: codes, scales and mins of the first `n` rows."""
-    codes, scales, mins = packing.unpack(packed, bits, rows, k, group_size)
+    codes, scales, mins = qlinear_kernel.unpack(packed, bits, rows, k, group_size)
     return codes[:n], scales[:n], mins[:n]
 
 
@@ -99,7 +101,7 @@ def choose_kernel(qweight: QuantizedWeight, dynamic: bool, dtype: torch.dtype | 
     see the module docstring)."""
     device = qweight.codes.device
     if device.type == "cpu":
-        return "native" if packing.available() else "dequantize"
+        return "native" if qlinear_kernel.available() else "dequantize"
     if device.type != "cuda" or dynamic:
         return "dequantize"
     per_channel = qweight.group_size == qweight.codes.shape[1]
@@ -165,7 +167,7 @@ class QuantLinear(nn.Module):
         elif self.kernel == "int8pack":
             self.register_buffer("weight_int8", (qweight.codes ^ 0x80).view(torch.int8).contiguous())  # u - 128
         elif self.kernel == "triton":
-            from genfast.kernels import qlinear_triton
+            from genfast.kernels.triton import qlinear as qlinear_triton
 
             self.register_buffer("codes", qlinear_triton.store_codes(qweight.codes, self.bits))
         else:
@@ -196,7 +198,7 @@ class QuantLinear(nn.Module):
         elif self.kernel == "int8pack":
             codes, scales, mins = self.weight_int8.view(torch.uint8) ^ 0x80, self.scales, self.mins
         elif self.kernel == "triton":
-            from genfast.kernels import qlinear_triton
+            from genfast.kernels.triton import qlinear as qlinear_triton
 
             codes, scales, mins = qlinear_triton.load_codes(self.codes, self.bits), self.scales, self.mins
         else:
@@ -254,14 +256,14 @@ class QuantLinear(nn.Module):
     def _triton_takes(self, x: Tensor) -> bool:
         """Whether the Triton kernels take x's rows (`rows_at_most`; more, or a K the few-row
         kernel does not take: dequantize and cuBLAS)."""
-        from genfast.kernels import qlinear_triton
+        from genfast.kernels.triton import qlinear as qlinear_triton
 
         if not rows_at_most(x, MAX_GEMM_ROWS):
             return False
         return x.numel() == x.shape[-1] or qlinear_triton.few_rows_take(self.padded_in_features, self.bits)
 
     def _triton_forward(self, x: Tensor) -> Tensor:
-        from genfast.kernels import qlinear_triton  # registers the op; imports triton
+        from genfast.kernels.triton import qlinear as qlinear_triton  # registers the op; imports triton
 
         rows = self._rows(x)
         args = (rows.contiguous(), self.codes, self.scales, self.mins, self.bits, self.group_size)
@@ -292,7 +294,7 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         kernel = self.kernel
         if self.native:
-            kernel = f"native-{QLINEAR.loaded_isa()}"
+            kernel = f"native-{qlinear_kernel.KERNEL.loaded_isa()}"
         elif self.dynamic:
             kernel = "fp32-matmul" if _int_mm_saturates(self.codes.device) else "int_mm"
         return (
@@ -371,7 +373,7 @@ class QuantExpertLinear(nn.Module):
         self.padded_in_features = qweight.codes.shape[-1]
         self.register_buffer("bias", None)  # as QuantLinear's (weight-only, no bias), for code that serves both
         self.dynamic = False
-        self.native = qweight.codes.device.type == "cpu" and packing.available()
+        self.native = qweight.codes.device.type == "cpu" and qlinear_kernel.available()
         if self.native:
             self.padded_out_features = _kernel_rows(self.out_features)
             experts = (QuantizedWeight(*(t[e] for t in (qweight.codes, qweight.scales, qweight.mins)), self.bits,
@@ -417,7 +419,7 @@ class QuantExpertLinear(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        kernel = f"native-{QLINEAR.loaded_isa()}" if self.native else "dequantize"
+        kernel = f"native-{qlinear_kernel.KERNEL.loaded_isa()}" if self.native else "dequantize"
         return (
             f"experts={self.n_experts}, in_features={self.in_features}, out_features={self.out_features}, "
             f"bits={self.bits}, group_size={self.group_size}, kernel={kernel}"

@@ -24,7 +24,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from genfast.quant.grids import nibbles_from_words, words_from_nibbles
+from genfast.kernels.int4_words import nibbles_from_words, words_from_nibbles
 
 # K in tiles of 16 x INNER_K_TILES (a lane loads 16 bytes of them at once), N in tiles of 8.
 INNER_K_TILES = 8

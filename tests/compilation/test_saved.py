@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from genfast import kernels
 from genfast.compilation import artifacts
 from genfast.compilation import saved as saved_compile
 from genfast.compilation.saved import compile_notes, compile_saved
 from genfast.interface.progress import Ticker
+from genfast.kernels import native
 from genfast.storage import cache
 
 
@@ -110,10 +110,10 @@ def test_the_kernels_to_load_first_grow_with_each_saved_step(monkeypatch):
                 f.write(b"compiled")
 
     store = artifacts.Artifacts("steps", {"what": "two steps"})
-    monkeypatch.setattr(kernels, "_LOADED", {"qlinear": "avx2"})
+    monkeypatch.setattr(native, "_LOADED", {"qlinear": "avx2"})
     store.save("prefill", Compiled())
     assert store.saved_description()["kernels"] == ["qlinear"]
-    monkeypatch.setattr(kernels, "_LOADED", {"qlinear": "avx2", "decode_attention": "avx2"})
+    monkeypatch.setattr(native, "_LOADED", {"qlinear": "avx2", "decode_attention": "avx2"})
     store.save("decode", Compiled())
     assert store.saved_description()["kernels"] == ["decode_attention", "qlinear"]
     assert store.saved_description()["what"] == "two steps"

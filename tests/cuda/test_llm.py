@@ -119,7 +119,7 @@ def check_rows(layer, compiled, reference: torch.Tensor, dtypes) -> None:
      (8, None, "int8pack", 512), (4, 32, "int4pack", 512)],
 )  # fmt: skip
 def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel, k):
-    """Each width takes its own one-row block sizes (qlinear_triton.gemv_config): int4 at 2048 the
+    """Each width takes its own one-row block sizes (triton.qlinear.gemv_config): int4 at 2048 the
     1024-column sub-blocks, at 512 the 256-column ones with K split; int8 at 384 the split ones.
     The few-row kernel runs with each of its BLOCK_M sizes (gemm_config; int4 with K split)."""
     torch.manual_seed(0)
@@ -137,7 +137,7 @@ def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel, k):
         check_rows(layer, compiled, reference, dtypes)
     if kernel == "triton":
         # eager and compiled take the same block sizes for a shape: the same summation order, the same bits
-        from genfast.kernels.qlinear_triton import qlinear
+        from genfast.kernels.triton.qlinear import qlinear
 
         args = (layer.codes, layer.scales, layer.mins, bits, layer.group_size)
         op = torch.compile(lambda x: torch.ops.genfast.qlinear_triton(x, *args), fullgraph=True)
@@ -145,7 +145,7 @@ def test_cuda_kernels_match_the_dequantized_weight(bits, group, kernel, k):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             assert torch.equal(qlinear(x, *args), op(x))
         # the one-row candidate with the minima's part from x's sums (X_SUMS), compiled for the GPU
-        from genfast.kernels.qlinear_triton import gemv_config
+        from genfast.kernels.triton.qlinear import gemv_config
 
         x = torch.randn(1, k, device="cuda", dtype=torch.float32)
         got = qlinear(x, *args, {**gemv_config(392, k, bits), "X_SUMS": 1})

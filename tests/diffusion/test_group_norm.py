@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genfast.diffusion.group_norm import ChannelsLastGroupNorm, unavailable_reason, use_channels_last_group_norm
+from genfast.diffusion.group_norm import ChannelsLastGroupNorm, use_channels_last_group_norm
+from genfast.kernels.group_norm.ops import unavailable_reason
 
 native = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 

@@ -15,11 +15,11 @@ from genfast.diffusion.compiling import repeated_blocks
 from genfast.diffusion.conv1x1 import Conv1x1AsLinear, conv1x1_to_linear, linears_to_conv1x1
 from genfast.diffusion.feature_cache import DeepCacheUNet
 from genfast.diffusion.group_norm import ChannelsLastGroupNorm
-from genfast.diffusion.group_norm import unavailable_reason as group_norm_unavailable
 from genfast.diffusion.pipelines import call_kwargs, denoiser_of, initial_latents, tiny_pipeline
 from genfast.diffusion.quality import psnr
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe
 from genfast.errors import UserError
+from genfast.kernels.group_norm.ops import unavailable_reason as group_norm_unavailable
 from genfast.quant.conv import DynamicInt8Conv2d, fewer_channels_than
 from genfast.quant.linear import QuantLinear, narrower_than
 from genfast.recipe import Target
@@ -115,7 +115,7 @@ def test_int8_conv_filter_is_a_shape_rule():
 def test_cpu_kernel_steps_follow_the_recipe_rule_where_they_cannot_run(monkeypatch):
     """int8-conv and group-norm-kernel where their kernels are missing: left out of a longer recipe,
     with the reason; refused when asked for by name, and when their settings are applied."""
-    import genfast.diffusion.group_norm as group_norm
+    import genfast.kernels.group_norm.ops as group_norm
     import genfast.quant.conv as conv
 
     monkeypatch.setattr(conv, "int8_conv_unavailable_reason", lambda device: "no oneDNN here")

@@ -4,7 +4,8 @@ import os
 
 import torch
 
-from genfast import cli, kernels
+from genfast import cli
+from genfast.kernels import registry
 from genfast.platform import hardware, hugepages, threads
 
 
@@ -12,7 +13,7 @@ def test_info_names_the_isa_and_every_kernel(capsys):
     assert cli.main(["info", "--no-bandwidth"]) == 0
     out = capsys.readouterr().out
     assert "ISA:" in out and hardware.describe_isa() in out
-    for kernel in kernels.KERNELS:
+    for kernel in registry.KERNELS:
         line = next(line for line in out.splitlines() if line.startswith(kernel.what + ":"))
         isa = kernel.loaded_isa()
         assert (f"native {isa}" in line) if isa else ("PyTorch path" in line)

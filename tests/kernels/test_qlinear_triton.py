@@ -1,4 +1,4 @@
-"""genfast's Triton int8/int4 linears (genfast/kernels/qlinear_triton.py) run by Triton's
+"""genfast's Triton int8/int4 linears (genfast/kernels/triton/qlinear.py) run by Triton's
 interpreter on the CPU: their indexing, masks, nibble order, groups and remainders are checked in
 CI, where no GPU is; tests/cuda runs the same kernels compiled, on a GPU. The interpreter computes
 a bf16 `tl.dot` wrongly (~1e11 where the GPU is right), so the few-row kernel is checked here in
@@ -18,7 +18,7 @@ from genfast.quant.linear import QuantLinear  # noqa: E402
 if not triton.knobs.runtime.interpret:
     pytest.skip("Triton's interpreter is off (a GPU is here: tests/cuda runs these kernels)", allow_module_level=True)
 
-from genfast.kernels import qlinear_triton  # noqa: E402
+from genfast.kernels.triton import qlinear as qlinear_triton  # noqa: E402
 
 FORMATS = [(8, None), (8, 64), (4, 32), (4, 64), (4, 128)]  # (bits, group size; None: per channel)
 
@@ -157,7 +157,7 @@ def test_one_row_minima_from_the_sums_of_x(bits, group, k, split_k, ties_first, 
 
 
 def test_k_is_split_into_whole_sub_blocks():
-    from genfast.kernels.qlinear_triton import k_splits
+    from genfast.kernels.triton.qlinear import k_splits
 
     assert k_splits(4096, 512, 1) == (1, 4096)
     assert k_splits(4096, 512, 4) == (4, 1024)
@@ -205,7 +205,7 @@ COUNT_LOOPS = """
 import json, sys
 sys.path.insert(0, "benchmarks")
 import triton_sass
-from genfast.kernels.qlinear_triton import gemm_config, gemv_config
+from genfast.kernels.triton.qlinear import gemm_config, gemv_config
 counts = {}
 for bits, group in ((8, None), (4, 32), (8, 32)):  # (8, 32): GGUF's Q8_0 as it is
     for k in (4096, 11008):  # Llama-2-7B's inputs: the hidden size, the down projection's

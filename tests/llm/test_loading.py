@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from genfast.kernels.linear_few_rows.ops import unavailable_reason as few_rows_unavailable_reason
 from genfast.llm.loading import load
-from genfast.nn import Linear, few_rows_unavailable_reason
+from genfast.nn import Linear
 from genfast.platform import hardware
 from tests.cpus import ZEN4, pretend_cpu
 from tests.llm.gguf_fixtures import write_gguf_from_hf

@@ -30,8 +30,35 @@ def test_the_override_only_lowers_the_level(monkeypatch):
 
 def test_an_unknown_override_is_a_user_error(monkeypatch):
     pretend_cpu(monkeypatch, ZEN4, "sse9")
-    with pytest.raises(UserError, match="avx512, avx2, none"):
+    with pytest.raises(UserError, match="avx512, avx2, sve, neon, none"):
         hardware.isa()
+
+
+def test_the_levels_form_a_tree_with_the_portable_path_at_its_root():
+    """ "The levels below" a level are its path to the root, on x86 and on ARM alike."""
+    assert hardware.lower_levels("avx512") == ("avx2", "none")
+    assert hardware.lower_levels("sve") == ("neon", "none")
+    assert hardware.lower_levels("neon") == ("none",) and hardware.lower_levels("none") == ()
+    assert [level for level in hardware.ISA_LEVELS if hardware.ISA_TREE[level].below is None] == ["none"]
+    assert hardware.level_cpu_flags("avx512") == ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl")
+    assert hardware.level_cpu_flags("sve") == ("asimd", "sve")
+
+
+GRAVITON3 = frozenset(["fp", "asimd", "asimdhp", "sve", "bf16"])  # /proc/cpuinfo "Features" of an ARM server
+RASPBERRY_PI_4 = frozenset(["fp", "asimd", "evtstrm", "crc32"])
+
+
+def test_an_arm_cpu_gets_the_arm_levels_and_x86_caps_leave_it_portable(monkeypatch):
+    pretend_cpu(monkeypatch, GRAVITON3)
+    assert hardware.detected_isa() == "sve" and hardware.isa_allows("neon") and not hardware.isa_allows("avx2")
+    pretend_cpu(monkeypatch, RASPBERRY_PI_4)
+    assert hardware.isa() == "neon"
+    pretend_cpu(monkeypatch, GRAVITON3, "neon")
+    assert hardware.isa() == "neon"
+    pretend_cpu(monkeypatch, GRAVITON3, "avx2")  # another branch: only the root is shared
+    assert hardware.isa() == "none"
+    pretend_cpu(monkeypatch, ZEN4, "sve")
+    assert hardware.isa() == "none"
 
 
 ALDER_LAKE = ZEN3 | {"avx_vnni"}  # AVX-VNNI without AVX-512

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genfast.quant import packing as kernels
+from genfast.kernels.qlinear import ops as kernels
 from genfast.quant.grids import QuantizedWeight, check_group_size, pack_nibbles, quantize, unpack_nibbles
 from genfast.quant.linear import QuantLinear, _int8_product, quantize_linears
 from tests.cpus import ZEN3, pretend_cpu

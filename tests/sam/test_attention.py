@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genfast.sam import fused_attention as kernels
+from genfast.kernels.rel_pos_attention import ops as kernels
 from genfast.sam.build import build_sam
 from genfast.sam.config import SamConfig
 from genfast.sam.modeling.attention import rel_pos_attention, set_attention

@@ -185,7 +185,7 @@ def test_sparse_step_says_why_it_cannot_run_on_cpu():
 
 def test_fused_attention_says_when_it_falls_back(monkeypatch):
     """On a CPU whose kernel variant takes no fp32 inputs the step runs as SDPA, and says so."""
-    from genfast.sam import fused_attention
+    from genfast.kernels.rel_pos_attention import ops as fused_attention
 
     monkeypatch.setattr(fused_attention, "loaded_isa", lambda: "avx512")
     monkeypatch.setattr(fused_attention, "unavailable_reason", lambda: None)

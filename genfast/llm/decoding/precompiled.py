@@ -264,7 +264,7 @@ class PrecompiledSteps:
 
     def _load_kernels(self) -> None:
         # The traced code calls genfast's native ops: their libraries must be loaded first.
-        from genfast.nn import few_rows_kernel_available
+        from genfast.kernels.linear_few_rows.ops import kernel_available as few_rows_kernel_available
 
         few_rows_kernel_available()
 

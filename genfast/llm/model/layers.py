@@ -7,7 +7,7 @@ Layout choices, all for decode speed:
 - The KV cache is a fixed buffer per layer; attention reads only its valid prefix, whose length
   is the attention mask's last dimension. Compiled with that dimension dynamic, one graph
   serves every length. One query per sequence (decode) attends through a native kernel on CPUs
-  with one (genfast/llm/model/decode_attention.py), eager or compiled.
+  with one (genfast/kernels/decode_attention/), eager or compiled.
 - Rotary embeddings use the Hugging Face (rotate-half) layout, so HF weights load unpermuted.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genfast.llm.model import decode_attention
+from genfast.kernels.decode_attention import ops as decode_attention
 from genfast.llm.model.moe import MoEFeedForward
 from genfast.nn import Linear
 
@@ -272,8 +272,8 @@ class Attention(nn.Module):
         """Attention of q [B, H, S, D] over the valid keys and values [B, KV, L, D]: [B, H, S, D]."""
         if decode_attention.applies(q, keys, mask):
             return decode_attention.decode_attention(q, keys, values, mask, self.head_dim**-0.5)
-        if q.shape[2] == 1 and torch.compiler.is_compiling():
-            return self._decode_attention(q, keys, values, mask)
+        if q.shape[2] == 1 and torch.compiler.is_compiling():  # the kernel's PyTorch path
+            return decode_attention.portable(q, keys, values, mask, self.head_dim**-0.5)
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under fp32 compute
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
@@ -287,26 +287,6 @@ class Attention(nn.Module):
         k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v
-
-    def _decode_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """One query per sequence, grouped by KV head (no KV repeat), in fp32, as multiply-sums:
-        decode's attention where the native kernel does not apply (a CPU without a variant, a
-        head size it does not take).
-
-        Compiled, this fuses into a few loops over the valid cache prefix. SDPA's CPU flash kernel
-        is tiled for long queries and costs ~0.45 us per cached token per layer for one query:
-        at 1,100 cached tokens SmolLM2 decodes at 44 tok/s with it and 88 tok/s with this
-        (docs/performance.md). Used only under torch.compile: eagerly it would materialize the
-        products.
-        """
-        bsz, _, _, hd = q.shape
-        group = self.n_heads // self.n_kv_heads
-        qg = q.view(bsz, self.n_kv_heads, group, 1, hd).float()
-        scores = (qg * k[:, :, None].float()).sum(-1) * hd**-0.5  # [B, KV, G, L]
-        scores = scores.masked_fill(~mask, float("-inf"))  # mask: [B|1, 1, 1, L]
-        probs = scores.softmax(dim=-1)
-        out = (probs[..., None] * v[:, :, None].float()).sum(-2)  # [B, KV, G, D]
-        return out.to(q.dtype).view(bsz, self.n_heads, 1, hd)
 
 
 class FeedForward(nn.Module):

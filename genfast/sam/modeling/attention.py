@@ -5,7 +5,7 @@
 - "sdpa": `F.scaled_dot_product_attention`, with the encoder's relative-position bias passed as
   a materialized float mask;
 - "fused": for the encoder, the bias added inside the attention kernel, never materialized: on
-  CPU the native kernel (genfast/sam/fused_attention.py) where it applies (bf16 on AVX512-BF16,
+  CPU the native kernel (genfast/kernels/rel_pos_attention/) where it applies (bf16 on AVX512-BF16,
   fp32 or bf16 on AVX2; head dim a multiple of 16), on CUDA "folded"; SDPA everywhere else, and
   always in the mask decoder, whose attention has no bias;
 - "folded": for the encoder, one SDPA call with the bias folded into the scores' own product as
@@ -13,8 +13,8 @@
   score reads the bias tables on its own;
 - "flex": for the encoder, FlexAttention with the bias as a score_mod that reads the two tables
   per score (Triton; the library's masking makes every sequence length correct). It was CUDA's
-  "fused" until an H100 timed it at 2.07 ms per ViT-B global block inside the compiled encoder
-  (docs/performance.md): the per-score reads, where the folded product is a tensor-core matmul;
+  "fused" until the folded product timed faster inside the compiled encoder: flex reads the
+  tables per score, where the folded product is a tensor-core matmul;
 - "auto" (the default): "fused".
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from genfast.sam import fused_attention
+from genfast.kernels.rel_pos_attention import ops as rel_pos_kernel
 
 ATTENTION_IMPLS = ("auto", "math", "sdpa", "fused", "folded", "flex")
 
@@ -51,19 +51,17 @@ def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Ten
 
     q, k, v: [B, heads, N, C] with N = H * W; rel_h: [B, heads, N, H]; rel_w: [B, heads, N, W].
     """
-    b, n_heads, n, c = q.shape
-    scale = c**-0.5
-    if impl in ("auto", "fused") and fused_attention.supports(q):
-        return fused_attention.rel_pos_attention(q, k, v, rel_h, rel_w, scale)
+    scale = q.shape[-1] ** -0.5
+    if impl in ("auto", "fused") and rel_pos_kernel.supports(q):
+        return rel_pos_kernel.rel_pos_attention(q, k, v, rel_h, rel_w, scale)
     if impl == "folded" or (impl in ("auto", "fused") and q.is_cuda):
         return folded_rel_pos_attention(q, k, v, rel_h, rel_w)
     if impl == "flex":
         return flex_rel_pos_attention(q, k, v, rel_h, rel_w)
-    grid_h, grid_w = rel_h.shape[-1], rel_w.shape[-1]
-    bias = (rel_h[..., :, None] + rel_w[..., None, :]).reshape(b, n_heads, n, grid_h * grid_w)
     if impl == "math":
+        bias = rel_pos_kernel.materialized_bias(rel_h, rel_w)
         return ((q * scale) @ k.transpose(-2, -1) + bias).softmax(dim=-1) @ v
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return rel_pos_kernel.portable(q, k, v, rel_h, rel_w, scale)
 
 
 def flex_rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor) -> Tensor:

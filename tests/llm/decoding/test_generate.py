@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from genfast.errors import UserError
+from genfast.kernels.qlinear import ops as kernels
 from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.sampling import SamplingParams
-from genfast.quant import packing as kernels
 from tests.llm.hf_fixtures import tiny_genfast_model, word_tokenizer
 
 

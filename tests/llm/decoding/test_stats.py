@@ -21,7 +21,7 @@ def test_untied_input_embedding_is_not_read_per_step(tmp_path):
 
 
 def test_int8_weights_count_one_byte_plus_scales(tmp_path):
-    from genfast.quant import packing as kernels
+    from genfast.kernels.qlinear import ops as kernels
     from genfast.quant.linear import quantize_linears
 
     _, model = tiny_genfast_model("smollm", tmp_path)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genfast.kernels import DECODE_ATTENTION
-from genfast.llm.model import decode_attention
+from genfast.kernels.decode_attention import ops as decode_attention
+from genfast.kernels.decode_attention.ops import KERNEL as DECODE_ATTENTION
 from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.layers import Attention, KVCache
 from genfast.llm.model.transformer import attention_mask
@@ -48,6 +48,20 @@ def test_matches_float64_over_a_strided_cache(q_dtype, cache_dtype, heads, kv_he
     # fp32 throughout: the error is the inputs' rounding to the output dtype (bf16: 2^-8).
     budget = 2e-6 if q_dtype == torch.float32 else 8e-3
     assert relative_error(out, reference(q, k, v, mask, scale)) < budget
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.bfloat16)])  # fmt: skip
+def test_the_portable_path_matches_float64(q_dtype, cache_dtype):
+    """The PyTorch path compiled decode takes where no variant runs: the same attention."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 1, 24).to(q_dtype)  # a head size the kernel does not take
+    k, v = (torch.randn(2, 2, 37, 24).to(cache_dtype) for _ in range(2))
+    mask = torch.rand(2, 1, 1, 37) > 0.3
+    mask[..., -1] = True
+    out = decode_attention.portable(q, k, v, mask, 0.2)
+    assert out.dtype == q_dtype and out.shape == q.shape
+    assert relative_error(out, reference(q, k, v, mask, 0.2)) < (2e-6 if q_dtype == torch.float32 else 8e-3)
 
 
 @native

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from genfast.cli import main
+from genfast.kernels.linear_few_rows.ops import unavailable_reason as few_rows_unavailable_reason
+from genfast.kernels.qlinear import ops as packing
 from genfast.llm.checkpoints.quantize import quantize_loaded
 from genfast.llm.checkpoints.weights import gguf_quantized_linears, load_model
 from genfast.llm.decoding.drafters import LayerDrafter
@@ -18,8 +20,7 @@ from genfast.llm.decoding.speculative import SpeculativeGenerator
 from genfast.llm.decoding.stats import weight_bytes_per_step
 from genfast.llm.loading import load
 from genfast.llm.model.config import ModelArgs
-from genfast.nn import ExpertLinear, few_rows_unavailable_reason
-from genfast.quant import packing
+from genfast.nn import ExpertLinear
 from genfast.quant.grids import quantize
 from genfast.quant.linear import QuantExpertLinear, expert_qlinear_dequantized
 from tests.llm.gguf_fixtures import write_gguf_from_hf

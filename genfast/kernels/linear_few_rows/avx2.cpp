@@ -1,17 +1,15 @@
-// AVX2 + FMA variant of linear_few_rows_avx512.cpp: y = x W^T for a bf16 weight W [N, K] and 1 to
+// AVX2 + FMA variant of avx512.cpp: y = x W^T for a bf16 weight W [N, K] and 1 to
 // 8 input rows x [M, K] (fp32 or bf16), in fp32.
 //
 // Why: without AVX512-BF16 there is no bf16 dot-product instruction, and both aten's bf16 GEMM
-// and inductor's one-row reduction convert and multiply element by element: on a 2-core Zen 3,
-// compiled bf16 decode of SmolLM2 streamed its weights at ~9 GB/s of the ~24 GB/s the machine
-// reads. A bf16 weight widens to fp32 exactly (a 16-bit shift), so here each 16-weight vector is
+// and inductor's one-row reduction convert and multiply element by element, streaming the weights
+// well below the rate the memory allows. A bf16 weight widens to fp32 exactly (a 16-bit shift), so here each 16-weight vector is
 // loaded once, widened, and multiplied into all M rows (fp32 FMA) while the next ones stream in:
 // the weights are read once at close to the memory's speed, whatever M.
 //
 // Each thread walks its output rows one by one, so it reads one contiguous run of the weight, with
-// software prefetch 8 KB ahead (measured on an Intel Xeon capped to AVX2, 2 threads, SmolLM2's 121
-// matrices: 8 rows side by side without prefetch 16 GB/s for one input row, 10 for four; one by
-// one with prefetch 20 and 18; `benchmarks/linear_kernels.py --rows 1,4`).
+// software prefetch 8 KB ahead: faster than 8 rows side by side without prefetch, for one input
+// row and for four (`benchmarks/linear_kernels.py --rows 1,4` compares them).
 // K must be a multiple of 32 (the Python side checks and otherwise uses F.linear).
 
 #include <ATen/core/Tensor.h>
@@ -24,7 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "avx2_vectors.h"
+#include "../common/avx2_vectors.h"
 #include "linear_few_rows.h"
 
 namespace {
@@ -35,7 +33,7 @@ using namespace genfast_avx2;
 // odd ones. A 32-byte load of 16 bf16 weights holds the even ones in the low halves of its 32-bit
 // lanes and the odd ones in the high halves, so a shift and a mask widen both to fp32 in place
 // (no cross-lane shuffle, which has one port on most x86 cores); each meets its half of x.
-// Read in the rows' own dtype (fp32 or bf16): no dispatched conversion (~1-3 µs a call).
+// Read in the rows' own dtype (fp32 or bf16): no conversion op dispatched before the kernel.
 template <typename T>
 void arrange_rows(const T* src, float* dst, int64_t numel) {
   for (int64_t chunk = 0; chunk < numel; chunk += 16) {
@@ -121,5 +119,5 @@ struct Avx2 {
 
 }  // namespace
 
-// The schema is defined on the Python side (genfast/nn.py).
+// The schema is defined on the Python side (ops.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) { m.impl("linear_few_rows", &genfast_few_rows::linear_few_rows<Avx2>); }

@@ -1,10 +1,8 @@
-"""The native quantized-linear ops (`genfast.kernels.QLINEAR`) and their weight layout.
-
-The kernels (genfast/kernels/qlinear_<isa>.cpp; each file's header has the math) register
-`torch.ops.genfast.qlinear` (weight-only: activations quantized to int8 per block of 32) and
-`torch.ops.genfast.qlinear_dynamic` (per-token int8 activations), ordinary custom ops that
-torch.compile calls without a graph break. Every variant reads the same packed layout, made here.
-Where no variant runs (`available() == False`) the callers use their pure-PyTorch path.
+"""`torch.ops.genfast.qlinear` (weight-only: activations quantized to int8 per block of 32) and
+`torch.ops.genfast.qlinear_dynamic` (per-token int8 activations) over weights in the kernel's
+packed layout, made here (`pack`). Every variant (<isa>.cpp; avx512.cpp has the math) reads the
+same layout. Where no variant runs (`available() == False`) genfast.quant.linear keeps the codes
+in their storage form and dequantizes them instead.
 """
 
 from __future__ import annotations
@@ -12,7 +10,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from genfast.kernels import QLINEAR
+from genfast.kernels.native import Kernel, Variant
+
+KERNEL = Kernel(
+    "qlinear",
+    "int8/int4 linear kernel",
+    (Variant("avx512", ("avx512_vnni",), ("-mavx512vnni",)), Variant("avx2")),
+    rank=0,
+)
+
+# The largest magnitude `qlinear_dynamic` quantizes activations to, per token, per variant: 8 bits
+# where the variant has an int8 dot product (VNNI), 7 bits in the AVX2 one, whose vpmaddubsw sums
+# pairs of u8 x s8 products into int16 (2 x 255 x 63 fits; 2 x 255 x 127 would saturate). Seven
+# bits let it multiply the stored codes directly, faster than 8-bit activations with the sign
+# moved onto them (avx2.cpp).
+DYNAMIC_ACTIVATION_MAX = {"avx512": 127, "avx2": 63}
 
 TILE_ROWS = 16  # output rows per tile
 ROW_GROUP = 64  # rows per unit of work (4 tiles); weights are padded with zero rows to a multiple
@@ -20,7 +32,7 @@ ROW_GROUP = 64  # rows per unit of work (4 tiles); weights are padded with zero 
 
 def unavailable_reason() -> str | None:
     """Why no native quantized-linear kernel runs here, or None when one is loaded and ready."""
-    return QLINEAR.unavailable_reason()
+    return KERNEL.unavailable_reason()
 
 
 def available() -> bool:
@@ -28,16 +40,12 @@ def available() -> bool:
 
 
 def dynamic_activation_max() -> int:
-    """The largest magnitude `qlinear_dynamic` quantizes activations to, per token: 127 (8 bits)
-    where the loaded variant has an int8 dot product (VNNI), 63 (7 bits) in the AVX2 variant, whose
-    vpmaddubsw sums pairs of u8 x s8 products into int16 (2 x 255 x 63 fits; 2 x 255 x 127 would
-    saturate). Seven bits let that kernel multiply the stored codes directly: 1.31x faster than
-    8-bit activations with the sign moved onto them, measured on an AVX2-capped Xeon
-    (docs/performance.md)."""
-    return 63 if QLINEAR.loaded_isa() == "avx2" else 127
+    """The largest magnitude `qlinear_dynamic` quantizes activations to, per token, in the loaded
+    variant (DYNAMIC_ACTIVATION_MAX); 127 where none is loaded."""
+    return DYNAMIC_ACTIVATION_MAX.get(KERNEL.loaded_isa() or "", 127)
 
 
-# The schema lives here, not in C++, so the op (and its shape function for torch.compile) exists
+# The schemas live here, not in C++, so the ops (and their shape functions for torch.compile) exist
 # whether or not the native library could be built.
 torch.library.define(
     "genfast::qlinear", "(Tensor x, Tensor packed, int bits, int group_size, int out_features) -> Tensor"
@@ -58,14 +66,14 @@ def _qlinear_fake(x: Tensor, packed: Tensor, bits: int, group_size: int, out_fea
 
 
 # Codes [N, K] viewed as (row group s, tile t, row r, block b, chunk c, [nibble half h,] byte j);
-# the kernel wants (s, b, t, c, r, j): see the layout notes in genfast/kernels/qlinear_avx512.cpp.
+# the kernel wants (s, b, t, c, r, j): see the layout notes in avx512.cpp.
 _TILES = ROW_GROUP // TILE_ROWS
 
 
 def pack(codes: Tensor, scales: Tensor, mins: Tensor, bits: int) -> Tensor:
     """The kernel's single weight buffer. codes [N_padded, K], scales and mins [N_padded, groups]
     (fp16). Per row group of 64 rows, per group of columns: the group's tiled codes, then the 64
-    rows' scales, then their minima (genfast/kernels/qlinear.h), so that a thread's task is one
+    rows' scales, then their minima (qlinear.h), so that a thread's task is one
     contiguous stream."""
     n, groups = codes.shape[0], scales.shape[1]
     tiles = pack_tiles(codes, bits).reshape(n // ROW_GROUP, groups, -1)  # a group's blocks are consecutive

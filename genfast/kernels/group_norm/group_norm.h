@@ -1,4 +1,4 @@
-// The host side of the channels-last GroupNorm kernels (group_norm_<isa>.cpp): checks, the
+// The host side of the channels-last GroupNorm variants (<isa>.cpp): checks, the
 // statistics of pass 1 combined per group, and the two passes' parallel split. A variant supplies
 // the vector loops as a struct V with
 //   static void chunk_sums(const T* x, int64_t c_total, int64_t p0, int64_t p1, const float* shift,

@@ -1,7 +1,7 @@
-// AVX2 + FMA + F16C variant of qlinear_avx512.cpp: the same ops and packed weight layout. The
+// AVX2 + FMA + F16C variant of avx512.cpp: the same ops and packed weight layout. The
 // weight-only op quantizes activations as that variant does and computes the same integer sums, so
 // both give the same results up to the order of fp32 additions; the dynamic op quantizes them to 7
-// bits (below). See qlinear_avx512.cpp for the math and the layout; here a 64-byte chunk of a
+// bits (below). See avx512.cpp for the math and the layout; here a 64-byte chunk of a
 // 16-row tile is two 32-byte halves, rows 0-7 and rows 8-15.
 //
 // AVX2 has no vpdpbusd. A u8 x s8 dot product is vpmaddubsw (adjacent products summed into int16,
@@ -13,7 +13,7 @@
 //   (vpabsb, vpsignb), at most 2 * 128 * 127 = 32512 per pair, exact. Then
 //   sum u*x = sum w*x + 128 * sum x, which folds into the minimum: min' = min + 128 * scale.
 //
-// Compiled with -mavx2 -mfma -mf16c; the registry (genfast/kernels/__init__.py) loads it only on
+// Compiled with -mavx2 -mfma -mf16c; the registry (genfast/kernels/native.py) loads it only on
 // CPUs with those flags.
 
 #include <torch/library.h>
@@ -24,7 +24,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "avx2_vectors.h"
+#include "../common/avx2_vectors.h"
 #include "qlinear.h"
 
 namespace {
@@ -184,14 +184,13 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
 
 // ---- dynamic int8: per-token activations, per-channel int8 weights ---------------------------
 //
-// As in qlinear_avx512.cpp: one scale per activation row, int32 sums over all of K, but the
-// activations are quantized to 7 bits (|x| <= 63, genfast.quant.packing.dynamic_activation_max):
+// As in avx512.cpp: one scale per activation row, int32 sums over all of K, but the
+// activations are quantized to 7 bits (|x| <= 63, ops.dynamic_activation_max):
 // then a pair of the stored unsigned codes times them fits vpmaddubsw's int16, so the codes are
 // multiplied as they are, sum u*x, with the minimum applied to sum x. Per 32 products that is
 // vpmaddubsw, vpmaddwd and an add, where the sign trick of the weight-only path (8-bit
-// activations) also needs a vpsignb per activation row: 1.31x faster against the unchanged attention
-// kernel in one SAM profile, 1.15-1.36x in single runs of benchmarks/dynamic_int8.py (AVX2-capped
-// Xeon, a noisy host; docs/performance.md). A register tile is
+// activations) also needs a vpsignb per activation row, so 7 bits are the faster of the two
+// (benchmarks/dynamic_int8.py times the op). A register tile is
 // kRowsPerTile activation rows x one 16-row weight tile (two halves): each weight vector serves 4 rows.
 
 constexpr int kRowsPerTile = 4;
@@ -286,7 +285,7 @@ struct Avx2 {
 
 }  // namespace
 
-// The schema is defined on the Python side (genfast/quant/packing.py).
+// The schema is defined on the Python side (ops.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) {
   m.impl("qlinear", &genfast_qlinear::qlinear<Avx2>);
   m.impl("qlinear_dynamic", &genfast_qlinear::qlinear_dynamic<Avx2>);

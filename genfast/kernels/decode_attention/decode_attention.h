@@ -3,18 +3,18 @@
 //   out[b, h] = sum_j softmax_j(scale * q[b, h] . k[b, h / G, j] masked by mask[b, j]) v[b, h / G, j]
 //
 // with G = heads / kv_heads query heads sharing each KV head (grouped-query attention, no KV
-// repeat). The host side every decode_attention_<isa>.cpp variant shares; a variant is a struct V
+// repeat). The host side every variant (<isa>.cpp in this folder) shares; a variant is a struct V
 // of vector operations on W fp32 lanes:
 //
 //   using Vec; static constexpr int W;
 //   zero(), set1(float), load(const float*), load(const c10::BFloat16*), store(float*, Vec),
 //   fmadd(a, b, c) = a * b + c, sub(a, b), add(a, b), hsum(Vec), exp_nonpositive(Vec)
 //
-// Why not inductor's loops or SDPA: compiled, the multiply-sums over the cache ran at ~4 GB/s on a
-// 2-core Xeon (one parallel loop over the KV heads, 3 of them for 2 threads; a horizontal sum per
-// key; the softmax on one thread), a fifth of a decode step at 512 tokens; SDPA's flash kernel is
-// tiled for long queries. Here the keys are split into chunks as well as heads ("split-K", as
-// flash-decoding does), so every thread streams its own part of the cache once:
+// Why not inductor's loops or SDPA: compiled, the multiply-sums over the cache (ops.portable) run
+// one parallel loop over the KV heads (a model has few of them: threads go idle), a horizontal sum
+// per key and the softmax on one thread, and stream the cache well below the memory's rate; SDPA's
+// flash kernel is tiled for long queries. Here the keys are split into chunks as well as heads
+// ("split-K", as flash-decoding does), so every thread streams its own part of the cache once:
 //   per task (sequence, KV head, chunk of keys): the G scaled queries stay in L1; each key row is
 //   loaded once and dotted with all G queries; a local softmax (max m, sum l of exp(s - m)) and
 //   the unnormalized sum of p v, reading each value row once for all G queries;

@@ -2,7 +2,7 @@
 //
 //   out[b, i] = sum_j softmax_j(scale * q[b, i] . k[b, j] + rel_h[b, i, j / W] + rel_w[b, i, j % W]) v[b, j]
 //
-// the same op as rel_pos_attention_avx512.cpp (which explains why it is fused), computed in fp32
+// the same op as avx512.cpp (which explains why it is fused), computed in fp32
 // throughout: CPUs without AVX-512 have no bf16 dot-product instruction, so SAM runs in fp32 there
 // and the inputs may be float32 or bfloat16 (widened on load; the output has the input's dtype).
 //
@@ -28,7 +28,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "avx2_vectors.h"
+#include "../common/avx2_vectors.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// Vector helpers the AVX-512 kernels (*_avx512.cpp) share: bf16 widening and exp. Include only
+// Vector helpers the AVX-512 variants (*/avx512.cpp) share: bf16 widening and exp. Include only
 // from files compiled with -mavx512f -mavx512bw.
 
 #pragma once

@@ -1,18 +1,19 @@
 // Group normalization of a channels-last (NHWC) tensor, fp32 or bf16, in two passes over memory:
 // the AVX-512 loops (16 channels per vector). group_norm.h has the host side and the math.
 //
-// Why: a UNet/VAE decoder at 256x256 and 512x512 spends a large share of its time in GroupNorm
-// (`python benchmarks/diffusion_parts.py group-norm`: inductor ~100 ms and ATen ~47 ms for one bf16
-// GroupNorm+SiLU of 128 x 512 x 512, against ~7 ms to read and write it once).
+// Why: a UNet/VAE decoder at 256x256 and 512x512 spends a large share of its time in GroupNorm,
+// which inductor and ATen run on channels-last tensors several times slower than reading and
+// writing the tensor once takes (`python benchmarks/diffusion_parts.py group-norm` times ATen,
+// inductor and this kernel).
 //
-// Compiled with -mavx512f/bw; the registry (genfast/kernels/__init__.py) loads it only on CPUs
+// Compiled with -mavx512f/bw; the registry (genfast/kernels/native.py) loads it only on CPUs
 // with them.
 
 #include <torch/library.h>
 
 #include <immintrin.h>
 
-#include "avx512_vectors.h"
+#include "../common/avx512_vectors.h"
 #include "group_norm.h"
 
 namespace {
@@ -72,5 +73,5 @@ struct Avx512 {
 
 }  // namespace
 
-// The schema is defined on the Python side (genfast/diffusion/group_norm.py).
+// The schema is defined on the Python side (ops.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) { m.impl("group_norm_nhwc", &genfast_group_norm::group_norm_nhwc<Avx512>); }

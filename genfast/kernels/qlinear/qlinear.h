@@ -1,6 +1,6 @@
-// The host side that every qlinear_<isa>.cpp variant shares: argument checks, per-thread scratch
+// The host side that every variant (<isa>.cpp) shares: argument checks, per-thread scratch
 // buffers, the dtype and bit-width dispatch, and the split of the work into tasks. A variant is a
-// struct of static functions (see qlinear_avx512.cpp for the math and the packed weight layout):
+// struct of static functions (see avx512.cpp for the math and the packed weight layout):
 //
 //   template <typename T> quantize_blocks(x, rows, k, xq, xs, xsum)   int8 per block of 32
 //   template <int Bits, typename T> tiles(a, w, t0, y)                 outputs [16 t0, 16 (t0 + 4)), every row
@@ -11,9 +11,8 @@
 // per row group of 64 rows (one task), per group of `group_size` columns, the group's codes in
 // tile layout (group_size x 64 x bits/8 bytes), then the 64 rows' fp16 scales, then their fp16
 // minima. A task reads one contiguous stream. With the scales and minima in arrays of their own,
-// [groups, N_padded], a task read its codes plus two 128-byte runs 2 * N_padded bytes apart per
-// group, and int4 in groups of 32 streamed at half the rate of int8 on an AVX2-capped Zen 4
-// (docs/performance.md, "Scales beside their codes").
+// [groups, N_padded], a task would read its codes plus two 128-byte runs 2 * N_padded bytes apart
+// per group: short interleaved streams, which slowed int4 in small groups the most.
 
 #pragma once
 

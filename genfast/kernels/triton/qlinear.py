@@ -1,9 +1,9 @@
 """Weight-only int8/int4 linear on CUDA: Triton kernels over the codes of `genfast.quant.grids`.
 
 Decode at batch 1 is a matrix-vector product that must stream the weight at the memory's rate.
-torch's own CUDA kernels do not for these formats (benchmarks/cuda_linear.py on an H100:
-`_weight_int8pack_mm` ~100 GB/s; tinygemm's int4 at groups of 32 ~800 GB/s against cuBLAS bf16's
-~1.8 TB/s), so the codes are read here directly:
+torch's own CUDA kernels do not for these formats (`_weight_int8pack_mm` streams a small fraction
+of it, tinygemm's int4 at groups of 32 under half of what cuBLAS bf16 does; benchmarks/
+cuda_linear.py measures them), so the codes are read here directly:
 
     w[n, k] = u[n, k] * scale[n, g] + min[n, g],   g = k // group_size
 
@@ -28,8 +28,8 @@ Two kernels:
   the pass's barriers.) x is read in fp32 (the caller
   casts it: inside a compiled step that cast fuses into the op that made x), which saves a
   conversion per product. The loop is bound by instruction issue before memory on an H100 (its
-  132 SMs issue 128 thread-instructions per cycle each; streaming 3 TB/s needs ~12 bytes of codes
-  per SM and cycle), so what counts is instructions per byte of codes:
+  132 SMs issue 128 thread-instructions per cycle each; streaming its HBM3 at full rate needs ~12
+  bytes of codes per SM and cycle), so what counts is instructions per byte of codes:
   `benchmarks/triton_sass.py` compiles the kernel for sm_90 without a GPU and counts them.
 - `_gemm`: a few rows (speculative verification, a serving batch, short prefills):
   each sub-block is dequantized to the activations' dtype in registers and multiplied with tl.dot,
@@ -52,7 +52,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from genfast.quant.grids import nibbles_from_words, words_from_nibbles
+from genfast.kernels.int4_words import nibbles_from_words, words_from_nibbles
 
 
 @triton.jit
@@ -321,9 +321,9 @@ def gemv_config(n: int, k: int, bits: int) -> dict[str, int]:
     """Block sizes for one row. What they decide, counted by `benchmarks/triton_sass.py` for sm_90
     (no GPU needed): the loop's instructions per byte of codes (int8 per channel 4.6, int4 7.3-7.7)
     and the bytes it loads per byte of codes, 1 + (x's bytes per code byte) / (rows per thread),
-    since a thread loads x once for all the rows it holds: 2.0-2.1 at 4-8 rows per thread. Timed on
-    an H100 in a compiled 7B-shape decode step: int8 at 2.0 bytes per byte streamed ~2.1 TB/s, int4
-    at 9.1 (one row per thread, as Triton 3.6 laid out the old 3D tile) ~0.8. A row of 1024
+    since a thread loads x once for all the rows it holds: 2.0-2.1 at 4-8 rows per thread, where
+    one row per thread (as Triton 3.6 laid out an older 3D tile) loaded 9.1 and streamed far
+    slower in a compiled decode step. A row of 1024
     columns is 32 threads of 4 int4 words, so 16 rows over 2 warps put 8 rows in each thread; K
     not a multiple of 1024 (Llama-2-7B's down projection, 11008 = 43 x 256) takes 256-column
     sub-blocks, 8 threads a row, and 64 rows over 2 warps for the same 8, with K split in 4 so that

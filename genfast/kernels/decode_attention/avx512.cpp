@@ -2,7 +2,7 @@
 
 #include <torch/library.h>
 
-#include "avx512_vectors.h"
+#include "../common/avx512_vectors.h"
 #include "decode_attention.h"
 
 namespace {

@@ -6,15 +6,15 @@
 // instruction): per block, sum_k u*x = xs[b] * dot(u, xq), and the minimum contributes
 // min * sum_k x, with sum_k x taken from the same quantized x so the two terms stay consistent.
 //
-// Weight layout (made by genfast/quant/packing.py): rows in tiles of 16, tiles in groups
+// Weight layout (made by ops.pack): rows in tiles of 16, tiles in groups
 // of 4 (64 rows, the unit of work of one thread). A tile's chunk of 4 (int8) or 8 (int4) columns
 // is 64 bytes = 16 rows x 4 bytes, so one vpdpbusd with 4 broadcast activation bytes serves 16
 // output rows and no horizontal sums are needed; for int4 the low nibbles hold columns 8c..8c+3
 // and the high nibbles 8c+4..8c+7. Storage order: [row group][group][activation block][tile][chunk],
 // each group's 64 scales and 64 minima right after its codes (qlinear.h), so each thread reads
-// one contiguous stream (short interleaved streams defeat the prefetchers). No
-// software prefetch: on Zen 4 (2026-11-27) dropping the one these loops had made a 121-matrix pass
-// 6-25% faster on one thread and no slower on two, in both variants (docs/performance.md).
+// one contiguous stream (short interleaved streams defeat the prefetchers). No software
+// prefetch: the hardware prefetchers follow the stream, and an explicit one made the loops of
+// both variants slower on one thread and no faster on two.
 // A tile's 16 scales (and minima) load as one vector.
 //
 // Compiled with -mavx512f/bw/vl/vnni/f16c; the Python side calls it only when the CPU has them.
@@ -27,7 +27,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "avx512_vectors.h"
+#include "../common/avx512_vectors.h"
 #include "qlinear.h"
 
 namespace {
@@ -80,9 +80,8 @@ inline void block_dots(const uint8_t* const* w, const int8_t* xq, __m512i* dot) 
   for (int i = 0; i < NT; ++i) acc0[i] = acc1[i] = _mm512_setzero_si512();
   if constexpr (Bits == 8) {
     // Tile by tile, so the block's 2 KB are read in address order: visiting the 4 tiles chunk by
-    // chunk (8 lines 512 bytes apart at a time) was 1.3x slower on a 2-core Zen 4 (SmolLM2's 121
-    // matrices, `benchmarks/quant_kernels.py`: median 6.4 against 4.9 ms). For int4 (1 KB a block)
-    // the order measured alike, so it keeps the chunk-major loop below.
+    // chunk (8 lines 512 bytes apart at a time) was slower (`benchmarks/quant_kernels.py`). For
+    // int4 (1 KB a block) the two orders measured alike, so it keeps the chunk-major loop below.
     __m512i xb[8];
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) xb[c] = broadcast4(xq + 4 * c);
@@ -262,7 +261,7 @@ struct Avx512 {
 
 }  // namespace
 
-// The schema is defined on the Python side (genfast/quant/packing.py).
+// The schema is defined on the Python side (ops.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) {
   m.impl("qlinear", &genfast_qlinear::qlinear<Avx512>);
   m.impl("qlinear_dynamic", &genfast_qlinear::qlinear_dynamic<Avx512>);

@@ -1,4 +1,4 @@
-// Vector helpers every AVX2 kernel (*_avx2.cpp) uses: fp32/bf16 loads and stores of 8 values,
+// Vector helpers every AVX2 variant (*/avx2.cpp) uses: fp32/bf16 loads and stores of 8 values,
 // horizontal reductions and exp. Include only from files compiled with -mavx2 -mfma.
 
 #pragma once

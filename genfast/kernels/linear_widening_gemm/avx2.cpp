@@ -2,11 +2,10 @@
 // rows of a prefill (the few-row kernel takes 1 to 5).
 //
 // Why: on a CPU without native bf16, `--dtype auto` computes in fp32 and stores the weights in
-// bf16 (half the bytes a decode step reads). A prefill then had to upcast each weight (aten's
-// conversion, ~9 GB/s) and hand it to MKL's sgemm: 125-138 GFLOP/s on a 512 x 2048 x 8192 product
-// on 2 Zen 4 cores capped to AVX2, where oneDNN on a weight packed in fp32 ahead of time reached
-// 202-206 and llama.cpp, which widens F16 inside its own GEMM, ~155-190. Here the weight is
-// widened while it is packed into the GEMM's panels, which the GEMM has to write anyway.
+// bf16 (half the bytes a decode step reads). A prefill would then upcast each weight (a pass of
+// aten's over the whole weight) and hand it to MKL's sgemm, which packs it again into panels. Here
+// the weight is widened while it is packed into the GEMM's panels, which the GEMM has to write
+// anyway (`benchmarks/linear_kernels.py --prefill` compares the two).
 //
 // The loops are the classic blocked GEMM (Goto's; BLIS's names): each thread takes a range of
 // output columns (weight rows); for each KC-deep slice of K it packs its weight rows into fp32
@@ -119,8 +118,7 @@ void micro_kernel(int64_t kc, const float* a, const float* b, float* y, int64_t 
   // (a loop left rolled makes the array live on the stack, stored to at every k).
   // The block of y is fetched now, while the k loop runs: its rows lie N floats apart, a stride the
   // hardware prefetcher does not follow, and y (M x NC) is far larger than the caches, so without
-  // this the loads and stores at the end wait on memory once per slice of K (+7-15% measured on a
-  // Zen 4 capped to AVX2).
+  // this the loads and stores at the end wait on memory once per slice of K.
   __m256 sums[MR][2];
 #pragma GCC unroll 6
   for (int64_t i = 0; i < MR; ++i) {
@@ -214,5 +212,5 @@ at::Tensor linear_widening_gemm(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
-// The schema is defined on the Python side (genfast/nn.py).
+// The schema is defined on the Python side (ops.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) { m.impl("linear_widening_gemm", &linear_widening_gemm); }

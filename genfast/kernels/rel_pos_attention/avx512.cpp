@@ -29,7 +29,7 @@
 #include <cstring>
 #include <vector>
 
-#include "avx512_vectors.h"
+#include "../common/avx512_vectors.h"
 
 namespace {
 

@@ -3,17 +3,15 @@
 //
 // Why: decoding a batch of a few sequences, or verifying k drafts, multiplies a handful of rows by
 // every weight. That is bound by reading the weights, but aten's GEMM for 2-8 rows streams them at
-// ~20 GB/s on a 2-core Zen 4, under half the ~50 GB/s that the one-row reduction reaches
-// (`python benchmarks/linear_kernels.py --rows 2,4,5,8`). Here each weight vector is loaded once and
+// under half the rate that the one-row reduction reaches (`python benchmarks/linear_kernels.py
+// --rows 2,4,5,8`). Here each weight vector is loaded once and
 // multiplied into all M rows in registers (AVX512-BF16 `vdpbf16ps`: 32 bf16 products summed in
 // pairs into 16 fp32 lanes), so the weights are read once whatever M.
 //
 // Each thread walks its output rows one by one, reading one contiguous run of the weight with
-// software prefetch ahead, as the AVX2 variant does. Tiles of 16 output rows side by side (16
-// streams per thread, one transpose-and-add tree for their sums) were slower on a 2-core Zen 4
-// (SmolLM2's 121 matrices, `benchmarks/linear_kernels.py --rows 1,4`, two interleaved rounds):
-// one input row 11.7 / 13.8 ms against 11.3 / 10.5, four rows 17.8 / 17.9 against 13.7 / 14.5; a
-// decode step gained 5-31% (a noisy host; docs/performance.md). K must be a multiple of 32 (the
+// software prefetch ahead, as the AVX2 variant does: tiles of 16 output rows side by side (16
+// streams per thread, one transpose-and-add tree for their sums) were slower, for one input row
+// and for four (`benchmarks/linear_kernels.py --rows 1,4`). K must be a multiple of 32 (the
 // Python side checks and otherwise uses F.linear).
 
 #include <ATen/core/Tensor.h>
@@ -88,5 +86,5 @@ struct Avx512 {
 
 }  // namespace
 
-// The schema is defined on the Python side (genfast/nn.py).
+// The schema is defined on the Python side (ops.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) { m.impl("linear_few_rows", &genfast_few_rows::linear_few_rows<Avx512>); }

@@ -1,15 +1,15 @@
 // Group normalization of a channels-last (NHWC) tensor, fp32 or bf16, in two passes over memory:
-// the AVX2 loops (8 channels per vector) of group_norm_avx512.cpp, which says why the kernel
+// the AVX2 loops (8 channels per vector) of avx512.cpp, which says why the kernel
 // exists; group_norm.h has the host side and the math.
 //
-// Compiled with -mavx2 -mfma -mf16c; the registry (genfast/kernels/__init__.py) loads it only on
+// Compiled with -mavx2 -mfma -mf16c; the registry (genfast/kernels/native.py) loads it only on
 // CPUs with them.
 
 #include <torch/library.h>
 
 #include <immintrin.h>
 
-#include "avx2_vectors.h"
+#include "../common/avx2_vectors.h"
 #include "group_norm.h"
 
 namespace {
@@ -61,5 +61,5 @@ struct Avx2 {
 
 }  // namespace
 
-// The schema is defined on the Python side (genfast/diffusion/group_norm.py).
+// The schema is defined on the Python side (ops.py).
 TORCH_LIBRARY_IMPL(genfast, CPU, m) { m.impl("group_norm_nhwc", &genfast_group_norm::group_norm_nhwc<Avx2>); }

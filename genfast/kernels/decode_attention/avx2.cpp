@@ -2,7 +2,7 @@
 
 #include <torch/library.h>
 
-#include "avx2_vectors.h"
+#include "../common/avx2_vectors.h"
 #include "decode_attention.h"
 
 namespace {

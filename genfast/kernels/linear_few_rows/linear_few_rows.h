@@ -1,4 +1,4 @@
-// The host side that every linear_few_rows_<isa>.cpp variant shares: argument checks and the
+// The host side that every variant (<isa>.cpp) shares: argument checks and the
 // dispatch on the row count. A variant is a struct with
 //
 //   using Input = ...;                          what it multiplies the weight with

@@ -1,0 +1,1 @@
+"""Attention of one query per sequence over the KV cache (LLM decode): ops.py."""

@@ -1,0 +1,1 @@
+"""GroupNorm of channels-last activations: ops.py."""

@@ -1,0 +1,1 @@
+"""A bf16-weight linear for a few input rows (decode, batched decode, verification): ops.py."""

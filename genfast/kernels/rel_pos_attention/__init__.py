@@ -1,0 +1,1 @@
+"""Attention with SAM's decomposed relative-position bias, fused: ops.py."""

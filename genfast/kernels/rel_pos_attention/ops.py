@@ -1,0 +1,77 @@
+"""`torch.ops.genfast.rel_pos_attention`: attention over an H x W key grid with SAM's decomposed
+relative-position bias added inside the kernel, never materialized (avx512.cpp explains it). The
+AVX-512 variant computes on bf16 inputs (`vdpbf16ps`); the AVX2 one in fp32, on float32 or
+bfloat16 inputs (CPUs without AVX512-BF16 run SAM in fp32). `portable` is the same attention in
+PyTorch, with the bias materialized for SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from genfast.kernels.native import Kernel, Variant
+
+KERNEL = Kernel(
+    "rel_pos_attention",
+    "fused SAM attention kernel",
+    (Variant("avx512", ("avx512_bf16",), ("-mavx512bf16",)), Variant("avx2")),
+    rank=3,
+)
+
+MAX_HEAD_DIM = 128
+DTYPES = {"avx512": (torch.bfloat16,), "avx2": (torch.float32, torch.bfloat16)}  # what each variant computes on
+
+torch.library.define(
+    "genfast::rel_pos_attention", "(Tensor q, Tensor k, Tensor v, Tensor rel_h, Tensor rel_w, float scale) -> Tensor"
+)
+
+
+@torch.library.register_fake("genfast::rel_pos_attention")
+def _rel_pos_attention_fake(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float) -> Tensor:
+    b, heads, n, c = q.shape
+    return q.new_empty(b, n, heads, c)
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernel cannot be used here, or None when it is loaded and ready."""
+    return KERNEL.unavailable_reason()
+
+
+@torch.compiler.assume_constant_result  # torch.compile calls it once instead of tracing the build
+def loaded_isa() -> str:
+    """The ISA level of the loaded variant, "" when none is loaded."""
+    return KERNEL.loaded_isa() or ""
+
+
+def takes(dtype: torch.dtype) -> bool:
+    """Whether the loaded variant computes on inputs of `dtype` (DTYPES); False when none is loaded."""
+    return dtype in DTYPES.get(loaded_isa(), ())
+
+
+def supports(q: Tensor) -> bool:
+    """Whether the loaded kernel takes these queries ([..., N, C]): on a CPU, a dtype its variant
+    computes in, C a multiple of 16 up to MAX_HEAD_DIM."""
+    c = q.shape[-1]
+    return q.device.type == "cpu" and not c % 16 and c <= MAX_HEAD_DIM and takes(q.dtype)
+
+
+def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float) -> Tensor:
+    """q, k, v: [B, heads, N, C] (any strides with unit channel stride) in a dtype `supports`; rel_h [B, heads, N, H]
+    and rel_w [B, heads, N, W] with H * W = N. Returns [B, heads, N, C], a view of a
+    [B, N, heads, C] tensor (see the C++ files)."""
+    if any(t.stride(-1) != 1 or any(s % 2 for s in t.stride()) for t in (q, k, v)):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    return torch.ops.genfast.rel_pos_attention(q, k, v, rel_h, rel_w, scale).transpose(1, 2)
+
+
+def materialized_bias(rel_h: Tensor, rel_w: Tensor) -> Tensor:
+    """The bias as one tensor [B, heads, N, H * W]: rel_h[..., i, r] + rel_w[..., i, c] for key (r, c)."""
+    b, heads, n, grid_h = rel_h.shape
+    return (rel_h[..., :, None] + rel_w[..., None, :]).reshape(b, heads, n, grid_h * rel_w.shape[-1])
+
+
+def portable(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float) -> Tensor:
+    """The same attention in PyTorch, any device and dtype: SDPA with the bias materialized."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=materialized_bias(rel_h, rel_w), scale=scale)
