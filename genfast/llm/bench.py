@@ -88,12 +88,11 @@ class LlmLadder(Ladder):
 
     def options(self, args: Any) -> Options:
         from genfast.bench.machine import peak_read_bandwidth
-        from genfast.llm.checkpoints.weights import read_model_args
+        from genfast.llm.checkpoints.checkpoint import resolve_checkpoint
         from genfast.platform.hardware import resolve_device
-        from genfast.storage.hub import resolve_model
 
-        model = resolve_model(args.model)  # fail early on a missing model or an unknown random: shape
-        model_args = read_model_args(model)
+        checkpoint = resolve_checkpoint(args.model)  # fail early on a missing model or an unknown random: shape
+        model_args = checkpoint.args
         if args.tp and args.tp > 1:
             from genfast.llm.tensor_parallel import check_devices, check_shardable
 
@@ -103,7 +102,7 @@ class LlmLadder(Ladder):
         peak_bw = peak_read_bandwidth(resolve_device(args.device), remeasure=not os.environ.get("GENFAST_PEAK_BW_GBS"))
         return {
             **super().options(args),
-            "model": str(model),
+            "model": str(checkpoint.path),
             "prompt": args.prompt,
             "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens,

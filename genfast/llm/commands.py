@@ -16,8 +16,8 @@ from genfast import __version__
 from genfast.bench.machine import peak_read_bandwidth
 from genfast.errors import UserError
 from genfast.interface.startup import Phases
+from genfast.llm.checkpoints.checkpoint import QUANTIZED_FILE, resolve_checkpoint
 from genfast.llm.checkpoints.quantize import HEAD, describe_quantization, quantize_loaded
-from genfast.llm.checkpoints.weights import QUANTIZED_FILE, checkpoint_format, read_model_args
 from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.precompiled import attach
 from genfast.llm.decoding.sampling import SamplingParams
@@ -298,7 +298,7 @@ def gptq_quantize_model(
     if loaded.model.args.n_experts:
         # GPTQ's Hessian per expert would come from only the calibration tokens routed to it.
         _log("genfast: the experts are quantized round-to-nearest (GPTQ covers attention, dense MLPs)")
-    quantize_loaded(loaded.path, loaded.model, 4, group_size, precomputed=weights)
+    quantize_loaded(loaded.checkpoint, loaded.model, 4, group_size, precomputed=weights)
     return f"{source}: {windows.shape[0]} windows x {windows.shape[1]} tokens"
 
 
@@ -318,19 +318,19 @@ def quantize_command(args: argparse.Namespace) -> int:
     if args.calibration is not None and args.mode != "int4-gptq":
         raise UserError("--calibration only applies to --mode int4-gptq")
     calibration_input = read_calibration(args.calibration) if args.mode == "int4-gptq" else None
-    path = resolve_model(args.model)
-    if checkpoint_format(path) == "genfast":
-        raise UserError(f"{path} is already quantized; quantize the original model instead")
-    _log(f"genfast: quantizing {path} ({read_model_args(path).describe_size()}) to {args.mode}")
+    checkpoint = resolve_checkpoint(args.model)
+    if checkpoint.format == "genfast":
+        raise UserError(f"{checkpoint.path} is already quantized; quantize the original model instead")
+    _log(f"genfast: quantizing {checkpoint.path} ({checkpoint.args.describe_size()}) to {args.mode}")
     # Quantization arithmetic runs in fp32; unquantized tensors are stored in --dtype.
     calibration = None
     if calibration_input is not None:  # GPTQ calibrates on the whole float model
-        loaded = load(str(path), "cpu", "float32", args.threads)
+        loaded = load(checkpoint, "cpu", "float32", args.threads)
         calibration = gptq_quantize_model(
             loaded, group_size, calibration_input, args.calibration_windows, args.calibration_window
         )
     else:  # round-to-nearest, block by block as the model is read: the float model never exists whole
-        loaded = load(str(path), "cpu", "float32", args.threads, quant=args.mode, group_size=group_size)
+        loaded = load(checkpoint, "cpu", "float32", args.threads, quant=args.mode, group_size=group_size)
     scheme = describe_quantization(loaded.model)
     metadata = {
         "model_args": json.dumps(loaded.model.args.to_dict()),

@@ -10,21 +10,20 @@ from typing import Any
 import torch
 
 from genfast.errors import UserError
+from genfast.llm.checkpoints.checkpoint import Checkpoint, resolve_checkpoint
 from genfast.llm.checkpoints.quantize import describe_quantization, quantize_loaded
-from genfast.llm.checkpoints.random_model import is_random
-from genfast.llm.checkpoints.tokenizer import Tokenizer, load_tokenizer, pydoc_tokenizer
-from genfast.llm.checkpoints.weights import checkpoint_format, load_model, read_model_args
+from genfast.llm.checkpoints.tokenizer import Tokenizer, load_tokenizer
+from genfast.llm.checkpoints.weights import load_model
 from genfast.llm.model.transformer import Transformer
 from genfast.nn import auto_weight_dtype, store_linear_weights
 from genfast.platform.hardware import resolve_device, resolve_dtype
 from genfast.platform.hugepages import move_to_hugepages
 from genfast.quant import INT4_GROUP_SIZES, QUANT_MODES
-from genfast.storage.hub import resolve_model
 
 
 @dataclass
 class LoadedModel:
-    path: Path
+    checkpoint: Checkpoint  # what it was loaded from (a self-draft loads it again)
     model: Transformer
     tokenizer: Tokenizer
     device: torch.device
@@ -39,6 +38,10 @@ class LoadedModel:
     # compile for it could not redo them).
     transforms: tuple[str, ...] = ()
 
+    @property
+    def path(self) -> Path:
+        return self.checkpoint.path
+
     def dtype_label(self) -> str:
         """e.g. 'bfloat16', or 'float32 (bfloat16 linear weights and KV cache)'."""
         label = str(self.dtype).removeprefix("torch.")
@@ -48,7 +51,7 @@ class LoadedModel:
 
 
 def load(
-    model: str | None,
+    model: str | Checkpoint | None,
     device: str = "auto",
     dtype: str = "auto",
     threads: int | None = None,
@@ -56,8 +59,9 @@ def load(
     group_size: int | None = None,
     tp: int = 1,
 ) -> LoadedModel:
-    """Resolve, load and (optionally) quantize a model; `quant`: none | int8 | int4 (weight-only,
-    round-to-nearest, `group_size` columns per scale; default: per channel for int8, 32 for int4).
+    """Resolve, load and (optionally) quantize a model: `model` is a --model value or a Checkpoint
+    already opened; `quant`: none | int8 | int4 (weight-only, round-to-nearest, `group_size`
+    columns per scale; default: per channel for int8, 32 for int4).
     `tp` > 1: keep this rank's tensor-parallel shard (after quantizing: codes are sliced, never
     re-quantized); this process must have joined the ranks (tensor_parallel.join)."""
     if quant not in QUANT_MODES:
@@ -79,29 +83,29 @@ def load(
         dev = tp_device(dev)
     dt = resolve_dtype(dtype, dev)
     weight_dt = auto_weight_dtype(dev, dt) if dtype == "auto" else dt
-    path = resolve_model(model)
-    tokenizer = pydoc_tokenizer() if is_random(path) else load_tokenizer(path)
-    if quant != "none" and checkpoint_format(path) == "genfast":
-        raise UserError(f"{path} is already quantized; load it without --quant")
+    checkpoint = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
+    tokenizer = load_tokenizer(checkpoint)
+    if quant != "none" and checkpoint.format == "genfast":
+        raise UserError(f"{checkpoint.path} is already quantized; load it without --quant")
     bits = {"none": None, "int8": 8, "int4": 4}[quant]
     if tp > 1:
         from genfast.llm.tensor_parallel import check_shardable, current_rank, shard_block
 
-        check_shardable(read_model_args(path), tp)
+        check_shardable(checkpoint.args, tp)
         rank = current_rank()
 
     def prepare_block(prefix: str, block: torch.nn.Module) -> None:
         # Quantize and shard each block as it is loaded: the whole model never exists at full size
         # (a model that needs --tp because it does not fit one device must not be loaded whole).
         if bits is not None:
-            quantize_loaded(path, block, bits, group_size, prefix=prefix)
+            quantize_loaded(checkpoint, block, bits, group_size, prefix=prefix)
         if tp > 1:
             shard_block(block, rank, tp, prefix)
         store_linear_weights(block, weight_dt)
 
-    transformer = load_model(path, dt, dev, prepare_block)
+    transformer = load_model(checkpoint, dt, dev, prepare_block)
     if bits is not None:
-        quantize_loaded(path, transformer, bits, group_size)  # what is left: the output head
+        quantize_loaded(checkpoint, transformer, bits, group_size)  # what is left: the output head
     store_linear_weights(transformer, weight_dt)  # the head (and an embedding table tied to it)
     if weight_dt != dt:
         transformer.cache_dtype = weight_dt
@@ -111,7 +115,7 @@ def load(
 
         build_for(transformer.args.head_dim)
     return LoadedModel(
-        path,
+        checkpoint,
         transformer,
         tokenizer,
         dev,
@@ -119,5 +123,5 @@ def load(
         describe_quantization(transformer),
         tp,
         None if weight_dt == dt else weight_dt,
-        {"model": str(path), "device": str(dev), "dtype": dtype, "quant": quant, "group_size": group_size},
+        {"model": str(checkpoint.path), "device": str(dev), "dtype": dtype, "quant": quant, "group_size": group_size},
     )

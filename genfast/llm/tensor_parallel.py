@@ -252,10 +252,9 @@ def launch_or_join(tp: int, model: str | None, device: str, argv: Sequence[str],
     if launched():
         join(tp)
         return None
-    from genfast.llm.checkpoints.weights import read_model_args
-    from genfast.storage.hub import resolve_model
+    from genfast.llm.checkpoints.checkpoint import resolve_checkpoint
 
-    check_shardable(read_model_args(resolve_model(model)), tp)  # fail before starting processes
+    check_shardable(resolve_checkpoint(model).args, tp)  # fail before starting processes
     return launch_tp(argv, tp, grace_s)
 
 

@@ -292,7 +292,8 @@ def word_tokenizer(vocab_size: int):
 
 def tiny_genfast_model(name: str, tmp_path: Path, seed: int = 0):
     """(transformers model, genfast model) with identical random weights."""
+    from genfast.llm.checkpoints.checkpoint import Checkpoint
     from genfast.llm.checkpoints.weights import load_model
 
     hf = make_hf_model(name, seed)
-    return hf, load_model(save_hf_model(hf, tmp_path / f"{name}-{seed}"))
+    return hf, load_model(Checkpoint.open(save_hf_model(hf, tmp_path / f"{name}-{seed}")))

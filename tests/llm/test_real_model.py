@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from genfast.llm.bench import benchmark_prompt
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.tokenizer import load_tokenizer
 from genfast.llm.checkpoints.weights import load_model
 from genfast.llm.decoding.generate import Generator
@@ -17,7 +18,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def generator(smollm2_gguf):
-    return Generator(load_model(smollm2_gguf), load_tokenizer(smollm2_gguf), max_seq_len=256, compile=False)
+    checkpoint = Checkpoint.open(smollm2_gguf)
+    return Generator(load_model(checkpoint), load_tokenizer(checkpoint), max_seq_len=256, compile=False)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -46,12 +48,12 @@ def test_bf16_logits_stay_close_to_fp32(smollm2_gguf, smollm2_hf):
     while genfast's was the closer of the two to fp32 (0.9976 against 0.9965)."""
     import transformers
 
-    fp32 = load_model(smollm2_gguf, torch.float32)
-    bf16 = load_model(smollm2_gguf, torch.bfloat16)
+    fp32 = load_model(Checkpoint.open(smollm2_gguf), torch.float32)
+    bf16 = load_model(Checkpoint.open(smollm2_gguf), torch.bfloat16)
     hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.bfloat16
     ).eval()
-    ids = torch.tensor([benchmark_prompt(load_tokenizer(smollm2_gguf), 256)])
+    ids = torch.tensor([benchmark_prompt(load_tokenizer(Checkpoint.open(smollm2_gguf)), 256)])
     pos = torch.arange(ids.shape[1])
     with torch.no_grad():
         a, b = fp32(ids, pos, all_logits=True)[0], bf16(ids, pos, all_logits=True)[0]
@@ -74,10 +76,10 @@ def test_int8_weights_keep_the_real_model_close(smollm2_gguf):
     is measured by `genfast eval ppl` (docs/performance.md)."""
     from genfast.quant.linear import quantize_linears
 
-    tokenizer = load_tokenizer(smollm2_gguf)
+    tokenizer = load_tokenizer(Checkpoint.open(smollm2_gguf))
     ids = torch.tensor([benchmark_prompt(tokenizer, 256)])
     pos = torch.arange(ids.shape[1])
-    model = load_model(smollm2_gguf, torch.bfloat16)
+    model = load_model(Checkpoint.open(smollm2_gguf), torch.bfloat16)
     with torch.no_grad():
         want = model(ids, pos, all_logits=True)[0].float()
         quantize_linears(model, 8)
@@ -96,10 +98,10 @@ def test_int4_on_load_uses_the_gguf_blocks_and_stays_close(smollm2_gguf):
     stay within cosine 0.998 on average of bf16 (measured: perplexity +0.3%, docs/performance.md)."""
     from genfast.llm.loading import load
 
-    tokenizer = load_tokenizer(smollm2_gguf)
+    tokenizer = load_tokenizer(Checkpoint.open(smollm2_gguf))
     ids = torch.tensor([benchmark_prompt(tokenizer, 256)])
     pos = torch.arange(ids.shape[1])
-    want_model = load_model(smollm2_gguf, torch.bfloat16)
+    want_model = load_model(Checkpoint.open(smollm2_gguf), torch.bfloat16)
     loaded = load(str(smollm2_gguf), "cpu", "bfloat16", quant="int4")
     assert loaded.quant == "int4-g32+int8-g32"
     w2 = loaded.model.layers[5].feed_forward.w2
@@ -116,7 +118,7 @@ def test_int4_on_load_uses_the_gguf_blocks_and_stays_close(smollm2_gguf):
 def test_compiled_fp32_decode_equals_eager_on_the_real_model(smollm2_gguf, generator):
     """The full compiled path (one-row reductions, fused decode attention, dynamic lengths) on
     the real model gives eager's greedy tokens."""
-    compiled = Generator(load_model(smollm2_gguf), generator.tokenizer, max_seq_len=256, compile=True)
+    compiled = Generator(load_model(Checkpoint.open(smollm2_gguf)), generator.tokenizer, max_seq_len=256, compile=True)
     for prompt in PROMPTS[:2]:
         ids = generator.encode_prompt(prompt)
         want = generator.generate([ids], 32, stop_at_eos=False).token_ids[0]

@@ -23,8 +23,9 @@ import torch.multiprocessing as mp
 
 from genfast.cli import main
 from genfast.errors import UserError
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.quantize import quantize_loaded
-from genfast.llm.checkpoints.weights import load_model, read_model_args
+from genfast.llm.checkpoints.weights import load_model
 from genfast.llm.decoding.generate import Generator
 from genfast.llm.loading import load
 from genfast.llm.tensor_parallel import (
@@ -104,7 +105,7 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def prompt_for(path: Path) -> list[int]:
-    vocab = read_model_args(path).vocab_size
+    vocab = Checkpoint.open(path).args.vocab_size
     return torch.randint(0, vocab, (9,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
@@ -114,9 +115,10 @@ def run_case(path: Path, case: Case, rank: int, world: int) -> tuple[torch.Tenso
     loads the whole model and then quantizes it; TP=2 loads as the CLI does (`session.load`:
     each block quantized and sharded as it is read)."""
     if world == 1:
-        model = load_model(path)
+        checkpoint = Checkpoint.open(path)
+        model = load_model(checkpoint)
         if case.quant != "none":
-            quantize_loaded(path, model, 8 if case.quant == "int8" else 4, None)
+            quantize_loaded(checkpoint, model, 8 if case.quant == "int8" else 4, None)
     else:
         model = load(str(path), device="cpu", dtype="float32", quant=case.quant, tp=world).model
         assert isinstance(model.layers[0].attention.wo, RowParallelLinear)
@@ -169,7 +171,7 @@ def test_compiled_tp2_equals_tp1(model_dirs, tmp_path):
 
 
 def test_heads_that_do_not_divide_are_a_clear_error(model_dirs):
-    model = load_model(model_dirs["smollm"])  # 3 heads, 1 kv head
+    model = load_model(Checkpoint.open(model_dirs["smollm"]))  # 3 heads, 1 kv head
     with pytest.raises(
         UserError, match=r"--tp 2 needs .* 3 attention heads and 1 key/value heads; this model supports no --tp above 1"
     ):
@@ -178,7 +180,7 @@ def test_heads_that_do_not_divide_are_a_clear_error(model_dirs):
 
 
 def test_real_smollm2_supports_tp3_not_tp2(smollm2_gguf):
-    args = read_model_args(smollm2_gguf)  # 9 heads, 3 kv heads, feed-forward 1536
+    args = Checkpoint.open(smollm2_gguf).args  # 9 heads, 3 kv heads, feed-forward 1536
     with pytest.raises(UserError, match="9 attention heads and 3 key/value heads; this model supports --tp 3"):
         check_shardable(args, 2)
     check_shardable(args, 3)
@@ -186,8 +188,9 @@ def test_real_smollm2_supports_tp3_not_tp2(smollm2_gguf):
 
 def test_quantized_groups_must_not_straddle_ranks(model_dirs):
     path = model_dirs["llama3"]  # feed-forward 160: 80 columns per rank, not whole groups of 32
-    model = load_model(path)
-    quantize_loaded(path, model, 4, None)
+    checkpoint = Checkpoint.open(path)
+    model = load_model(checkpoint)
+    quantize_loaded(checkpoint, model, 4, None)
     with pytest.raises(
         UserError,
         match=r"layers\.0\.feed_forward\.w2 has 160 input features quantized in groups of 32; "
@@ -310,7 +313,7 @@ def test_bench_llm_measures_a_row_on_two_ranks(smollm2_gguf, tmp_path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **cfg))
     directory = save_hf_model(model.eval(), tmp_path / "model")
-    load_tokenizer(smollm2_gguf).save(directory)
+    load_tokenizer(Checkpoint.open(smollm2_gguf)).save(directory)
     out = tmp_path / "rows.json"
     done = run_cli(
         "bench",

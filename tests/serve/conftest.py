@@ -38,10 +38,12 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def load_tiny(directory: Path):
     """A fresh (model, tokenizer): every engine needs its own model, since the KV caches live in it."""
+    from genfast.llm.checkpoints.checkpoint import Checkpoint
     from genfast.llm.checkpoints.tokenizer import load_tokenizer
     from genfast.llm.checkpoints.weights import load_model
 
-    return load_model(directory), load_tokenizer(directory)
+    checkpoint = Checkpoint.open(directory)
+    return load_model(checkpoint), load_tokenizer(checkpoint)
 
 
 def words(*numbers: int) -> str:

@@ -114,14 +114,16 @@ def test_real_model_greedy_equals_genfast_generate(smollm2_gguf):
     """fp32: in bf16 a batched matmul rounds differently from a one-row one (different kernels and
     accumulation), so greedy continuations can drift apart after a near tie (measured: 4 of 8
     prompts within 48 tokens); in fp32 every row is exactly the single-request computation."""
+    from genfast.llm.checkpoints.checkpoint import Checkpoint
     from genfast.llm.checkpoints.tokenizer import load_tokenizer
     from genfast.llm.checkpoints.weights import load_model
     from genfast.llm.decoding.generate import Generator
     from genfast.serve.engine import Engine
 
-    tokenizer = load_tokenizer(smollm2_gguf)
+    checkpoint = Checkpoint.open(smollm2_gguf)
+    tokenizer = load_tokenizer(checkpoint)
     server = Server(
-        Engine(load_model(smollm2_gguf), tokenizer, max_batch=4, max_seq_len=512, compile=False), model_name="smollm2"
+        Engine(load_model(checkpoint), tokenizer, max_batch=4, max_seq_len=512, compile=False), model_name="smollm2"
     )
     try:
         client = server.client()
@@ -137,7 +139,7 @@ def test_real_model_greedy_equals_genfast_generate(smollm2_gguf):
 
         # Concurrent streams, each equal to its own single-request run.
         prompts = ["Once upon a time", "def fibonacci(n):\n    ", "The three primary colors are", "In 1969,"]
-        single = Generator(load_model(smollm2_gguf), tokenizer, max_seq_len=512, compile=False)
+        single = Generator(load_model(checkpoint), tokenizer, max_seq_len=512, compile=False)
         want = [single.generate([single.encode_prompt(p)], 24).texts[0] for p in prompts]
 
         def stream(p: str) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from genfast.errors import UserError
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.weights import load_model
 from genfast.storage import hub, paths
 from tests.llm.hf_fixtures import make_hf_model, save_hf_model
@@ -47,7 +48,7 @@ def test_hub_id_downloads_into_cache_atomically(tmp_path, monkeypatch, umask_022
     path = hub.resolve_model("someorg/tiny-llama")
     assert path == paths.models_dir() / "someorg--tiny-llama"
     assert calls[0][0] == "someorg/tiny-llama" and "*.safetensors" in calls[0][1]
-    load_model(path)  # a complete checkpoint
+    load_model(Checkpoint.open(path))  # a complete checkpoint
     assert hub.resolve_model("someorg/tiny-llama") == path and len(calls) == 1  # cached now
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no staging left
     assert stat.S_IMODE(path.stat().st_mode) == 0o755  # a folder as mkdir makes it, not mkdtemp's 0700

@@ -36,8 +36,9 @@ def is_gguf(path: Path) -> bool:
 
 
 def open_gguf(path: Path) -> GGUFFile:
-    """A GGUFFile, shared by the model and tokenizer loaders (parsing 100k vocabulary strings
-    takes seconds); a file changed on disk is read again."""
+    """A GGUFFile. A Checkpoint opens its file once for the config, weights and tokenizer; this
+    keeps it for the next Checkpoint of the same file too (a benchmark loads its model once per
+    row, and parsing 100k vocabulary strings takes seconds). A file changed on disk is read again."""
     stat = path.stat()
     return _open_cached(path.resolve(), stat.st_mtime_ns, stat.st_size)
 

@@ -6,13 +6,15 @@ quantize` writes the result to a directory that loads as it is (genfast/quant/ch
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from genfast.llm.checkpoints.weights import checkpoint_format
 from genfast.quant import DEFAULT_INT4_GROUP_SIZE
 from genfast.quant.grids import QuantizedWeight
+
+if TYPE_CHECKING:
+    from genfast.llm.checkpoints.checkpoint import Checkpoint
 
 # The output head is the layer most sensitive to quantization (measured on SmolLM2: an int4 head
 # alone costs ~5% perplexity, an int8 one ~0.3%), so int4 models keep it in int8, as llama.cpp's
@@ -22,15 +24,16 @@ INT4_HEAD_BITS = 8
 
 
 def quantize_loaded(
-    path: Path,
+    checkpoint: Checkpoint,
     model: torch.nn.Module,
     bits: int,
     group_size: int | None,
     precomputed: dict[str, QuantizedWeight] | None = None,
     prefix: str = "",
 ) -> list[str]:
-    """Quantize every linear of a loaded model in place; returns the names replaced. `model` may
-    be a part of the model, the module stored under `prefix` (e.g. a block being loaded).
+    """Quantize every linear of a model loaded from `checkpoint` in place; returns the names
+    replaced. `model` may be a part of the model, the module stored under `prefix` (e.g. a block
+    being loaded).
 
     Per layer, the first that applies: `precomputed` weights (e.g. from GPTQ); the GGUF source's own
     blocks when they already are codes on a genfast grid (Q8_0 for int8, Q4_0/Q4_1 for int4, group
@@ -45,11 +48,12 @@ def quantize_loaded(
     linears = (torch.nn.Linear, ExpertLinear)
     targets = {prefix + name for name, m in model.named_modules() if isinstance(m, linears)}
     direct: dict[str, QuantizedWeight] = {}
-    if checkpoint_format(path) == "gguf":
+    if checkpoint.format == "gguf":
         if group_size in (None, 32):
-            direct = gguf_quantized_linears(path, bits, only=targets if head_bits == bits else targets - {HEAD})
+            only = targets if head_bits == bits else targets - {HEAD}
+            direct = gguf_quantized_linears(checkpoint, bits, only=only)
         if head_bits != bits and HEAD in targets:
-            direct.update(gguf_quantized_linears(path, head_bits, only={HEAD}))
+            direct.update(gguf_quantized_linears(checkpoint, head_bits, only={HEAD}))
     default_group = group_size or (None if bits == 8 else DEFAULT_INT4_GROUP_SIZE)
 
     def make(local: str, linear: torch.nn.Linear | ExpertLinear) -> torch.nn.Module:

@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from genfast.errors import UserError
+
+if TYPE_CHECKING:
+    from genfast.llm.checkpoints.checkpoint import Checkpoint
 
 # GPT-2's pre-tokenizer regex (with the trailing `\s+` branch llama.cpp's splitter also applies).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -154,15 +157,14 @@ def pydoc_tokenizer() -> Tokenizer:
     return Tokenizer(backend, bos_id=None, add_bos=False, stop_ids=set())
 
 
-def load_tokenizer(path: Path) -> Tokenizer:
-    """From a HF model directory (tokenizer.json) or a GGUF file / directory holding one."""
-    from genfast.llm.checkpoints.weights import checkpoint_format, gguf_path
-
-    if checkpoint_format(path) in ("hf", "genfast"):
-        return _hf_tokenizer(path)
-    from genfast.llm.checkpoints.gguf_file import open_gguf
-
-    return gguf_tokenizer(open_gguf(gguf_path(path)).metadata)
+def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
+    """A checkpoint's tokenizer: from a HF or `genfast quantize` directory (tokenizer.json), from a
+    GGUF file's metadata, or for random weights `pydoc_tokenizer`."""
+    if checkpoint.format == "random":
+        return pydoc_tokenizer()
+    if checkpoint.format in ("hf", "genfast"):
+        return _hf_tokenizer(checkpoint.path)
+    return gguf_tokenizer(checkpoint.gguf.metadata)
 
 
 def _hf_tokenizer(path: Path) -> Tokenizer:

@@ -1,5 +1,6 @@
 """Loading Llama-family weights from a Hugging Face directory (safetensors), a GGUF file, or a
-directory written by `genfast quantize` (see genfast/quant/checkpoint.py).
+directory written by `genfast quantize` (see genfast/quant/checkpoint.py), opened as a
+Checkpoint (genfast/llm/checkpoints/checkpoint.py), which also gives the config.
 
 All formats are read lazily (memory-mapped) and tensor by tensor into a model built on the meta
 device, one transformer block at a time, so peak memory is the model plus one tensor; a caller
@@ -10,29 +11,23 @@ run code when loaded.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from genfast.errors import UserError
 from genfast.llm.checkpoints import random_model
-from genfast.llm.checkpoints.gguf_file import GGUFFile, is_gguf, open_gguf
+from genfast.llm.checkpoints.checkpoint import Checkpoint, read_json
+from genfast.llm.checkpoints.gguf_file import GGUFFile
 from genfast.llm.model import families
-from genfast.llm.model.config import ModelArgs, RopeScaling, longrope_attention_factor
+from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.layers import TransformerBlock
 from genfast.llm.model.transformer import Transformer
 from genfast.quant.grids import QuantizedWeight
 
-if TYPE_CHECKING:
-    from genfast.quant.checkpoint import QuantizedCheckpoint
-
 # GGUF block types whose codes are a genfast grid as they are (gguf_file.GGUFFile.quantized).
 GGUF_TYPES_FOR_BITS = {8: ("Q8_0",), 4: ("Q4_0", "Q4_1")}
-# The weights file of a `genfast quantize` output directory.
-QUANTIZED_FILE = "model.safetensors"
 
 # genfast parameter suffix -> source tensor names (several are concatenated along dim 0).
 _HF_LAYER = {
@@ -74,54 +69,27 @@ _GGUF_GLOBAL = {
 }
 
 
-def checkpoint_format(path: Path) -> str:
-    """'hf' (a directory with config.json), 'genfast' (a directory written by `genfast quantize`),
-    'gguf' (a file with the GGUF magic) or 'random' (`random:SHAPE`: genfast.llm.checkpoints.random_model)."""
-    if random_model.is_random(path):
-        random_model.shape_name(path)  # a known shape
-        return "random"
-    if not path.exists():
-        raise UserError(f"model not found: {path} does not exist")
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return "hf"
-        if (path / QUANTIZED_FILE).is_file():
-            return "genfast"
-        ggufs = sorted(p for p in path.glob("*.gguf") if is_gguf(p))
-        if len(ggufs) == 1:
-            return "gguf"
-        raise UserError(f"{path} holds neither a config.json (Hugging Face model) nor exactly one .gguf file")
-    if is_gguf(path):
-        return "gguf"
-    raise UserError(f"{path} is neither a GGUF file nor a Hugging Face model directory")
-
-
-def gguf_path(path: Path) -> Path:
-    """The GGUF file itself, for a path that is the file or a directory holding exactly one."""
-    return path if path.is_file() else next(p for p in sorted(path.glob("*.gguf")) if is_gguf(p))
-
-
 BlockHook = Callable[[str, TransformerBlock], None]
 
 
 def load_model(
-    path: Path,
+    checkpoint: Checkpoint,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     prepare_block: BlockHook | None = None,
 ) -> Transformer:
-    """Build the model described by the checkpoint at `path` and fill it with its weights.
+    """Build the model `checkpoint` describes and fill it with its weights.
 
     Transformer blocks are allocated and filled one at a time. `prepare_block(prefix, block)`
     (e.g. quantize and shard it, in place) runs on each before the next is read, so peak memory
     is the prepared model plus one block as stored, never the whole model at full size."""
-    fmt = checkpoint_format(path)
-    if fmt == "genfast":
-        args, fill = _quantized_filler(path, dtype)
-    elif fmt == "random":
-        args, fill = random_model.random_args(path), random_model.fill_random
+    args = checkpoint.args
+    if checkpoint.format == "genfast":
+        fill = _quantized_filler(checkpoint, dtype)
+    elif checkpoint.format == "random":
+        fill = random_model.fill_random
     else:
-        args, fill = _source_filler(path, fmt)
+        fill = _source_filler(checkpoint)
     with torch.device("meta"):
         model = Transformer(args).to(dtype)  # cast while empty: memory is allocated once, in dtype
     blocks, model.layers = model.layers, torch.nn.ModuleList()
@@ -142,19 +110,18 @@ def load_model(
 Filler = Callable[[torch.nn.Module, str], None]
 
 
-def _source_filler(path: Path, fmt: str) -> tuple[ModelArgs, Filler]:
-    """The config of a Hugging Face or GGUF checkpoint, and a function that fills a part of the
-    model (the module stored under a prefix) from it, tensor by tensor."""
-    if fmt == "hf":
-        args = ModelArgs.from_hf_config(_read_json(path / "config.json"))
+def _source_filler(checkpoint: Checkpoint) -> Filler:
+    """A function that fills a part of the model (the module stored under a prefix) from a Hugging
+    Face or GGUF checkpoint, tensor by tensor."""
+    args, path = checkpoint.args, checkpoint.path
+    if checkpoint.format == "hf":
         get, available = _hf_source(path)
         family = families.family(args.family)
         layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
         layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
         expert_names = family.hf_expert_tensors
     else:
-        gguf = open_gguf(gguf_path(path))
-        args = _gguf_args(gguf)
+        gguf = checkpoint.gguf
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
         own = families.family(args.family).gguf_layer_tensors
         layer_names = {**_GGUF_LAYER, **own}
@@ -186,7 +153,7 @@ def _source_filler(path: Path, fmt: str) -> tuple[ModelArgs, Filler]:
             with torch.no_grad():
                 param.copy_(tensor)
 
-    return args, fill
+    return fill
 
 
 def _assemble(parts: list[torch.Tensor], per_expert: int | None) -> torch.Tensor:
@@ -198,56 +165,35 @@ def _assemble(parts: list[torch.Tensor], per_expert: int | None) -> torch.Tensor
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=max(parts[0].dim() - 2, 0))
 
 
-def _quantized_filler(path: Path, dtype: torch.dtype) -> tuple[ModelArgs, Filler]:
+def _quantized_filler(checkpoint: Checkpoint, dtype: torch.dtype) -> Filler:
     """The same for a `genfast quantize` directory: a part gets the header's layers under its prefix
     (the top level: those outside the blocks)."""
-    from genfast.quant.checkpoint import QuantizedCheckpoint, load_quantized_into
+    from genfast.quant.checkpoint import load_quantized_into
 
-    checkpoint = QuantizedCheckpoint(path / QUANTIZED_FILE)
-    args = _quantized_args(checkpoint, path)
+    quantized, args = checkpoint.quantized, checkpoint.args
     block_prefixes = tuple(f"layers.{i}." for i in range(args.n_layers))
-    for name in checkpoint.layers:
+    for name in quantized.layers:
         if name.startswith("layers.") and not name.startswith(block_prefixes):
-            raise UserError(f"{checkpoint.path}: header lists layer {name}, which this model has no linear for")
+            raise UserError(f"{quantized.path}: header lists layer {name}, which this model has no linear for")
 
     def fill(module: torch.nn.Module, prefix: str) -> None:
         if prefix:
-            layers = [n for n in checkpoint.layers if n.startswith(prefix)]
+            layers = [n for n in quantized.layers if n.startswith(prefix)]
         else:
-            layers = [n for n in checkpoint.layers if not n.startswith("layers.")]
-        load_quantized_into(module, checkpoint, convert=lambda _, t: t.to(dtype), prefix=prefix, layers=layers)
+            layers = [n for n in quantized.layers if not n.startswith("layers.")]
+        load_quantized_into(module, quantized, convert=lambda _, t: t.to(dtype), prefix=prefix, layers=layers)
 
-    return args, fill
-
-
-def _quantized_args(checkpoint: QuantizedCheckpoint, path: Path) -> ModelArgs:
-    try:
-        return ModelArgs.from_dict(json.loads(checkpoint.metadata["model_args"]))
-    except (KeyError, json.JSONDecodeError) as e:
-        raise UserError(f"{path / QUANTIZED_FILE}: header has no valid model_args: {e}") from e
+    return fill
 
 
-def read_model_args(path: Path) -> ModelArgs:
-    """The architecture of the checkpoint at `path`, read without its weights."""
-    fmt = checkpoint_format(path)
-    if fmt == "hf":
-        return ModelArgs.from_hf_config(_read_json(path / "config.json"))
-    if fmt == "random":
-        return random_model.random_args(path)
-    if fmt == "gguf":
-        return _gguf_args(open_gguf(gguf_path(path)))
-    from genfast.quant.checkpoint import QuantizedCheckpoint
-
-    return _quantized_args(QuantizedCheckpoint(path / QUANTIZED_FILE), path)
-
-
-def gguf_quantized_linears(path: Path, bits: int, only: set[str] | None = None) -> dict[str, QuantizedWeight]:
+def gguf_quantized_linears(
+    checkpoint: Checkpoint, bits: int, only: set[str] | None = None
+) -> dict[str, QuantizedWeight]:
     """The linears of a GGUF model whose blocks are already `bits`-bit codes on a genfast grid
     (Q8_0 for int8; Q4_0/Q4_1 for int4), in genfast module names, ready to use without
     dequantizing and requantizing. Layers stored in other types are absent; `only` limits the
     search to some module names."""
-    gguf = open_gguf(gguf_path(path))
-    args = _gguf_args(gguf)
+    gguf, args = checkpoint.gguf, checkpoint.args
     interleaved = families.family(args.family).gguf_rope_interleaved
     permuted = {"attn_q.weight": args.n_heads, "attn_k.weight": args.n_kv_heads} if interleaved else {}
     types = GGUF_TYPES_FOR_BITS[bits]
@@ -296,19 +242,12 @@ def gguf_quantized_linears(path: Path, bits: int, only: set[str] | None = None) 
     return found
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}") from e
-
-
 def _hf_source(path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
     from safetensors import SafetensorError, safe_open
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: dict[str, str] = _read_json(index)["weight_map"]
+        weight_map: dict[str, str] = read_json(index)["weight_map"]
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
@@ -337,29 +276,6 @@ def _hf_source(path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
         return handles[weight_map[name]].get_tensor(name)
 
     return get, set(weight_map)
-
-
-def _gguf_args(gguf: GGUFFile) -> ModelArgs:
-    args = ModelArgs.from_gguf_metadata(gguf.metadata, gguf.tensor_names)
-    if "rope_freqs.weight" in gguf.tensor_names:
-        divisors = tuple(gguf.tensor("rope_freqs.weight").tolist())
-        args = ModelArgs(**{**args.__dict__, "rope_freq_divisors": divisors})
-    if "rope_factors_long.weight" in gguf.tensor_names:  # LongRoPE (Phi-3): its factors are tensors
-        arch = gguf.metadata["general.architecture"]
-        original = int(gguf.metadata.get(f"{arch}.rope.scaling.original_context_length", args.max_seq_len))
-        factor = args.max_seq_len / original
-        scaling = RopeScaling(
-            "longrope",
-            factor,
-            original_max_position_embeddings=original,
-            short_factor=tuple(gguf.tensor("rope_factors_short.weight").tolist()),
-            long_factor=tuple(gguf.tensor("rope_factors_long.weight").tolist()),
-            attention_factor=float(
-                gguf.metadata.get(f"{arch}.rope.scaling.attn_factor") or longrope_attention_factor(factor, original)
-            ),
-        )
-        args = ModelArgs(**{**args.__dict__, "rope_scaling": scaling})
-    return args
 
 
 def _gguf_getter(gguf: GGUFFile, args: ModelArgs) -> Callable[[str], torch.Tensor]:

@@ -249,7 +249,7 @@ def make_drafter(spec: str, loaded: LoadedModel) -> Drafter:
             f"--self-draft {kind} quantizes the target's weights, which are already {loaded.quant}; "
             "use --self-draft layers:N or --prompt-lookup"
         )
-    draft = load(str(loaded.path), str(loaded.device), dtype, quant=kind)
+    draft = load(loaded.checkpoint, str(loaded.device), dtype, quant=kind)
     drafter = ModelDrafter(draft.model)
     drafter.name = f"{draft.quant} copy"
     return drafter

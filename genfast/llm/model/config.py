@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from genfast.errors import UserError
 from genfast.llm.model import families
+from genfast.llm.model.families.base import FamilyArgs
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,9 @@ class ModelArgs:
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = True
     dense_layers: tuple[int, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Values of the family's own (Gemma's query scale, soft-caps, local layers): its
+    # Family.args_type, read by its blocks and hooks (genfast/llm/model/families/).
+    family_args: FamilyArgs | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -85,7 +88,7 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, fields_: dict[str, Any]) -> ModelArgs:
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} | {LEGACY_EXTRA}
         unknown = sorted(set(fields_) - known)
         if unknown:
             raise UserError(f"model config has unknown fields {unknown} (written by a newer genfast?)")
@@ -98,7 +101,10 @@ class ModelArgs:
         if values.get("rope_freq_divisors") is not None:
             values["rope_freq_divisors"] = tuple(values["rope_freq_divisors"])
         values["dense_layers"] = tuple(values.get("dense_layers", ()))
+        legacy = values.pop(LEGACY_EXTRA, None)
         try:
+            family = values.get("family", cls.family)
+            values["family_args"] = _family_args_from_dict(family, values.get("family_args"), legacy)
             return cls(**values)
         except TypeError as e:
             raise UserError(f"model config is incomplete: {e}") from e
@@ -231,6 +237,28 @@ class ModelArgs:
             **_gguf_expert_fields(meta, arch, tensor_names),
             **families.family(arch).gguf_fields(meta, arch),
         )
+
+
+# Configs saved before family_args kept the family's values in an untyped dict under this name
+# (with Gemma's embedding scale, now derived from dim); `from_dict` reads them into family_args.
+LEGACY_EXTRA = "extra"
+
+
+def _family_args_from_dict(
+    family: str, saved: dict[str, Any] | None, legacy: dict[str, Any] | None
+) -> FamilyArgs | None:
+    """A saved config's family_args (JSON: lists for tuples) as its family's args_type."""
+    kind = families.family(family).args_type
+    if kind is None:
+        if saved:
+            raise UserError(f"model config has family_args {saved}, but family {family!r} takes none")
+        return None
+    if saved is None and legacy:
+        own = {f.name for f in fields(kind)}
+        saved = {k: v for k, v in legacy.items() if k in own}
+    if saved is None:
+        raise UserError(f"model config of family {family!r} lacks its family_args")
+    return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
 
 
 def _gguf_expert_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:

@@ -24,9 +24,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        family = families.family(args.family)
-        self.layers = nn.ModuleList(family.block(args, i) for i in range(args.n_layers))
-        self.norm = family.norm(args.dim, args.norm_eps)
+        self.family = families.family(args.family)  # its blocks, final norm and hooks
+        self.layers = nn.ModuleList(self.family.block(args, i) for i in range(args.n_layers))
+        self.norm = self.family.norm(args.dim, args.norm_eps)
         self.output = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -127,16 +127,12 @@ class Transformer(nn.Module):
         cos, sin = self.rope(input_pos)
 
         x = self.tok_embeddings(tokens).to(self.norm.weight.dtype)  # the table may be stored in bf16
-        if (scale := self.args.extra.get("embedding_scale")) is not None:  # Gemma: sqrt(dim), rounded to the dtype
-            x = x * torch.tensor(scale, dtype=x.dtype)
+        x = self.family.scale_embeddings(self.args, x)
         for layer in self.layers[:n_layers]:
             x = layer(x, cos, sin, input_pos, mask, cache_rows)
         if not all_logits:
             x = x[:, -1]
-        logits = self.output(self.norm(x)).float()
-        if (cap := self.args.extra.get("final_logit_softcap")) is not None:  # Gemma 2: cap * tanh(logits / cap)
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self.family.final_logits(self.args, self.output(self.norm(x)).float())
 
 
 def attention_mask(input_pos: Tensor, kv_len: int, pad_start: Tensor | None = None) -> Tensor:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from genfast.errors import UserError
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.tokenizer import load_tokenizer
 from genfast.llm.checkpoints.weights import load_model
 from tests.llm.gguf_fixtures import write_gguf_from_hf
@@ -14,7 +15,7 @@ from tests.llm.hf_fixtures import make_hf_model
 @pytest.mark.parametrize("name,arch", [("smollm", "llama"), ("qwen2", "qwen2")])
 def test_f32_gguf_reproduces_transformers_logits(name, arch, tmp_path):
     hf = make_hf_model(name)
-    model = load_model(write_gguf_from_hf(hf, tmp_path / "m.gguf", arch=arch))
+    model = load_model(Checkpoint.open(write_gguf_from_hf(hf, tmp_path / "m.gguf", arch=arch)))
     tokens = torch.randint(0, hf.config.vocab_size, (1, 20))
     with torch.no_grad():
         torch.testing.assert_close(
@@ -28,7 +29,7 @@ def test_f32_gguf_reproduces_transformers_logits(name, arch, tmp_path):
 def test_quantized_gguf_dequantizes_close_to_source(qtype, max_rel_err, tmp_path):
     """Weights come back within the format's rounding error (relative Frobenius error)."""
     hf = make_hf_model("qwen2")  # no q/k permutation: compare tensors directly
-    model = load_model(write_gguf_from_hf(hf, tmp_path / f"{qtype}.gguf", arch="qwen2", qtype=qtype))
+    model = load_model(Checkpoint.open(write_gguf_from_hf(hf, tmp_path / f"{qtype}.gguf", arch="qwen2", qtype=qtype)))
     want = hf.model.layers[0].mlp.down_proj.weight
     got = model.layers[0].feed_forward.w2.weight
     rel = ((got - want).norm() / want.norm()).item()
@@ -66,7 +67,7 @@ def test_q4_k_blocks_dequantize_in_row_order(tmp_path):
 
 def test_real_smollm2_logits_match_transformers(smollm2_gguf, smollm2_hf):
     hf_model, hf_tok = smollm2_hf
-    model = load_model(smollm2_gguf)
+    model = load_model(Checkpoint.open(smollm2_gguf))
     ids = torch.tensor([hf_tok("The capital of France is Paris, and the capital of Italy is").input_ids])
     with torch.no_grad():
         want = hf_model(ids).logits
@@ -77,33 +78,33 @@ def test_real_smollm2_logits_match_transformers(smollm2_gguf, smollm2_hf):
 def test_truncated_gguf_is_a_clear_error(tmp_path):
     path = write_gguf_from_hf(make_hf_model("smollm"), tmp_path / "cut.gguf", truncate_to=30_000)
     with pytest.raises(UserError, match=r"truncated|corrupt"):
-        load_model(path)
+        load_model(Checkpoint.open(path))
 
 
 def test_garbage_after_magic_is_a_clear_error(tmp_path):
     path = tmp_path / "bad.gguf"
     path.write_bytes(b"GGUF" + b"\xff" * 200)
     with pytest.raises(UserError, match="not a readable GGUF"):
-        load_model(path)
+        load_model(Checkpoint.open(path))
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     path = write_gguf_from_hf(make_hf_model("smollm"), tmp_path / "m.gguf", arch="gpt2")
     with pytest.raises(UserError, match="unsupported GGUF architecture 'gpt2'"):
-        load_model(path)
+        load_model(Checkpoint.open(path))
 
 
 def test_not_a_model_is_a_clear_error(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("hello")
     with pytest.raises(UserError, match="neither a GGUF file nor a Hugging Face model directory"):
-        load_model(path)
+        load_model(Checkpoint.open(path))
     with pytest.raises(UserError, match="does not exist"):
-        load_model(tmp_path / "missing.gguf")
+        load_model(Checkpoint.open(tmp_path / "missing.gguf"))
 
 
 def test_gguf_tokenizer_metadata(smollm2_gguf):
-    tok = load_tokenizer(smollm2_gguf)
+    tok = load_tokenizer(Checkpoint.open(smollm2_gguf))
     assert tok.bos_id == 1 and not tok.add_bos
     assert 2 in tok.stop_ids  # <|im_end|>
     assert "<|im_start|>" in tok.chat_template

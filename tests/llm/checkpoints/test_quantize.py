@@ -7,6 +7,7 @@ import torch
 
 from genfast.cli import main
 from genfast.errors import UserError
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.weights import gguf_quantized_linears, load_model
 from genfast.llm.loading import load
 from genfast.quant.linear import QuantLinear
@@ -19,9 +20,9 @@ from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
 def test_gguf_blocks_load_without_requantization(name, arch, qtype, bits, tmp_path):
     """The codes taken straight from Q8_0/Q4_0/Q4_1 blocks dequantize to exactly the weights the
     float loader gets from the same file (up to fp32 rounding of the two formulas)."""
-    path = write_gguf_from_hf(make_hf_model(name), tmp_path / "m.gguf", arch=arch, qtype=qtype)
-    direct = gguf_quantized_linears(path, bits)
-    model = load_model(path)
+    checkpoint = Checkpoint.open(write_gguf_from_hf(make_hf_model(name), tmp_path / "m.gguf", arch=arch, qtype=qtype))
+    direct = gguf_quantized_linears(checkpoint, bits)
+    model = load_model(checkpoint)
     layers = {
         f"layers.{i}.{m}"
         for i in range(2)
@@ -33,12 +34,12 @@ def test_gguf_blocks_load_without_requantization(name, arch, qtype, bits, tmp_pa
         assert qw.group_size == 32 and qw.bits == bits
         want = model.get_submodule(module_name).weight
         torch.testing.assert_close(qw.dequantize(), want, atol=1e-6 * want.abs().max().item(), rtol=0)
-    assert gguf_quantized_linears(path, 12 - bits) == {}  # int8 wanted, int4 blocks found (or vice versa)
+    assert gguf_quantized_linears(checkpoint, 12 - bits) == {}  # int8 wanted, int4 blocks found (or vice versa)
 
 
 def test_quant_on_load_uses_gguf_blocks_unless_the_group_size_differs(tmp_path):
     path = write_gguf_from_hf(make_hf_model("qwen2"), tmp_path / "m.gguf", arch="qwen2", qtype="Q4_1")
-    direct = gguf_quantized_linears(path, 4)["layers.0.feed_forward.w2"]
+    direct = gguf_quantized_linears(Checkpoint.open(path), 4)["layers.0.feed_forward.w2"]
     loaded = load(str(path), "cpu", "float32", quant="int4")
     w2 = loaded.model.layers[0].feed_forward.w2
     assert isinstance(w2, QuantLinear) and torch.equal(w2.quantized_weight().codes, direct.codes)
@@ -191,8 +192,9 @@ def test_quantizing_while_loading_equals_quantizing_the_loaded_model(fmt, quant,
         word_tokenizer(hf.config.vocab_size).save(path)
     else:
         path = write_gguf_from_hf(hf, tmp_path / "m.gguf", arch="qwen2", qtype="Q4_1")
-    whole = load_model(path)
-    quantize_loaded(path, whole, 8 if quant == "int8" else 4, group)
+    checkpoint = Checkpoint.open(path)
+    whole = load_model(checkpoint)
+    quantize_loaded(checkpoint, whole, 8 if quant == "int8" else 4, group)
     streamed = load(str(path), "cpu", "float32", quant=quant, group_size=group).model
     want, got = whole.state_dict(), streamed.state_dict()
     assert got.keys() == want.keys()
@@ -218,7 +220,7 @@ def test_blocks_are_read_one_at_a_time(monkeypatch, tmp_path):
         prepared.append(prefix)
 
     monkeypatch.setattr(TransformerBlock, "to_empty", counting_to_empty)
-    model = load_model(path, prepare_block=prepare)
+    model = load_model(Checkpoint.open(path), prepare_block=prepare)
     assert prepared == ["layers.0.", "layers.1."] and len(model.layers) == 2
 
 

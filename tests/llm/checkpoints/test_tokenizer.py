@@ -2,6 +2,7 @@
 
 import pytest
 
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.tokenizer import load_tokenizer
 
 TEXTS = [
@@ -20,7 +21,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizers_pair(smollm2_gguf, smollm2_hf):
-    return load_tokenizer(smollm2_gguf), smollm2_hf[1]
+    return load_tokenizer(Checkpoint.open(smollm2_gguf)), smollm2_hf[1]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -49,7 +50,7 @@ def test_hf_directory_tokenizer_matches(tokenizers_pair, tmp_path):
     _, ref = tokenizers_pair
     ref.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{}")  # marks the directory as a HF model directory
-    ours = load_tokenizer(tmp_path)
+    ours = load_tokenizer(Checkpoint.open(tmp_path))
     for text in TEXTS:
         assert ours.encode(text) == ref(text).input_ids
     assert ours.chat_template
@@ -142,4 +143,4 @@ def test_a_damaged_tokenizer_file_is_a_clear_error_naming_it(tmp_path, name):
     text = (tmp_path / name).read_text() if (tmp_path / name).is_file() else "{}"
     (tmp_path / name).write_text(text[: len(text) // 2])
     with pytest.raises(UserError, match=f"cannot read {tmp_path / name}"):
-        load_tokenizer(tmp_path)
+        load_tokenizer(Checkpoint.open(tmp_path))

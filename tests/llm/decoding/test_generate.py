@@ -192,13 +192,14 @@ def test_a_conversation_reuses_the_cache_of_its_earlier_turns(name, compile, tmp
     """With reuse_prefix (genfast chat), a prompt that continues the previous generation prefills
     only its new tokens, and one that diverges reuses the common prefix; the tokens equal a
     fresh generator's (fp32)."""
+    from genfast.llm.checkpoints.checkpoint import Checkpoint
     from genfast.llm.checkpoints.weights import load_model
 
     hf, model = tiny_genfast_model(name, tmp_path)
     tok = word_tokenizer(hf.config.vocab_size)
     chat = Generator(model, tok, max_seq_len=96, compile=compile)
     chat.reuse_prefix = True
-    fresh = Generator(load_model(tmp_path / f"{name}-0"), tok, max_seq_len=96, compile=False)
+    fresh = Generator(load_model(Checkpoint.open(tmp_path / f"{name}-0")), tok, max_seq_len=96, compile=False)
 
     def turn(prompt: list[int], cached: int) -> list[int]:
         got = chat.generate([prompt], 10, stop_at_eos=False)

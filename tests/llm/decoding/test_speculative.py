@@ -299,6 +299,7 @@ def test_cli_draft_flags_are_mutually_exclusive(capsys):
 
 def test_bench_names_speculative_rows_and_prompts(smollm2_gguf):
     from genfast.llm.bench import LlmLadder, benchmark_prompt, draft_of
+    from genfast.llm.checkpoints.checkpoint import Checkpoint
     from genfast.llm.checkpoints.tokenizer import load_tokenizer
 
     assert draft_of("spec-layers:24") == "layers:24" and draft_of("int4") is None
@@ -307,7 +308,7 @@ def test_bench_names_speculative_rows_and_prompts(smollm2_gguf):
     ladder = LlmLadder()
     assert ladder.steps("spec-int4,int4,baseline") == ["baseline", "int4", "spec-int4"]
     assert ladder.steps("speculative") == ["compile", "spec-int4", "spec-int8", "spec-layers:24", "spec-prompt-lookup"]
-    tok = load_tokenizer(smollm2_gguf)
+    tok = load_tokenizer(Checkpoint.open(smollm2_gguf))
     code = benchmark_prompt(tok, 128, "code")
     assert len(code) == 128 and tok.decode(code).startswith('__all__ = ["rgb_to_yiq"')
     assert tok.decode(benchmark_prompt(tok, 64, "chat")).rstrip().endswith("assistant")

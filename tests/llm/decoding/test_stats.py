@@ -47,5 +47,5 @@ def test_sliding_window_layers_read_at_most_their_ring(tmp_path):
     a = model.args
     per_layer_slot = 2 * a.n_kv_heads * a.head_dim * 4
     assert kv_bytes_read(model, 20) == 3 * 20 * per_layer_slot  # within the ring: every layer alike
-    ring = a.extra["sliding_window"] + WINDOW_SLACK
+    ring = a.family_args.sliding_window + WINDOW_SLACK
     assert kv_bytes_read(model, 100) == (100 + 2 * ring) * per_layer_slot

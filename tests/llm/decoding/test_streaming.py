@@ -2,6 +2,7 @@
 
 import pytest
 
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.tokenizer import load_tokenizer
 from genfast.llm.decoding.streaming import TextStream
 
@@ -10,7 +11,7 @@ TEXT = "Hello, wörld! 東京 🤖🤖 naïve\n\tdef f(x):\n    return x**2  # d
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_gguf):
-    return load_tokenizer(smollm2_gguf)
+    return load_tokenizer(Checkpoint.open(smollm2_gguf))
 
 
 def stream(tokenizer, ids, stops=()):

@@ -13,6 +13,7 @@ import torch
 
 from genfast import cli
 from genfast.errors import UserError
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.quantize import quantize_loaded
 from genfast.llm.checkpoints.tokenizer import load_tokenizer
 from genfast.llm.checkpoints.weights import load_model
@@ -76,7 +77,7 @@ def test_logits_from_safetensors_and_gguf_equal_transformers(family_model, tmp_p
             (directory, TINY_CONFIGS[name]["model_type"]),
             (write_gguf_from_hf(hf, tmp_path / f"{name}.gguf", arch=arch), arch),
         ):
-            model = load_model(source)
+            model = load_model(Checkpoint.open(source))
             assert families.family(model.args.family) is families.family(names)
             torch.testing.assert_close(model(tokens, torch.arange(23), all_logits=True), expected, atol=ATOL, rtol=0)
 
@@ -86,7 +87,7 @@ def test_greedy_text_through_the_cli_equals_transformers(family_model, capsys):
     prompt = _tokens(hf.config.vocab_size, 7, seed=1)[0].tolist()
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
                        pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()  # fmt: skip
-    tokenizer = load_tokenizer(directory)
+    tokenizer = load_tokenizer(Checkpoint.open(directory))
     text = " ".join(f"w{i}" for i in prompt)
     argv = ["generate", text, "--model", str(directory), "--dtype", "float32", "-n", "10", "--no-compile", "--quiet"]
     assert cli.main(argv) == 0
@@ -119,7 +120,7 @@ def compiled_family(family_model, tmp_path) -> tuple[str, object, Path]:
 
 def test_compiled_equals_eager_without_recompiling(compiled_family, fresh_dynamo):
     _, hf, directory = compiled_family
-    check_compiled_matches_eager(load_model(directory), word_tokenizer(hf.config.vocab_size))
+    check_compiled_matches_eager(load_model(Checkpoint.open(directory)), word_tokenizer(hf.config.vocab_size))
 
 
 def test_saved_compiled_steps_load_and_give_the_eager_tokens(compiled_family, fresh_dynamo):
@@ -147,9 +148,10 @@ def test_quantized_logits_stay_within_budget(family_model, quant):
     _, hf, directory = family_model
     tokens = _tokens(hf.config.vocab_size, 17, seed=2)
     with torch.no_grad():
-        reference = load_model(directory)(tokens, torch.arange(17), all_logits=True)
-        model = load_model(directory)
-        quantize_loaded(directory, model, 8 if quant == "int8" else 4, None)
+        checkpoint = Checkpoint.open(directory)
+        reference = load_model(checkpoint)(tokens, torch.arange(17), all_logits=True)
+        model = load_model(checkpoint)
+        quantize_loaded(checkpoint, model, 8 if quant == "int8" else 4, None)
         got = model(tokens, torch.arange(17), all_logits=True)
     error = float((got - reference).norm() / reference.norm())
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none")
@@ -184,7 +186,7 @@ def test_local_layers_keep_a_ring_of_their_window(name, tmp_path, fresh_dynamo):
     left-padded batch, speculative decoding (rejected drafts are written into the ring and must
     not evict keys still in the window) and compiled decoding (for one family) give the same tokens."""
     hf = make_hf_model(name)
-    model = load_model(save_hf_model(hf, tmp_path / name))
+    model = load_model(Checkpoint.open(save_hf_model(hf, tmp_path / name)))
     tok = word_tokenizer(hf.config.vocab_size)
     window = hf.config.sliding_window
     prompts = [_tokens(hf.config.vocab_size, n, seed=n)[0].tolist() for n in (50, 9)]

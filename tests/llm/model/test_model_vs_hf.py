@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.weights import load_model
 from genfast.llm.model.transformer import attention_mask
 from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model
@@ -13,7 +14,7 @@ ATOL = 1e-4
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_full_sequence_logits_match_transformers(name, tmp_path):
     hf = make_hf_model(name)
-    model = load_model(save_hf_model(hf, tmp_path / name))
+    model = load_model(Checkpoint.open(save_hf_model(hf, tmp_path / name)))
     tokens = torch.randint(0, hf.config.vocab_size, (2, 37))
     with torch.no_grad():
         expected = hf(tokens).logits
@@ -25,7 +26,7 @@ def test_full_sequence_logits_match_transformers(name, tmp_path):
 def test_cached_decode_matches_transformers(name, tmp_path):
     """Prefill then token-by-token decode through the static cache gives the same logits."""
     hf = make_hf_model(name)
-    model = load_model(save_hf_model(hf, tmp_path / name))
+    model = load_model(Checkpoint.open(save_hf_model(hf, tmp_path / name)))
     tokens = torch.randint(0, hf.config.vocab_size, (1, 24))
     with torch.no_grad():
         expected = hf(tokens).logits[0]
@@ -40,7 +41,7 @@ def test_cached_decode_matches_transformers(name, tmp_path):
 
 def test_left_padded_batch_matches_single_sequences(tmp_path):
     hf = make_hf_model("llama3")
-    model = load_model(save_hf_model(hf, tmp_path / "m"))
+    model = load_model(Checkpoint.open(save_hf_model(hf, tmp_path / "m")))
     short, long = torch.randint(0, 320, (1, 5)), torch.randint(0, 320, (1, 9))
     with torch.no_grad():
         want_short, want_long = hf(short).logits[0, -1], hf(long).logits[0, -1]
@@ -54,9 +55,9 @@ def test_left_padded_batch_matches_single_sequences(tmp_path):
 
 def test_sharded_checkpoint_loads_identically(tmp_path):
     hf = make_hf_model("smollm")
-    whole = load_model(save_hf_model(hf, tmp_path / "whole"))
+    whole = load_model(Checkpoint.open(save_hf_model(hf, tmp_path / "whole")))
     sharded_dir = save_hf_model(hf, tmp_path / "sharded", max_shard_size="50KB")
     assert (sharded_dir / "model.safetensors.index.json").exists()
-    sharded = load_model(sharded_dir)
+    sharded = load_model(Checkpoint.open(sharded_dir))
     for (n, a), (_, b) in zip(whole.state_dict().items(), sharded.state_dict().items()):
         assert torch.equal(a, b), n

@@ -12,6 +12,7 @@ import torch
 from genfast.cli import main
 from genfast.kernels.linear_few_rows.ops import unavailable_reason as few_rows_unavailable_reason
 from genfast.kernels.qlinear import ops as packing
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.quantize import quantize_loaded
 from genfast.llm.checkpoints.weights import gguf_quantized_linears, load_model
 from genfast.llm.decoding.drafters import LayerDrafter
@@ -87,7 +88,8 @@ def moe_dirs(tmp_path_factory) -> dict:
 
 
 def test_decode_bytes_count_only_the_active_experts(moe_dirs):
-    model = load_model(moe_dirs["qwen3_moe"])
+    checkpoint = Checkpoint.open(moe_dirs["qwen3_moe"])
+    model = load_model(checkpoint)
     a = model.args
     moe_layers = sum(a.is_moe_layer(i) for i in range(a.n_layers))
     experts = moe_layers * a.n_experts * 3 * a.dim * a.expert_intermediate_size * 4  # fp32 bytes, all experts
@@ -96,14 +98,14 @@ def test_decode_bytes_count_only_the_active_experts(moe_dirs):
     assert weight_bytes_per_step(model) == everything - experts + experts * a.n_active_experts // a.n_experts
     # A batch of 3 runs at most 9 of the 8 experts: all of them.
     assert weight_bytes_per_step(model, batch_size=3) == everything
-    quantize_loaded(moe_dirs["qwen3_moe"], model, 8, None)
+    quantize_loaded(checkpoint, model, 8, None)
     stacks = [m for m in model.modules() if isinstance(m, QuantExpertLinear)]
     stacked = sum(m.packed.nbytes if m.native else m.codes.nbytes + 2 * m.scales.nbytes for m in stacks)
     assert weight_bytes_per_step(model, 3) - weight_bytes_per_step(model) == stacked - stacked * 3 // 8
 
 
 def test_parameter_count_includes_every_expert(moe_dirs):
-    model = load_model(moe_dirs["mixtral"])
+    model = load_model(Checkpoint.open(moe_dirs["mixtral"]))
     assert model.args.n_params == sum(p.numel() for p in model.parameters())
     # Qwen3-30B-A3B's config.json; its model card says 30.5B parameters (29.9B without the
     # embedding and the head) and "3.3B activated": 3.35B, embedding and head included.
@@ -149,8 +151,9 @@ def test_gptq_quantizes_the_experts_round_to_nearest(moe_dirs, tmp_path, capsys)
 @pytest.mark.parametrize("qtype,bits", [("Q8_0", 8), ("Q4_0", 4)])
 def test_gguf_expert_blocks_load_without_requantization(moe_dirs, qtype, bits, tmp_path):
     path = write_gguf_from_hf(moe_dirs["mixtral-hf"], tmp_path / "m.gguf", arch="llama", qtype=qtype)
-    direct = gguf_quantized_linears(path, bits)
-    model = load_model(path)
+    checkpoint = Checkpoint.open(path)
+    direct = gguf_quantized_linears(checkpoint, bits)
+    model = load_model(checkpoint)
     for i in range(model.args.n_layers):
         for module in ("feed_forward.w13", "feed_forward.w2"):
             qw = direct[f"layers.{i}.{module}"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import Tensor, nn
 
@@ -12,6 +12,28 @@ from genfast.llm.model.layers import RMSNorm, TransformerBlock
 
 if TYPE_CHECKING:
     from genfast.llm.model.config import ModelArgs
+
+
+@dataclass(frozen=True)
+class FamilyArgs:
+    """Config values of a family's own, beyond the shared ModelArgs: a family that has any
+    subclasses this (a frozen dataclass, its fields JSON values or tuples of them), names the
+    subclass as its `args_type`, and its readers put an instance in ModelArgs.family_args."""
+
+
+A = TypeVar("A", bound=FamilyArgs)
+
+
+def family_args(args: ModelArgs, kind: type[A]) -> A:
+    """`args.family_args` as the family's own type; a model built from another family's args is a bug."""
+    own = args.family_args
+    if not isinstance(own, kind):
+        raise TypeError(f"a {args.family} model needs {kind.__name__} in ModelArgs.family_args, got {own!r}")
+    return own
+
+
+def _unchanged(args: ModelArgs, x: Tensor) -> Tensor:
+    return x
 
 
 @dataclass(frozen=True)
@@ -41,6 +63,13 @@ class Family:
     # A config's `sliding_window` applies to every layer unless it says `use_sliding_window: false`
     # (Mistral, Phi-3); otherwise only when it says true, and then to some layers (Qwen2/3).
     sliding_window_by_default: bool = False
+    # The type of ModelArgs.family_args for this family (None: it has no values of its own); a
+    # saved config's family_args are read back into it.
+    args_type: type[FamilyArgs] | None = None
+    # The shared model's hooks, given the model's args: the embeddings before the first block, and
+    # the fp32 logits after the output head (as the model returns them).
+    scale_embeddings: Callable[[ModelArgs, Tensor], Tensor] = _unchanged
+    final_logits: Callable[[ModelArgs, Tensor], Tensor] = _unchanged
 
 
 # Per-head q/k norm weights (Qwen3, Gemma 3): genfast's names -> the checkpoints' (HF, GGUF).

@@ -5,14 +5,15 @@ global layers take the config's rope (1,000,000, linear scaling in the larger mo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from genfast.llm.model.families import gemma2
-from genfast.llm.model.families.base import QK_NORM_GGUF_TENSORS, QK_NORM_HF_TENSORS, Family
-from genfast.llm.model.families.gemma2 import GemmaAttention, GemmaBlock, GemmaRMSNorm
+from genfast.llm.model.families.base import QK_NORM_GGUF_TENSORS, QK_NORM_HF_TENSORS, Family, family_args
+from genfast.llm.model.families.gemma2 import GemmaArgs, GemmaAttention, GemmaBlock, GemmaRMSNorm
 
 if TYPE_CHECKING:
     from genfast.llm.model.config import ModelArgs
@@ -21,12 +22,17 @@ LOCAL_ROPE_THETA = 10000.0  # what llama.cpp assumes for GGUF files, which do no
 PATTERN = 6  # every sixth layer global
 
 
+@dataclass(frozen=True)
+class Gemma3Args(GemmaArgs):
+    local_rope_theta: float = LOCAL_ROPE_THETA  # the local layers' rotary base frequency
+
+
 class Gemma3Attention(GemmaAttention):
     def __init__(self, args: ModelArgs, local: bool) -> None:
         super().__init__(args, local)
         self.q_norm = GemmaRMSNorm(args.head_dim, args.norm_eps)
         self.k_norm = GemmaRMSNorm(args.head_dim, args.norm_eps)
-        self.local_theta = float(args.extra.get("local_rope_theta", LOCAL_ROPE_THETA)) if local else None
+        self.local_theta = float(family_args(args, Gemma3Args).local_rope_theta) if local else None
         if local:
             self.register_buffer("local_inv_freq", torch.empty(args.rotary_dim // 2), persistent=False)
             self.reset_rope()
@@ -53,26 +59,24 @@ class Gemma3Attention(GemmaAttention):
 
 
 def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    fields = gemma2.hf_fields(cfg, every=cfg.get("sliding_window_pattern", PATTERN))
     local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
-    fields["extra"]["local_rope_theta"] = float(
-        cfg.get("rope_local_base_freq") or local.get("rope_theta", LOCAL_ROPE_THETA)
-    )
-    return fields
+    theta = float(cfg.get("rope_local_base_freq") or local.get("rope_theta", LOCAL_ROPE_THETA))
+    every = cfg.get("sliding_window_pattern", PATTERN)
+    return gemma2.hf_fields(cfg, every=every, kind=Gemma3Args, local_rope_theta=theta)
 
 
 def gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
-    """As llama.cpp reads Gemma 3: queries scale by head_dim except in the 62-layer 27B (dim / heads)."""
-    fields = gemma2.gguf_fields(meta, arch, every=PATTERN)
+    """As llama.cpp reads Gemma 3: queries scale by head_dim except in the 62-layer 27B (dim / heads).
+    GGUF files store no local rope base: the default (LOCAL_ROPE_THETA), as llama.cpp assumes."""
+    own = {}
     if int(meta[f"{arch}.block_count"]) == 62:
-        fields["extra"]["query_pre_attn_scalar"] = int(meta[f"{arch}.embedding_length"]) // int(
-            meta[f"{arch}.attention.head_count"]
-        )
-    return fields
+        dim, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
+        own["query_pre_attn_scalar"] = dim // heads
+    return gemma2.gguf_fields(meta, arch, every=PATTERN, kind=Gemma3Args, **own)
 
 
 def block(args: ModelArgs, i: int) -> GemmaBlock:
-    return GemmaBlock(args, Gemma3Attention(args, local=i in args.extra["sliding_layers"]))
+    return GemmaBlock(args, Gemma3Attention(args, local=i in family_args(args, Gemma3Args).sliding_layers))
 
 
 FAMILY = Family(
@@ -86,4 +90,7 @@ FAMILY = Family(
     gguf_layer_tensors={**gemma2.GEMMA_LAYER_TENSORS_GGUF, **QK_NORM_GGUF_TENSORS},
     gguf_fields=gguf_fields,
     gguf_tensor=gemma2.from_gguf_norm,
+    args_type=Gemma3Args,
+    scale_embeddings=gemma2.scale_embeddings,
+    final_logits=gemma2.cap_final_logits,
 )
