@@ -111,7 +111,7 @@ def load(
         transformer.cache_dtype = weight_dt
     if dev.type == "cpu":
         move_to_hugepages(transformer)  # decode streams the weights: 2 MB pages read them faster
-        from genfast.llm.model.decode_attention import build_for
+        from genfast.kernels.decode_attention.ops import build_for
 
         build_for(transformer.args.head_dim)
     return LoadedModel(

@@ -266,7 +266,8 @@ def release_openmp_workers() -> None:
     The engine computes on its own thread, whose parallel regions get an OpenMP team of their
     own. If the thread that loaded the model keeps its team too, libgomp sees more threads than
     cores and cuts its workers' spin-waits short, so they sleep and wake for each of a step's
-    hundreds of parallel regions, which halves decode speed on a 2-core CPU. The caller's team is recreated if it computes again. A runtime without the call does nothing."""
+    hundreds of parallel regions, which halves decode speed on a 2-core CPU. The caller's team
+    is recreated if it computes again. A runtime without the call does nothing."""
     if torch.get_num_threads() <= 1:
         return
     try:

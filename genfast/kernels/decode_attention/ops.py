@@ -35,6 +35,14 @@ def takes_head_dim(head_dim: int) -> bool:
     return head_dim % HEAD_DIM_MULTIPLE == 0
 
 
+def build_for(head_dim: int) -> None:
+    """Build the kernel now (its first use on this machine) where a model with heads of `head_dim`
+    will call it: a model's load does this, so that the build does not land between the first
+    streamed words."""
+    if takes_head_dim(head_dim):
+        kernel_available()
+
+
 def applies(q: Tensor, keys: Tensor, mask: Tensor) -> bool:
     """Whether the kernel takes this call: one query per sequence on a CPU with a variant, fp32 or
     bf16 (q and the cache each), the head size a multiple of 16, a boolean mask of one row."""

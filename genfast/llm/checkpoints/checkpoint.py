@@ -22,6 +22,7 @@ from genfast.errors import UserError
 from genfast.llm.checkpoints import random_model
 from genfast.llm.checkpoints.gguf_file import GGUFFile, is_gguf, open_gguf
 from genfast.llm.model.config import ModelArgs, RopeScaling, longrope_attention_factor
+from genfast.llm.model.reading import args_from_dict, args_from_gguf_metadata, args_from_hf_config
 
 if TYPE_CHECKING:
     from genfast.quant.checkpoint import QuantizedCheckpoint
@@ -103,13 +104,13 @@ class Checkpoint:
     def args(self) -> ModelArgs:
         """The model's architecture, read without its weights."""
         if self.format == "hf":
-            return ModelArgs.from_hf_config(self.hf_config)
+            return args_from_hf_config(self.hf_config)
         if self.format == "random":
             return random_model.random_args(self.path)
         if self.format == "gguf":
             return _gguf_args(self.gguf)
         try:
-            return ModelArgs.from_dict(json.loads(self.quantized.metadata["model_args"]))
+            return args_from_dict(json.loads(self.quantized.metadata["model_args"]))
         except (KeyError, json.JSONDecodeError) as e:
             raise UserError(f"{self.quantized.path}: header has no valid model_args: {e}") from e
 
@@ -131,7 +132,7 @@ def read_json(path: Path) -> dict:
 
 def _gguf_args(gguf: GGUFFile) -> ModelArgs:
     """A GGUF file's config: its metadata, and the rope scaling that some files store as tensors."""
-    args = ModelArgs.from_gguf_metadata(gguf.metadata, gguf.tensor_names)
+    args = args_from_gguf_metadata(gguf.metadata, gguf.tensor_names)
     if "rope_freqs.weight" in gguf.tensor_names:
         divisors = tuple(gguf.tensor("rope_freqs.weight").tolist())
         args = ModelArgs(**{**args.__dict__, "rope_freq_divisors": divisors})

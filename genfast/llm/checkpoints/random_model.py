@@ -18,6 +18,7 @@ import torch
 
 from genfast.errors import UserError
 from genfast.llm.model.config import ModelArgs
+from genfast.llm.model.reading import args_from_hf_config
 
 PREFIX = "random:"
 _LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5)
@@ -73,7 +74,7 @@ def shape_name(path: Path | str) -> str:
 
 
 def random_args(path: Path | str) -> ModelArgs:
-    return ModelArgs.from_hf_config(SHAPES[shape_name(path)])
+    return args_from_hf_config(SHAPES[shape_name(path)])
 
 
 def decode_step_shapes(name: str) -> list[tuple[int, int]]:

@@ -6,15 +6,14 @@ that finds none decodes eagerly and has a background process compile and save th
 thread at the lowest CPU priority (`lower_priority`): when the command ends (`generate`: its
 eager run keeps the whole CPU), or at once (`chat`, which switches to the steps between turns
 when they appear). Loading them in a thread while decoding eagerly was measured and dropped: on
-two cores the two fought over the CPU and the GIL, and eager decoding fell from 32 to 4-11 tok/s
-while they loaded. Benchmarks and tests call `wait()`, which compiles here and now when nothing
+two cores the two fight over the CPU and the GIL, and eager decoding slows several times while
+they load. Benchmarks and tests call `wait()`, which compiles here and now when nothing
 is saved.
 
 The steps take the model as an argument: its weights are inputs of the compiled code, not
 constants in it, so the artifacts depend on the architecture, dtypes, quantization scheme, batch
 size, KV-cache length and sampling settings (the key), not on the weights: every model of one
-shape shares them. Inductor's `freezing` (weights as constants) is therefore off here; measured
-in docs/performance.md.
+shape shares them. Inductor's `freezing` (weights as constants) is therefore off here.
 
 Eager and compiled steps compute the same function (within rounding), so switching mid-generation
 changes no greedy token in fp32. A one-token prompt (a one-slot mask, which the compiled code
@@ -140,8 +139,8 @@ class PrecompiledSteps:
         (a one-shot command: its own eager run keeps the whole CPU, `finish()` starts the compile
         once the run has succeeded, and the next run finds the steps) or "never".
         defer (a one-shot command): saved steps are not loaded now; the prompt is prefilled
-        eagerly (as fast as the compiled prefill: 600-650 tok/s either way for a 501-token
-        prompt, bf16, 2-core Xeon) and only the decode step is loaded, by `poll()` after the
+        eagerly (as fast as the compiled prefill for a prompt of hundreds of tokens) and only
+        the decode step is loaded, by `poll()` after the
         first token (loading takes ~1 s, mostly importing inductor's runtime)."""
         if self.artifacts.complete(self.steps.names):
             if defer:
@@ -290,7 +289,7 @@ class PrecompiledSteps:
             print(f"genfast: {self._cannot_save(exc)}", file=sys.stderr)
             return None
         # One thread that sleeps when idle: a spinning OpenMP team beside an eager run on the same
-        # cores cut its decode from 32 to 2 tok/s (2-core Xeon).
+        # cores slows its decode by an order of magnitude.
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
         worker = subprocess.Popen(
             [sys.executable, "-m", "genfast.llm.decoding.precompiled", spec_path],
@@ -309,9 +308,8 @@ def lower_priority(pid: int) -> None:
     Its nice value alone is not that where the kernel groups processes per session (autogroup:
     Linux's default on most desktops and servers): CPU time is shared between sessions first,
     each session's group at its own nice value, 0 unless set. A nice-19 CPU hog in a session of
-    its own cut an eager decode beside it from 26 to 0.8 tok/s (its two OpenMP threads wait for
-    the slower one), 29.8 with the group's nice at 19 too (2-core Zen 4; docs/performance.md,
-    "Start-up")."""
+    its own slows an eager decode beside it by an order of magnitude (its OpenMP threads wait for
+    the slowest one); with the group's nice at 19 too, the decode runs at full speed."""
     try:
         os.setpriority(os.PRIO_PROCESS, pid, 19)
     except ProcessLookupError:  # it has ended already

@@ -11,9 +11,10 @@ import torch
 
 from genfast.errors import UserError
 from genfast.llm.model import families
-from genfast.llm.model.config import LEGACY_EXTRA, ModelArgs
+from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.families.gemma2 import GemmaArgs
 from genfast.llm.model.families.gemma3 import Gemma3Args
+from genfast.llm.model.reading import LEGACY_EXTRA, args_from_dict, args_from_hf_config
 from tests.llm.hf_fixtures import TINY_CONFIGS
 
 
@@ -23,66 +24,66 @@ def _saved(args: ModelArgs) -> dict:
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_saved_config_reads_back_equal(name):
-    args = ModelArgs.from_hf_config(TINY_CONFIGS[name])
-    again = ModelArgs.from_dict(_saved(args))
+    args = args_from_hf_config(TINY_CONFIGS[name])
+    again = args_from_dict(_saved(args))
     assert again == args and hash(again) == hash(args)
     kind = families.family(args.family).args_type
     assert again.family_args is None if kind is None else type(again.family_args) is kind
 
 
 def test_gemma_values_are_typed():
-    gemma2 = ModelArgs.from_hf_config(TINY_CONFIGS["gemma2"])
+    gemma2 = args_from_hf_config(TINY_CONFIGS["gemma2"])
     assert gemma2.family_args == GemmaArgs(
         query_pre_attn_scalar=16, sliding_window=6, sliding_layers=(0, 2), attn_logit_softcap=5.0,
         final_logit_softcap=3.0,
     )  # fmt: skip
-    gemma3 = ModelArgs.from_hf_config(TINY_CONFIGS["gemma3"])
+    gemma3 = args_from_hf_config(TINY_CONFIGS["gemma3"])
     assert isinstance(gemma3.family_args, Gemma3Args)
     assert gemma3.family_args.sliding_layers == (0, 1, 2, 3, 4) and gemma3.family_args.local_rope_theta == 10000.0
-    assert ModelArgs.from_hf_config(TINY_CONFIGS["llama3"]).family_args is None
+    assert args_from_hf_config(TINY_CONFIGS["llama3"]).family_args is None
 
 
 def test_family_values_are_part_of_equality():
     """Two Gemmas that differ only in a soft-cap are different models (compiled steps key on args)."""
     cfg = TINY_CONFIGS["gemma2"]
-    assert ModelArgs.from_hf_config(cfg) != ModelArgs.from_hf_config({**cfg, "final_logit_softcapping": 30.0})
+    assert args_from_hf_config(cfg) != args_from_hf_config({**cfg, "final_logit_softcapping": 30.0})
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_config_saved_with_the_untyped_extra_dict_still_loads(name):
-    args = ModelArgs.from_hf_config(TINY_CONFIGS[name])
+    args = args_from_hf_config(TINY_CONFIGS[name])
     legacy = _saved(args)
     own = legacy.pop("family_args")
     if name == "gemma3":
         del own["local_rope_theta"]  # GGUF-read configs left it out: the default applied
     legacy[LEGACY_EXTRA] = {**own, "embedding_scale": args.dim**0.5}
-    assert ModelArgs.from_dict(legacy) == args
-    plain = _saved(ModelArgs.from_hf_config(TINY_CONFIGS["llama3"]))
+    assert args_from_dict(legacy) == args
+    plain = _saved(args_from_hf_config(TINY_CONFIGS["llama3"]))
     del plain["family_args"]
-    assert ModelArgs.from_dict({**plain, LEGACY_EXTRA: {}}) == ModelArgs.from_dict(plain)
+    assert args_from_dict({**plain, LEGACY_EXTRA: {}}) == args_from_dict(plain)
 
 
 def test_family_args_that_do_not_fit_the_family_are_refused():
-    llama = _saved(ModelArgs.from_hf_config(TINY_CONFIGS["llama3"]))
+    llama = _saved(args_from_hf_config(TINY_CONFIGS["llama3"]))
     with pytest.raises(UserError, match="takes none"):
-        ModelArgs.from_dict({**llama, "family_args": {"sliding_window": 4}})
-    gemma = _saved(ModelArgs.from_hf_config(TINY_CONFIGS["gemma2"]))
+        args_from_dict({**llama, "family_args": {"sliding_window": 4}})
+    gemma = _saved(args_from_hf_config(TINY_CONFIGS["gemma2"]))
     with pytest.raises(UserError, match="lacks its family_args"):
-        ModelArgs.from_dict({**gemma, "family_args": None})
+        args_from_dict({**gemma, "family_args": None})
     with pytest.raises(UserError, match="incomplete"):
-        ModelArgs.from_dict({**gemma, "family_args": {"sliding_window": 4}})
+        args_from_dict({**gemma, "family_args": {"sliding_window": 4}})
 
 
 def test_hooks_are_the_identity_unless_a_family_sets_them():
     x = torch.randn(2, 3, 64)
-    llama = ModelArgs.from_hf_config(TINY_CONFIGS["llama3"])
+    llama = args_from_hf_config(TINY_CONFIGS["llama3"])
     family = families.family(llama.family)
     assert family.scale_embeddings(llama, x) is x and family.final_logits(llama, x) is x
-    gemma2 = ModelArgs.from_hf_config(TINY_CONFIGS["gemma2"])
+    gemma2 = args_from_hf_config(TINY_CONFIGS["gemma2"])
     family = families.family(gemma2.family)
     torch.testing.assert_close(family.scale_embeddings(gemma2, x), x * 8.0)
     torch.testing.assert_close(family.final_logits(gemma2, x), torch.tanh(x / 3.0) * 3.0)
-    gemma3 = ModelArgs.from_hf_config(TINY_CONFIGS["gemma3"])  # no final soft-cap
+    gemma3 = args_from_hf_config(TINY_CONFIGS["gemma3"])  # no final soft-cap
     assert families.family(gemma3.family).final_logits(gemma3, x) is x
 
 

@@ -24,8 +24,8 @@ from genfast.llm.decoding.sampling import SamplingParams
 from genfast.llm.decoding.speculative import MAX_K, SpeculativeGenerator
 from genfast.llm.loading import load
 from genfast.llm.model import families
-from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.layers import WINDOW_SLACK, WindowKVCache
+from genfast.llm.model.reading import args_from_hf_config
 from tests.llm.decoding.test_generate import check_compiled_matches_eager
 from tests.llm.gguf_fixtures import write_gguf_from_hf
 from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, word_tokenizer
@@ -165,7 +165,7 @@ def test_every_family_is_registered_under_the_names_checkpoints_use():
     assert {arch for _, arch in FAMILIES} <= set(families.gguf_architectures())
     assert families.family("mistral") is families.family("llama")
     with pytest.raises(UserError, match="unsupported architecture 'gpt_neox'"):
-        ModelArgs.from_hf_config({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]})
+        args_from_hf_config({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]})
 
 
 def greedy_per_transformers(hf, prompt: list[int], generated: list[int]) -> bool:

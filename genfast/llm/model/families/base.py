@@ -8,17 +8,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import Tensor, nn
 
+from genfast.llm.model.config import FamilyArgs
 from genfast.llm.model.layers import RMSNorm, TransformerBlock
 
 if TYPE_CHECKING:
     from genfast.llm.model.config import ModelArgs
-
-
-@dataclass(frozen=True)
-class FamilyArgs:
-    """Config values of a family's own, beyond the shared ModelArgs: a family that has any
-    subclasses this (a frozen dataclass, its fields JSON values or tuples of them), names the
-    subclass as its `args_type`, and its readers put an instance in ModelArgs.family_args."""
 
 
 A = TypeVar("A", bound=FamilyArgs)

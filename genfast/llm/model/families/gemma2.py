@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genfast.llm.model.families.base import Family, FamilyArgs, family_args
+from genfast.llm.model.config import FamilyArgs
+from genfast.llm.model.families.base import Family, family_args
 from genfast.llm.model.layers import Attention, FeedForward
 
 if TYPE_CHECKING:
