@@ -80,7 +80,7 @@ def prefill(counts: list[int], shapes: list[tuple[int, int]]) -> None:
     as `--dtype auto` runs a prefill on a CPU without native bf16: the widening GEMM against the
     weight upcast for aten's GEMM (the path before it) and aten on a weight kept in fp32. Median
     of 7 calls per matrix, GFLOP/s over the four."""
-    reason = widening_kernel.unavailable_reason()
+    reason = widening_kernel.KERNEL.unavailable_reason()
     if reason:
         raise SystemExit(f"the widening GEMM cannot run here: {reason}")
     torch.manual_seed(0)

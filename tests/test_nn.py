@@ -14,7 +14,8 @@ needs_few_rows_kernel = pytest.mark.skipif(
     few_rows.unavailable_reason() is not None, reason=f"few-row kernel: {few_rows.unavailable_reason()}"
 )
 needs_widening_gemm = pytest.mark.skipif(
-    widening_gemm.unavailable_reason() is not None, reason=f"widening GEMM: {widening_gemm.unavailable_reason()}"
+    widening_gemm.KERNEL.unavailable_reason() is not None,
+    reason=f"widening GEMM: {widening_gemm.KERNEL.unavailable_reason()}",
 )
 
 

@@ -24,14 +24,9 @@ def _linear_widening_gemm_fake(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def unavailable_reason() -> str | None:
-    """Why the bf16-weight GEMM cannot run here, or None when it is loaded."""
-    return KERNEL.unavailable_reason()
-
-
 @torch.compiler.assume_constant_result  # run (and build the kernel) while tracing, not traced
 def kernel_available() -> bool:
-    return unavailable_reason() is None
+    return KERNEL.unavailable_reason() is None
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:
