@@ -130,7 +130,9 @@ class LlmLadder(Ladder):
         )
 
     def model(self, options: Options) -> str:
-        return options["model"]
+        from genfast.storage.paths import model_label
+
+        return model_label(options["model"])
 
     def footnote(self, options: Options, rows: list[dict[str, Any]]) -> str:
         from genfast.platform import hugepages

@@ -29,6 +29,14 @@ def model_cache_dir(name: str) -> Path:
     return models_dir() / name.replace("/", "--")
 
 
+def model_label(model: str) -> str:
+    """How a model is named in reports: a cached model by its cache name, anything else as given."""
+    try:
+        return Path(model).resolve().relative_to(models_dir().resolve()).as_posix()
+    except ValueError:
+        return model
+
+
 def kernels_dir() -> Path:
     """Where the native kernels are built (GENFAST_KERNEL_DIR moves them)."""
     return Path(os.environ.get("GENFAST_KERNEL_DIR") or genfast_home() / "kernels")
