@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from genfast.platform import hardware
+from genfast.storage.paths import kernels_dir
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +117,6 @@ class Kernel:
 _LOADED: dict[str, str] = {}  # the kernels whose library this process has loaded: name -> its variant's ISA
 
 
-def kernel_dir() -> Path:
-    from genfast.storage.paths import kernels_dir
-
-    return kernels_dir()
-
-
 def build_name(kernel: Kernel, variant: Variant) -> str:
     """The build's folder and library name: the kernel, its ISA and a digest of its source and
     headers, of torch's version and of the compiler flags, so that any change builds anew. Raises
@@ -152,14 +147,14 @@ def _build(kernel: Kernel, variant: Variant) -> str | None:
     except OSError as exc:  # an install that did not ship the source
         log.warning("genfast: native %s unavailable (%s); using the PyTorch path", what, exc)
         return f"its source is missing: {exc}"
-    build_dir = kernel_dir() / full_name
+    build_dir = kernels_dir() / full_name
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         # One process builds, the others wait and load its library: tensor-parallel ranks start
         # together and would otherwise both compile into one directory.
-        lock = open(kernel_dir() / f"{full_name}.lock", "w")  # noqa: SIM115 (closed by the with below)
+        lock = open(kernels_dir() / f"{full_name}.lock", "w")  # noqa: SIM115 (closed by the with below)
     except OSError as exc:  # e.g. a read-only home
-        why = f"cannot write {kernel_dir()} ({exc.strerror or exc}); GENFAST_KERNEL_DIR names another folder"
+        why = f"cannot write {kernels_dir()} ({exc.strerror or exc}); GENFAST_KERNEL_DIR names another folder"
         log.warning("genfast: native %s unavailable: %s; using the PyTorch path", what, why)
         return why
     with lock:
