@@ -17,6 +17,26 @@ BUSY_LOOP = [sys.executable, "-c", "while True: pass"]
 needs_proc = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="samples /proc (Linux)")
 
 
+def background_busy_cores(seconds: float = 0.5) -> float:
+    """The cores other programs keep busy at normal priority now (genfast.platform.threads.OtherWork;
+    0 where /proc says nothing): what a test's own busy loops come on top of, since a user's machine
+    is never quiet."""
+    from genfast.platform.threads import OtherWork
+
+    sample = OtherWork()
+    time.sleep(seconds)
+    return sample.busy_cores() or 0.0
+
+
+def skip_if_busy_beside(most: float = 0.4) -> None:
+    """Skip a test of what genfast does beside the test's own busy loops when other programs keep
+    `most` CPUs or more busy already: genfast rightly computes beside those too, so the loops'
+    effect cannot be told apart."""
+    busy = background_busy_cores()
+    if busy >= most:
+        pytest.skip(f"other programs keep {busy:.1f} CPUs busy: the test's own busy loops cannot be told apart")
+
+
 @contextmanager
 def busy_loop(nice: int = 0, count: int = 1) -> Iterator[None]:
     """`count` processes spinning on a core each, in sessions of their own, niced as a whole with

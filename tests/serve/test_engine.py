@@ -16,7 +16,7 @@ from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.sampling import SamplingParams
 from genfast.serve import engine as engine_module
 from genfast.serve.engine import Delta, Engine, EngineStopped, Finished, GenerationRequest
-from tests.busy import busy_loop, needs_proc, threads_restored
+from tests.busy import busy_loop, needs_proc, skip_if_busy_beside, threads_restored
 from tests.serve.conftest import load_tiny, wait_until
 
 PROMPTS = [[5, 17, 3], [9] * 12, [200, 1, 33, 7, 7, 7, 2], [44, 45], [300, 2, 8, 1, 9], [12, 13, 14, 15, 16, 17]]
@@ -475,6 +475,7 @@ def test_the_scheduler_follows_other_work_that_starts_and_stops(tiny_dir, monkey
     measured; it comes back once they stop. The tokens stay the same."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(engine_module, "FOLLOW_OTHER_WORK_S", 0.5)
+    skip_if_busy_beside()
     request = GenerationRequest(tuple(PROMPTS[0]), 8)
     messages: list[str] = []
     with threads_restored():
