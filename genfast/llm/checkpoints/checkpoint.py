@@ -124,9 +124,10 @@ def resolve_checkpoint(spec: str | None) -> Checkpoint:
 
 
 def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file; one that cannot be read or parsed is a UserError that names it."""
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, or text that is not UTF-8
         raise UserError(f"cannot read {path}: {e}") from e
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genfast.errors import UserError
+from genfast.llm.checkpoints.checkpoint import read_json
 
 if TYPE_CHECKING:
     from genfast.llm.checkpoints.checkpoint import Checkpoint
@@ -299,12 +300,7 @@ def _end_of_turn_ids(backend: Any) -> set[int]:
 
 
 def _json_or_empty(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read {path}: {exc}") from exc
+    return read_json(path) if path.is_file() else {}
 
 
 def _as_set(value: Any) -> set[int]:
