@@ -1,4 +1,4 @@
-// One-query attention over a KV cache (decode_attention.h) with 8-lane AVX2 + FMA vectors.
+// Attention over a KV cache (decode_attention.h) with 8-lane AVX2 + FMA vectors.
 
 #include <torch/library.h>
 
@@ -19,7 +19,12 @@ struct Avx2 {
   static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
   static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
   static float hsum(Vec x) { return genfast_avx2::hsum(x); }
+  static Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+  static float hmax(Vec x) { return genfast_avx2::hmax(x); }
   static Vec exp_nonpositive(Vec x) { return genfast_avx2::exp_nonpositive(x); }
+  static Vec zero_where_neginf(Vec e, Vec s) {
+    return _mm256_and_ps(_mm256_cmp_ps(s, _mm256_set1_ps(-__builtin_inff()), _CMP_NEQ_OQ), e);
+  }
 };
 
 }  // namespace

@@ -1,4 +1,4 @@
-// One-query attention over a KV cache (decode_attention.h) with 16-lane AVX-512 vectors.
+// Attention over a KV cache (decode_attention.h) with 16-lane AVX-512 vectors.
 
 #include <torch/library.h>
 
@@ -19,7 +19,12 @@ struct Avx512 {
   static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
   static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
   static float hsum(Vec x) { return _mm512_reduce_add_ps(x); }
+  static Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+  static float hmax(Vec x) { return _mm512_reduce_max_ps(x); }
   static Vec exp_nonpositive(Vec x) { return genfast_avx512::exp_nonpositive(x); }
+  static Vec zero_where_neginf(Vec e, Vec s) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, _mm512_set1_ps(-__builtin_inff()), _CMP_NEQ_OQ), e);
+  }
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
-// Attention of one query per sequence over a KV cache (LLM decode), in fp32, as
+// Attention of queries over a KV cache (LLM decode, and prefill or speculative verification:
+// several queries per sequence), in fp32, as
 //
-//   out[b, h] = sum_j softmax_j(scale * q[b, h] . k[b, h / G, j] masked by mask[b, j]) v[b, h / G, j]
+//   out[b, h, s] = sum_j softmax_j(scale * q[b, h, s] . k[b, h / G, j] masked by mask[b, s, j]) v[b, h / G, j]
 //
 // with G = heads / kv_heads query heads sharing each KV head (grouped-query attention, no KV
 // repeat). The host side every variant (<isa>.cpp in this folder) shares; a variant is a struct V
@@ -8,19 +9,34 @@
 //
 //   using Vec; static constexpr int W;
 //   zero(), set1(float), load(const float*), load(const c10::BFloat16*), store(float*, Vec),
-//   fmadd(a, b, c) = a * b + c, sub(a, b), add(a, b), hsum(Vec), exp_nonpositive(Vec)
+//   fmadd(a, b, c) = a * b + c, sub(a, b), add(a, b), max(a, b), hsum(Vec), hmax(Vec),
+//   exp_nonpositive(Vec), zero_where_neginf(e, s) = e where s > -inf, else 0
 //
 // Why not inductor's loops or SDPA: compiled, the multiply-sums over the cache (ops.portable) run
 // one parallel loop over the KV heads (a model has few of them: threads go idle), a horizontal sum
 // per key and the softmax on one thread, and stream the cache well below the memory's rate; SDPA's
 // flash kernel is tiled for long queries. Here the keys are split into chunks as well as heads
 // ("split-K", as flash-decoding does), so every thread streams its own part of the cache once:
-//   per task (sequence, KV head, chunk of keys): the G scaled queries stay in L1; each key row is
-//   loaded once and dotted with all G queries; a local softmax (max m, sum l of exp(s - m)) and
-//   the unnormalized sum of p v, reading each value row once for all G queries;
-//   then per head the chunks combine: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c.
-// Masked keys are skipped (a sliding window or left padding costs nothing). A head whose keys are
+//   per chunk (sequence, query position, KV head, chunk of keys): the G scaled queries stay in L1;
+//   each key row is loaded once and dotted with all G queries; a local softmax (max m, sum l of
+//   exp(s - m)) and the unnormalized sum o of p v, reading each value row once for all G queries;
+//   then per query the chunks combine: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c.
+// Masked keys are skipped (a sliding window or left padding costs nothing). A query whose keys are
 // all masked gives zeros (SDPA would give NaN).
+//
+// Invariance: a query's output is a function of its vector, its mask row and the keys and values
+// that row admits, bit for bit: not of the key count, the batch, the other queries of the call or
+// the thread count. A serving engine needs this for deterministic greedy decoding: a prompt must
+// give the same logits prefilled whole, in chunks or from a prefix cache, and decoded alone or
+// beside other sequences. Hence:
+//   - chunks are kChunk keys aligned at key 0, never sized from the thread or key count;
+//   - a chunk's sums always run over its full width: keys past the end and masked keys count
+//     exactly 0 (not exp(-87)), so where the key count ends never moves a key between lanes;
+//   - the chunks combine in chunk order, skipping those with no visible key;
+//   - per-query arithmetic does not depend on how the queries are grouped in registers, and the
+//     chunk and combine steps are one compiled function each (noinline), whichever scheme calls.
+// Which scheme runs (split-K with partials for every chunk, or a task per query row with a
+// buffer of its own) depends on the sizes; the results do not.
 
 #pragma once
 
@@ -29,8 +45,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -105,21 +123,28 @@ inline void value_columns(const float* p, int64_t n, const T* v, int64_t v_strid
   }
 }
 
-// One task: keys [j0, j1) of one KV head for its G queries q (G x d, fp32, already scaled).
-// s: G x n scratch (n = j1 - j0); writes o (G x d, unnormalized), m and l (G each).
+// The keys of one chunk: a multiple of 16 (both variants' lane counts), so that its softmax sums
+// fill whole vectors. Longer chunks leave fewer partials to write and combine (64 cost a long
+// decode ~10%), shorter ones more tasks for a short cache and less work past a causal edge.
+constexpr int64_t kChunk = 128;
+
+// One chunk: keys [j0, j0 + kChunk) of one KV head for its G queries q (G x d, fp32, already
+// scaled), of which [j0, j1) exist (j1 <= j0 + kChunk; the rest count as masked). Rows up to
+// prefetch_end are fetched ahead. s: G x kChunk scratch; writes o (G x d, unnormalized), m and l
+// (G each). The chunk must have a visible key.
 template <class V, typename T>
-void attend_chunk(const float* q, int64_t groups, int64_t d, const T* k, int64_t k_stride, const T* v,
-                  int64_t v_stride, const bool* mask, int64_t j0, int64_t j1, float* s, float* o, float* m,
-                  float* l) {
-  const int64_t n = j1 - j0;
-  for (int64_t j = j0; j < j1; ++j) {
+__attribute__((noinline)) void attend_chunk(const float* q, int64_t groups, int64_t d, const T* k, int64_t k_stride,
+                                            const T* v, int64_t v_stride, const bool* mask, int64_t j0, int64_t j1,
+                                            int64_t prefetch_end, float* s, float* o, float* m, float* l) {
+  constexpr int64_t n = kChunk;
+  for (int64_t j = j0; j < j0 + n; ++j) {
     float* col = s + (j - j0);
-    if (!mask[j]) {
+    if (j >= j1 || !mask[j]) {
       for (int64_t g = 0; g < groups; ++g) col[g * n] = kNegInf;
       continue;
     }
     const T* key = k + j * k_stride;
-    if (j + kPrefetchRows < j1) {  // the cache comes from memory (the weights evicted it); V is read next
+    if (j + kPrefetchRows < prefetch_end) {  // the cache comes from memory (the weights evicted it); V is read next
       prefetch_row(key + kPrefetchRows * k_stride, d);
       prefetch_row(v + (j + kPrefetchRows) * v_stride, d);
     }
@@ -134,29 +159,24 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const T* k, int64_t
   }
   for (int64_t g = 0; g < groups; ++g) {
     float* row = s + g * n;
-    const float row_max = *std::max_element(row, row + n);
+    auto vmax = V::load(row);
+    for (int64_t j = V::W; j < n; j += V::W) vmax = V::max(vmax, V::load(row + j));
+    const float row_max = V::hmax(vmax);
     m[g] = row_max;
-    if (row_max == kNegInf) {  // every key of this chunk is masked
-      l[g] = 0.0f;
-      continue;
-    }
-    // Masked keys come out as exp(-87), not 0: they are skipped below, and in l they add ~1e-38
-    // per key to a sum of at least 1.
-    const auto vmax = V::set1(row_max);
+    vmax = V::set1(row_max);
+    // Masked and absent keys count exactly 0 (the exp stops at e^-87): the sum then does not
+    // depend on where the keys end.
     auto vsum = V::zero();
-    int64_t j = 0;
-    for (; j + V::W <= n; j += V::W) {
-      const auto e = V::exp_nonpositive(V::sub(V::load(row + j), vmax));
+    for (int64_t j = 0; j < n; j += V::W) {
+      const auto x = V::load(row + j);
+      const auto e = V::zero_where_neginf(V::exp_nonpositive(V::sub(x, vmax)), x);
       V::store(row + j, e);
       vsum = V::add(vsum, e);
     }
-    float sum = V::hsum(vsum);
-    for (; j < n; ++j) sum += row[j] = std::exp(row[j] - row_max);
-    l[g] = sum;
+    l[g] = V::hsum(vsum);
   }
   // o = P V in register tiles of up to 3 rows x 4 vectors: each value vector is loaded once per
-  // tile, and the chunk's columns of V stay in L1 across the tiles. A chunk whose keys are all
-  // masked (for every row alike) leaves o at 0.
+  // tile, and the chunk's columns of V stay in L1 across the tiles.
   int64_t g = 0;
   for (; g + 3 <= groups; g += 3) value_columns<V, T, 3>(s + g * n, n, v, v_stride, mask, j0, j1, d, o + g * d);
   switch (groups - g) {
@@ -166,71 +186,166 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const T* k, int64_t
   }
 }
 
-// q and out in Q (fp32 or bf16: read and written in their own dtype, so a call needs no conversion
-// ops), the cache in T.
-template <class V, typename T, typename Q>
-void attend_all(const Q* q, const T* k, const T* v, const bool* mask, int64_t mask_rows, Q* out, int64_t batch,
-                int64_t heads, int64_t kv_heads, int64_t keys, int64_t d, float scale, const int64_t* q_strides,
-                const int64_t* k_strides, const int64_t* v_strides) {
-  const int64_t groups = heads / kv_heads;
-  // Enough tasks to share the keys evenly between the threads, and at least 32 keys per task.
-  const int64_t threads = at::get_num_threads();
-  const int64_t wanted = (8 * threads + batch * kv_heads - 1) / (batch * kv_heads);
-  const int64_t chunk_count = std::max<int64_t>(1, std::min<int64_t>(wanted, (keys + 31) / 32));
-  const int64_t chunk = (keys + chunk_count - 1) / chunk_count;
-  const int64_t chunks = (keys + chunk - 1) / chunk;
-  const int64_t tasks = batch * kv_heads * chunks;
-  std::vector<float> part_o(tasks * groups * d), part_m(tasks * groups), part_l(tasks * groups);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * chunk), scaled(groups * d);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / (kv_heads * chunks), h = (t / chunks) % kv_heads, c = t % chunks;
-      const int64_t j0 = c * chunk, j1 = std::min(keys, j0 + chunk);
-      for (int64_t g = 0; g < groups; ++g) {
-        const Q* row = q + b * q_strides[0] + (h * groups + g) * q_strides[1];
-        for (int64_t i = 0; i < d; ++i) scaled[g * d + i] = static_cast<float>(row[i]) * scale;
-      }
-      attend_chunk<V, T>(scaled.data(), groups, d, k + b * k_strides[0] + h * k_strides[1],
-                         k_strides[2], v + b * v_strides[0] + h * v_strides[1], v_strides[2],
-                         mask + (mask_rows == 1 ? 0 : b) * keys, j0, j1, scores.data(),
-                         part_o.data() + t * groups * d, part_m.data() + t * groups, part_l.data() + t * groups);
-    }
-  });
-  std::vector<float> sum(d);
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t first = (b * kv_heads + h) * chunks;
-      for (int64_t g = 0; g < groups; ++g) {
-        std::fill(sum.begin(), sum.end(), 0.0f);
-        float top = kNegInf;
-        for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part_m[(first + c) * groups + g]);
-        float total = 1.0f;  // a head whose keys are all masked keeps its zeros
-        if (top != kNegInf) {
-          total = 0.0f;
-          for (int64_t c = 0; c < chunks; ++c) {
-            const float chunk_max = part_m[(first + c) * groups + g];
-            if (chunk_max == kNegInf) continue;
-            const float w = std::exp(chunk_max - top);
-            total += w * part_l[(first + c) * groups + g];
-            const float* o = part_o.data() + ((first + c) * groups + g) * d;
-            for (int64_t i = 0; i < d; ++i) sum[i] += w * o[i];
-          }
-        }
-        Q* dst = out + (b * heads + h * groups + g) * d;
-        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Q>(sum[i] / total);
-      }
-    }
+// One query's output (d floats into res) from its chunks' partials: o at o + c * o_stride, m and
+// l at m[c * ml_stride], l[c * ml_stride], for c < chunks; a chunk with no visible key has m = -inf.
+// Skips those, in chunk order; all masked gives zeros.
+template <class V>
+__attribute__((noinline)) void combine(const float* o, int64_t o_stride, const float* m, const float* l,
+                                       int64_t ml_stride, int64_t chunks, int64_t d, float* res) {
+  for (int64_t i = 0; i < d; i += V::W) V::store(res + i, V::zero());
+  float top = kNegInf;
+  for (int64_t c = 0; c < chunks; ++c) top = std::max(top, m[c * ml_stride]);
+  if (top == kNegInf) return;
+  float total = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float chunk_max = m[c * ml_stride];
+    if (chunk_max == kNegInf) continue;
+    const float w = std::exp(chunk_max - top);
+    total = std::fma(w, l[c * ml_stride], total);
+    const auto vw = V::set1(w);
+    const float* oc = o + c * o_stride;
+    for (int64_t i = 0; i < d; i += V::W) V::store(res + i, V::fmadd(vw, V::load(oc + i), V::load(res + i)));
   }
+  for (int64_t i = 0; i < d; ++i) res[i] /= total;
 }
 
-// q [B, H, 1, D]; k, v [B, KV, L, D] (any strides but the last); mask bool [B or 1, 1, 1, L].
-// Returns [B, H, 1, D] in q's dtype.
+// Whether keys [j0, j1) of a mask row hold a visible one.
+inline bool any_visible(const bool* mask, int64_t j0, int64_t j1) {
+  return std::memchr(mask + j0, 1, static_cast<size_t>(j1 - j0)) != nullptr;
+}
+
+// Runs fn(tasks' index) for every index in [0, tasks) on the threads, each thread taking the next
+// index when it finishes one (tasks of unequal cost, e.g. causal rows, spread evenly); fn gets
+// its thread's scratch, made once per thread by make().
+template <typename Make, typename Fn>
+void for_each_task(int64_t tasks, Make make, Fn fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    auto scratch = make();
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) fn(scratch, t);
+  });
+}
+
+// Above this many floats of partials (every query row's chunks at once), each task takes whole
+// query rows with a partial buffer of its own instead (a long prefill would need gigabytes).
+constexpr int64_t kSplitBudget = int64_t{1} << 22;
+
+// q and out in Q (fp32 or bf16: read and written in their own dtype, so a call needs no conversion
+// ops), the cache in T. mask: [mask_batch, mask_queries, keys] bool.
+template <class V, typename T, typename Q>
+void attend_all(const Q* q, const T* k, const T* v, const bool* mask, int64_t mask_batch, int64_t mask_queries,
+                Q* out, int64_t batch, int64_t heads, int64_t queries, int64_t kv_heads, int64_t keys, int64_t d,
+                float scale, const int64_t* q_strides, const int64_t* k_strides, const int64_t* v_strides) {
+  const int64_t groups = heads / kv_heads;
+  const int64_t chunks = (keys + kChunk - 1) / kChunk;
+  const int64_t threads = at::get_num_threads();
+  // A query row: (sequence b, query position s, KV head h), its G queries dotted together.
+  const int64_t rows = batch * queries * kv_heads;
+  struct Row {
+    int64_t b, s, h;
+  };
+  auto row_of = [&](int64_t r) { return Row{r / (queries * kv_heads), (r / kv_heads) % queries, r % kv_heads}; };
+  auto mask_row = [&](const Row& r) {
+    return mask + ((mask_batch == 1 ? 0 : r.b) * mask_queries + (mask_queries == 1 ? 0 : r.s)) * keys;
+  };
+  auto load_queries = [&](const Row& r, float* scaled) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const Q* src = q + r.b * q_strides[0] + (r.h * groups + g) * q_strides[1] + r.s * q_strides[2];
+      for (int64_t i = 0; i < d; ++i) scaled[g * d + i] = static_cast<float>(src[i]) * scale;
+    }
+  };
+  // Chunks [c0, c1) of a row, partials at part_o + c * groups * d, part_m + c * groups, part_l alike.
+  auto run_chunks = [&](const Row& r, int64_t c0, int64_t c1, const float* scaled, float* scores, float* part_o,
+                        float* part_m, float* part_l) {
+    const bool* row_mask = mask_row(r);
+    const T* kh = k + r.b * k_strides[0] + r.h * k_strides[1];
+    const T* vh = v + r.b * v_strides[0] + r.h * v_strides[1];
+    const int64_t prefetch_end = std::min(keys, c1 * kChunk);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t j0 = c * kChunk, j1 = std::min(keys, j0 + kChunk);
+      if (!any_visible(row_mask, j0, j1)) {
+        std::fill(part_m + c * groups, part_m + (c + 1) * groups, kNegInf);
+        continue;
+      }
+      attend_chunk<V, T>(scaled, groups, d, kh, k_strides[2], vh, v_strides[2], row_mask, j0, j1, prefetch_end,
+                         scores, part_o + c * groups * d, part_m + c * groups, part_l + c * groups);
+    }
+  };
+  auto finish = [&](const Row& r, const float* part_o, const float* part_m, const float* part_l, float* res) {
+    for (int64_t g = 0; g < groups; ++g) {
+      combine<V>(part_o + g * d, groups * d, part_m + g, part_l + g, groups, chunks, d, res);
+      Q* dst = out + ((r.b * heads + r.h * groups + g) * queries + r.s) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Q>(res[i]);
+    }
+  };
+  struct Scratch {
+    std::vector<float> scaled, scores, o, m, l, res;
+  };
+  const int64_t row_floats = chunks * groups * (d + 2);
+  if (rows < 16 * threads && rows * row_floats <= kSplitBudget) {
+    // Few query rows (decode): split each row's chunks between tasks too, so that every thread
+    // streams its share of the cache; the partials of every chunk wait for the combine.
+    const int64_t wanted = std::min(chunks, (8 * threads + rows - 1) / rows);
+    const int64_t per_task = (chunks + wanted - 1) / wanted;
+    const int64_t splits = (chunks + per_task - 1) / per_task;
+    // Kept between calls (decode calls this once per layer and step): a fresh buffer this large
+    // would come from mmap and fault its pages in every time.
+    thread_local std::vector<float> partials;
+    partials.resize(std::max(partials.size(), static_cast<size_t>(rows * row_floats)));
+    float* part_o = partials.data();
+    float* part_m = part_o + rows * chunks * groups * d;
+    float* part_l = part_m + rows * chunks * groups;
+    for_each_task(
+        rows * splits,
+        [&] { return Scratch{std::vector<float>(groups * d), std::vector<float>(groups * kChunk), {}, {}, {}, {}}; },
+        [&](Scratch& scratch, int64_t t) {
+          const int64_t r = t / splits, c0 = (t % splits) * per_task, c1 = std::min(chunks, c0 + per_task);
+          const Row row = row_of(r);
+          load_queries(row, scratch.scaled.data());
+          run_chunks(row, c0, c1, scratch.scaled.data(), scratch.scores.data(), part_o + r * chunks * groups * d,
+                     part_m + r * chunks * groups, part_l + r * chunks * groups);
+        });
+    // The combine reads every chunk's partials once: in parallel only where that outweighs
+    // waking the threads.
+    const int64_t grain = std::max<int64_t>(1, 16384 / (chunks * groups * d));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> res(d);
+      for (int64_t r = begin; r < end; ++r)
+        finish(row_of(r), part_o + r * chunks * groups * d, part_m + r * chunks * groups, part_l + r * chunks * groups,
+               res.data());
+    });
+    return;
+  }
+  // Many query rows (prefill, large batches): a task per row, its chunks' partials in a buffer of
+  // its thread's. The longest rows first (a causal mask makes the last positions the dearest), so
+  // that the threads finish together.
+  for_each_task(
+      rows,
+      [&] {
+        return Scratch{std::vector<float>(groups * d),          std::vector<float>(groups * kChunk),
+                       std::vector<float>(chunks * groups * d), std::vector<float>(chunks * groups),
+                       std::vector<float>(chunks * groups),     std::vector<float>(d)};
+      },
+      [&](Scratch& scratch, int64_t t) {
+        Row row = row_of(t);
+        row.s = queries - 1 - row.s;
+        load_queries(row, scratch.scaled.data());
+        run_chunks(row, 0, chunks, scratch.scaled.data(), scratch.scores.data(), scratch.o.data(), scratch.m.data(),
+                   scratch.l.data());
+        finish(row, scratch.o.data(), scratch.m.data(), scratch.l.data(), scratch.res.data());
+      });
+}
+
+// q [B, H, S, D]; k, v [B, KV, L, D] (any strides but the last); mask bool [B or 1, 1, S or 1, L].
+// Returns [B, H, S, D] in q's dtype.
 template <class V>
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                             double scale) {
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: q must be [B, H, 1, D]");
+  TORCH_CHECK(q.dim() == 4, "decode_attention: q must be [B, H, S, D]");
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes(), "decode_attention: k and v must be [B, KV, L, D] alike");
-  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(3), kv_heads = k.size(1), keys = k.size(2);
+  const int64_t batch = q.size(0), heads = q.size(1), queries = q.size(2), d = q.size(3), kv_heads = k.size(1),
+                keys = k.size(2);
   TORCH_CHECK(k.size(0) == batch && k.size(3) == d, "decode_attention: k and v must match q's batch and head size");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "decode_attention: heads must be a multiple of kv heads");
   TORCH_CHECK(d % V::W == 0, "decode_attention: the head size must be a multiple of ", V::W);
@@ -238,24 +353,27 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
               "decode_attention: k and v must both be fp32 or both bf16");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "decode_attention: q must be fp32 or bf16");
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(1) == 1 && mask.size(2) == 1 &&
-                  mask.size(3) == keys && (mask.size(0) == 1 || mask.size(0) == batch),
-              "decode_attention: mask must be bool [B or 1, 1, 1, L]");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(1) == 1 &&
+                  (mask.size(2) == 1 || mask.size(2) == queries) && mask.size(3) == keys &&
+                  (mask.size(0) == 1 || mask.size(0) == batch),
+              "decode_attention: mask must be bool [B or 1, 1, S or 1, L]");
   TORCH_CHECK(keys > 0, "decode_attention: no keys");
   TORCH_CHECK(q.stride(3) == 1, "decode_attention: q must be contiguous in the head size");
-  const at::Tensor m = mask.reshape({mask.size(0), keys}).contiguous();
-  at::Tensor out = at::empty({batch, heads, 1, d}, q.options());
-  const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
+  at::Tensor out = at::empty({batch, heads, queries, d}, q.options());
+  if (out.numel() == 0) return out;
+  const at::Tensor m = mask.reshape({mask.size(0), mask.size(2), keys}).contiguous();
+  const int64_t q_strides[3] = {q.stride(0), q.stride(1), q.stride(2)};
   const int64_t k_strides[3] = {k.stride(0), k.stride(1), k.stride(2)};
   const int64_t v_strides[3] = {v.stride(0), v.stride(1), v.stride(2)};
   auto run = [&](auto* query, auto* output) {
     if (k.scalar_type() == at::kFloat) {
-      attend_all<V>(query, k.data_ptr<float>(), v.data_ptr<float>(), m.data_ptr<bool>(), m.size(0), output, batch,
-                    heads, kv_heads, keys, d, static_cast<float>(scale), q_strides, k_strides, v_strides);
+      attend_all<V>(query, k.data_ptr<float>(), v.data_ptr<float>(), m.data_ptr<bool>(), m.size(0), m.size(1), output,
+                    batch, heads, queries, kv_heads, keys, d, static_cast<float>(scale), q_strides, k_strides,
+                    v_strides);
     } else {
       attend_all<V>(query, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), m.data_ptr<bool>(), m.size(0),
-                    output, batch, heads, kv_heads, keys, d, static_cast<float>(scale), q_strides, k_strides,
-                    v_strides);
+                    m.size(1), output, batch, heads, queries, kv_heads, keys, d, static_cast<float>(scale), q_strides,
+                    k_strides, v_strides);
     }
   };
   if (q.scalar_type() == at::kFloat) {

@@ -1,9 +1,13 @@
-"""`torch.ops.genfast.decode_attention`: attention of one query per sequence over the KV cache.
+"""`torch.ops.genfast.decode_attention`: attention of queries over the KV cache, one per sequence
+(decode) or several (prefill, speculative verification).
 
-The variants (decode_attention.h has the math) split the cache into chunks per KV head so that
-every thread streams its share once, dot each key with all the queries of its group, and combine
-the chunks' softmaxes. Where none runs, compiled decode takes `portable`, the same math as
-multiply-sums that inductor fuses into a few loops.
+The variants (decode_attention.h has the math) split the cache into chunks of fixed size per KV
+head so that every thread streams its share once, dot each key with all the queries of its group,
+and combine the chunks' softmaxes in chunk order. A query's output is bit for bit the same
+whatever else shares the call (other sequences, other query positions, extra masked keys at the
+end) and whatever the thread count: deterministic serving gets the same logits for a prompt
+prefilled whole, in chunks or from a prefix cache. Where no variant runs, compiled decode takes
+`portable`, the same math as multiply-sums that inductor fuses into a few loops.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ torch.library.define("genfast::decode_attention", "(Tensor q, Tensor k, Tensor v
 
 @torch.library.register_fake("genfast::decode_attention")
 def _decode_attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    return q.new_empty(q.shape)
+    return q.new_empty(q.shape)  # [B, H, S, D]: contiguous whatever q's strides, as the kernel's
 
 
 @torch.compiler.assume_constant_result  # run (and build the kernel) while tracing, not traced
@@ -43,15 +47,20 @@ def build_for(head_dim: int) -> None:
         kernel_available()
 
 
-def applies(q: Tensor, keys: Tensor, mask: Tensor) -> bool:
-    """Whether the kernel takes this call: one query per sequence on a CPU with a variant, fp32 or
-    bf16 (q and the cache each), the head size a multiple of 16, a boolean mask of one row."""
+def applies(q: Tensor, keys: Tensor, mask: Tensor, *, any_queries: bool = False) -> bool:
+    """Whether the kernel takes this call: on a CPU with a variant, fp32 or bf16 (q and the cache
+    each), the head size a multiple of 16, a boolean mask [B|1, 1, S|1, L]; one query per sequence
+    (S == 1) unless `any_queries`, which takes any S >= 1 (prefill, speculative verification)."""
+    queries = q.shape[2]
     return (
         q.device.type == "cpu"
-        and q.shape[2] == 1
+        and (queries == 1 or (any_queries and queries > 1))
         and mask.dtype == torch.bool
         and mask.dim() == 4
-        and mask.shape[1] == mask.shape[2] == 1
+        and mask.shape[0] in (1, q.shape[0])
+        and mask.shape[1] == 1
+        and mask.shape[2] in (1, queries)
+        and mask.shape[3] == keys.shape[2]
         and takes_head_dim(q.shape[-1])
         and q.dtype in (torch.float32, torch.bfloat16)
         and keys.dtype in (torch.float32, torch.bfloat16)
@@ -60,9 +69,12 @@ def applies(q: Tensor, keys: Tensor, mask: Tensor) -> bool:
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """softmax(scale * q k^T masked) v for q [B, H, 1, D] over keys and values [B, KV, L, D]
-    (grouped heads: H a multiple of KV) and a boolean mask [B or 1, 1, 1, L]: [B, H, 1, D] in q's
-    dtype, computed in fp32. Call it where `applies` says so (which also loads the kernel)."""
+    """softmax(scale * q k^T masked) v for q [B, H, S, D] over keys and values [B, KV, L, D]
+    (grouped heads: H a multiple of KV) and a boolean mask [B or 1, 1, S or 1, L], a row per query
+    position (or one for all): [B, H, S, D] in q's dtype, computed in fp32. A query with no
+    visible key gives zeros. Each query's result depends only on its vector, its mask row and the
+    keys and values that row admits (bitwise; see the module). Call it where `applies` says so
+    (which also loads the kernel)."""
     return torch.ops.genfast.decode_attention(q, keys, values, mask, scale)
 
 

@@ -1,6 +1,12 @@
-"""The native decode attention kernel against a float64 reference, and the layer that uses it."""
+"""The native decode attention kernel against a float64 reference, its bitwise invariance to what
+else shares a call, and the layer that uses it."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +17,7 @@ from genfast.kernels.decode_attention.ops import KERNEL as DECODE_ATTENTION
 from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.layers import Attention, KVCache
 from genfast.llm.model.transformer import attention_mask
+from genfast.platform import hardware
 
 native = pytest.mark.skipif(not DECODE_ATTENTION.available(), reason=str(DECODE_ATTENTION.unavailable_reason()))
 
@@ -84,7 +91,8 @@ def test_a_shared_mask_a_masked_chunk_and_a_fully_masked_row():
 @native
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_result_does_not_depend_much_on_the_thread_count(threads):
-    """The chunks follow the thread count; their combination must give the same attention."""
+    """The tasks follow the thread count; the result must be the same attention (and bitwise the
+    same: test_outputs_are_invariant_to_what_shares_the_call)."""
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 1000, 64), torch.randn(1, 2, 1000, 64)
     mask = torch.ones(1, 1, 1, 1000, dtype=torch.bool)
@@ -105,6 +113,148 @@ def test_bad_shapes_are_refused():
         decode_attention.decode_attention(q, k, k, mask, 0.125)
     with pytest.raises(RuntimeError, match="mask must be bool"):
         decode_attention.decode_attention(q, k[:, :2], k[:, :2], mask[..., :5], 0.125)
+    rows = torch.ones(1, 1, 3, 10, dtype=torch.bool)  # 3 mask rows for 2 queries
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        decode_attention.decode_attention(torch.randn(1, 4, 2, 64), k[:, :2], k[:, :2], rows, 0.125)
+
+
+def test_applies_takes_several_queries_only_when_asked():
+    q, keys = torch.randn(2, 4, 5, 64), torch.randn(2, 2, 10, 64)
+    causal = attention_mask(torch.arange(5, 10), 10)  # [1, 1, 5, 10]
+    available = DECODE_ATTENTION.available()
+    assert not decode_attention.applies(q, keys, causal)
+    assert decode_attention.applies(q, keys, causal, any_queries=True) == available
+    assert decode_attention.applies(q, keys, causal[:, :, :1], any_queries=True) == available  # one row for all
+    assert decode_attention.applies(q[:, :, :1], keys, causal[:, :, -1:]) == available
+    assert not decode_attention.applies(q[:, :, :3], keys, causal, any_queries=True)  # 5 rows for 3 queries
+    assert not decode_attention.applies(q, keys, causal[..., :9], any_queries=True)  # a row per key
+
+
+@native
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (5, 1, 32), (14, 2, 96), (12, 2, 16)])
+@pytest.mark.parametrize("queries,keys", [(3, 3), (17, 70), (130, 130)])
+def test_several_causal_queries_match_float64(q_dtype, cache_dtype, heads, kv_heads, head_dim, queries, keys):
+    """Prefill (S = L) and a chunk of prefill after cached keys (S < L): each query position has a
+    causal mask row of its own; one sequence is left-padded."""
+    torch.manual_seed(0)
+    batch = 2
+    q = torch.randn(batch, heads, queries, head_dim).to(q_dtype)
+    cache = torch.randn(2, batch, kv_heads, keys + 40, head_dim).to(cache_dtype) * 2
+    k, v = cache[0, :, :, :keys], cache[1, :, :, :keys]
+    mask = attention_mask(torch.arange(keys - queries, keys), keys, pad_start=torch.tensor([0, keys // 3]))
+    scale = head_dim**-0.5
+    out = decode_attention.decode_attention(q, k, v, mask, scale)
+    assert out.dtype == q_dtype and out.shape == q.shape
+    budget = 2e-6 if q_dtype == torch.float32 else 8e-3
+    assert relative_error(out, reference(q, k, v, mask, scale)) < budget
+    shared = mask[:1, :, -1:]  # one mask row for every query of every sequence
+    out = decode_attention.decode_attention(q, k, v, shared, scale)
+    assert relative_error(out, reference(q, k, v, shared, scale)) < budget
+
+
+def with_threads(threads: int, fn, *args):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_invariance(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Every query's output, bitwise, whatever shares its call: the same query alone (one sequence,
+    one position, only the keys it may see) against it in batches, beside other sequences and
+    positions, over extra masked keys of any content, in prefills whole and in chunks (a prefix
+    cache), and on 1, 2 or 3 threads. Key counts straddle the kernel's chunks of keys; the calls'
+    sizes take both of its schemes (split-K for few query rows, a task per row for many)."""
+    attend = decode_attention.decode_attention
+    heads, kv_heads, d, scale = 6, 2, 64, 0.125
+    for keys in (1, 63, 64, 65, 200):
+        torch.manual_seed(keys)
+        queries = min(7, keys)
+        q = torch.randn(3, heads, queries, d).to(q_dtype)
+        k, v = (torch.randn(3, kv_heads, keys, d).to(cache_dtype) for _ in range(2))
+        mask = attention_mask(torch.arange(keys - queries, keys), keys).expand(3, 1, queries, keys).clone()
+        mask &= torch.rand(mask.shape) > 0.3  # holes, a whole chunk of them for some rows
+        mask[..., : keys // 2] &= torch.rand(3, 1, queries, 1) > 0.3
+        mask[1, :, :, :] = torch.arange(keys) >= keys - 2  # left padding
+        mask[2, :, 0] = False  # a query with no visible key: zeros
+        # Each query alone, over the keys up to its last visible one (the end of a shorter cache).
+        alone = torch.empty(3, heads, queries, d, dtype=q_dtype)
+        for b in range(3):
+            for s in range(queries):
+                row = mask[b : b + 1, :, s : s + 1]
+                last = int(row.nonzero()[:, -1].max()) + 1 if row.any() else 1
+                alone[b, :, s : s + 1] = attend(q[b : b + 1, :, s : s + 1], k[b : b + 1, :, :last],
+                                                v[b : b + 1, :, :last], row[..., :last], scale)  # fmt: skip
+        assert torch.equal(alone[2, :, 0], torch.zeros_like(alone[2, :, 0]))
+        for threads in (1, 2, 3):
+            assert torch.equal(with_threads(threads, attend, q, k, v, mask, scale), alone)
+            for s in range(queries):  # S = 1 calls of the whole batch
+                one = with_threads(threads, attend, q[:, :, s : s + 1], k, v, mask[:, :, s : s + 1], scale)
+                assert torch.equal(one, alone[:, :, s : s + 1])
+        # 37 more keys of random content, masked: the cache's unwritten tail.
+        k_long, v_long = (torch.cat([t, torch.randn(3, kv_heads, 37, d).to(cache_dtype) * 9], dim=2) for t in (k, v))
+        mask_long = torch.cat([mask, torch.zeros(3, 1, queries, 37, dtype=torch.bool)], dim=-1)
+        assert torch.equal(attend(q, k_long, v_long, mask_long, scale), alone)
+        # Among 40 sequences (a task per query row), ours at rows 5, 17 and 39.
+        big_q = torch.randn(40, heads, queries, d).to(q_dtype)
+        big_k, big_v = (torch.randn(40, kv_heads, keys, d).to(cache_dtype) for _ in range(2))
+        big_mask = torch.rand(40, 1, queries, keys) > 0.5
+        places = [5, 17, 39]
+        big_q[places], big_k[places], big_v[places], big_mask[places] = q, k, v, mask
+        for threads in (1, 2, 3):
+            assert torch.equal(with_threads(threads, attend, big_q, big_k, big_v, big_mask, scale)[places], alone)
+    # A causal prefill of 200 positions whole (a task per row), in two chunks (the second over the
+    # first's cached keys), and position by position as decode (split-K).
+    torch.manual_seed(1)
+    keys = 200
+    q = torch.randn(1, heads, keys, d).to(q_dtype)
+    k, v = (torch.randn(1, kv_heads, keys, d).to(cache_dtype) for _ in range(2))
+    causal = attention_mask(torch.arange(keys), keys)
+    whole = attend(q, k, v, causal, scale)
+    first = attend(q[:, :, :90], k[:, :, :90], v[:, :, :90], causal[:, :, :90, :90], scale)
+    second = attend(q[:, :, 90:], k, v, causal[:, :, 90:], scale)
+    assert torch.equal(torch.cat([first, second], dim=2), whole)
+    for s in (0, 62, 63, 64, 65, 127, 128, 199):
+        step = attend(q[:, :, s : s + 1], k[:, :, : s + 1], v[:, :, : s + 1], causal[:, :, s : s + 1, : s + 1], scale)
+        assert torch.equal(step, whole[:, :, s : s + 1])
+    for threads in (1, 2, 3):
+        assert torch.equal(with_threads(threads, attend, q, k, v, causal, scale), whole)
+
+
+INVARIANCE_DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                     (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]  # fmt: skip
+
+
+@native
+@pytest.mark.parametrize("q_dtype,cache_dtype", INVARIANCE_DTYPES)
+def test_outputs_are_invariant_to_what_shares_the_call(q_dtype, cache_dtype):
+    check_invariance(q_dtype, cache_dtype)
+
+
+@native
+@pytest.mark.skipif(DECODE_ATTENTION.loaded_isa() != "avx512" or "avx2" not in hardware.cpu_flags(),
+                    reason="tests the AVX2 variant from an AVX-512 run")  # fmt: skip
+def test_the_avx2_variant_is_invariant_too():
+    """The same checks in a process capped to AVX2 (GENFAST_ISA), which loads the other variant."""
+    env = {**os.environ, **hardware.torch_isa_env("avx2")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # inductor's keys ignore the cap (tests/conftest.py)
+    code = (
+        "import torch\n"
+        "from tests.llm.model.test_decode_attention import INVARIANCE_DTYPES, check_invariance\n"
+        "from genfast.kernels.decode_attention.ops import KERNEL\n"
+        "torch.set_num_threads(2)\n"
+        "for dtypes in INVARIANCE_DTYPES:\n"
+        "    check_invariance(*dtypes)\n"
+        "print(KERNEL.loaded_isa())\n"
+    )
+    root = Path(__file__).resolve().parents[3]
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.stdout.split()[-1] == "avx2"
 
 
 @pytest.mark.parametrize("compiled", [False, True])
