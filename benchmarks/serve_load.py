@@ -2,7 +2,7 @@
 --max-batch 1 (one request at a time) against --max-batch N (all share each decode step).
 
     python benchmarks/serve_load.py [--model PATH] [--dtype bfloat16] [--clients 8] [--tokens 64]
-                                    [--batches 1,8] [--repeats 3] [--no-compile]
+                                    [--batches 1,8] [--repeats 3] [--no-compile] [--batch-invariant off,on]
     python benchmarks/serve_load.py --shared-prefix 1000 [--model PATH] [--repeats 5]
     python benchmarks/serve_load.py --long-prompt 2000 [--prefill-chunks 64,256,1024] [--model PATH]
 
@@ -10,7 +10,9 @@ Each client sends a different prompt and asks for exactly --tokens greedy tokens
 Tokens/s is all clients' tokens over the wall time from the first submit to the last token: what
 a server delivers in aggregate. Also printed: the median time to first token and the tokens/s a
 single client sees. In-process (no HTTP), so it measures the engine. Compile time is excluded
-(warm-up) and reported apart; each row is the median of --repeats runs.
+(warm-up) and reported apart; each row is the median of --repeats runs. --batch-invariant off,on
+runs every row with the model loaded both ways (genfast/llm/model/invariance.py): what that mode
+costs a server, in one run.
 
 --shared-prefix N: requests that begin with one of two N-token prefixes (pydoc text, as long
 system prompts) and differ in their last words, one at a time in one slot. The time to first
@@ -158,7 +160,11 @@ def main() -> None:
     parser.add_argument("--shared-prefix", type=int, default=0, help="prefix tokens (the shared-prefix mode)")
     parser.add_argument("--long-prompt", type=int, default=0, help="prompt tokens (the chunked-prefill mode)")
     parser.add_argument("--prefill-chunks", default="64,256,1024", help="--prefill-chunk values (--long-prompt)")
+    parser.add_argument(
+        "--batch-invariant", default="off", help="off, on or off,on: load the model so (the load mode only)"
+    )
     args = parser.parse_args()
+    modes = [{"off": False, "on": True}[m] for m in args.batch_invariant.split(",")]
 
     loaded = load(args.model, "auto", args.dtype, args.threads)
     loaded.tokenizer.stop_ids = set()  # exactly --tokens per client
@@ -183,10 +189,15 @@ def main() -> None:
         f"# {info['device']} | torch {info['torch']} | {loaded.path.name} {args.dtype} | "
         f"{'compiled' if args.compile else 'eager'} | {args.clients} clients x {args.tokens} tokens"
     )
-    print("| max batch | aggregate tok/s | per-client tok/s | median TTFT ms | decode steps | warm-up s |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| batch-invariant | max batch | aggregate tok/s | per-client tok/s | median TTFT ms | decode steps "
+        "| warm-up s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     batches = [int(b) for b in (args.batches or f"1,{args.clients}").split(",")]
-    for batch in batches:
+    for batch, invariant in itertools.product(batches, modes):
+        loaded = load(args.model, "auto", args.dtype, args.threads, batch_invariant=invariant)
+        loaded.tokenizer.stop_ids = set()
         engine = Engine(
             loaded.model,
             loaded.tokenizer,
@@ -210,7 +221,10 @@ def main() -> None:
             )
         engine.shutdown()
         agg, rate, ttft, steps = sorted(runs)[len(runs) // 2]
-        print(f"| {batch} | {agg:.1f} | {rate:.1f} | {ttft * 1000:.0f} | {steps} | {warmup_s:.0f} |", flush=True)
+        mode = "on" if invariant else "off"
+        print(
+            f"| {mode} | {batch} | {agg:.1f} | {rate:.1f} | {ttft * 1000:.0f} | {steps} | {warmup_s:.0f} |", flush=True
+        )
         torch._dynamo.reset()  # the next engine's graphs are for another batch size
 
 

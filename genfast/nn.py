@@ -70,9 +70,17 @@ class Linear(nn.Linear):
 
     The weight may be stored in bf16 while inputs are fp32 (`store_linear_weights`: half the bytes
     per decode step on CPUs without native bf16): `mixed_linear` multiplies in fp32, eagerly or
-    compiled, by the few-row kernel or the widening GEMM (prefill)."""
+    compiled, by the few-row kernel or the widening GEMM (prefill).
+
+    `batch_invariant` (set by genfast.llm.model.invariance): every row count takes the few-row
+    kernel, whose sums run in one order whatever the row count, so a row's result never depends on
+    the rows beside it."""
+
+    batch_invariant = False
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.batch_invariant:
+            return few_rows.linear(x, self.weight, self.bias)
         if self.weight.dtype != x.dtype:
             return mixed_linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling() and few_rows.applies(x, self.weight):
@@ -101,11 +109,14 @@ def grouped_by_expert(x: Tensor, experts: Tensor, out_features: int, matmul: Cal
 
 
 @torch.library.custom_op("genfast::expert_linear", mutates_args=())
-def expert_linear(x: Tensor, experts: Tensor, weight: Tensor) -> Tensor:
-    """Row r of `x` [R, K] times expert `experts[r]`'s weight, of `weight` [E, N, K]: [R, N]."""
+def expert_linear(x: Tensor, experts: Tensor, weight: Tensor, batch_invariant: bool = False) -> Tensor:
+    """Row r of `x` [R, K] times expert `experts[r]`'s weight, of `weight` [E, N, K]: [R, N]; with
+    `batch_invariant`, each row's result whatever the other rows of its expert (Linear's)."""
 
     def matmul(rows: Tensor, expert: int) -> Tensor:
         w = weight[expert]
+        if batch_invariant:
+            return few_rows.linear(rows, w)
         if w.dtype != rows.dtype:
             return mixed_linear(rows, w)
         if few_rows.applies(rows, w):
@@ -116,13 +127,15 @@ def expert_linear(x: Tensor, experts: Tensor, weight: Tensor) -> Tensor:
 
 
 @expert_linear.register_fake
-def _expert_linear_fake(x: Tensor, experts: Tensor, weight: Tensor) -> Tensor:
+def _expert_linear_fake(x: Tensor, experts: Tensor, weight: Tensor, batch_invariant: bool = False) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
 class ExpertLinear(nn.Module):
     """The same linear shape for each of a mixture's experts, weights stacked [E, out, in]
     (no bias: no family has one); a row is multiplied by its own expert's weight only."""
+
+    batch_invariant = False  # as Linear's
 
     def __init__(self, n_experts: int, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -132,7 +145,7 @@ class ExpertLinear(nn.Module):
 
     def forward(self, x: Tensor, experts: Tensor) -> Tensor:
         """x [R, in] and each row's expert [R] -> [R, out]."""
-        return torch.ops.genfast.expert_linear(x, experts, self.weight)
+        return torch.ops.genfast.expert_linear(x, experts, self.weight, self.batch_invariant)
 
     def extra_repr(self) -> str:
         return f"experts={self.n_experts}, in_features={self.in_features}, out_features={self.out_features}"

@@ -51,7 +51,7 @@ def test_state_dict_is_nn_linear_compatible():
 
 @needs_few_rows_kernel
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", [*range(1, 9), 13, 70])  # past a group of rows, and past a tile
 @pytest.mark.parametrize("n,k", [(48, 96), (7, 64), (33, 1536)])  # output counts that are no multiple of a tile
 def test_few_rows_kernel_sums_in_fp32(x_dtype, rows, n, k):
     """The kernel's result is the exact dot products of its inputs, up to fp32 summation: bf16
@@ -63,6 +63,43 @@ def test_few_rows_kernel_sums_in_fp32(x_dtype, rows, n, k):
     want = multiplied.double() @ w.double().t()
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), want, atol=1e-5 * k**0.5, rtol=1e-6)
+
+
+@needs_few_rows_kernel
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_few_rows_kernel_gives_each_row_the_same_bits_whatever_the_rows_and_threads_beside_it(x_dtype):
+    """What batch-invariant serving rests on (genfast/llm/model/invariance.py): a row's result does
+    not depend on how many rows share the call, where it sits among them, or the thread count,
+    over in-features that end in whole chains and in a tail (k = 4 x 32 x 3 and 4 x 32 x 3 + 32)."""
+    torch.manual_seed(0)
+    for k in (384, 416):
+        w = torch.randn(300, k).bfloat16()  # tiles of several output rows for the many-row path
+        x = torch.randn(75, k).to(x_dtype)
+        whole = torch.ops.genfast.linear_few_rows(x, w)
+        for start, rows in [(0, 1), (5, 2), (9, 3), (20, 4), (30, 5), (40, 7), (1, 13), (3, 70)]:
+            part = torch.ops.genfast.linear_few_rows(x[start : start + rows], w)
+            assert torch.equal(part, whole[start : start + rows]), (k, start, rows)
+        threads = torch.get_num_threads()
+        try:
+            for count in (1, 3):
+                torch.set_num_threads(count)
+                assert torch.equal(torch.ops.genfast.linear_few_rows(x, w), whole), (k, count)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@needs_few_rows_kernel
+def test_batch_invariant_linear_takes_the_kernel_for_any_row_count_eager_and_compiled():
+    torch.manual_seed(0)
+    layer = Linear(96, 40, bias=True).bfloat16()
+    layer.batch_invariant = True
+    x = torch.randn(1, 9, 96).bfloat16()
+    want = few_rows.linear(x, layer.weight, layer.bias)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), want)
+        assert torch.equal(compiled(x), want)
+        assert torch.equal(compiled(x[:, :4]), want[:, :4])
 
 
 @needs_few_rows_kernel

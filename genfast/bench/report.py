@@ -33,7 +33,8 @@ PAGE_COLUMNS: dict[str, tuple[Column, ...]] = {
     "llm": (
         ("dtype", "dtype", ""), ("decode_tok_s", "decode tok/s", ".1f"), (SPEEDUP, "", ".2f"),
         ("vs_compile", "vs compile", ".2f"),
-        ("prefill_tok_s", "prefill tok/s", ".0f"), ("ttft_ms", "TTFT ms", ".1f"), ("mbu", "MBU", ".0%"),
+        ("prefill_tok_s", "prefill tok/s", ".0f"), ("serving_tok_s", "serving tok/s", ".1f"),
+        ("ttft_ms", "TTFT ms", ".1f"), ("mbu", "MBU", ".0%"),
         ("peak_mem_gb", "peak mem GB", ".2f"), ("compile_s", "compile s", ".0f"),
         ("greedy_match", "same greedy tokens", ".0%"), ("llama_cpp_format", "llama.cpp weights", ""),
         ("llama_cpp_decode_tok_s", "llama.cpp decode tok/s", ".1f"),

@@ -6,6 +6,9 @@ it): a first call (compiling, for compiled rows), then `repeats` timed ones. Rat
 over the repeats. Accuracy: how many of the baseline's greedy tokens the row reproduces before the
 first difference. Rows named spec-<draft> add speculative decoding with that draft to the compile
 step (genfast.llm.decoding.drafters.parse_draft); `--steps speculative` runs compile and four of them.
+Recipe rows run batch-invariant where the model and machine allow (genfast/llm/model/invariance.py,
+as the run commands do); the row no-batch-invariant runs the --spec-target step on the library
+kernels instead: beside the compile row, what that mode costs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from genfast.storage.files import write_json_atomic
 
 COMPILE = "compile"  # the quantized and speculative rows' reference (the issues' speed bars are relative to it)
 SPECULATIVE = [COMPILE, "spec-int4", "spec-int8", "spec-layers:24", "spec-prompt-lookup"]
+LIBRARY_KERNELS = "no-batch-invariant"  # the --spec-target step with --no-batch-invariant
 
 # What the benchmark continues: `code` and `chat` show how speculation depends on the text.
 PROMPT_KINDS = ("pydoc", "code", "chat")
@@ -70,6 +74,12 @@ def draft_of(step: str) -> str | None:
     return draft
 
 
+def on_spec_target(step: str) -> bool:
+    """Whether a row runs the --spec-target step with something added (a draft, batch invariance)
+    rather than a recipe step of its own."""
+    return step == LIBRARY_KERNELS or draft_of(step) is not None
+
+
 class LlmLadder(Ladder):
     workload = "llm"
     recipe = RECIPE
@@ -82,7 +92,8 @@ class LlmLadder(Ladder):
         COMPILE_TIME, ("greedy_match", "same greedy tokens", ".0%"), ("acceptance", "drafts accepted", ".0%"),
         ("tokens_per_pass", "tokens/target pass", ".2f"), ("draft_share", "drafting share", ".0%"),
         ("first_token_s", "first token s after launch", ".1f"),
-        ("same_as_target", "same tokens as target", ".0%"), ("dtype", "dtype", ""), NOTE,
+        ("same_as_target", "same tokens as target", ".0%"), ("dtype", "dtype", ""),
+        ("batch_invariant", "batch-invariant", ""), NOTE,
     )
     # fmt: on
 
@@ -117,8 +128,8 @@ class LlmLadder(Ladder):
         if not text:
             return list(self.recipe.names)
         names = text.replace("speculative", ",".join(SPECULATIVE)).split(",")
-        plain = self.recipe.ordered(n for n in names if draft_of(n) is None)
-        return plain + list(dict.fromkeys(n for n in names if draft_of(n) is not None))
+        plain = self.recipe.ordered(n for n in names if not on_spec_target(n))
+        return plain + list(dict.fromkeys(n for n in names if on_spec_target(n)))
 
     def header(self, options: Options, machine: str) -> str:
         ranks = f", tensor parallel over {options['tp']} ranks (per-rank bytes and MBU)" if options["tp"] > 1 else ""
@@ -161,9 +172,9 @@ class LlmLadder(Ladder):
         return launch_tp([str(spec)], options["tp"], module="genfast.bench")
 
     def skip_reason(self, row: Row, options: Options, target: Target) -> str | None:
-        if draft_of(row.step) is None:
+        if not on_spec_target(row.step):
             return super().skip_reason(row, options, target)
-        if options["tp"] > 1:
+        if options["tp"] > 1 and row.step != LIBRARY_KERNELS:
             return "speculative decoding does not combine with --tp yet"
         return super().skip_reason(Row(options["spec_target"]), options, target)
 
@@ -177,6 +188,8 @@ class LlmLadder(Ladder):
 
         draft = draft_of(row.step)
         settings = (plan or self.recipe.plan(options["spec_target"], target)).settings
+        if row.step == LIBRARY_KERNELS:
+            settings = replace(settings, batch_invariant=False)
         tp = options["tp"]
         if tp > 1:
             join(tp)
@@ -209,16 +222,22 @@ class LlmLadder(Ladder):
         def measure(results: list[GenerationResult], seconds: list[float]) -> dict[str, Any]:
             check_same_tokens([results[-1].token_ids[0]])
             # A speculative row's greedy tokens against its target's row (run before it, if asked for).
-            same_as_target = agreement(results[-1].token_ids[0], workdir, options["spec_target"]) if draft else None
+            on_target = on_spec_target(row.step)
+            same_as_target = agreement(results[-1].token_ids[0], workdir, options["spec_target"]) if on_target else None
             decode = median([r.decode_tok_s for r in results])
             mid = min(results, key=lambda r: abs(r.decode_tok_s - decode))
             traffic = replace(decode_traffic(loaded.model, mid), steps_per_s=decode)  # at the median rate
             spec = draft is not None  # a target pass yields several tokens: bytes per token and MBU do not apply
+            if spec:
+                what = f"{options['spec_target']} step, speculative decoding with draft {draft}"
+            elif row.step == LIBRARY_KERNELS:
+                what = f"{options['spec_target']} step on the library kernels (--no-batch-invariant)"
+            else:
+                what = self.recipe.step(row.step).changes
             return {
-                "what": f"{options['spec_target']} step, speculative decoding with draft {draft}"
-                if spec
-                else self.recipe.step(row.step).changes,
+                "what": what,
                 "dtype": loaded.dtype_label(),
+                "batch_invariant": "yes" if loaded.batch_invariant else "no",
                 "quant": loaded.quant,
                 "compiled": settings.compile,
                 "tp": loaded.tp,
@@ -246,7 +265,7 @@ class LlmLadder(Ladder):
         difference. Every recipe row leaves its tokens for the rows after it (a speculative row
         compares itself with its target's, in `build`)."""
         tokens = output.token_ids[0]
-        if draft_of(row.step) is None:
+        if not on_spec_target(row.step):
             # Atomically: under --tp every rank writes the same file while the others may read it.
             write_json_atomic(workdir / f"tokens-{row.step}.json", tokens)
         match = agreement(tokens, workdir, self.recipe.baseline)

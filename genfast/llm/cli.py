@@ -59,6 +59,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="run eagerly, whatever --recipe says (no torch.compile warm-up; slower decode)",
     )
     g.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a prompt's logits, so its greedy tokens, the same bits however they are computed: alone or "
+        "batched with other requests, whole or in chunks, after a cached prefix, under speculative "
+        "decoding (genfast's own kernels for every linear and attention). Default: on where the model "
+        "and machine allow (CPU, bf16 weights); --batch-invariant demands it, --no-batch-invariant "
+        "takes the library kernels (docs/llm.md has the cost)",
+    )
+    g.add_argument(
         "--max-seq-len",
         type=positive_int,
         default=4096,
@@ -231,7 +241,8 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
         metavar="K",
         help="tokens drafted per verify pass in spec- rows (default 4); --steps also takes spec-<draft> "
         "rows (spec-int4, spec-int8, spec-layers:N, spec-prompt-lookup, spec-model:PATH: the "
-        "--spec-target step plus speculative decoding) and 'speculative' (compile and the first four of those)",
+        "--spec-target step plus speculative decoding), 'speculative' (compile and the first four of those) "
+        "and no-batch-invariant (the --spec-target step on the library kernels: what batch invariance costs)",
     )
     g.add_argument(
         "--spec-target",

@@ -23,6 +23,7 @@ from genfast.llm.decoding.precompiled import attach
 from genfast.llm.decoding.sampling import SamplingParams
 from genfast.llm.decoding.stats import format_stats
 from genfast.llm.loading import LoadedModel, load
+from genfast.llm.model import invariance
 from genfast.llm.recipe import RECIPE, LlmSettings, genfast_chooses_threads, load_for_command, make_generator, plan
 from genfast.llm.tensor_parallel import check_same_tokens, from_main_rank, is_main_rank
 from genfast.platform.hardware import DTYPES
@@ -102,16 +103,23 @@ def _draft(args: argparse.Namespace) -> str | None:
 def load_announced(args: argparse.Namespace) -> tuple[LoadedModel, LlmSettings]:
     """Load the model the model flags name, run as the recipe flags say (--recipe, with --dtype,
     --quant and --no-compile on top), and say on stderr what was loaded and how it runs."""
-    recipe = plan(args.recipe, args.device, args.dtype, args.quant, args.compile)
+    recipe = plan(args.recipe, args.device, args.dtype, args.quant, args.compile, args.batch_invariant)
     settings = recipe.settings
     loaded = load_for_command(args, settings, _log, args.tp)
     dtype = loaded.dtype_label()
     quant = "" if loaded.quant == "none" else f", {loaded.quant} weights"
     ranks = "" if loaded.tp == 1 else f" | tensor parallel over {loaded.tp} ranks"
-    _log(f"genfast: {loaded.path} | {loaded.model.args.describe_size()} | {dtype}{quant} on {loaded.device}{ranks}")
+    invariant = " | batch-invariant" if loaded.batch_invariant else ""
+    _log(
+        f"genfast: {loaded.path} | {loaded.model.args.describe_size()} | {dtype}{quant} on {loaded.device}"
+        f"{ranks}{invariant}"
+    )
     notes = [note for step, note in recipe.notes if step not in ("int8", "int4")]
     if loaded.quant != "none":  # quantized on load, or a quantized checkpoint
         notes.append(RECIPE.step("int8").fallback(Target(loaded.device, args.dtype)))
+    if settings.batch_invariant is None and not loaded.batch_invariant:
+        why = invariance.unavailable_reason(loaded.model)
+        notes.append(f"not batch-invariant ({why}): a greedy reply can change with batching or caching")
     for note in filter(None, notes):
         _log(f"genfast: note: {note}")
     return loaded, settings

@@ -14,6 +14,7 @@ from genfast.llm.checkpoints.checkpoint import Checkpoint, resolve_checkpoint
 from genfast.llm.checkpoints.quantize import describe_quantization, quantize_loaded
 from genfast.llm.checkpoints.tokenizer import Tokenizer, load_tokenizer
 from genfast.llm.checkpoints.weights import load_model
+from genfast.llm.model import invariance
 from genfast.llm.model.transformer import Transformer
 from genfast.nn import auto_weight_dtype, store_linear_weights
 from genfast.platform.hardware import resolve_device, resolve_dtype
@@ -42,6 +43,10 @@ class LoadedModel:
     def path(self) -> Path:
         return self.checkpoint.path
 
+    @property
+    def batch_invariant(self) -> bool:
+        return invariance.is_batch_invariant(self.model)
+
     def dtype_label(self) -> str:
         """e.g. 'bfloat16', or 'float32 (bfloat16 linear weights and KV cache)'."""
         label = str(self.dtype).removeprefix("torch.")
@@ -58,12 +63,16 @@ def load(
     quant: str = "none",
     group_size: int | None = None,
     tp: int = 1,
+    batch_invariant: bool | None = None,
 ) -> LoadedModel:
     """Resolve, load and (optionally) quantize a model: `model` is a --model value or a Checkpoint
     already opened; `quant`: none | int8 | int4 (weight-only, round-to-nearest, `group_size`
     columns per scale; default: per channel for int8, 32 for int4).
     `tp` > 1: keep this rank's tensor-parallel shard (after quantizing: codes are sliced, never
-    re-quantized); this process must have joined the ranks (tensor_parallel.join)."""
+    re-quantized); this process must have joined the ranks (tensor_parallel.join).
+    `batch_invariant`: every linear and attention through the batch-invariant kernels
+    (genfast/llm/model/invariance.py): True demands it (a UserError says why where the model cannot
+    run so), None takes it where the model and machine allow, False never."""
     if quant not in QUANT_MODES:
         raise UserError(f"unknown --quant {quant!r}; use one of {', '.join(QUANT_MODES)}")
     if group_size is not None and quant == "none":
@@ -72,6 +81,8 @@ def load(
         raise UserError(f"--group-size for int4 must be one of {', '.join(map(str, INT4_GROUP_SIZES))}")
     if quant == "int8" and group_size is not None and group_size % 32:
         raise UserError("--group-size for int8 must be a multiple of 32")
+    if batch_invariant and quant != "none":
+        raise UserError("--batch-invariant has no kernels for quantized weights yet; drop --quant or it")
     if threads is not None:
         if threads < 1:
             raise UserError(f"--threads must be >= 1, got {threads}")
@@ -114,6 +125,8 @@ def load(
         from genfast.kernels.decode_attention.ops import build_for
 
         build_for(transformer.args.head_dim)
+    if batch_invariant or (batch_invariant is None and invariance.unavailable_reason(transformer) is None):
+        invariance.make_batch_invariant(transformer)
     return LoadedModel(
         checkpoint,
         transformer,
@@ -123,5 +136,12 @@ def load(
         describe_quantization(transformer),
         tp,
         None if weight_dt == dt else weight_dt,
-        {"model": str(checkpoint.path), "device": str(dev), "dtype": dtype, "quant": quant, "group_size": group_size},
+        {
+            "model": str(checkpoint.path),
+            "device": str(dev),
+            "dtype": dtype,
+            "quant": quant,
+            "group_size": group_size,
+            "batch_invariant": batch_invariant,
+        },
     )

@@ -172,7 +172,7 @@ def eval_ppl_command(args: argparse.Namespace) -> int:
     json_path = Path(args.json_path) if args.json_path else None
     if json_path is not None:
         check_outputs([json_path], args.force, inputs=[args.model])
-    settings = plan(args.recipe, args.device, args.dtype, args.quant, compile=False).settings  # scored eagerly
+    settings = plan(args.recipe, args.device, args.dtype, args.quant, False, args.batch_invariant).settings  # eager
     loaded = load_for_command(args, settings, _log)
     dtype = loaded.dtype_label()
     _log(

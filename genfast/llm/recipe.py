@@ -39,6 +39,9 @@ class LlmSettings(steps.StepSettings):
 
     compile: bool = False
     quant: str = "none"  # weight-only quantization on load: none, int8 or int4
+    # Every row's logits the same bits however it is batched (genfast/llm/model/invariance.py):
+    # on, off, or None: where the model and machine allow.
+    batch_invariant: bool | None = None
 
 
 # What CUDA's quantized kernels measured, said to the user with the step (docs/performance.md has
@@ -128,11 +131,16 @@ RECIPE = Recipe(
 
 
 def plan(
-    step: str, device: str = "auto", dtype: str = "auto", quant: str | None = None, compile: bool = True
+    step: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    quant: str | None = None,
+    compile: bool = True,
+    batch_invariant: bool | None = None,
 ) -> Plan[LlmSettings]:
     """The LLM recipe up to `step` on `device`, `dtype` being the bf16 step's; `quant` (when given)
     and `compile=False` override what the steps set: the flags --quant and --no-compile are
-    shorthands on top of --recipe."""
+    shorthands on top of --recipe. `batch_invariant`: --(no-)batch-invariant, with any step."""
     from genfast.platform.hardware import dtype_name, resolve_device
 
     result = RECIPE.plan(step, Target(resolve_device(device), dtype_name(dtype)))
@@ -143,6 +151,7 @@ def plan(
         settings = replace(settings, quant=quant)
     if not compile:
         settings = replace(settings, compile=False)
+    settings = replace(settings, batch_invariant=batch_invariant)
     return replace(result, settings=settings)
 
 
@@ -155,11 +164,13 @@ def apply_recipe(
     tp: int = 1,
 ) -> LoadedModel:
     """The model `model` names, loaded to run as `settings` say: in their dtype and quantization
-    (`group_size` columns per scale), this rank's shard when `tp` > 1, then the steps' transforms.
-    Compiling is the generator's: make_generator."""
+    (`group_size` columns per scale), this rank's shard when `tp` > 1, batch-invariant where they
+    say so, then the steps' transforms. Compiling is the generator's: make_generator."""
     from genfast.llm import loading
 
-    loaded = loading.load(model, device, settings.dtype, threads, settings.quant, group_size, tp)
+    loaded = loading.load(
+        model, device, settings.dtype, threads, settings.quant, group_size, tp, settings.batch_invariant
+    )
     loaded.transforms = RECIPE.apply(settings, {"model": loaded.model}, Target(loaded.device, settings.dtype))
     return loaded
 

@@ -12,9 +12,12 @@ active sequence), and it is a dynamic dimension, as in `Generator` (on CUDA the 
 read, so shapes are fully static).
 
 Nobody waits for anyone else to finish: a request joins at the next step boundary and leaves as
-soon as it stops. Greedy output is token-identical to `Generator.generate` for the same prompt
-(tests/serve): rows never attend to each other, and free slots run a dummy token at the last
-cache position, which no request's tokens reach.
+soon as it stops. Rows never attend to each other, and free slots run a dummy token at the last
+cache position, which no request's tokens reach. A batch-invariant model (genfast/llm/model/
+invariance.py; the default where it runs) computes a request's logits to the same bits whatever
+shares its steps, however its prompt was chunked or reused, and as `Generator.generate` does: the
+same greedy tokens every time (tests/serve/test_batch_invariance.py). On the library kernels they
+can differ in the last bits, which may flip a near-tie in bf16.
 
 Prefix reuse, at two levels. A slot's cache row keeps the keys and values of its last request
 after it leaves: a new request takes the free slot whose row shares the longest prefix with its

@@ -30,7 +30,7 @@ def test_the_int4_group_size_reaches_the_int4_rows_only(monkeypatch, tmp_path, s
     class Loaded(Exception):
         pass
 
-    def fake_load(model, device, dtype, threads, quant, group_size=None, tp=1):
+    def fake_load(model, device, dtype, threads, quant, group_size=None, tp=1, batch_invariant=None):
         raise Loaded(quant, group_size)
 
     monkeypatch.setattr(genfast.llm.loading, "load", fake_load)

@@ -1,1 +1,2 @@
-"""Attention of one query per sequence over the KV cache (LLM decode): ops.py."""
+"""Attention over the KV cache, one or several queries per sequence, each query's result independent
+of the rest of its call: ops.py."""

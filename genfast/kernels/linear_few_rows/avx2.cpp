@@ -1,5 +1,5 @@
-// AVX2 + FMA variant of avx512.cpp: y = x W^T for a bf16 weight W [N, K] and 1 to
-// 8 input rows x [M, K] (fp32 or bf16), in fp32.
+// AVX2 + FMA variant of avx512.cpp: y = x W^T for a bf16 weight W [N, K] and input rows x [M, K]
+// (fp32 or bf16), in fp32.
 //
 // Why: without AVX512-BF16 there is no bf16 dot-product instruction, and both aten's bf16 GEMM
 // and inductor's one-row reduction convert and multiply element by element, streaming the weights
@@ -57,24 +57,25 @@ at::Tensor arrange(const at::Tensor& x) {
 
 // Output rows [n0, n1), one at a time, for the M arranged input rows. One output row reads one
 // contiguous weight row, so each thread streams a single run of memory (reading R rows side by
-// side, R streams of K * 2 bytes, was measured slower). U 16-column chunks per iteration and
-// separate even/odd accumulators keep up to 8 FMA chains in flight.
+// side, R streams of K * 2 bytes, was measured slower). Each row's sum runs in U chains of 16-column
+// chunks (chunk i in chain i mod U; a tail past the last whole U chunks in chain 0), even and odd
+// columns apart, added in one order: the same for every M, so a row's result does not depend on M
+// (see linear_few_rows.h); 4 FMA chains per row, 12 for a group of 3 rows.
 using genfast_few_rows::kPrefetchBytes;
+constexpr int U = 2;
 
 template <int M>
 void rows_one_by_one(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {
-  constexpr int U = M >= 4 ? 1 : 4 / M;       // chunks per iteration
-  constexpr int A = M * U * 2 <= 8 ? 2 : 1;  // accumulators per (row, chunk): even/odd apart or together
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t n = n0; n < n1; ++n) {
     const at::BFloat16* row = w + n * K;
-    __m256 acc[M][U][A];
+    __m256 acc[M][U][2];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) {
-#pragma GCC unroll 2
-        for (int a = 0; a < A; ++a) acc[m][u][a] = _mm256_setzero_ps();
+        acc[m][u][0] = _mm256_setzero_ps();
+        acc[m][u][1] = _mm256_setzero_ps();
       }
     }
     auto step = [&](int64_t k, int u) {
@@ -85,7 +86,7 @@ void rows_one_by_one(const float* x, const at::BFloat16* w, float* y, int64_t n0
       for (int m = 0; m < M; ++m) {
         const float* xm = x + m * K + k;
         acc[m][u][0] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xm), acc[m][u][0]);
-        acc[m][u][A - 1] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xm + 8), acc[m][u][A - 1]);
+        acc[m][u][1] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xm + 8), acc[m][u][1]);
       }
     };
     int64_t k = 0;
@@ -99,10 +100,9 @@ void rows_one_by_one(const float* x, const at::BFloat16* w, float* y, int64_t n0
     for (; k < K; k += 16) step(k, 0);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      __m256 total = acc[m][0][0];
-      for (int u = 0; u < U; ++u) {
-        for (int a = 0; a < A; ++a) total = (u == 0 && a == 0) ? total : _mm256_add_ps(total, acc[m][u][a]);
-      }
+      __m256 total = _mm256_add_ps(acc[m][0][0], acc[m][0][1]);
+#pragma GCC unroll 4
+      for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, _mm256_add_ps(acc[m][u][0], acc[m][u][1]));
       y[m * N + n] = hsum(total);
     }
   }
@@ -110,6 +110,7 @@ void rows_one_by_one(const float* x, const at::BFloat16* w, float* y, int64_t n0
 
 struct Avx2 {
   using Input = float;  // bf16 rows widen exactly
+  static constexpr int kGroupRows = 3;  // 3 x U x 2 accumulators and the weight's two halves in 16 registers
   static at::Tensor input(const at::Tensor& x) { return arrange(x); }
   template <int M>
   static void rows(const float* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N, int64_t K) {

@@ -1,4 +1,4 @@
-// y = x W^T for a bf16 weight W [N, K] and a few input rows x [M, K] (M <= 8), in fp32. fp32 rows
+// y = x W^T for a bf16 weight W [N, K] and input rows x [M, K], in fp32, fastest for a few rows. fp32 rows
 // are rounded to bf16 first: the products are bf16 x bf16 (the AVX2 variant multiplies them in fp32).
 //
 // Why: decoding a batch of a few sequences, or verifying k drafts, multiplies a handful of rows by
@@ -31,14 +31,16 @@ inline __m512bh load_bf16x32(const at::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(p)));
 }
 
-// Output rows [n0, n1), one at a time, for the M input rows. U 32-column chunks per iteration keep
-// up to 4 `vdpbf16ps` chains in flight for one or two input rows.
+// Output rows [n0, n1), one at a time, for the M input rows. Each row's sum runs in U chains of
+// 32-column chunks (chunk i in chain i mod U; a tail past the last whole U chunks in chain 0),
+// added in order: U is the same for every M, so a row's result does not depend on M (see
+// linear_few_rows.h), and 4 chains keep one row's `vdpbf16ps` latency hidden.
 using genfast_few_rows::kPrefetchBytes;
+constexpr int U = 4;
 
 template <int M>
 void rows_one_by_one(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0, int64_t n1, int64_t N,
                      int64_t K) {
-  constexpr int U = M >= 4 ? 1 : 4 / M;
   for (int64_t n = n0; n < n1; ++n) {
     const at::BFloat16* row = w + n * K;
     __m512 acc[M][U];
@@ -73,6 +75,7 @@ void rows_one_by_one(const at::BFloat16* x, const at::BFloat16* w, float* y, int
 
 struct Avx512 {
   using Input = at::BFloat16;  // fp32 rows are rounded to bf16: the products are bf16 x bf16
+  static constexpr int kGroupRows = 4;  // 4 x U accumulators of the 32 registers
   static at::Tensor input(const at::Tensor& x) {
     // bf16 rows as they come: no dispatched `to` (~1 µs of a ~2 µs call, 121 calls a step).
     return x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kBFloat16).contiguous();

@@ -1,6 +1,9 @@
-"""`torch.ops.genfast.linear_few_rows`: F.linear for 1 to MAX_FEW_ROWS rows (fp32 or bf16) and a
-bf16 weight, which the kernel reads once for all rows, summing in fp32. Where it does not apply,
-genfast.nn.Linear takes aten's F.linear (or, compiled, its one-row reduction).
+"""`torch.ops.genfast.linear_few_rows`: F.linear for fp32 or bf16 rows and a bf16 weight, summing in
+fp32. It reads the weight once for all rows, which makes it the fastest for 1 to MAX_FEW_ROWS rows
+(decode, batched decode, verification): there genfast.nn.Linear takes it under torch.compile
+(elsewhere aten's F.linear, or compiled its one-row reduction). It takes any row count, and sums
+each output in one order whatever the row count and the thread count: batch-invariant mode
+(genfast/llm/model/invariance.py) runs every row count through it.
 """
 
 from __future__ import annotations

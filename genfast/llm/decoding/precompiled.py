@@ -99,6 +99,7 @@ GENERATE = StepSet("generate", {"prefill": prefill_step, "decode": decode_step},
 def key_parts(model: Transformer, dtype_label: str, quant: str, batch: int, cache_len: int,
               params: SamplingParams | None, steps: StepSet = GENERATE) -> dict[str, Any]:  # fmt: skip
     """What the compiled steps depend on besides the environment (artifacts.environment)."""
+    from genfast.llm.model.invariance import is_batch_invariant
     from genfast.quant.linear import uses_native_kernels
 
     return {
@@ -107,6 +108,7 @@ def key_parts(model: Transformer, dtype_label: str, quant: str, batch: int, cach
         "dtype": dtype_label,
         "quant": quant,
         "native_kernels": uses_native_kernels(model),
+        "batch_invariant": is_batch_invariant(model),
         "batch": batch,
         "cache_len": cache_len,
         "sampling": asdict(params) if params is not None else None,
@@ -337,7 +339,8 @@ def compile_for(spec_path: Path) -> int:
     params = SamplingParams(**spec["params"]) if spec["params"] is not None else None
     module, _, attribute = spec["steps"].partition(":")
     step_set = getattr(importlib.import_module(module), attribute)
-    loaded = load(args["model"], args["device"], args["dtype"], None, args["quant"], args["group_size"])
+    loaded = load(args["model"], args["device"], args["dtype"], None, args["quant"], args["group_size"],
+                  batch_invariant=args["batch_invariant"])  # fmt: skip
     batch, cache_len = spec["parts"]["batch"], spec["parts"]["cache_len"]
     loaded.model.setup_caches(batch, cache_len)
     parts = key_parts(loaded.model, loaded.dtype_label(), loaded.quant, batch, cache_len, params, step_set)

@@ -238,6 +238,10 @@ class CacheRows:
 
 
 class Attention(nn.Module):
+    # Every query through the native kernel, whose result for a query does not depend on the other
+    # queries, rows or cache length of the call (set by genfast.llm.model.invariance).
+    batch_invariant = False
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -270,6 +274,8 @@ class Attention(nn.Module):
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
         """Attention of q [B, H, S, D] over the valid keys and values [B, KV, L, D]: [B, H, S, D]."""
+        if self.batch_invariant:
+            return decode_attention.decode_attention(q, keys, values, mask, self.head_dim**-0.5)
         if decode_attention.applies(q, keys, mask):
             return decode_attention.decode_attention(q, keys, values, mask, self.head_dim**-0.5)
         if q.shape[2] == 1 and torch.compiler.is_compiling():  # the kernel's PyTorch path
