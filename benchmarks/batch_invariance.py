@@ -122,6 +122,9 @@ def main() -> None:
                 "prompt_tokens": n,
                 **row,
                 "serving_batch": args.batch,
+                "speed_key": "prefill_tok_s",  # the chart's figure: what the mode costs where it costs
+                "higher_is_faster": True,
+                "source": "benchmarks/batch_invariance.py --json (both modes in turns in one process)",
                 "dtype": loaded.dtype_label(),
                 "model": loaded.path.name,
                 "command": "python benchmarks/batch_invariance.py " + " ".join(sys.argv[1:]),
