@@ -106,6 +106,26 @@ def test_compiled_serving_paths_agree_with_each_other(tiny_dir):
     engine.shutdown()
 
 
+def test_a_mixture_of_experts_routes_each_token_alike_on_every_path(tmp_path):
+    """Qwen3-MoE: the router's logits, and so each token's experts, and the experts' products over
+    the tokens routed to them, whatever the other tokens of the call."""
+    from tests.llm.hf_fixtures import make_hf_model, save_hf_model, word_tokenizer
+
+    hf = make_hf_model("qwen3_moe", head_dim=16)  # a head size the attention kernel takes
+    directory = save_hf_model(hf, tmp_path / "moe")
+    word_tokenizer(hf.config.vocab_size).save(directory)
+    vocab = hf.config.vocab_size
+    moe = [GenerationRequest(tuple(t % vocab for t in p), NEW_TOKENS, logprobs=3) for p in PROMPTS]
+    reference = Engine(*tiny_bf16(directory), max_batch=4, compile=False).start()
+    reference.reuse_prefixes = False
+    want = outcome([reference.generate(r) for r in moe])
+    reference.reuse_prefixes = True
+    assert outcome(run_concurrently(reference, moe * 2)) == want * 2
+    reference.prefill_chunk = 5
+    assert outcome(run_concurrently(reference, moe)) == want
+    reference.shutdown()
+
+
 def test_without_the_mode_the_paths_differ(tiny_dir):
     """What the tests above guard against: without the mode, the library kernels give other bits by
     path (their blocking follows the row count and the cache length). Skipped, saying so, on a

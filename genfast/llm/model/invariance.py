@@ -9,7 +9,8 @@ count makes attention split its keys differently.
 
 Batch-invariant mode runs every linear layer and every attention through genfast's own kernels,
 which sum in one order fixed by the shapes of the model alone (the few-row linear kernel for any
-row count; the attention kernel's key chunks fixed in size and combined in order), and which
+row count, a mixture's router included; the attention kernel's key chunks fixed in size and
+combined in order), and which
 never let one row, query or thread's share change another's sums. Everything else a decoder
 computes is per row already (norms, rotary embedding, activations). So the same prompt gets the
 same tokens alone, beside other requests, from a prefix cache or chunk by chunk, and under
@@ -31,6 +32,7 @@ from genfast.errors import UserError
 from genfast.kernels.decode_attention import ops as attention_kernel
 from genfast.kernels.linear_few_rows import ops as linear_kernel
 from genfast.llm.model.layers import Attention
+from genfast.llm.model.moe import Router
 from genfast.nn import ExpertLinear, Linear
 from genfast.quant.linear import QuantExpertLinear, QuantLinear
 
@@ -74,7 +76,7 @@ def make_batch_invariant(model: Transformer) -> None:
     if why is not None:
         raise UserError(f"--batch-invariant: {why}")
     for module in model.modules():
-        if isinstance(module, (Linear, ExpertLinear, Attention)):
+        if isinstance(module, (Linear, ExpertLinear, Attention, Router)):
             module.batch_invariant = True
 
 

@@ -28,6 +28,10 @@ class Router(nn.Module):
     its norm_topk_prob). Kept in floating point: quantizing it would change which experts run
     (llama.cpp keeps it in F32 too)."""
 
+    # The logits by the few-row kernel, whatever the row count (set by genfast.llm.model.invariance):
+    # a token's experts then never depend on the tokens beside it.
+    batch_invariant = False
+
     def __init__(self, dim: int, n_experts: int, n_active: int, normalize: bool) -> None:
         super().__init__()
         self.n_active, self.normalize = n_active, normalize
@@ -35,11 +39,22 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, dim] -> (weights [T, k] in x's dtype, experts [T, k] int64)."""
-        probs = F.linear(x, self.weight.to(x.dtype)).float().softmax(dim=-1)
+        probs = self.logits(x).float().softmax(dim=-1)
         weights, experts = torch.topk(probs, self.n_active, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
+
+    def logits(self, x: Tensor) -> Tensor:
+        if not self.batch_invariant:
+            return F.linear(x, self.weight.to(x.dtype))
+        # The kernel takes bf16 weights: a wider router goes in as two bf16 parts, its leading bits
+        # and the rest (16 of fp32's 24 mantissa bits), each summed in fp32.
+        high = self.weight.to(torch.bfloat16)
+        logits = torch.ops.genfast.linear_few_rows(x, high)
+        if self.weight.dtype != torch.bfloat16:
+            logits = logits + torch.ops.genfast.linear_few_rows(x, (self.weight.float() - high.float()).bfloat16())
+        return logits
 
 
 class MoEFeedForward(nn.Module):

@@ -177,3 +177,23 @@ def test_batched_and_speculative_decoding_equal_one_sequence_at_a_time(moe_dirs,
     assert batched.generate(prompts, 12, stop_at_eos=False).token_ids == want
     spec = SpeculativeGenerator(loaded.model, loaded.tokenizer, LayerDrafter(1), k=3, max_seq_len=64, compile=False)
     assert spec.generate([prompts[0]], 12, stop_at_eos=False).token_ids[0] == want[0]
+
+
+@pytest.mark.skipif(few_rows_unavailable_reason() is not None, reason=str(few_rows_unavailable_reason()))
+def test_a_batch_invariant_router_keeps_an_fp32_routers_precision_and_each_rows_logits():
+    """Batch-invariant mode computes the router's logits by the few-row kernel, which takes bf16
+    weights: an fp32 router goes in as two bf16 parts, so its logits stay within fp32-like error
+    (bf16 alone would be ~1e-2), and a row's logits do not depend on the rows beside it."""
+    from genfast.kernels.linear_few_rows.ops import KERNEL
+    from genfast.llm.model.moe import Router
+
+    torch.manual_seed(0)
+    router = Router(64, 8, 2, normalize=True)
+    torch.nn.init.normal_(router.weight)
+    router.batch_invariant = True
+    x = torch.randn(9, 64)
+    logits = router.logits(x)
+    rows = x.bfloat16() if KERNEL.loaded_isa() == "avx512" else x  # AVX-512's products are bf16 x bf16
+    want = rows.double() @ router.weight.double().t()
+    torch.testing.assert_close(logits.double(), want, atol=1e-3, rtol=1e-4)
+    assert all(torch.equal(router.logits(x[i : i + 1]), logits[i : i + 1]) for i in range(9))
