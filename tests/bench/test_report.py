@@ -18,6 +18,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGE = DOCS / "performance.md"
 # "docs/notes.md, section '<heading>'[, '<subheading>'][ (remark)]"; headings may hold apostrophes.
 SECTION = re.compile(r"^docs/notes\.md, section '(?P<section>.+?)'(?:, '(?P<sub>.+)')?(?: \([^)]*\))?$")
+BENCHMARK_SCRIPT = re.compile(r"^(?P<path>benchmarks/\w+\.py) --json\b")
 
 
 def test_the_page_tables_are_what_their_json_files_give(monkeypatch):
@@ -34,7 +35,8 @@ def test_every_results_file_has_its_table_and_chart():
 
 
 def test_rows_are_bench_output_or_name_their_section_of_the_notes():
-    """A row is either what `genfast bench --json` wrote (its timings are there) or a transcription
+    """A row is what `genfast bench --json` wrote (its timings are there), what a script of
+    benchmarks/ wrote with --json (its source names the script, which exists), or a transcription
     that names the section of docs/notes.md it was copied from."""
     headings = {line.lstrip("#").strip() for line in (DOCS / "notes.md").read_text().splitlines() if line[:1] == "#"}
     for json_file in result_files(PAGE.read_text()):
@@ -43,6 +45,10 @@ def test_rows_are_bench_output_or_name_their_section_of_the_notes():
             assert row.get(row["speed_key"]) is not None or row.get("note"), (json_file, row["step"])
             if "source" not in row:
                 assert "first_call_s" in row or str(row.get("note")).startswith("skipped"), (json_file, row["step"])
+                continue
+            script = BENCHMARK_SCRIPT.match(row["source"])
+            if script:
+                assert (DOCS.parent / script["path"]).is_file(), row["source"]
                 continue
             found = SECTION.match(row["source"])
             assert found, (json_file, row.get("source"))
