@@ -16,3 +16,13 @@ if [ -n "$extras" ]; then
 else
     .venv/bin/python -m pip install --quiet -e .
 fi
+# Meta's official SAM 2 (`sam2`), the reference and baseline of genfast's SAM 2 (test and bench
+# extras): installed without its dependencies, because it requires torchvision, whose PyPI wheels
+# pin another torch (genfast/sam/sam2/official.py stubs the few torchvision names it imports; its
+# other dependencies are in those extras). Built from source without its optional CUDA extension
+# and against the torch installed above.
+case ",$extras," in
+*,test,* | *,bench,*)
+    SAM2_BUILD_CUDA=0 .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation "sam2==1.1.0"
+    ;;
+esac
