@@ -23,6 +23,7 @@ fi
 # and against the torch installed above.
 case ",$extras," in
 *,test,* | *,bench,*)
+    .venv/bin/python -m pip install --quiet "setuptools>=68" wheel
     SAM2_BUILD_CUDA=0 .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation "sam2==1.1.0"
     ;;
 esac
