@@ -98,16 +98,13 @@ def config_from_state_dict(state_dict: dict[str, Tensor], decoder_num_heads: int
     return config
 
 
-def load_sam_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """Read a checkpoint file safely (weights only: no code in the pickle runs)."""
-    path = Path(path)
+def read_checkpoint_file(path: Path, kind: str, hint: str) -> object:
+    """What a PyTorch checkpoint file holds, read safely (weights only: no code in the pickle
+    runs). `kind` names the model in messages ("SAM"), `hint` says where to get a good file."""
     if not path.is_file():
-        raise UserError(
-            f"SAM checkpoint {str(path)!r} does not exist (or is not a file); "
-            "download one of the official sam_vit_*.pth files or pass the right path"
-        )
+        raise UserError(f"{kind} checkpoint {str(path)!r} does not exist (or is not a file); {hint}")
     try:
-        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt zip, pickle with code, truncated file: all the user's to fix
         # torch's message for a pickle it will not run suggests weights_only=False (not advice to pass
         # on) around the one line that says what it met, e.g. "Unsupported operand 110"
@@ -115,10 +112,22 @@ def load_sam_state_dict(path: str | Path) -> dict[str, Tensor]:
         detail = [line for line in str(e).splitlines() if line.strip() and not line.startswith(boilerplate)]
         detail = detail or [type(e).__name__]
         raise UserError(
-            f"cannot read SAM checkpoint {str(path)!r}: not a state dict genfast can load without running code "
+            f"cannot read {kind} checkpoint {str(path)!r}: not a state dict genfast can load without running code "
             f"from the file (truncated, corrupt, or another format): {detail[0][:300]}"
         ) from e
-    if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
+
+
+def is_state_dict(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, Tensor) for v in value.values())
+
+
+def load_sam_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """Read a SAM checkpoint file safely (weights only: no code in the pickle runs)."""
+    path = Path(path)
+    state_dict = read_checkpoint_file(
+        path, "SAM", "download one of the official sam_vit_*.pth files or pass the right path"
+    )
+    if not is_state_dict(state_dict):
         raise UserError(
             f"{str(path)!r} is not a SAM checkpoint: expected a state dict of tensors, got {type(state_dict).__name__}"
         )

@@ -3,7 +3,8 @@ prompt becomes a map added to the image embedding ("dense" embedding).
 
 Coordinates are in the resized, padded input frame (pixels of the image_size square). A point
 is encoded at its pixel centre (+0.5) with random Fourier features, plus a learned embedding of
-its label: 1 foreground, 0 background, -1 padding (which gets no positional part at all).
+its label: 1 foreground, 0 background, 2 and 3 a box's top-left and bottom-right corner, -1
+padding (which gets no positional part at all).
 """
 
 from __future__ import annotations
@@ -90,8 +91,10 @@ class PromptEncoder(nn.Module):
         labels = labels[..., None]
         # Written with where (no in-place masked writes) so it traces into one graph.
         emb = torch.where(labels == -1, self.not_a_point_embed.weight, pe)
-        emb = emb + torch.where(labels == 0, self.point_embeddings[0].weight, 0.0)
-        return emb + torch.where(labels == 1, self.point_embeddings[1].weight, 0.0)
+        # Labels 2 and 3 are box corners given as points (SAM 2's predictors pass boxes so).
+        for label, embedding in enumerate(self.point_embeddings):
+            emb = emb + torch.where(labels == label, embedding.weight, 0.0)
+        return emb
 
     def _embed_boxes(self, boxes: Tensor) -> Tensor:
         corners = (boxes + 0.5).reshape(-1, 2, 2)

@@ -105,8 +105,8 @@ def build_official_sam2(config: Sam2Config, video: bool = False) -> nn.Module:
     from sam2.modeling.memory_attention import MemoryAttention, MemoryAttentionLayer
     from sam2.modeling.memory_encoder import CXBlock, Fuser, MaskDownSampler, MemoryEncoder
     from sam2.modeling.position_encoding import PositionEmbeddingSine
-    from sam2.modeling.sam2_base import SAM2Base
     from sam2.modeling.sam.transformer import RoPEAttention
+    from sam2.modeling.sam2_base import SAM2Base
     from sam2.sam2_video_predictor import SAM2VideoPredictor
 
     d, grid = config.d_model, config.image_embedding_size

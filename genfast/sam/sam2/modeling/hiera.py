@@ -1,0 +1,218 @@
+"""SAM 2's image encoder: a Hiera trunk and an FPN neck.
+
+Hiera is a plain ViT made hierarchical: a 7x7 stride-4 convolution cuts the image into patches,
+then four stages of transformer blocks, each after the first starting with a block that max-pools
+its queries 2x2 (halving the resolution) while doubling the width and heads. Most blocks attend
+within square windows; a few attend globally. Positions are a small learned table, interpolated
+to the patch grid, plus a window-sized table tiled over it.
+
+The neck projects every stage to d_model channels with 1x1 convolutions, adds the upsampled coarser
+level to the two coarsest kept levels (top-down), and drops the coarsest (1/32) level: the mask
+decoder reads 1/16 as its image embedding and 1/4 and 1/8 as high-resolution features.
+
+Parameter names follow the official checkpoints (`image_encoder.trunk.*`, `image_encoder.neck.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from genfast.sam.sam2.config import Sam2Config
+from genfast.sam.sam2.modeling.position import PositionEmbeddingSine
+
+
+def window_partition(x: Tensor, window: int) -> tuple[Tensor, tuple[int, int]]:
+    """[B, H, W, C] -> [B * windows, window, window, C], zero-padding H and W up to multiples of
+    the window; also returns the padded size."""
+    b, h, w, c = x.shape
+    pad_h, pad_w = -h % window, -w % window
+    if pad_h or pad_w:
+        x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
+    hp, wp = h + pad_h, w + pad_w
+    x = x.view(b, hp // window, window, wp // window, window, c).transpose(2, 3)
+    return x.reshape(-1, window, window, c), (hp, wp)
+
+
+def window_unpartition(windows: Tensor, window: int, padded: tuple[int, int], size: tuple[int, int]) -> Tensor:
+    """The inverse of window_partition, cropping the padding."""
+    hp, wp = padded
+    b = windows.shape[0] // (hp * wp // window // window)
+    x = windows.reshape(b, hp // window, wp // window, window, window, -1).transpose(2, 3).reshape(b, hp, wp, -1)
+    h, w = size
+    return x[:, :h, :w] if (hp, wp) != (h, w) else x
+
+
+def _pool(x: Tensor, stride: int) -> Tensor:
+    """2-D max pooling of a [B, H, W, C] map."""
+    return F.max_pool2d(x.permute(0, 3, 1, 2), stride, stride).permute(0, 2, 3, 1)
+
+
+class MultiScaleAttention(nn.Module):
+    """Multi-head self-attention whose queries may be max-pooled (`q_stride`), so the output has the
+    pooled resolution while keys and values keep the full one."""
+
+    def __init__(self, dim: int, dim_out: int, num_heads: int, q_stride: int | None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_stride = q_stride
+        self.qkv = nn.Linear(dim, dim_out * 3)
+        self.proj = nn.Linear(dim_out, dim_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, h, w, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, h * w, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.q_stride:
+            q = _pool(q.transpose(1, 2).reshape(b, h, w, -1), self.q_stride)
+            h, w = q.shape[1:3]
+            q = q.reshape(b, h * w, self.num_heads, -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, h, w, -1))
+
+
+class Mlp(nn.Module):
+    """Two linear layers with GELU between (named `layers.0`, `layers.1` as in the checkpoints)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(dim, hidden), nn.Linear(hidden, dim)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers[1](F.gelu(self.layers[0](x)))
+
+
+class MultiScaleBlock(nn.Module):
+    def __init__(self, dim: int, dim_out: int, num_heads: int, window: int, q_stride: int | None) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.window = window  # 0: global attention
+        self.q_stride = q_stride
+        self.attn = MultiScaleAttention(dim, dim_out, num_heads, q_stride)
+        self.norm2 = nn.LayerNorm(dim_out, eps=1e-6)
+        self.mlp = Mlp(dim_out, 4 * dim_out)
+        # A stage's first block widens the residual stream too.
+        self.proj = nn.Linear(dim, dim_out) if dim != dim_out else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shortcut = x
+        x = self.norm1(x)
+        if self.proj is not None:
+            shortcut = self.proj(x)
+            if self.q_stride:
+                shortcut = _pool(shortcut, self.q_stride)
+        window = self.window
+        if window:
+            h, w = x.shape[1:3]
+            x, padded = window_partition(x, window)
+        x = self.attn(x)
+        if window:
+            if self.q_stride:
+                # The pooled queries made each window (and the padded map) q_stride times smaller;
+                # the pooled map is the shortcut's size.
+                window //= self.q_stride
+                h, w = shortcut.shape[1:3]
+                padded = (h + -h % window, w + -w % window)
+            x = window_unpartition(x, window, padded, (h, w))
+        x = shortcut + x
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, kernel_size=7, stride=4, padding=3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x).permute(0, 2, 3, 1)  # [B, H, W, C]
+
+
+class Hiera(nn.Module):
+    """The trunk: [B, 3, S, S] -> each stage's output [B, C_i, S / 4 / 2^i, ...], finest first."""
+
+    def __init__(self, config: Sam2Config) -> None:
+        super().__init__()
+        dim, heads = config.embed_dim, config.num_heads
+        self.patch_embed = PatchEmbed(dim)
+        self.pos_embed = nn.Parameter(torch.zeros(1, dim, *config.window_pos_embed_bkg_spatial_size))
+        self.pos_embed_window = nn.Parameter(torch.zeros(1, dim, config.window_spec[0], config.window_spec[0]))
+        ends = [sum(config.stages[: i + 1]) - 1 for i in range(len(config.stages))]
+        self.stage_ends = tuple(ends)
+        self.blocks = nn.ModuleList()
+        stage = 0
+        for i in range(config.depth):
+            dim_out = dim
+            # A stage's first block still windows at the previous stage's size: its queries are
+            # pooled inside the windows, which then have the new stage's size.
+            window = 0 if i in config.global_att_blocks else config.window_spec[stage]
+            q_stride = None
+            if i - 1 in ends:
+                dim_out, heads, stage = dim * 2, heads * 2, stage + 1
+                q_stride = 2
+            self.blocks.append(MultiScaleBlock(dim, dim_out, heads, window, q_stride))
+            dim = dim_out
+
+    def position_embedding(self, h: int, w: int) -> Tensor:
+        pos = F.interpolate(self.pos_embed, size=(h, w), mode="bicubic")
+        window = self.pos_embed_window
+        pos = pos + window.tile(1, 1, h // window.shape[2], w // window.shape[3])
+        return pos.permute(0, 2, 3, 1)
+
+    def forward(self, x: Tensor) -> list[Tensor]:
+        x = self.patch_embed(x)
+        x = x + self.position_embedding(*x.shape[1:3])
+        outputs = []
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i in self.stage_ends:
+                outputs.append(x.permute(0, 3, 1, 2))
+        return outputs
+
+
+class _Lateral(nn.Module):
+    """A 1x1 projection (wrapped so its name is `convs.{i}.conv` as in the checkpoints)."""
+
+    def __init__(self, dim: int, d_model: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(dim, d_model, kernel_size=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x)
+
+
+class FpnNeck(nn.Module):
+    def __init__(self, config: Sam2Config) -> None:
+        super().__init__()
+        self.position_encoding = PositionEmbeddingSine(config.d_model)
+        # Coarsest stage first, as the checkpoints order them.
+        self.convs = nn.ModuleList(_Lateral(dim, config.d_model) for dim in config.channel_list)
+        self.top_down_levels = config.fpn_top_down_levels
+
+    def forward(self, stages: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """Trunk outputs (finest first) -> (features, positions) of the three finest levels."""
+        n = len(self.convs) - 1
+        features: list[Tensor] = [stages[0]] * (n + 1)
+        previous = None
+        for i in range(n, -1, -1):
+            lateral = self.convs[n - i](stages[i])
+            if i in self.top_down_levels and previous is not None:
+                # Nearest-neighbour upsampling copies values: exact in any dtype (the official
+                # code upsamples in fp32 for the same result).
+                previous = lateral + F.interpolate(previous, scale_factor=2.0, mode="nearest")
+            else:
+                previous = lateral
+            features[i] = previous
+        features = features[:-1]  # the official models drop the coarsest level
+        return features, [self.position_encoding(f).to(f.dtype) for f in features]
+
+
+class ImageEncoder(nn.Module):
+    def __init__(self, config: Sam2Config) -> None:
+        super().__init__()
+        self.trunk = Hiera(config)
+        self.neck = FpnNeck(config)
+
+    def forward(self, images: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Normalized images [B, 3, S, S] -> features and their positional encodings at 1/4, 1/8
+        and 1/16 of the input (d_model channels each)."""
+        return self.neck(self.trunk(images))
