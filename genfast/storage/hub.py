@@ -72,6 +72,30 @@ SAM_CHECKPOINTS = {
     "sam-vit-h": SamCheckpoint(_SAM_URL + "sam_vit_h_4b8939.pth", "Segment Anything ViT-H", 2560),
 }
 DEFAULT_SAM_MODEL = "sam-vit-b"
+
+
+@dataclass(frozen=True)
+class Sam2Checkpoint:
+    """An official SAM 2 checkpoint over plain HTTPS. Its name carries no hash: the download is
+    checked when it loads (its tensors must have the named model's shapes)."""
+
+    url: str
+    description: str
+    size_mb: int
+
+    @property
+    def filename(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+
+_SAM2_URL = "https://dl.fbaipublicfiles.com/segment_anything_2/"
+SAM2_CHECKPOINTS = {
+    f"sam{release}-hiera-{size}": Sam2Checkpoint(
+        f"{_SAM2_URL}{folder}/sam{release}_hiera_{size.replace('-', '_')}.pt", f"SAM {release} Hiera {size}", mb
+    )
+    for release, folder in (("2.1", "092824"), ("2", "072824"))
+    for size, mb in (("tiny", 156), ("small", 184), ("base-plus", 324), ("large", 898))
+}
 # A URL -> readable binary response (with an optional .headers); urllib's by default, a fake in tests.
 Opener = Callable[[str], IO[bytes]]
 
@@ -129,11 +153,15 @@ def pull(
     sam_name = sam_model_name(name)
     if sam_name is not None:
         return pull_sam(sam_name, opener=opener, force=force, log=log)
+    sam2_name = sam2_model_name(name)
+    if sam2_name is not None:
+        return pull_sam2(sam2_name, opener=opener, force=force, log=log)
     key = name.lower()
     known = KNOWN_MODELS.get(key)
     if known is None and not is_hub_id(name):
         raise UserError(
-            f"unknown model {name!r}: give a hub id (org/name) or one of {', '.join([*KNOWN_MODELS, *SAM_CHECKPOINTS])}"
+            f"unknown model {name!r}: give a hub id (org/name) or one of "
+            f"{', '.join([*KNOWN_MODELS, *SAM_CHECKPOINTS, *SAM2_CHECKPOINTS])}"
         )
     target = model_cache_dir(key if known else name)
     if _is_populated(target) and not force:
@@ -257,17 +285,62 @@ def pull_sam(
     return target
 
 
+def sam2_model_name(spec: str) -> str | None:
+    """The SAM2_CHECKPOINTS key that `spec` names ('sam2.1-hiera-tiny', 'sam2.1_hiera_base_plus',
+    the hub's 'facebook/sam2.1-hiera-tiny'), or None."""
+    key = spec.strip().lower().removeprefix("facebook/").replace("_", "-")
+    return key if key in SAM2_CHECKPOINTS else None
+
+
+def sam2_checkpoint_path(name: str) -> Path:
+    """Where `genfast pull <name>` puts a SAM 2 checkpoint: models/<name>/<official file name>."""
+    return model_cache_dir(name) / SAM2_CHECKPOINTS[name].filename
+
+
+def resolve_sam2_checkpoint(spec: str) -> Path:
+    """The local file of a SAM 2 model name, or an existing checkpoint file or model folder."""
+    key = sam2_model_name(spec)
+    if key is None:
+        path = Path(spec).expanduser()
+        if path.exists():
+            return path
+        raise UserError(f"unknown SAM 2 model {spec!r}: use one of {', '.join(SAM2_CHECKPOINTS)}, or a checkpoint path")
+    path = sam2_checkpoint_path(key)
+    if not path.is_file():
+        raise UserError(
+            f"no SAM 2 checkpoint for {key} on this machine (looked for {path}); download it "
+            f"with `genfast pull {key}` ({SAM2_CHECKPOINTS[key].size_mb} MB) or pass --checkpoint PATH"
+        )
+    return path
+
+
+def pull_sam2(
+    name: str, *, opener: Opener | None = None, force: bool = False, log: Callable[[str], None] = print
+) -> Path:
+    """Download an official SAM 2 checkpoint into the cache."""
+    known = SAM2_CHECKPOINTS[name]
+    target = sam2_checkpoint_path(name)
+    if target.is_file() and not force:
+        log(f"{name} is already in {target}")
+        return target
+    log(f"downloading {name} ({known.description}, about {known.size_mb} MB) from {known.url}")
+    download_file(known.url, target, None, opener=opener, log=log)
+    log(f"downloaded {name} into {target} (its tensors are checked against {name}'s shapes when it loads)")
+    return target
+
+
 def download_file(
     url: str,
     target: Path,
-    sha256_prefix: str,
+    sha256_prefix: str | None,
     *,
     opener: Opener | None = None,
     log: Callable[[str], None] = print,
     chunk_size: int = 1 << 20,
 ) -> Path:
     """Stream `url` into a temp file beside `target`, and rename it into place only when it is
-    complete and its SHA-256 starts with `sha256_prefix` (nothing is left behind otherwise)."""
+    complete and its SHA-256 starts with `sha256_prefix` where one is given (nothing is left
+    behind otherwise)."""
     opener = opener or _open_url
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
@@ -289,7 +362,7 @@ def download_file(
                 f"the download of {url} stopped after {progress.done} of {progress.total} bytes; run the command again"
             )
         actual = digest.hexdigest()
-        if not actual.startswith(sha256_prefix.lower()):
+        if sha256_prefix is not None and not actual.startswith(sha256_prefix.lower()):
             raise UserError(
                 f"the file downloaded from {url} has SHA-256 {actual[:16]}..., not the expected "
                 f"{sha256_prefix}...: it is corrupt or not the official file, so it was discarded"

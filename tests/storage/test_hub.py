@@ -222,3 +222,56 @@ def test_pull_sam_with_an_injected_opener(tiny_sam_checkpoint):
     path = hub.pull("sam-vit-b", opener=opener, log=messages.append)
     assert urls == [source.as_uri()] and path.read_bytes() == source.read_bytes()
     assert hub.pull("sam-vit-b", opener=opener, force=True, log=messages.append) == path and len(urls) == 2
+
+
+# ---- SAM 2 checkpoints ---------------------------------------------------------------------------
+
+
+def test_sam2_checkpoints_are_the_official_files():
+    assert hub.SAM2_CHECKPOINTS["sam2.1-hiera-tiny"].url == (
+        "https://dl.fbaipublicfiles.com/segment_anything_2/092824/sam2.1_hiera_tiny.pt"
+    )
+    assert hub.SAM2_CHECKPOINTS["sam2-hiera-base-plus"].filename == "sam2_hiera_base_plus.pt"
+    assert len(hub.SAM2_CHECKPOINTS) == 8
+    for spec in (
+        "sam2.1-hiera-base-plus",
+        "sam2.1_hiera_base_plus",
+        "facebook/sam2.1-hiera-base-plus",
+        "SAM2.1-Hiera-Base-Plus",
+    ):
+        assert hub.sam2_model_name(spec) == "sam2.1-hiera-base-plus"
+    assert hub.sam2_model_name("sam2.1-hiera-huge") is None and hub.sam2_model_name("vit_b") is None
+    # every name is a preset of genfast's SAM 2
+    from genfast.sam.sam2.config import SAM2_PRESETS
+
+    assert set(hub.SAM2_CHECKPOINTS) == set(SAM2_PRESETS)
+
+
+def test_missing_sam2_checkpoint_says_how_to_pull():
+    with pytest.raises(UserError, match="genfast pull sam2.1-hiera-small") as info:
+        hub.resolve_sam2_checkpoint("sam2.1_hiera_small")
+    assert str(hub.sam2_checkpoint_path("sam2.1-hiera-small")) in str(info.value)
+    with pytest.raises(UserError, match="unknown SAM 2 model"):
+        hub.resolve_sam2_checkpoint("sam2.1-hiera-huge")
+
+
+def test_pull_sam2_downloads_and_the_load_checks_the_shapes(tmp_path, monkeypatch, capsys):
+    """A stand-in official-layout file at a file:// URL: pulled into the cache under the official
+    name; loading it by name checks its shapes are that model's (a tiny model is not)."""
+    import torch
+
+    from genfast.cli import main
+    from genfast.sam.sam2.build import build_random_sam2, load_sam2, load_sam2_checkpoint, to_official_keys
+    from genfast.sam.sam2.config import tiny_sam2_config
+
+    source = tmp_path / "sam2.1_hiera_tiny.pt"
+    torch.save({"model": to_official_keys(build_random_sam2(tiny_sam2_config()).state_dict())}, source)
+    monkeypatch.setitem(hub.SAM2_CHECKPOINTS, "sam2.1-hiera-tiny", hub.Sam2Checkpoint(source.as_uri(), "stand-in", 1))
+    assert main(["pull", "sam2.1-hiera-tiny"]) == 0
+    target = hub.sam2_checkpoint_path("sam2.1-hiera-tiny")
+    assert target.read_bytes() == source.read_bytes()
+    assert "checked against" in capsys.readouterr().err
+    assert hub.resolve_sam2_checkpoint("facebook/sam2.1-hiera-tiny") == target
+    load_sam2_checkpoint(target, config=tiny_sam2_config())
+    with pytest.raises(UserError, match="none of the official SAM 2 models"):
+        load_sam2("sam2.1-hiera-tiny")

@@ -112,7 +112,10 @@ def load_sam2_checkpoint(path: str | Path, config: Sam2Config | None = None) -> 
         raise UserError(
             f"{str(path)!r} is not a SAM 2 checkpoint: expected {{'model': state dict}} as the official files hold"
         )
-    return sam2_from_state_dict(state_dict, config or config_from_state_dict(state_dict), repr(str(path)))
+    found = config_from_state_dict(state_dict) if config is None or config.name in SAM2_PRESETS else config
+    if config is not None and not found.same_shapes(config):
+        raise UserError(f"SAM 2 checkpoint {str(path)!r} holds {found.name}, not {config.name}")
+    return sam2_from_state_dict(state_dict, found, repr(str(path)))
 
 
 def _load_transformers_layout(folder: Path, config: Sam2Config | None) -> Sam2:
@@ -136,3 +139,13 @@ def _load_transformers_layout(folder: Path, config: Sam2Config | None) -> Sam2:
         hf_state_dict.update(load_file(file))
     state_dict = official_state_dict_from_hf(hf_state_dict, config)
     return sam2_from_state_dict(state_dict, config, repr(str(folder)))
+
+
+def load_sam2(spec: str, config: Sam2Config | None = None) -> Sam2:
+    """The model a name ('sam2.1-hiera-tiny', from the cache `genfast pull` fills), a checkpoint
+    file or a transformers-layout folder names. A named download must have that model's shapes."""
+    from genfast.storage.hub import resolve_sam2_checkpoint, sam2_model_name
+
+    name = sam2_model_name(spec)
+    model = load_sam2_checkpoint(resolve_sam2_checkpoint(spec), config or (sam2_preset(name) if name else None))
+    return model

@@ -62,10 +62,9 @@ class SAM2ImagePredictor:
     def from_pretrained(cls, model_id: str, **kwargs: float) -> SAM2ImagePredictor:
         """A predictor for a named model ('sam2.1-hiera-tiny', or the hub's
         'facebook/sam2.1-hiera-tiny'), from genfast's cache (`genfast pull NAME` fills it)."""
-        from genfast.sam.sam2.build import load_sam2_checkpoint
-        from genfast.storage.hub import resolve_sam2_checkpoint
+        from genfast.sam.sam2.build import load_sam2
 
-        return cls(load_sam2_checkpoint(resolve_sam2_checkpoint(model_id)), **kwargs)
+        return cls(load_sam2(model_id), **kwargs)
 
     @property
     def device(self) -> torch.device:
