@@ -60,7 +60,7 @@ class MaskData:
     boxes: Tensor  # [N, 4] XYXY, int64, inclusive pixels in the image frame
     iou_preds: Tensor  # [N] the model's predicted IoU
     stability_scores: Tensor  # [N]
-    points: Tensor  # [N, 2] float64 (x, y) of the prompt in the image frame (host)
+    points: Tensor  # [N, 2] (x, y) of the prompt in the image frame, in point_dtype (host)
     crop_boxes: Tensor  # [N, 4] XYXY int64
 
     def select(self, index: Tensor) -> MaskData:
@@ -124,44 +124,37 @@ def _fraction(name: str, value: Any, upper_open: bool = False) -> float:
     return float(value)
 
 
-class SamAutomaticMaskGenerator:
+class GridMaskGenerator:
+    """The automatic mask generator's algorithm for any promptable model: what a model brings is
+    its predictor (SamAutomaticMaskGenerator, genfast.sam.sam2.automatic's SAM2AutomaticMaskGenerator).
+
+    A predictor here has set_image(image), reset_image(), device, input_frame(points [N, 2] crop
+    pixels as float64, crop size) -> float32 points in the model's input frame, and
+    predict_low_res_torch(coords [B, 1, 2], labels [B, 1], multimask_output=...) -> (unclamped
+    low-res logits [B, M, h, w], IoUs [B, M]) and upscale_masks(low_res [B, M, h, w],
+    return_logits=True) -> logits at the crop's size.
+    """
+
+    point_dtype = torch.float64  # of the prompt points in the records (the official packages differ)
+
     def __init__(
         self,
-        model: Sam,
-        points_per_side: int | None = 32,
-        points_per_batch: int = 64,
-        pred_iou_thresh: float = 0.88,
-        stability_score_thresh: float = 0.95,
-        stability_score_offset: float = 1.0,
-        box_nms_thresh: float = 0.7,
-        crop_n_layers: int = 0,
-        crop_nms_thresh: float = 0.7,
-        crop_overlap_ratio: float = 512 / 1500,
-        crop_n_points_downscale_factor: int = 1,
-        point_grids: list[np.ndarray] | None = None,
-        min_mask_region_area: int = 0,
-        output_mode: str = "binary_mask",
+        predictor: Any,
+        mask_threshold: float,
+        points_per_side: int | None,
+        points_per_batch: int,
+        pred_iou_thresh: float,
+        stability_score_thresh: float,
+        stability_score_offset: float,
+        box_nms_thresh: float,
+        crop_n_layers: int,
+        crop_nms_thresh: float,
+        crop_overlap_ratio: float,
+        crop_n_points_downscale_factor: int,
+        point_grids: list[np.ndarray] | None,
+        min_mask_region_area: int,
+        output_mode: str,
     ) -> None:
-        """Masks for a whole image from a grid of point prompts (defaults tuned for ViT-H).
-
-        points_per_side: a points_per_side**2 grid over each crop (layer i of crops:
-        points_per_side / crop_n_points_downscale_factor**i a side); or point_grids: one array of
-        (x, y) points normalized to [0, 1] per crop layer. Exactly one of the two.
-        points_per_batch: prompts decoded together (memory vs speed).
-        pred_iou_thresh, stability_score_thresh: keep masks scoring above/at these (0 disables);
-        the stability score is the IoU of the mask thresholded at +-stability_score_offset.
-        box_nms_thresh: box IoU above which a lower-scoring mask of the same crop is a duplicate.
-        crop_n_layers: also run on crops, layer i a 2**i x 2**i grid of crops overlapping by
-        crop_overlap_ratio of the short side (layer 1); crop_nms_thresh removes duplicates between
-        crops. min_mask_region_area: fill holes and drop islands smaller than this many pixels.
-        output_mode: records hold masks as HxW bool arrays ("binary_mask"), uncompressed RLEs
-        ("uncompressed_rle", column-major counts) or COCO RLEs ("coco_rle", needs pycocotools).
-        """
-        if not isinstance(model, Sam):
-            raise UserError(
-                f"model must be a genfast SAM model (genfast.sam.build_sam or load_sam_checkpoint), "
-                f"got {type(model).__name__}"
-            )
         if (points_per_side is None) == (point_grids is None):
             raise UserError(
                 "pass exactly one of points_per_side (a regular grid of prompts) or point_grids "
@@ -190,7 +183,8 @@ class SamAutomaticMaskGenerator:
             raise UserError(f"output_mode must be one of {', '.join(map(repr, OUTPUT_MODES))}, got {output_mode!r}")
         if output_mode == "coco_rle":
             coco_encode_rle({"size": [1, 1], "counts": [1]})  # fails now, not after the work, without pycocotools
-        self.predictor = SamPredictor(model)
+        self.predictor = predictor
+        self.mask_threshold = _number("mask_threshold", mask_threshold)
         self.points_per_batch = _integer("points_per_batch", points_per_batch, 1)
         self.pred_iou_thresh = _number("pred_iou_thresh", pred_iou_thresh)
         self.stability_score_thresh = _number("stability_score_thresh", stability_score_thresh)
@@ -200,6 +194,10 @@ class SamAutomaticMaskGenerator:
         self.crop_overlap_ratio = _fraction("crop_overlap_ratio", crop_overlap_ratio, upper_open=True)
         self.min_mask_region_area = _integer("min_mask_region_area", min_mask_region_area, 0)
         self.output_mode = output_mode
+
+    def _decode(self, prompts: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Low-res logits [B, M, h, w] and IoUs [B, M] for single-point prompts [B, 1, 2]."""
+        return self.predictor.predict_low_res_torch(prompts, labels, multimask_output=True)
 
     def _check_point_grids(self, point_grids: Any) -> list[Tensor]:
         if not isinstance(point_grids, (list, tuple)) or len(point_grids) < self.crop_n_layers + 1:
@@ -280,10 +278,8 @@ class SamAutomaticMaskGenerator:
         self.predictor.set_image(crop)
         device = self.predictor.device
         # Prompts in the crop's pixels (float64, kept for the records) and in the model's frame.
-        points = self.point_grids[layer] * torch.tensor(crop_size[::-1], dtype=torch.float64)
-        prompts = torch.as_tensor(
-            self.predictor.transform.apply_coords(points.numpy(), crop_size), dtype=torch.float32, device=device
-        )
+        points = (self.point_grids[layer] * torch.tensor(crop_size[::-1], dtype=torch.float64)).to(self.point_dtype)
+        prompts = self.predictor.input_frame(points, crop_size)
         # Made once per crop: a tensor built from host values in the loop would wait for the device.
         crop_edges = torch.tensor([crop_box, [0, 0, image_size[1], image_size[0]]], dtype=torch.float32, device=device)
         step = self.points_per_batch
@@ -322,7 +318,7 @@ class SamAutomaticMaskGenerator:
         the device.
         """
         labels = torch.ones(prompts.shape[0], 1, dtype=torch.int32, device=prompts.device)
-        low_res, iou_preds = self.predictor.predict_low_res_torch(prompts[:, None, :], labels, multimask_output=True)
+        low_res, iou_preds = self._decode(prompts[:, None, :], labels)
         per_point = iou_preds.shape[1]
         low_res, iou_preds = low_res.flatten(0, 1), iou_preds.flatten(0, 1)
         rows = torch.arange(len(iou_preds), device=iou_preds.device)
@@ -331,7 +327,7 @@ class SamAutomaticMaskGenerator:
             low_res, iou_preds = low_res[rows], iou_preds[rows]
         # Upscaled after the IoU filter: each mask is upscaled on its own, so dropped masks need none.
         logits = self.predictor.upscale_masks(low_res[:, None], return_logits=True)[:, 0]
-        threshold = self.predictor.model.mask_threshold
+        threshold = self.mask_threshold
         stability = stability_score(logits, threshold, self.stability_score_offset)
         masks = logits > threshold
         del logits
@@ -371,4 +367,61 @@ class SamAutomaticMaskGenerator:
                 data_boxes[i] = new_boxes[i]
         return MaskData(rles, data_boxes, data.iou_preds, data.stability_scores, data.points, data.crop_boxes).select(
             keep
+        )
+
+
+class SamAutomaticMaskGenerator(GridMaskGenerator):
+    def __init__(
+        self,
+        model: Sam,
+        points_per_side: int | None = 32,
+        points_per_batch: int = 64,
+        pred_iou_thresh: float = 0.88,
+        stability_score_thresh: float = 0.95,
+        stability_score_offset: float = 1.0,
+        box_nms_thresh: float = 0.7,
+        crop_n_layers: int = 0,
+        crop_nms_thresh: float = 0.7,
+        crop_overlap_ratio: float = 512 / 1500,
+        crop_n_points_downscale_factor: int = 1,
+        point_grids: list[np.ndarray] | None = None,
+        min_mask_region_area: int = 0,
+        output_mode: str = "binary_mask",
+    ) -> None:
+        """Masks for a whole image from a grid of point prompts (defaults tuned for ViT-H).
+
+        points_per_side: a points_per_side**2 grid over each crop (layer i of crops:
+        points_per_side / crop_n_points_downscale_factor**i a side); or point_grids: one array of
+        (x, y) points normalized to [0, 1] per crop layer. Exactly one of the two.
+        points_per_batch: prompts decoded together (memory vs speed).
+        pred_iou_thresh, stability_score_thresh: keep masks scoring above/at these (0 disables);
+        the stability score is the IoU of the mask thresholded at +-stability_score_offset.
+        box_nms_thresh: box IoU above which a lower-scoring mask of the same crop is a duplicate.
+        crop_n_layers: also run on crops, layer i a 2**i x 2**i grid of crops overlapping by
+        crop_overlap_ratio of the short side (layer 1); crop_nms_thresh removes duplicates between
+        crops. min_mask_region_area: fill holes and drop islands smaller than this many pixels.
+        output_mode: records hold masks as HxW bool arrays ("binary_mask"), uncompressed RLEs
+        ("uncompressed_rle", column-major counts) or COCO RLEs ("coco_rle", needs pycocotools).
+        """
+        if not isinstance(model, Sam):
+            raise UserError(
+                f"model must be a genfast SAM model (genfast.sam.build_sam or load_sam_checkpoint), "
+                f"got {type(model).__name__}"
+            )
+        super().__init__(
+            SamPredictor(model),
+            model.mask_threshold,
+            points_per_side,
+            points_per_batch,
+            pred_iou_thresh,
+            stability_score_thresh,
+            stability_score_offset,
+            box_nms_thresh,
+            crop_n_layers,
+            crop_nms_thresh,
+            crop_overlap_ratio,
+            crop_n_points_downscale_factor,
+            point_grids,
+            min_mask_region_area,
+            output_mode,
         )

@@ -281,6 +281,12 @@ class SamPredictor:
         or logits with return_logits). Each mask is upscaled on its own."""
         return self._postprocess(low_res, self._image_index(image_index), return_logits)
 
+    def input_frame(self, points: Tensor, image_size: tuple[int, int]) -> Tensor:
+        """(x, y) pixel points [N, 2] of an image of image_size (H, W) -> float32 points in the
+        model's input frame, on the model's device."""
+        coords = self.transform.apply_coords(points.numpy(), image_size)
+        return torch.as_tensor(coords, dtype=torch.float32, device=self.device)
+
     def _decode(
         self,
         image_indices: list[int],

@@ -224,6 +224,23 @@ class SAM2ImagePredictor:
         """Masks for B prompts already in the input frame (coords [B, N, 2] with labels [B, N],
         boxes [B, 2, 2] as corners, mask_input [B, 1, 256, 256]): masks [B, C, H, W], IoUs [B, C],
         low-res logits [B, C, 256, 256]. Reads no device values (no host sync on a GPU)."""
+        low_res, iou = self.predict_low_res_torch(
+            point_coords, point_labels, boxes, mask_input, multimask_output, img_idx
+        )
+        masks = self.upscale_masks(low_res, img_idx, return_logits)
+        return masks, iou, low_res.clamp(-LOW_RES_LOGIT_BOUND, LOW_RES_LOGIT_BOUND)
+
+    @torch.no_grad()
+    def predict_low_res_torch(
+        self,
+        point_coords: Tensor | None,
+        point_labels: Tensor | None,
+        boxes: Tensor | None = None,
+        mask_input: Tensor | None = None,
+        multimask_output: bool = True,
+        img_idx: int = 0,
+    ) -> tuple[Tensor, Tensor]:
+        """predict_torch without the upscaling: fp32 low-res logits (unclamped) and IoUs."""
         self._require_image()
         points = (point_coords, point_labels) if point_coords is not None else None
         if boxes is not None:
@@ -241,11 +258,23 @@ class SAM2ImagePredictor:
         low_res, iou, _, _ = model.sam_mask_decoder(
             embedding, model.sam_prompt_encoder.get_dense_pe(), sparse, dense, multimask_output, high_res
         )
-        low_res, iou = low_res.float(), iou.float()
+        return low_res.float(), iou.float()
+
+    def upscale_masks(self, low_res: Tensor, img_idx: int = 0, return_logits: bool = False) -> Tensor:
+        """Low-res logits [B, C, h, w] -> masks at image img_idx's size (bool, or logits)."""
         masks = self.postprocess_masks(low_res, self._orig_hw[img_idx])
-        if not return_logits:
-            masks = masks > self.mask_threshold
-        return masks, iou, low_res.clamp(-LOW_RES_LOGIT_BOUND, LOW_RES_LOGIT_BOUND)
+        return masks if return_logits else masks > self.mask_threshold
+
+    def input_frame(self, points: Tensor, image_size: tuple[int, int]) -> Tensor:
+        """(x, y) pixel points [N, 2] of an image of image_size (H, W) -> float32 points in the
+        model's input frame, on the model's device (for the automatic mask generator)."""
+        h, w = image_size
+        points = points.to(self.device, torch.float32)
+        return points / torch.tensor([w, h], dtype=torch.float32, device=self.device) * self.model.image_size
+
+    def reset_image(self) -> None:
+        """reset_predictor under the name genfast's SAM predictor uses."""
+        self.reset_predictor()
 
     def postprocess_masks(self, low_res: Tensor, orig_hw: tuple[int, int]) -> Tensor:
         """Low-res logits [B, C, h, w] -> logits at the original size, after removing holes and

@@ -1,0 +1,73 @@
+"""genfast's SAM2AutomaticMaskGenerator against the official one (same random weights, tiny
+config; the official generator's NMS is the plain reference of tests/sam/oracle.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from genfast.errors import UserError
+from genfast.sam.sam2.automatic import SAM2AutomaticMaskGenerator
+from genfast.sam.sam2.config import tiny_sam2_config
+from genfast.sam.sam2.official import import_sam2
+from tests.sam.oracle import reference_batched_nms
+from tests.sam.sam2.oracle import twin_models
+from tests.sam.test_automatic import _assert_same_records, _image
+
+
+@pytest.fixture(scope="module")
+def models():
+    import_sam2()
+    from sam2 import automatic_mask_generator
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(automatic_mask_generator, "batched_nms", reference_batched_nms)
+        yield twin_models(tiny_sam2_config(), seed=3)
+
+
+def _generate_both(models, image: np.ndarray, **kwargs) -> tuple[list[dict], list[dict]]:
+    from sam2.automatic_mask_generator import SAM2AutomaticMaskGenerator as Official
+
+    ours, official = models
+    reference = Official(official, **kwargs)
+    grid = ours.config.image_embedding_size  # the official predictor assumes 1024-pixel models
+    reference.predictor._bb_feat_sizes = [(4 * grid, 4 * grid), (2 * grid, 2 * grid), (grid, grid)]
+    return SAM2AutomaticMaskGenerator(ours, **kwargs).generate(image), reference.generate(image)
+
+
+# A random tiny model's IoU predictions (after the sigmoid) lie around 0.3-0.7 and its logits
+# within +-1: thresholds scaled so both filters keep some masks and drop others.
+SMALL_MODEL = dict(pred_iou_thresh=0.5, stability_score_thresh=0.3, stability_score_offset=0.05)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(points_per_side=12),
+        dict(points_per_side=12, multimask_output=False),
+        dict(points_per_side=8, use_m2m=True),
+        dict(points_per_side=8, crop_n_layers=1, crop_overlap_ratio=0.5, crop_nms_thresh=0.6),
+        dict(points_per_side=10, points_per_batch=7, output_mode="uncompressed_rle"),
+    ],
+    ids=["default", "single-mask", "m2m", "crops", "rle-partial-batches"],
+)
+def test_matches_official(models, options: dict) -> None:
+    ours, expected = _generate_both(models, _image(), box_nms_thresh=0.9, **SMALL_MODEL, **options)
+    _assert_same_records(ours, expected, at_least=3)
+    ious = [r["predicted_iou"] for r in ours]
+    assert min(ious) > 0.5
+
+
+def test_unfiltered_masks_match_official(models) -> None:
+    ours, expected = _generate_both(
+        models, _image(seed=2), points_per_side=6, pred_iou_thresh=0.0, stability_score_thresh=0.0
+    )
+    _assert_same_records(ours, expected, at_least=5)
+
+
+def test_rejects_a_sam1_model() -> None:
+    from genfast.sam.build import build_sam
+    from tests.sam.test_modeling import TINY
+
+    with pytest.raises(UserError, match="SAM 2 model"):
+        SAM2AutomaticMaskGenerator(build_sam(TINY))
