@@ -248,7 +248,7 @@ def test_sam2_checkpoints_are_the_official_files():
 
 
 def test_missing_sam2_checkpoint_says_how_to_pull():
-    with pytest.raises(UserError, match="genfast pull sam2.1-hiera-small") as info:
+    with pytest.raises(UserError, match=r"genfast pull sam2\.1-hiera-small") as info:
         hub.resolve_sam2_checkpoint("sam2.1_hiera_small")
     assert str(hub.sam2_checkpoint_path("sam2.1-hiera-small")) in str(info.value)
     with pytest.raises(UserError, match="unknown SAM 2 model"):

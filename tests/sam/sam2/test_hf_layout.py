@@ -353,3 +353,36 @@ def test_state_dict_refusals() -> None:
     # Either copy of the positional matrix alone is enough.
     for key in ("shared_image_embedding.positional_embedding", "prompt_encoder.shared_embedding.positional_embedding"):
         official_state_dict_from_hf({k: v for k, v in state.items() if k != key}, config)
+
+
+def test_a_saved_transformers_folder_loads_into_genfast(tmp_path) -> None:
+    """End to end: save_pretrained's folder (config.json + model.safetensors) loads with
+    load_sam2_checkpoint and predicts what the official model does with the converted weights."""
+    import numpy as np
+
+    from genfast.sam.sam2.build import load_sam2_checkpoint
+    from genfast.sam.sam2.official import import_sam2
+    from genfast.sam.sam2.predictor import SAM2ImagePredictor
+
+    state, _, official, config = _pair("tiny")
+    hf_model = transformers.Sam2VideoModel(_hf_config(TINY)).eval()
+    hf_model.load_state_dict(state, strict=True)
+    hf_model.save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").is_file() and list(tmp_path.glob("*.safetensors"))
+    ours = load_sam2_checkpoint(tmp_path)
+    assert ours.config.same_shapes(config)
+    assert load_sam2_checkpoint(next(tmp_path.glob("*.safetensors"))).config.same_shapes(config)
+
+    import_sam2()
+    from sam2.sam2_image_predictor import SAM2ImagePredictor as OfficialPredictor
+
+    reference = OfficialPredictor(official)
+    grid = config.image_embedding_size
+    reference._bb_feat_sizes = [(4 * grid, 4 * grid), (2 * grid, 2 * grid), (grid, grid)]
+    predictor = SAM2ImagePredictor(ours)
+    image = np.random.default_rng(0).integers(0, 256, (70, 90, 3), dtype=np.uint8)
+    predictor.set_image(image)
+    reference.set_image(image)
+    prompt = dict(point_coords=np.array([[30.0, 20.0]]), point_labels=np.array([1]), return_logits=True)
+    for a, b in zip(predictor.predict(**prompt), reference.predict(**prompt)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
