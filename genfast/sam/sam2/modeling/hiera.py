@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.sam.modeling.attention import attention
 from genfast.sam.sam2.config import Sam2Config
 from genfast.sam.sam2.modeling.position import PositionEmbeddingSine
 
@@ -59,6 +60,7 @@ class MultiScaleAttention(nn.Module):
         self.q_stride = q_stride
         self.qkv = nn.Linear(dim, dim_out * 3)
         self.proj = nn.Linear(dim_out, dim_out)
+        self.attention_impl = "auto"  # genfast.sam.modeling.attention: the recipe's choice
 
     def forward(self, x: Tensor) -> Tensor:
         b, h, w, _ = x.shape
@@ -67,7 +69,7 @@ class MultiScaleAttention(nn.Module):
             q = _pool(q.transpose(1, 2).reshape(b, h, w, -1), self.q_stride)
             h, w = q.shape[1:3]
             q = q.reshape(b, h * w, self.num_heads, -1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = attention(q, k, v, self.attention_impl)
         return self.proj(out.transpose(1, 2).reshape(b, h, w, -1))
 
 
