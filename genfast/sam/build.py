@@ -137,7 +137,11 @@ def load_sam_state_dict(path: str | Path) -> dict[str, Tensor]:
 def load_sam_checkpoint(path: str | Path, config: SamConfig | None = None) -> Sam:
     """The SAM model stored at `path` (architecture inferred from its shapes unless `config` is
     given), on the CPU in the checkpoint's dtype, in eval mode."""
-    state_dict = load_sam_state_dict(path)
+    return sam_from_state_dict(load_sam_state_dict(path), str(path), config)
+
+
+def sam_from_state_dict(state_dict: dict[str, Tensor], source: str, config: SamConfig | None = None) -> Sam:
+    """A SAM model filled with a checkpoint's state dict (read from `source`, named in errors)."""
     if config is None:
         config = config_from_state_dict(state_dict)
     # Built on the meta device and filled by assignment: no time spent drawing random weights.
@@ -148,7 +152,7 @@ def load_sam_checkpoint(path: str | Path, config: SamConfig | None = None) -> Sa
     except RuntimeError as e:
         detail = str(e).split("\n", 1)[-1].strip()
         raise UserError(
-            f"SAM checkpoint {str(path)!r} does not match the {config.name} architecture: {detail[:800]}"
+            f"SAM checkpoint {source!r} does not match the {config.name} architecture: {detail[:800]}"
         ) from e
     model.reset_pixel_stats()
     return model.eval()

@@ -18,9 +18,9 @@ from genfast.sam.recipe import DEFAULT_STEP, RECIPE
 
 DTYPE_HELP = """the recipe's bf16 step: float32 (the default: no bf16 step, masks as the original model makes them),
 auto (bfloat16 where the hardware computes in it natively), bfloat16 or float16 (CUDA only)"""
-SEGMENT_DESCRIPTION = """Segment an image with SAM. Prompts: --point X,Y (repeatable, with one --label
-1|0 per point; default foreground) and/or --box X0,Y0,X1,Y1, in pixels (x right,
-y down); or --auto for every object."""
+SEGMENT_DESCRIPTION = """Segment an image with SAM or SAM 2 (--model sam2.1-hiera-tiny ...). Prompts: --point X,Y
+(repeatable, with one --label 1|0 per point; default foreground) and/or --box X0,Y0,X1,Y1, in
+pixels (x right, y down); or --auto for every object."""
 BENCH_SAM_HELP = "Segment Anything ladder (random weights, real images) vs the original package"
 BENCH_SAM_DESCRIPTION = """Images/s, peak memory and agreement with the original segment-anything fp32 predictor for
 each step of the recipe (genfast/sam/recipe.py), on random weights at the real architecture size. --steps also takes
@@ -33,8 +33,8 @@ SEGMENT_EPILOG = """outputs (never overwritten without --force; written atomical
   OUT-overlay.png  masks tinted over the image with the prompt drawn (see --overlay).
   --json PATH      masks as uncompressed RLE ({size: [H, W], counts}, column-major,
                    zeros first) with predicted IoU, area and XYWH box ('-' = stdout).
-weights: not shipped; `genfast pull sam-vit-b` downloads the official checkpoint into
-the cache, where --model finds it (or pass --checkpoint PATH)."""
+weights: not shipped; `genfast pull sam-vit-b` (or sam2.1-hiera-tiny ...) downloads the
+official checkpoint into the cache, where --model finds it (or pass --checkpoint PATH)."""
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -74,9 +74,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--pred-iou-thresh",
         type=unit_float,
-        default=0.88,
+        default=None,
         metavar="T",
-        help="--auto: drop masks with a lower predicted IoU (default 0.88)",
+        help="--auto: drop masks with a lower predicted IoU (default: 0.88 for SAM, 0.8 for SAM 2, as the official "
+        "generators)",
     )
     g.add_argument(
         "--stability-score-thresh",
@@ -98,12 +99,19 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--force", action="store_true", help="overwrite existing output files")
     g = p.add_argument_group("model")
-    g.add_argument("--checkpoint", default=None, metavar="PATH", help="a SAM checkpoint (sam_vit_*.pth)")
+    g.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
+        help="a SAM or SAM 2 checkpoint (official sam_vit_*.pth or sam2*_hiera_*.pt, or a Hugging Face SAM 2 "
+        "folder with config.json and model.safetensors)",
+    )
     g.add_argument(
         "--model",
         "-m",
         default=None,
-        help="sam-vit-b, sam-vit-l or sam-vit-h from the cache (`genfast pull NAME`; default sam-vit-b)",
+        help="from the cache (`genfast pull NAME`): sam-vit-b, sam-vit-l, sam-vit-h, or SAM 2: sam2.1-hiera-tiny, "
+        "-small, -base-plus, -large (and sam2-hiera-* for 2.0); default sam-vit-b",
     )
     g.add_argument(
         "--random-weights",

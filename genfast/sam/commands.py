@@ -43,6 +43,8 @@ from genfast.platform.hardware import synchronize
 from genfast.sam import images
 from genfast.sam.masks import box_xyxy_to_xywh, mask_to_rle, masks_to_boxes
 from genfast.sam.modeling import Sam
+from genfast.sam.sam2.config import Sam2Config
+from genfast.sam.sam2.modeling.model import Sam2
 from genfast.storage.files import check_outputs
 
 RANDOM_WEIGHTS_WARNING = "random weights (--random-weights): for benchmarking only; these masks are meaningless"
@@ -135,41 +137,74 @@ def check_prompt_inside(prompt: Prompt, height: int, width: int) -> None:
 
 @dataclass
 class LoadedSam:
-    model: Sam
+    model: Sam | Sam2
     description: str  # e.g. "vit_b from /path/sam_vit_b_01ec64.pth"
     checkpoint: Path | None  # None with random weights
     random_weights: bool
 
 
 def load_model(args: argparse.Namespace, device: torch.device) -> LoadedSam:
-    """The model --checkpoint, --model and --random-weights name, in float32 on `device`."""
-    from genfast.sam.build import build_random_sam, config_from_state_dict, load_sam_checkpoint, load_sam_state_dict
+    """The model --checkpoint, --model and --random-weights name (SAM or SAM 2, told apart by the
+    name or the file's contents), in float32 on `device`."""
+    from genfast.sam.build import build_random_sam, read_checkpoint_file, sam_from_state_dict
     from genfast.sam.config import sam_preset
-    from genfast.storage.hub import DEFAULT_SAM_MODEL, SAM_CHECKPOINTS, resolve_sam_checkpoint, sam_model_name
+    from genfast.sam.sam2 import build as sam2_build
+    from genfast.sam.sam2.config import sam2_preset
+    from genfast.storage.hub import (
+        DEFAULT_SAM_MODEL,
+        SAM2_CHECKPOINTS,
+        SAM_CHECKPOINTS,
+        resolve_sam2_checkpoint,
+        resolve_sam_checkpoint,
+        sam2_model_name,
+        sam_model_name,
+    )
 
     if args.checkpoint and args.model:
         raise UserError("give --checkpoint PATH or --model NAME, not both")
-    if args.random_weights:
-        checkpoint = None  # no weights are loaded
-        if args.checkpoint:  # only the architecture is taken from the file
-            config = config_from_state_dict(load_sam_state_dict(Path(args.checkpoint).expanduser()))
-            source = f"the architecture of {args.checkpoint}"
+    name = args.model or (None if args.checkpoint else DEFAULT_SAM_MODEL)
+    sam2_name = sam2_model_name(name) if name else None
+    if name and sam2_name is None and sam_model_name(name) is None and not Path(name).expanduser().exists():
+        raise UserError(
+            f"unknown SAM model {name!r}; use one of {', '.join([*SAM_CHECKPOINTS, *SAM2_CHECKPOINTS])} "
+            "(or --checkpoint PATH)"
+        )
+    checkpoint = None
+    if args.checkpoint or not args.random_weights:
+        if args.checkpoint:
+            checkpoint = Path(args.checkpoint).expanduser()
         else:
-            name = sam_model_name(args.model or DEFAULT_SAM_MODEL)
-            if name is None:
-                raise UserError(
-                    f"unknown SAM model {args.model!r} for --random-weights; use one of {', '.join(SAM_CHECKPOINTS)}"
-                )
-            config = sam_preset(name.removeprefix("sam-").replace("-", "_"))
-            source = name
-        model = build_random_sam(config)
+            checkpoint = resolve_sam2_checkpoint(name) if sam2_name else resolve_sam_checkpoint(name)
+    if checkpoint is not None and (checkpoint.is_dir() or checkpoint.suffix == ".safetensors"):
+        model: Sam | Sam2 = sam2_build.load_sam2_checkpoint(checkpoint)  # Hugging Face's layout: SAM 2 only
+    elif checkpoint is not None:
+        hint = "download an official checkpoint (`genfast pull NAME`) or pass the right path"
+        loaded = read_checkpoint_file(checkpoint, "SAM", hint)
+        if sam2_build.is_sam2_checkpoint(loaded):
+            model = sam2_build.sam2_from_checkpoint(loaded, checkpoint, sam2_preset(sam2_name) if sam2_name else None)
+        elif isinstance(loaded, dict) and "model" not in loaded:
+            model = sam_from_state_dict(loaded, str(checkpoint))
+        else:
+            raise UserError(
+                f"{str(checkpoint)!r} is not a SAM or SAM 2 checkpoint (an official sam_vit_*.pth or sam2*_hiera_*.pt)"
+            )
+    if args.random_weights:
+        # Only the architecture is taken from a checkpoint; no weights are used.
+        if checkpoint is not None:
+            config, source = model.config, f"the architecture of {checkpoint}"
+        elif sam2_name:
+            config, source = sam2_preset(sam2_name), sam2_name
+        else:
+            sam_name = sam_model_name(name)
+            config, source = sam_preset(sam_name.removeprefix("sam-").replace("-", "_")), sam_name
+        model = sam2_build.build_random_sam2(config) if isinstance(config, Sam2Config) else build_random_sam(config)
         description = f"{config.name} with RANDOM weights ({source})"
+        checkpoint = None
     else:
-        checkpoint = Path(args.checkpoint).expanduser() if args.checkpoint else resolve_sam_checkpoint(args.model)
-        model = load_sam_checkpoint(checkpoint)
         description = f"{model.config.name} from {checkpoint}"
     model = model.to(device=device)
-    model.reset_pixel_stats()  # keep the (non-persistent) pixel statistics in float32
+    if isinstance(model, Sam):
+        model.reset_pixel_stats()  # keep the (non-persistent) pixel statistics in float32
     return LoadedSam(model, description, checkpoint, bool(args.random_weights))
 
 
@@ -185,11 +220,12 @@ class Segmentation:
     called_s: float = 0.0  # when the encoder was called, in seconds since launch (genfast.interface.startup)
 
 
-def segment_prompt(model: Sam, image: np.ndarray, prompt: Prompt, multimask: bool) -> Segmentation:
+def segment_prompt(model: Sam | Sam2, image: np.ndarray, prompt: Prompt, multimask: bool) -> Segmentation:
     """SAM's three masks for the prompt, best predicted IoU first; only the best without `multimask`."""
     from genfast.sam.predictor import SamPredictor
+    from genfast.sam.sam2.predictor import SAM2ImagePredictor
 
-    predictor = SamPredictor(model)
+    predictor = SAM2ImagePredictor(model) if isinstance(model, Sam2) else SamPredictor(model)
     called, start = since_launch(), time.perf_counter()
     predictor.set_image(image)
     synchronize(model.device)
@@ -206,15 +242,17 @@ def segment_prompt(model: Sam, image: np.ndarray, prompt: Prompt, multimask: boo
     return Segmentation(kept, records, encoded - start, decoded - encoded, called)
 
 
-def segment_auto(model: Sam, image: np.ndarray, args: argparse.Namespace) -> Segmentation:
-    """Every object: segment-anything's automatic mask generator, masks by decreasing area."""
+def segment_auto(model: Sam | Sam2, image: np.ndarray, args: argparse.Namespace) -> Segmentation:
+    """Every object: the model's automatic mask generator, masks by decreasing area."""
     from genfast.sam.automatic import SamAutomaticMaskGenerator
+    from genfast.sam.sam2.automatic import SAM2AutomaticMaskGenerator
 
-    generator = SamAutomaticMaskGenerator(
+    kind = SAM2AutomaticMaskGenerator if isinstance(model, Sam2) else SamAutomaticMaskGenerator
+    generator = kind(
         model,
         points_per_side=args.points_per_side,
         points_per_batch=args.points_per_batch,
-        pred_iou_thresh=args.pred_iou_thresh,
+        pred_iou_thresh=pred_iou_thresh(args, model),
         stability_score_thresh=args.stability_score_thresh,
         output_mode="binary_mask",
     )
@@ -228,6 +266,13 @@ def segment_auto(model: Sam, image: np.ndarray, args: argparse.Namespace) -> Seg
         {"label": i + 1, **{k: _plain(v) for k, v in r.items() if k != "segmentation"}} for i, r in enumerate(found)
     ]
     return Segmentation(masks, records, 0.0, elapsed, called)
+
+
+def pred_iou_thresh(args: argparse.Namespace, model: Sam | Sam2) -> float:
+    """--pred-iou-thresh, or the official generator's default for the model (SAM 0.88, SAM 2 0.8)."""
+    if args.pred_iou_thresh is not None:
+        return args.pred_iou_thresh
+    return 0.8 if isinstance(model, Sam2) else 0.88
 
 
 def _plain(value: Any) -> Any:
@@ -302,10 +347,12 @@ def segment_command(args: argparse.Namespace) -> int:
     _log(f"genfast: SAM {loaded.description} | recipe {args.recipe} in {plan.settings.dtype} on {device}")
     for message in plan.messages():
         _log(f"genfast: {message}")
-    if args.multimask and loaded.model.config.num_multimask_outputs != multimask_outputs:
-        paths = _output_paths(args, loaded.model.config.num_multimask_outputs)
+    outputs = getattr(loaded.model.config, "num_multimask_outputs", 3)  # SAM 2 always makes 3
+    if args.multimask and outputs != multimask_outputs:
+        paths = _output_paths(args, outputs)
 
     if args.auto:
+        args.pred_iou_thresh = pred_iou_thresh(args, loaded.model)  # the summary names the one used
         result = segment_auto(loaded.model, image, args)
         mask_images = [images.label_image(result.masks, (height, width))] if paths.masks else []
         overlay_masks, colours = result.masks, [images.colour(i) for i in range(len(result.masks))]

@@ -106,7 +106,16 @@ def load_sam2_checkpoint(path: str | Path, config: Sam2Config | None = None) -> 
     if path.is_dir() or path.suffix == ".safetensors":
         return _load_transformers_layout(path.parent if path.is_file() else path, config)
     hint = "download an official sam2.1_hiera_*.pt (`genfast pull sam2.1-hiera-tiny`) or pass the right path"
-    loaded = read_checkpoint_file(path, "SAM 2", hint)
+    return sam2_from_checkpoint(read_checkpoint_file(path, "SAM 2", hint), path, config)
+
+
+def is_sam2_checkpoint(loaded: object) -> bool:
+    """Whether what a checkpoint file held is an official SAM 2 checkpoint ({"model": state dict})."""
+    return isinstance(loaded, dict) and is_state_dict(loaded.get("model"))
+
+
+def sam2_from_checkpoint(loaded: object, path: Path, config: Sam2Config | None = None) -> Sam2:
+    """The model in what an official checkpoint file at `path` held."""
     state_dict = loaded.get("model") if isinstance(loaded, dict) and "model" in loaded else loaded
     if not is_state_dict(state_dict):
         raise UserError(
