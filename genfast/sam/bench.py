@@ -182,13 +182,17 @@ class SamLadder(Ladder):
     # fmt: on
 
     def options(self, args: argparse.Namespace) -> Options:
+        return {**self.common_options(args), "config": asdict(_config(args))}
+
+    def common_options(self, args: argparse.Namespace) -> Options:
+        """The options of every SAM ladder but the model's config."""
         try:
             batch_sizes = [int(b) for b in args.batch_size.split(",")]
         except ValueError:
             raise UserError(f"--batch-size takes comma-separated whole numbers, got {args.batch_size!r}") from None
         if any(b < 1 for b in batch_sizes):
             raise UserError(f"batch sizes must be >= 1, got {args.batch_size!r}")
-        return {**super().options(args), "config": asdict(_config(args)), "batch_sizes": batch_sizes}
+        return {**Ladder.options(self, args), "batch_sizes": batch_sizes}
 
     def steps(self, text: str | None) -> list[str]:
         from genfast.sam import original
@@ -296,8 +300,12 @@ class SamAutomaticLadder(SamLadder):
     # fmt: on
 
     def options(self, args: argparse.Namespace) -> Options:
+        return {**super().options(args), **self.grid_options(args)}
+
+    @staticmethod
+    def grid_options(args: argparse.Namespace) -> Options:
         grid = {"points_per_side": args.points_per_side, "points_per_batch": args.points_per_batch}
-        return {**super().options(args), **grid, "all_masks": args.all_masks}
+        return {**grid, "all_masks": args.all_masks}
 
     def steps(self, text: str | None) -> list[str]:
         # The generator decodes its points in batches whatever the recipe says: no row of its own.
@@ -416,7 +424,10 @@ def matched_mask_iou(reference: list[np.ndarray | None], masks: list[np.ndarray 
 
 def bench_command(args: argparse.Namespace) -> int:
     from genfast.bench.ladder import run
+    from genfast.sam.sam2.bench import sam2_config, sam2_ladder
 
+    if sam2_config(args) is not None:
+        return run(sam2_ladder(args), args)
     return run(SamAutomaticLadder() if args.automatic else SamLadder(), args)
 
 

@@ -129,7 +129,13 @@ def register(commands: argparse._SubParsersAction) -> None:
 def register_bench(bench: argparse._SubParsersAction) -> None:
     b = bench.add_parser("sam", help=BENCH_SAM_HELP, description=BENCH_SAM_DESCRIPTION)
     g = b.add_argument_group("sam")
-    g.add_argument("--model", "-m", default="vit_b", help="vit_b, vit_l or vit_h (default: vit_b)")
+    g.add_argument(
+        "--model",
+        "-m",
+        default="vit_b",
+        help="vit_b, vit_l, vit_h, or SAM 2: sam2.1-hiera-tiny, -small, -base-plus, -large (sam2-hiera-* for 2.0), "
+        "timed against Meta's sam2 package (default: vit_b)",
+    )
     g.add_argument("--config", default=None, help="an architecture as JSON (SamConfig fields) instead of --model")
     g.add_argument("--batch-size", default="1,8", help="comma-separated images per batch (default: 1,8)")
     g.add_argument(

@@ -1,0 +1,255 @@
+"""`genfast bench sam --model sam2.1-hiera-*`: SAM 2's rows of the segment ladder (genfast/sam/recipe.py).
+
+Three kinds of row, each a table of its own (`kind` in the JSON rows):
+- image: SAM2ImagePredictor, set_image + one point prompt (the image centre, one mask) per image;
+- automatic (--automatic): SAM2AutomaticMaskGenerator on each image;
+- video (--video): SAM2VideoPredictor, two objects clicked on the first frame, propagated through
+  the clip; frames per second, and the peak memory over the clip.
+The first row, `official`, is Meta's sam2 package, fp32 eager, on the same weights and inputs: the
+reference of the speed-ups and of mask IoU (genfast's fp32 baseline step stands in when it is not
+installed, and the header says so). Weights are random at the real architecture (speed does not
+depend on their values); every row runs in a fresh process (genfast/bench/ladder.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from genfast.bench.ladder import Case, Options, Row
+from genfast.compilation.saved import compile_notes
+from genfast.errors import UserError
+from genfast.recipe import Plan, Target
+from genfast.sam.bench import SamAutomaticLadder, SamLadder, _inference, bench_images
+from genfast.sam.sam2.config import Sam2Config
+from genfast.sam.sam2.modeling.model import Sam2
+
+OFFICIAL = "official"  # Meta's sam2 package: a row of the ladder, not a recipe step
+
+
+def _official_model(model: Sam2, video: bool = False) -> torch.nn.Module:
+    """The official package's model with `model`'s weights, fp32, on its device."""
+    from genfast.sam.sam2.build import to_official_keys
+    from genfast.sam.sam2.official import build_official_sam2
+
+    official = build_official_sam2(model.config, video=video).to(model.device)
+    official.load_state_dict(to_official_keys(model.state_dict()))
+    return official
+
+
+def _random_sam2(config: Sam2Config, device: torch.device) -> Sam2:
+    from genfast.sam.sam2.build import build_random_sam2
+
+    return build_random_sam2(config).to(device)
+
+
+class Sam2Ladder(SamLadder):
+    """Image rows: set_image (set_image_batch for batches) + one point prompt per image."""
+
+    kind = "image"
+    reference_steps = (OFFICIAL, SamLadder.recipe.baseline)
+
+    def options(self, args: argparse.Namespace) -> Options:
+        config = sam2_config(args)
+        assert config is not None  # bench_command sends only SAM 2 models here
+        return {**self.common_options(args), "config": asdict(config)}
+
+    @staticmethod
+    def config(options: Options) -> Sam2Config:
+        return Sam2Config(**options["config"])
+
+    def steps(self, text: str | None) -> list[str]:
+        from genfast.sam.sam2 import official
+
+        names = text.split(",") if text else [OFFICIAL]
+        wanted = [OFFICIAL] if OFFICIAL in names else []
+        steps = self.recipe.ordered(n for n in names if n != OFFICIAL) if text else list(self.recipe.names)
+        if wanted and not official.is_installed():
+            wanted = []
+            print(
+                "genfast bench sam: the official sam2 package is not installed (scripts/setup.sh bench installs "
+                "it): genfast's baseline step is the reference",
+                file=sys.stderr,
+            )
+        # fused-attention is SDPA for SAM 2 (Hiera has no relative-position bias): no row of its own.
+        return wanted + [s for s in steps if text or s != "fused-attention"]
+
+    def header(self, options: Options, machine: str) -> str:
+        return (
+            f"genfast bench sam: {self.config(options).name} ({self.kind}) with RANDOM weights (speed only) on "
+            f"{machine}; one point prompt per image, median of {options['repeats']}; steps from bf16 on in "
+            f"{self._dtype(options)}"
+        )
+
+    def model(self, options: Options) -> str:
+        return f"{self.config(options).name} (random weights)"
+
+    def tags(self) -> dict[str, Any]:
+        return {**super().tags(), "kind": self.kind}
+
+    def skip_reason(self, row: Row, options: Options, target: Target) -> str | None:
+        # The recipe's rule only: no SAM-1 attention-score estimate applies.
+        return self.recipe.unavailable(row.step, target) if row.step in self.recipe.names else None
+
+    def footnote(self, options: Options, rows: list[dict[str, Any]]) -> str:
+        images = next((r["images"] for r in rows if r.get("images")), "-")
+        return (
+            f"img/s: set_image + one point prompt per image, median of {options['repeats']}; vs baseline and the "
+            f"agreement columns: against the first row of the same batch size (official: Meta's sam2 package, "
+            f"fp32 eager). Images: {images}."
+        )
+
+    def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
+        from genfast.sam.bench import _centre_prompt
+
+        images, source = bench_images(row.group["batch_size"])
+        prompts = [_centre_prompt(image) for image in images]
+        model = _random_sam2(self.config(options), target.device)
+        run = (
+            _run_official(model, images, prompts)
+            if plan is None
+            else _run_genfast(model, plan.settings, images, prompts)
+        )
+
+        def measure(outputs: list, seconds: list[float]) -> dict[str, Any]:
+            return {
+                "img_s": row.group["batch_size"] / np.median(seconds),
+                "s_per_batch": float(np.median(seconds)),
+                "images": source,
+            }
+
+        compiled = plan is not None and plan.settings.compile
+        return Case(lambda: _inference(run), measure, compiled=compiled, notes=lambda: compile_notes(model))
+
+
+def _run_official(model: Sam2, images: list[np.ndarray], prompts: list[dict]):
+    from genfast.sam.sam2.official import import_sam2
+
+    import_sam2()
+    from sam2.sam2_image_predictor import SAM2ImagePredictor as OfficialPredictor
+
+    predictor = OfficialPredictor(_official_model(model))
+    grid = model.config.image_embedding_size  # it assumes 1024-pixel models (64x64 embeddings)
+    predictor._bb_feat_sizes = [(4 * grid, 4 * grid), (2 * grid, 2 * grid), (grid, grid)]
+
+    def run() -> list[tuple[np.ndarray, np.ndarray]]:
+        out = []
+        for image, prompt in zip(images, prompts):
+            predictor.set_image(image)
+            masks, _, low_res = predictor.predict(**prompt, multimask_output=False, return_logits=True)
+            out.append((masks[0] > 0, low_res[0]))
+        return out
+
+    return run
+
+
+def _run_genfast(model: Sam2, settings: Any, images: list[np.ndarray], prompts: list[dict]):
+    from genfast.sam.recipe import apply_recipe
+    from genfast.sam.sam2.predictor import SAM2ImagePredictor
+
+    predictor = SAM2ImagePredictor(apply_recipe(model, settings))
+
+    def run() -> list[tuple[np.ndarray, np.ndarray]]:
+        if settings.batched_prompts or len(images) > 1:
+            predictor.set_image_batch(images)
+            masks, _, low_res = predictor.predict_batch(
+                [p["point_coords"] for p in prompts],
+                [p["point_labels"] for p in prompts],
+                multimask_output=False,
+                return_logits=True,
+            )
+            return [(m[0] > 0, lr[0]) for m, lr in zip(masks, low_res)]
+        predictor.set_image(images[0])
+        masks, _, low_res = predictor.predict(**prompts[0], multimask_output=False, return_logits=True)
+        return [(masks[0] > 0, low_res[0])]
+
+    return run
+
+
+class Sam2AutomaticLadder(Sam2Ladder, SamAutomaticLadder):
+    """Automatic rows: SAM2AutomaticMaskGenerator per image against the official generator."""
+
+    kind = "automatic"
+    columns = SamAutomaticLadder.columns
+
+    def options(self, args: argparse.Namespace) -> Options:
+        return {**Sam2Ladder.options(self, args), **self.grid_options(args)}
+
+    def steps(self, text: str | None) -> list[str]:
+        return [s for s in Sam2Ladder.steps(self, text) if text or s != "batched-prompts"]
+
+    def header(self, options: Options, machine: str) -> str:
+        side = options["points_per_side"]
+        filters = "filters off: every candidate mask kept until NMS" if options["all_masks"] else "default filters"
+        return (
+            f"genfast bench sam --automatic: {self.config(options).name} with RANDOM weights (speed only) on "
+            f"{machine}; {side}x{side} points per image in batches of {options['points_per_batch']}, {filters}, "
+            f"median of {options['repeats']}; steps from bf16 on in {self._dtype(options)}"
+        )
+
+    footnote = SamAutomaticLadder.footnote
+    compare = SamAutomaticLadder.compare
+
+    def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
+        images, source = bench_images(row.group["batch_size"])
+        model = _random_sam2(self.config(options), target.device)
+        grid = {"points_per_side": options["points_per_side"], "points_per_batch": options["points_per_batch"]}
+        if options["all_masks"]:
+            grid |= {"pred_iou_thresh": 0.0, "stability_score_thresh": 0.0}
+        if plan is None:
+            from genfast.sam.sam2.official import import_sam2
+
+            import_sam2()
+            from sam2.automatic_mask_generator import SAM2AutomaticMaskGenerator as Official
+
+            generator = Official(_official_model(model), **grid)
+            side = model.config.image_embedding_size  # its predictor assumes 1024-pixel models
+            generator.predictor._bb_feat_sizes = [(4 * side, 4 * side), (2 * side, 2 * side), (side, side)]
+        else:
+            from genfast.sam.recipe import apply_recipe
+            from genfast.sam.sam2.automatic import SAM2AutomaticMaskGenerator
+
+            generator = SAM2AutomaticMaskGenerator(apply_recipe(model, plan.settings), **grid)
+
+        def run() -> list[list[np.ndarray]]:
+            return [[record["segmentation"] for record in generator.generate(image)] for image in images]
+
+        def measure(outputs: list, seconds: list[float]) -> dict[str, Any]:
+            return {
+                "img_s": len(images) / np.median(seconds),
+                "images": source,
+                "masks": float(np.mean([len(masks) for masks in outputs[-1]])),
+            }
+
+        compiled = plan is not None and plan.settings.compile
+        return Case(lambda: _inference(run), measure, compiled=compiled, notes=lambda: compile_notes(model))
+
+
+def sam2_config(args: argparse.Namespace) -> Sam2Config | None:
+    """The SAM 2 architecture --model names (a preset) or --config holds (Sam2Config fields as
+    JSON); None for a SAM (1) model."""
+    from genfast.sam.sam2.config import SAM2_PRESETS
+
+    if args.config:
+        try:
+            fields = json.loads(Path(args.config).read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read config {args.config}: {e}") from e
+        if not isinstance(fields, dict) or "stages" not in fields:
+            return None
+        try:
+            return Sam2Config(**fields)
+        except TypeError as e:
+            raise UserError(f"{args.config} is not a SAM 2 config: {e}") from e
+    return SAM2_PRESETS.get(args.model)
+
+
+def sam2_ladder(args: argparse.Namespace) -> SamLadder:
+    return Sam2AutomaticLadder() if args.automatic else Sam2Ladder()

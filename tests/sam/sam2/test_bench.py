@@ -1,0 +1,53 @@
+"""`genfast bench sam` with a SAM 2 model, end to end on the tiny test architecture (each row in its
+own process), against the official package's rows."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from genfast import cli
+from genfast.sam.sam2.config import tiny_sam2_config
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny-sam2.json"
+    path.write_text(json.dumps(asdict(tiny_sam2_config())))
+    return path
+
+
+def test_image_rows_against_the_official_package(tiny_config, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    ladder = "--steps official,baseline,bf16,sdpa --dtype bfloat16 --repeats 1 --batch-size 1"
+    assert cli.main(["bench", "sam", "--config", str(tiny_config), *ladder.split(), "--json", str(out)]) == 0
+    rows = {row["step"]: row for row in json.loads(out.read_text())}
+    assert list(rows) == ["official", "baseline", "bf16", "sdpa"]
+    for row in rows.values():
+        assert row["kind"] == "image" and row["img_s"] > 0 and row["peak_mem_gb"] > 0
+    assert rows["official"]["speedup"] == 1.0
+    # genfast's fp32 computes what the official package computes; bf16 within the step's budget.
+    assert rows["baseline"]["mask_iou"] >= 0.999 and rows["baseline"]["logit_rel_err"] < 1e-4
+    assert rows["sdpa"]["mask_iou"] >= 0.9
+    assert "| official | 1 |" in capsys.readouterr().out
+
+
+def test_automatic_rows_against_the_official_generator(tiny_config, tmp_path):
+    out = tmp_path / "rows.json"
+    grid = "--automatic --all-masks --points-per-side 3 --points-per-batch 4"
+    ladder = "--steps official,baseline --repeats 1 --batch-size 1"
+    code = cli.main(["bench", "sam", "--config", str(tiny_config), *grid.split(), *ladder.split(), "--json", str(out)])
+    assert code == 0
+    rows = {row["step"]: row for row in json.loads(out.read_text())}
+    assert list(rows) == ["official", "baseline"]
+    assert all(row["kind"] == "automatic" and row["img_s"] > 0 and row["masks"] >= 1 for row in rows.values())
+    assert rows["baseline"]["mask_iou"] >= 0.999
+
+
+def test_a_config_that_is_not_sam2_goes_to_sam(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"stages": [1, 2], "unknown": 3}))
+    assert cli.main(["bench", "sam", "--config", str(bad)]) != 0
+    assert "is not a SAM 2 config" in capsys.readouterr().err
