@@ -47,3 +47,44 @@ class Ticker:
         prefix = "\r" if self._thread is not None else ""
         self.stream.write(f"{prefix}{self.message} ... {ending} in {self.seconds:.1f} s\n")
         self.stream.flush()
+
+
+class Progress:
+    """Progress through `total` items ("frames"), with the rate: on a terminal one line redrawn
+    at most every `every_s` seconds; elsewhere a line at each tenth of the way."""
+
+    def __init__(self, total: int, what: str, stream: TextIO | None = None, every_s: float = 0.5) -> None:
+        self.total, self.what = max(total, 1), what
+        self.stream = stream if stream is not None else sys.stderr
+        self.every_s = every_s
+        self.done = 0
+        self._start = time.perf_counter()
+        self._shown = 0.0
+        self._next_tenth = 1
+        self._tty = self.stream.isatty()
+
+    @property
+    def rate(self) -> float:
+        """Items per second so far."""
+        return self.done / max(time.perf_counter() - self._start, 1e-9)
+
+    def line(self) -> str:
+        return f"{self.what} {self.done}/{self.total} ({self.rate:.2f} {self.what}/s)"
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self._tty:
+            if now - self._shown >= self.every_s or self.done >= self.total:
+                self.stream.write(f"\r{self.line()}")
+                self.stream.flush()
+                self._shown = now
+        elif self.done * 10 >= self._next_tenth * self.total:
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+            self._next_tenth = self.done * 10 // self.total + 1
+
+    def finish(self) -> None:
+        if self._tty:
+            self.stream.write(f"\r{self.line()}\n")
+            self.stream.flush()

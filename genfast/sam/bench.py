@@ -422,15 +422,6 @@ def matched_mask_iou(reference: list[np.ndarray | None], masks: list[np.ndarray 
     return float(np.concatenate(ious).mean()) if ious else None
 
 
-def bench_command(args: argparse.Namespace) -> int:
-    from genfast.bench.ladder import run
-    from genfast.sam.sam2.bench import sam2_config, sam2_ladder
-
-    if sam2_config(args) is not None:
-        return run(sam2_ladder(args), args)
-    return run(SamAutomaticLadder() if args.automatic else SamLadder(), args)
-
-
 def config_json(config: SamConfig) -> str:
     """A config as the JSON `--config` reads."""
     return json.dumps(asdict(config))

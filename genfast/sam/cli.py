@@ -33,6 +33,10 @@ SEGMENT_EPILOG = """outputs (never overwritten without --force; written atomical
   OUT-overlay.png  masks tinted over the image with the prompt drawn (see --overlay).
   --json PATH      masks as uncompressed RLE ({size: [H, W], counts}, column-major,
                    zeros first) with predicted IoU, area and XYWH box ('-' = stdout).
+video (SAM 2): -o OUTDIR gets masks/obj{ID}/{FRAME:05d}.png, masks.json (RLE per object and
+  frame) and overlay.mp4; objects are tracked forwards from their first prompted frame, then
+  backwards; frames are decoded as needed (memory does not grow with the video). The model
+  defaults to sam2.1-hiera-tiny.
 weights: not shipped; `genfast pull sam-vit-b` (or sam2.1-hiera-tiny ...) downloads the
 official checkpoint into the cache, where --model finds it (or pass --checkpoint PATH)."""
 
@@ -45,7 +49,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         description=SEGMENT_DESCRIPTION,
         epilog=SEGMENT_EPILOG,
     )
-    p.add_argument("image", help="the image file (any format Pillow reads; EXIF orientation is applied)")
+    p.add_argument(
+        "image",
+        metavar="INPUT",
+        help="an image file (any format Pillow reads; EXIF orientation is applied), or a video (.mp4, .mov, .mkv, "
+        ".webm ...) or a folder of frames, which SAM 2 tracks (see below)",
+    )
     g = p.add_argument_group("prompt")
     g.add_argument("--point", action="append", metavar="X,Y", help="a point on the object (repeatable)")
     g.add_argument(
@@ -61,6 +70,18 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="keep all of SAM's 3 candidate masks (default: only the best-scoring one)",
     )
     g.add_argument("--auto", action="store_true", help="segment everything (a grid of points; no prompts)")
+    g.add_argument(
+        "--object",
+        action="append",
+        metavar="ID",
+        help="video: the object a prompt belongs to (once for all prompts, or once per --point then --box; default 1)",
+    )
+    g.add_argument(
+        "--frame",
+        action="append",
+        metavar="N",
+        help="video: the frame a prompt is given on (once for all, or once per prompt as --object; default 0)",
+    )
     g.add_argument(
         "--points-per-side", type=positive_int, default=32, metavar="N", help="--auto: grid size (default 32)"
     )
@@ -123,7 +144,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_device(g)
     add_threads(g, beside_other_work=True)
     add_recipe(g, RECIPE, DEFAULT_STEP, dtype_default="float32", dtype_help=DTYPE_HELP)
-    p.set_defaults(run=lazy("genfast.sam.commands", "segment_command"))
+    p.set_defaults(run=lazy("genfast.sam.segment", "segment"))
 
 
 def register_bench(bench: argparse._SubParsersAction) -> None:
@@ -155,4 +176,4 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
         "through the default filters, trained weights many)",
     )
     add_bench_args(b, "sam", repeats=3)
-    b.set_defaults(run=lazy("genfast.sam.bench", "bench_command"))
+    b.set_defaults(run=lazy("genfast.sam.bench_command", "bench_command"))

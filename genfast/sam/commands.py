@@ -326,6 +326,9 @@ def segment_command(args: argparse.Namespace) -> int:
     from genfast.recipe import Target
     from genfast.sam.recipe import RECIPE, apply_recipe
 
+    for flag in ("object", "frame"):
+        if getattr(args, flag, None):
+            raise UserError(f"--{flag} is for videos (SAM 2 tracking); {args.image} is an image")
     prompt = parse_prompt(args)
     device = resolve_device(args.device)
     multimask_outputs = 3 if args.multimask else 1  # every SAM checkpoint makes 3 (checked below)
