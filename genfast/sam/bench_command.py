@@ -8,9 +8,12 @@ import argparse
 
 def bench_command(args: argparse.Namespace) -> int:
     from genfast.bench.ladder import run
+    from genfast.errors import UserError
     from genfast.sam.bench import SamAutomaticLadder, SamLadder
     from genfast.sam.sam2.bench import sam2_config, sam2_ladder
 
     if sam2_config(args) is not None:
         return run(sam2_ladder(args), args)
+    if args.video:
+        raise UserError("--video tracks with SAM 2: give --model sam2.1-hiera-tiny (or another SAM 2 model)")
     return run(SamAutomaticLadder() if args.automatic else SamLadder(), args)

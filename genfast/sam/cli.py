@@ -165,6 +165,13 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
         help="time the automatic mask generator (every object, from a grid of points) against the original "
         "package's instead of one point per image; --batch-size: images per timed call",
     )
+    g.add_argument(
+        "--video",
+        action="store_true",
+        help="SAM 2: time video tracking (two objects clicked on the first frame of a synthetic clip, propagated "
+        "to its end) against the official package's video predictor",
+    )
+    g.add_argument("--frames", type=positive_int, default=8, help="--video: frames in the clip (default 8)")
     g.add_argument("--points-per-side", type=positive_int, default=32, help="--automatic: grid size (default 32)")
     g.add_argument(
         "--points-per-batch", type=positive_int, default=64, help="--automatic: points decoded together (default 64)"

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from genfast.bench.ladder import Case, Options, Row
+from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, SPEEDUP, STEP, Case, Options, Row
 from genfast.compilation.saved import compile_notes
 from genfast.errors import UserError
 from genfast.recipe import Plan, Target
@@ -252,4 +252,136 @@ def sam2_config(args: argparse.Namespace) -> Sam2Config | None:
 
 
 def sam2_ladder(args: argparse.Namespace) -> SamLadder:
+    if args.video:
+        if args.automatic:
+            raise UserError("--video and --automatic are different ladders: give one")
+        return Sam2VideoLadder()
     return Sam2AutomaticLadder() if args.automatic else Sam2Ladder()
+
+
+# ---- video ---------------------------------------------------------------------------------------
+
+VIDEO_SIZE = (480, 640)  # (H, W) of the synthetic clip
+# The two objects clicked on the first frame: (x, y) as fractions of the frame.
+VIDEO_CLICKS = ((0.3, 0.35), (0.7, 0.65))
+
+
+def bench_video(folder: Path, frames: int) -> Path:
+    """A synthetic clip of `frames` JPEG frames (two coloured shapes moving over a textured
+    background), written once per run: official and genfast rows read the same files."""
+    from PIL import Image
+
+    if folder.is_dir() and len(list(folder.glob("*.jpg"))) == frames:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    h, w = VIDEO_SIZE
+    y, x = np.mgrid[0:h, 0:w]
+    for i in range(frames):
+        frame = np.stack([(x // 8 + i) % 256, (y // 6) % 256, ((x + y) // 10) % 256], axis=2).astype(np.uint8) // 2
+        cx, cy = int(w * 0.3) + 6 * i, int(h * 0.35)
+        frame[max(cy - 60, 0) : cy + 60, max(cx - 80, 0) : cx + 80] = (220, 60, 60)
+        cx, cy = int(w * 0.7) - 5 * i, int(h * 0.65)
+        frame[max(cy - 50, 0) : cy + 50, max(cx - 50, 0) : cx + 50] = (60, 200, 90)
+        Image.fromarray(frame).save(folder / f"{i:05d}.jpg", quality=92)
+    return folder
+
+
+def _resident_bytes() -> int:
+    """The process's resident set now (Linux), else 0."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class Sam2VideoLadder(Sam2Ladder):
+    """Video rows: two objects clicked on the first frame of a synthetic clip, propagated to its end."""
+
+    kind = "video"
+    speed_key = "frames_s"
+    # fmt: off
+    columns = (
+        STEP, ("frames", "frames", "d"), ("frames_s", "frames/s", ".3f"), SPEEDUP, PEAK_MEMORY,
+        ("mem_growth_mb_per_frame", "MB/frame", ".1f"), ("mask_iou", "mask IoU", ".4f"), COMPILE_TIME, NOTE,
+    )
+    # fmt: on
+
+    def options(self, args: argparse.Namespace) -> Options:
+        if args.frames < 2:
+            raise UserError(f"--frames must be >= 2, got {args.frames}")
+        return {**Sam2Ladder.options(self, args), "frames": args.frames}
+
+    def rows(self, steps: list[str], options: Options) -> list[Row]:
+        return [Row(step, {"frames": options["frames"]}) for step in steps]
+
+    def steps(self, text: str | None) -> list[str]:
+        return [s for s in Sam2Ladder.steps(self, text) if text or s != "batched-prompts"]
+
+    def header(self, options: Options, machine: str) -> str:
+        h, w = VIDEO_SIZE
+        return (
+            f"genfast bench sam --video: {self.config(options).name} with RANDOM weights (speed only) on {machine}; "
+            f"two objects clicked on frame 0 of a {options['frames']}-frame {w}x{h} clip, propagated to its end, "
+            f"median of {options['repeats']}; steps from bf16 on in {self._dtype(options)}"
+        )
+
+    def footnote(self, options: Options, rows: list[dict[str, Any]]) -> str:
+        return (
+            "frames/s: init_state + the clicks + propagation, frames / median seconds; MB/frame: how much the "
+            "resident memory grew per frame over the second half of the clip (the official package decodes "
+            "every frame up front and keeps every frame's memory; genfast streams frames and keeps what the "
+            "tracker can still read); mask IoU: per frame and object against the first row, averaged."
+        )
+
+    def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
+        frames = options["frames"]
+        folder = bench_video(workdir / f"clip-{frames}", frames)
+        model = _random_sam2(self.config(options), target.device)
+        h, w = VIDEO_SIZE
+        clicks = [np.array([[fx * w, fy * h]], dtype=np.float32) for fx, fy in VIDEO_CLICKS]
+        if plan is None:
+            from genfast.sam.sam2.official import import_sam2
+
+            import_sam2()
+            predictor = _official_model(model, video=True)
+        else:
+            from genfast.sam.recipe import apply_recipe
+            from genfast.sam.sam2.video import SAM2VideoPredictor
+
+            predictor = SAM2VideoPredictor(apply_recipe(model, plan.settings))
+        growth: list[float] = []
+
+        def run() -> list[np.ndarray]:
+            state = predictor.init_state(str(folder))
+            for obj, click in enumerate(clicks, start=1):
+                predictor.add_new_points_or_box(state, 0, obj, points=click, labels=np.array([1], np.int32))
+            masks, resident = [], []
+            for _, _, logits in predictor.propagate_in_video(state):
+                masks.append(np.packbits((logits[:, 0] > 0).cpu().numpy(), axis=-1))
+                resident.append(_resident_bytes())
+            half = len(resident) // 2
+            growth.append((resident[-1] - resident[half]) / max(len(resident) - 1 - half, 1) / 1e6)
+            return masks
+
+        def measure(outputs: list, seconds: list[float]) -> dict[str, Any]:
+            return {
+                "frames_s": frames / np.median(seconds),
+                "s_per_frame": float(np.median(seconds)) / frames,
+                "mem_growth_mb_per_frame": float(np.median(growth)),
+            }
+
+        compiled = plan is not None and plan.settings.compile
+        return Case(lambda: _inference(run), measure, compiled=compiled, notes=lambda: compile_notes(model))
+
+    def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
+        reference = workdir / f"video-reference-{row.group['frames']}.pt"
+        if not reference.exists():
+            torch.save(output, reference)
+            return {}
+        ious = []
+        for ours, ref in zip(output, torch.load(reference, weights_only=False)):
+            a, b = np.unpackbits(ours, axis=-1).astype(bool), np.unpackbits(ref, axis=-1).astype(bool)
+            for k in range(len(a)):
+                union = (a[k] | b[k]).sum()
+                ious.append(1.0 if union == 0 else float((a[k] & b[k]).sum() / union))
+        return {"mask_iou": float(np.mean(ious))} if ious else {}

@@ -51,3 +51,24 @@ def test_a_config_that_is_not_sam2_goes_to_sam(tmp_path, capsys):
     bad.write_text(json.dumps({"stages": [1, 2], "unknown": 3}))
     assert cli.main(["bench", "sam", "--config", str(bad)]) != 0
     assert "is not a SAM 2 config" in capsys.readouterr().err
+
+
+def test_video_rows_against_the_official_predictor(tiny_config, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    ladder = "--video --frames 4 --steps official,baseline,bf16 --dtype bfloat16 --repeats 1"
+    assert cli.main(["bench", "sam", "--config", str(tiny_config), *ladder.split(), "--json", str(out)]) == 0
+    rows = {row["step"]: row for row in json.loads(out.read_text())}
+    assert list(rows) == ["official", "baseline", "bf16"]
+    for row in rows.values():
+        assert row["kind"] == "video" and row["frames"] == 4 and row["frames_s"] > 0
+        assert "mem_growth_mb_per_frame" in row
+    # genfast's fp32 tracks as the official package does; the baseline's explicit softmax rounds
+    # unlike the official's SDPA, and the memory carries a few flipped edge pixels to later frames.
+    assert rows["baseline"]["mask_iou"] >= 0.99
+    assert rows["bf16"]["mask_iou"] >= 0.9
+    assert "MB/frame" in capsys.readouterr().out
+
+
+def test_video_needs_sam2(capsys):
+    assert cli.main(["bench", "sam", "--model", "vit_b", "--video"]) != 0
+    assert "--video tracks with SAM 2" in capsys.readouterr().err
