@@ -261,11 +261,15 @@ def resolve_sam_checkpoint(spec: str | None) -> Path:
             f"unknown SAM model {name!r}: use one of {', '.join(SAM_CHECKPOINTS)}, "
             "or pass --checkpoint PATH to a sam_vit_*.pth file"
         )
-    path = sam_checkpoint_path(key)
+    return _cached_checkpoint("SAM", key, sam_checkpoint_path(key), SAM_CHECKPOINTS[key].size_mb)
+
+
+def _cached_checkpoint(kind: str, key: str, path: Path, size_mb: int) -> Path:
+    """`path` if `genfast pull` has put it there, else the error that says how to."""
     if not path.is_file():
         raise UserError(
-            f"no SAM checkpoint for {key} on this machine (looked for {path}); download it "
-            f"with `genfast pull {key}` ({SAM_CHECKPOINTS[key].size_mb} MB) or pass --checkpoint PATH"
+            f"no {kind} checkpoint for {key} on this machine (looked for {path}); download it "
+            f"with `genfast pull {key}` ({size_mb} MB) or pass --checkpoint PATH"
         )
     return path
 
@@ -275,13 +279,28 @@ def pull_sam(
 ) -> Path:
     """Download an official SAM checkpoint into the cache, verified against its name's hash prefix."""
     known = SAM_CHECKPOINTS[name]
-    target = sam_checkpoint_path(name)
+    verified = f"SHA-256 verified: starts with {known.sha256_prefix}"
+    return _pull_file(name, known, sam_checkpoint_path(name), known.sha256_prefix, verified, opener, force, log)
+
+
+def _pull_file(
+    name: str,
+    known: SamCheckpoint | Sam2Checkpoint,
+    target: Path,
+    sha256_prefix: str | None,
+    verified: str,
+    opener: Opener | None,
+    force: bool,
+    log: Callable[[str], None],
+) -> Path:
+    """Download an official checkpoint file into the cache (unless it is there); `verified`
+    says in the last message how the download was checked."""
     if target.is_file() and not force:
         log(f"{name} is already in {target}")
         return target
     log(f"downloading {name} ({known.description}, about {known.size_mb} MB) from {known.url}")
-    download_file(known.url, target, known.sha256_prefix, opener=opener, log=log)
-    log(f"downloaded {name} into {target} (SHA-256 verified: starts with {known.sha256_prefix})")
+    download_file(known.url, target, sha256_prefix, opener=opener, log=log)
+    log(f"downloaded {name} into {target} ({verified})")
     return target
 
 
@@ -305,28 +324,15 @@ def resolve_sam2_checkpoint(spec: str) -> Path:
         if path.exists():
             return path
         raise UserError(f"unknown SAM 2 model {spec!r}: use one of {', '.join(SAM2_CHECKPOINTS)}, or a checkpoint path")
-    path = sam2_checkpoint_path(key)
-    if not path.is_file():
-        raise UserError(
-            f"no SAM 2 checkpoint for {key} on this machine (looked for {path}); download it "
-            f"with `genfast pull {key}` ({SAM2_CHECKPOINTS[key].size_mb} MB) or pass --checkpoint PATH"
-        )
-    return path
+    return _cached_checkpoint("SAM 2", key, sam2_checkpoint_path(key), SAM2_CHECKPOINTS[key].size_mb)
 
 
 def pull_sam2(
     name: str, *, opener: Opener | None = None, force: bool = False, log: Callable[[str], None] = print
 ) -> Path:
     """Download an official SAM 2 checkpoint into the cache."""
-    known = SAM2_CHECKPOINTS[name]
-    target = sam2_checkpoint_path(name)
-    if target.is_file() and not force:
-        log(f"{name} is already in {target}")
-        return target
-    log(f"downloading {name} ({known.description}, about {known.size_mb} MB) from {known.url}")
-    download_file(known.url, target, None, opener=opener, log=log)
-    log(f"downloaded {name} into {target} (its tensors are checked against {name}'s shapes when it loads)")
-    return target
+    checked = f"its tensors are checked against {name}'s shapes when it loads"
+    return _pull_file(name, SAM2_CHECKPOINTS[name], sam2_checkpoint_path(name), None, checked, opener, force, log)
 
 
 def download_file(
