@@ -194,17 +194,25 @@ class SamLadder(Ladder):
             raise UserError(f"batch sizes must be >= 1, got {args.batch_size!r}")
         return {**Ladder.options(self, args), "batch_sizes": batch_sizes}
 
-    def steps(self, text: str | None) -> list[str]:
+    # The row of the reference package, and what to say when it is not installed.
+    reference_row = ORIGINAL
+    missing_reference = "segment-anything is not installed (pip install segment-anything)"
+
+    @staticmethod
+    def reference_installed() -> bool:
         from genfast.sam import original
 
-        names = text.split(",") if text else [ORIGINAL]
-        wanted = [ORIGINAL] if ORIGINAL in names else []
-        steps = self.recipe.ordered(n for n in names if n != ORIGINAL) if text else list(self.recipe.names)
-        if wanted and not original.is_installed():
+        return original.is_installed()
+
+    def steps(self, text: str | None) -> list[str]:
+        reference = self.reference_row
+        names = text.split(",") if text else [reference]
+        wanted = [reference] if reference in names else []
+        steps = self.recipe.ordered(n for n in names if n != reference) if text else list(self.recipe.names)
+        if wanted and not self.reference_installed():
             wanted = []
             print(
-                "genfast bench sam: segment-anything is not installed (pip install segment-anything): "
-                "genfast's baseline step is the reference",
+                f"genfast bench sam: {self.missing_reference}: genfast's baseline step is the reference",
                 file=sys.stderr,
             )
         return wanted + steps

@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -42,18 +43,32 @@ def is_installed() -> bool:
     return importlib.util.find_spec("segment_anything") is not None
 
 
+@contextmanager
+def stubbed_modules(names: Sequence[str]) -> Iterator[dict[str, types.ModuleType]]:
+    """Empty modules under `names` in sys.modules (given to the caller to fill in) while a package
+    that imports them is imported; what was there before is put back afterwards."""
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        stubs = {}
+        for name in names:
+            stubs[name] = sys.modules[name] = types.ModuleType(name)
+            stubs[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
+        yield stubs
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
 def import_segment_anything(stubs: Mapping[str, Callable] | None = None) -> types.ModuleType:
     """The segment_anything package. `stubs` maps "module.function" (e.g. "ops.boxes.batched_nms")
     to implementations of the torchvision functions it imports; the rest raise when called. Only
     the first import uses them."""
     if "segment_anything" in sys.modules:
         return sys.modules["segment_anything"]
-    saved = {name: sys.modules.get(name) for name in _STUBBED}
-    try:
-        for name in _STUBBED:
-            module = types.ModuleType(name)
-            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-            sys.modules[name] = module
+    with stubbed_modules(_STUBBED) as modules:
         functions = {
             "transforms.functional.resize": None,
             "transforms.functional.to_pil_image": None,
@@ -63,14 +78,8 @@ def import_segment_anything(stubs: Mapping[str, Callable] | None = None) -> type
         }
         for path, fn in functions.items():
             module_name, _, attr = f"torchvision.{path}".rpartition(".")
-            setattr(sys.modules[module_name], attr, fn or _unavailable(path))
+            setattr(modules[module_name], attr, fn or _unavailable(path))
         return importlib.import_module("segment_anything")
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
 
 
 def build_original_sam(config: SamConfig) -> torch.nn.Module:

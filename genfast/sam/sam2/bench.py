@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -65,21 +64,18 @@ class Sam2Ladder(SamLadder):
     def config(options: Options) -> Sam2Config:
         return Sam2Config(**options["config"])
 
-    def steps(self, text: str | None) -> list[str]:
+    reference_row = OFFICIAL
+    missing_reference = "the official sam2 package is not installed (scripts/setup.sh bench installs it)"
+
+    @staticmethod
+    def reference_installed() -> bool:
         from genfast.sam.sam2 import official
 
-        names = text.split(",") if text else [OFFICIAL]
-        wanted = [OFFICIAL] if OFFICIAL in names else []
-        steps = self.recipe.ordered(n for n in names if n != OFFICIAL) if text else list(self.recipe.names)
-        if wanted and not official.is_installed():
-            wanted = []
-            print(
-                "genfast bench sam: the official sam2 package is not installed (scripts/setup.sh bench installs "
-                "it): genfast's baseline step is the reference",
-                file=sys.stderr,
-            )
+        return official.is_installed()
+
+    def steps(self, text: str | None) -> list[str]:
         # fused-attention is SDPA for SAM 2 (Hiera has no relative-position bias): no row of its own.
-        return wanted + [s for s in steps if text or s != "fused-attention"]
+        return [s for s in super().steps(text) if text or s != "fused-attention"]
 
     def header(self, options: Options, machine: str) -> str:
         return (

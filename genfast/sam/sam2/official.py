@@ -65,16 +65,12 @@ def import_sam2() -> types.ModuleType:
     if "sam2.sam2_image_predictor" in sys.modules:
         return sys.modules["sam2"]
     from genfast.sam import masks
+    from genfast.sam.original import stubbed_modules
 
-    saved = {name: sys.modules.get(name) for name in _STUBBED}
-    try:
-        for name in _STUBBED:
-            module = types.ModuleType(name)
-            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-            sys.modules[name] = module
-        transforms = sys.modules["torchvision.transforms"]
+    with stubbed_modules(_STUBBED) as modules:
+        transforms = modules["torchvision.transforms"]
         transforms.Resize, transforms.Normalize, transforms.ToTensor = Resize, Normalize, ToTensor
-        boxes = sys.modules["torchvision.ops.boxes"]
+        boxes = modules["torchvision.ops.boxes"]
         boxes.batched_nms, boxes.box_area = masks.batched_nms, masks.box_area
         for name in (
             "sam2.modeling.sam2_base",
@@ -84,12 +80,6 @@ def import_sam2() -> types.ModuleType:
         ):
             importlib.import_module(name)
         return sys.modules["sam2"]
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
 
 
 def build_official_sam2(config: Sam2Config, video: bool = False) -> nn.Module:
