@@ -83,7 +83,8 @@ class TwoWayTransformer(nn.Module):
         self.norm_final_attn = nn.LayerNorm(dim)
 
     def forward(self, image_embedding: Tensor, image_pe: Tensor, point_embedding: Tensor) -> tuple[Tensor, Tensor]:
-        """image_embedding, image_pe: [B, C, h, w]; point_embedding: [B, N, C].
+        """image_embedding, image_pe: [B, C, h, w] (or [1, C, h, w]: one image for all B prompts,
+        whose first-layer projections are then computed once); point_embedding: [B, N, C].
 
         Returns the processed tokens [B, N, C] and image tokens [B, h*w, C].
         """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from genfast.errors import UserError
 from genfast.sam.automatic import GridMaskGenerator
@@ -71,6 +71,10 @@ class SAM2AutomaticMaskGenerator(GridMaskGenerator):
         )
         self.use_m2m = bool(use_m2m)
         self.multimask_output = bool(multimask_output)
+        # The recipe's compile step: batches of points decoded by one compiled module (m2m's
+        # second pass, prompted by masks, stays eager).
+        compiler = model.grid_decoder_compiler
+        self._grid_decoder = compiler(GridDecoder(model)) if compiler is not None and not self.use_m2m else None
 
     @classmethod
     def from_pretrained(cls, model_id: str, **kwargs: object) -> SAM2AutomaticMaskGenerator:
@@ -80,6 +84,8 @@ class SAM2AutomaticMaskGenerator(GridMaskGenerator):
         return cls(load_sam2(model_id), **kwargs)
 
     def _decode(self, prompts: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        if self._grid_decoder is not None:
+            return self._decode_compiled(prompts)
         low_res, iou = self.predictor.predict_low_res_torch(prompts, labels, multimask_output=self.multimask_output)
         if not self.use_m2m:
             return low_res, iou
@@ -94,3 +100,36 @@ class SAM2AutomaticMaskGenerator(GridMaskGenerator):
             multimask_output=False,
         )
         return refined.reshape(b, m, *refined.shape[-2:]), refined_iou.reshape(b, m)
+
+    def _decode_compiled(self, prompts: Tensor) -> tuple[Tensor, Tensor]:
+        """_decode through the compiled GridDecoder. A short last batch is padded with copies of
+        its last point to points_per_batch, so that every call has the one compiled shape (the
+        prompts are decoded independently: the padding changes no other row)."""
+        n = prompts.shape[0]
+        padded = torch.cat([prompts, prompts[-1:].expand(self.points_per_batch - n, -1, -1)])
+        features = self.predictor._features
+        s0, s1 = features["high_res_feats"]
+        low_res, iou = self._grid_decoder(padded, features["image_embed"], s0, s1, self.multimask_output)
+        return low_res[:n], iou[:n]
+
+
+class GridDecoder(nn.Module):
+    """The generator's decoding of a batch of single foreground points against one image, as one
+    module: what the recipe's compile step compiles (static shapes: one batch size of points)."""
+
+    def __init__(self, model: Sam2) -> None:
+        super().__init__()
+        self.prompt_encoder = model.sam_prompt_encoder
+        self.mask_decoder = model.sam_mask_decoder
+
+    def forward(
+        self, coords: Tensor, image_embed: Tensor, feat_s0: Tensor, feat_s1: Tensor, multimask_output: bool
+    ) -> tuple[Tensor, Tensor]:
+        """coords [B, 1, 2] in the input frame; image features of one image -> fp32 low-res logits
+        [B, M, h, w] and IoUs [B, M]."""
+        labels = torch.ones(coords.shape[:2], dtype=torch.int32, device=coords.device)
+        sparse, dense = self.prompt_encoder((coords, labels), None, None)
+        low_res, iou, _, _ = self.mask_decoder(
+            image_embed, self.prompt_encoder.get_dense_pe(), sparse, dense, multimask_output, (feat_s0, feat_s1)
+        )
+        return low_res.float(), iou.float()

@@ -91,14 +91,16 @@ class Sam2MaskDecoder(nn.Module):
             )
         output_tokens = torch.cat([self.obj_score_token.weight, self.iou_token.weight, self.mask_tokens.weight])
         tokens = torch.cat([output_tokens.expand(bs, -1, -1), sparse_prompt_embeddings], dim=1)
-        src = image_embeddings + dense_prompt_embeddings  # broadcasts one image over the prompts
-        b, c, h, w = src.shape
-        hs, src = self.transformer(src, image_pe.expand(b, -1, -1, -1), tokens)
+        src = image_embeddings + shared_batch(dense_prompt_embeddings)
+        # One image for every prompt stays one: the transformer's first layer then projects its
+        # tokens once for all prompts (they differ only after the first image <- token update).
+        hs, src = self.transformer(src, image_pe, tokens)
         mask_tokens = hs[:, 2 : 2 + self.num_mask_tokens]
 
         feat_s0, feat_s1 = high_res_features
         up1, norm, act1, up2, act2 = self.output_upscaling
-        upscaled = act1(norm(up1(src.transpose(1, 2).reshape(b, c, h, w)) + feat_s1))
+        c, h, w = image_embeddings.shape[1:]
+        upscaled = act1(norm(up1(src.transpose(1, 2).reshape(bs, c, h, w)) + feat_s1))
         upscaled = act2(up2(upscaled) + feat_s0)
         hyper_in = torch.stack([mlp(mask_tokens[:, i]) for i, mlp in enumerate(self.output_hypernetworks_mlps)], dim=1)
         b, c, h, w = upscaled.shape
@@ -120,6 +122,12 @@ class Sam2MaskDecoder(nn.Module):
         union = (flat > -STABILITY_DELTA).sum(-1).float()
         stable = torch.where(union > 0, inter / union, 1.0) >= STABILITY_THRESHOLD  # [B, 1]
         return torch.where(stable[..., None, None], single, best_mask), torch.where(stable, single_iou, best_iou)
+
+
+def shared_batch(x: Tensor) -> Tensor:
+    """x with its batch dimension cut to one where every row is the same view (expanded, stride 0:
+    the prompt encoder's "no mask" embedding), so that adding it to one image keeps one image."""
+    return x[:1] if x.shape[0] > 1 and x.stride(0) == 0 else x
 
 
 def upsample_logits(logits: Tensor, size: tuple[int, int]) -> Tensor:

@@ -6,6 +6,8 @@ The video tracker (genfast/sam/sam2/tracker.py) adds memory across frames on top
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -44,6 +46,9 @@ class Sam2(nn.Module):
         self.mask_downsample = nn.Conv2d(1, 1, kernel_size=4, stride=4)
         self.obj_ptr_proj = MLP(d, d, d, 3)
         self.obj_ptr_tpos_proj = nn.Linear(d, mem) if config.proj_tpos_enc_in_obj_ptrs else nn.Identity()
+        # Set by the recipe's compile step: compiles the automatic mask generator's batched decoder
+        # (genfast/sam/sam2/automatic.py GridDecoder), which is made per generator.
+        self.grid_decoder_compiler: Callable[[nn.Module], Callable] | None = None
 
     @property
     def device(self) -> torch.device:
