@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -354,22 +355,9 @@ class SamAutomaticLadder(SamLadder):
             from genfast.sam.recipe import apply_recipe
 
             generator, nms = SamAutomaticMaskGenerator(apply_recipe(model, plan.settings), **grid), None
-
-        def run() -> list[list[np.ndarray]]:
-            return [[record["segmentation"] for record in generator.generate(image)] for image in images]
-
-        def measure(outputs: list, seconds: list[float]) -> dict[str, Any]:
-            return {
-                "img_s": len(images) / np.median(seconds),
-                "images": source,
-                "masks": float(np.mean([len(masks) for masks in outputs[-1]])),
-            }
-
-        def notes() -> list[str]:
-            return compile_notes(model) + ([f"{nms} NMS"] if nms else [])
-
-        return Case(lambda: _inference(run), measure, compiled=plan is not None and plan.settings.compile,
-                    notes=notes)  # fmt: skip
+        compiled = plan is not None and plan.settings.compile
+        nms_note = [f"{nms} NMS"] if nms else []
+        return generator_case(generator, images, source, compiled, lambda: compile_notes(model) + nms_note)
 
     def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
         masks = [np.packbits(np.stack(image_masks), axis=-1) if image_masks else None for image_masks in output]
@@ -379,6 +367,24 @@ class SamAutomaticLadder(SamLadder):
             return {}
         iou = matched_mask_iou(torch.load(reference, weights_only=False), masks)
         return {} if iou is None else {"mask_iou": iou}
+
+
+def generator_case(
+    generator: Any, images: list[np.ndarray], source: str, compiled: bool, notes: Callable[[], list[str]]
+) -> Case:
+    """The timed row of an automatic mask generator: generate() on each image in turn."""
+
+    def run() -> list[list[np.ndarray]]:
+        return [[record["segmentation"] for record in generator.generate(image)] for image in images]
+
+    def measure(outputs: list, seconds: list[float]) -> dict[str, Any]:
+        return {
+            "img_s": len(images) / np.median(seconds),
+            "images": source,
+            "masks": float(np.mean([len(masks) for masks in outputs[-1]])),
+        }
+
+    return Case(lambda: _inference(run), measure, compiled=compiled, notes=notes)
 
 
 def _original_model(config: SamConfig, model: torch.nn.Module) -> torch.nn.Module:

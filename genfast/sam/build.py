@@ -9,7 +9,9 @@ anything else).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -19,6 +21,7 @@ from genfast.sam.config import SAM_PRESETS, SamConfig, sam_preset
 from genfast.sam.modeling import Sam
 
 _PATCH_KEY = "image_encoder.patch_embed.proj.weight"
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 def build_sam(config: SamConfig | str) -> Sam:
@@ -32,9 +35,15 @@ def build_random_sam(config: SamConfig | str, seed: int = 0, scale: float = 0.02
     """A SAM model with seeded random weights, for benchmarks (speed does not depend on weight
     values) and tests: the default initialization plus N(0, scale) noise on every tensor, so the
     zero-initialized ones (positions, relative positions, biases) take part as in a trained model."""
+    return with_random_weights(lambda: build_sam(config), seed, scale)
+
+
+def with_random_weights(build: Callable[[], M], seed: int, scale: float) -> M:
+    """`build()`'s model, built and then perturbed by N(0, scale) noise on every tensor, drawn from
+    its own seeded generator (the caller's random state is left as it was)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = build_sam(config)
+        model = build()
         with torch.no_grad():
             for tensor in model.state_dict().values():
                 tensor.add_(torch.randn_like(tensor) * scale)

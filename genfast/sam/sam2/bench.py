@@ -26,7 +26,7 @@ from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, SPEEDUP, STEP,
 from genfast.compilation.saved import compile_notes
 from genfast.errors import UserError
 from genfast.recipe import Plan, Target
-from genfast.sam.bench import SamAutomaticLadder, SamLadder, _inference, bench_images
+from genfast.sam.bench import SamAutomaticLadder, SamLadder, _inference, bench_images, generator_case
 from genfast.sam.sam2.config import Sam2Config
 from genfast.sam.sam2.modeling.model import Sam2
 
@@ -213,19 +213,8 @@ class Sam2AutomaticLadder(Sam2Ladder, SamAutomaticLadder):
             from genfast.sam.sam2.automatic import SAM2AutomaticMaskGenerator
 
             generator = SAM2AutomaticMaskGenerator(apply_recipe(model, plan.settings), **grid)
-
-        def run() -> list[list[np.ndarray]]:
-            return [[record["segmentation"] for record in generator.generate(image)] for image in images]
-
-        def measure(outputs: list, seconds: list[float]) -> dict[str, Any]:
-            return {
-                "img_s": len(images) / np.median(seconds),
-                "images": source,
-                "masks": float(np.mean([len(masks) for masks in outputs[-1]])),
-            }
-
         compiled = plan is not None and plan.settings.compile
-        return Case(lambda: _inference(run), measure, compiled=compiled, notes=lambda: compile_notes(model))
+        return generator_case(generator, images, source, compiled, lambda: compile_notes(model))
 
 
 def sam2_config(args: argparse.Namespace) -> Sam2Config | None:

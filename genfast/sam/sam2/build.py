@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from genfast.errors import UserError
-from genfast.sam.build import is_state_dict, read_checkpoint_file
+from genfast.sam.build import is_state_dict, read_checkpoint_file, with_random_weights
 from genfast.sam.sam2.config import SAM2_PRESETS, Sam2Config, sam2_preset
 from genfast.sam.sam2.modeling.model import Sam2
 
@@ -37,13 +37,7 @@ def build_sam2(config: Sam2Config | str) -> Sam2:
 def build_random_sam2(config: Sam2Config | str, seed: int = 0, scale: float = 0.02) -> Sam2:
     """A SAM 2 model with seeded random weights, for benchmarks and tests: the default
     initialization plus N(0, scale) noise on every tensor, so zero-initialized ones take part."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = build_sam2(config)
-        with torch.no_grad():
-            for tensor in model.state_dict().values():
-                tensor.add_(torch.randn_like(tensor) * scale)
-    return model
+    return with_random_weights(lambda: build_sam2(config), seed, scale)
 
 
 def from_official_keys(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
