@@ -333,7 +333,9 @@ class Sam2VideoLadder(Sam2Ladder):
             from genfast.sam.recipe import apply_recipe
             from genfast.sam.sam2.video import SAM2VideoPredictor
 
-            predictor = SAM2VideoPredictor(apply_recipe(model, plan.settings))
+            # No hole filling, as the official package's CPU build (it needs its CUDA extension):
+            # the rows compute the same thing.
+            predictor = SAM2VideoPredictor(apply_recipe(model, plan.settings), fill_hole_area=0)
         growth: list[float] = []
 
         def run() -> list[np.ndarray]:
