@@ -2,7 +2,8 @@
 //
 //   out[b, i] = sum_j softmax_j(scale * q[b, i] . k[b, j] + rel_h[b, i, j / W] + rel_w[b, i, j % W]) v[b, j]
 //
-// the same op as avx512.cpp (which explains why it is fused), computed in fp32
+// and `attention`, the same without a bias and with any number of queries: the same ops as
+// avx512.cpp (which explains why they are fused), computed in fp32
 // throughout: CPUs without AVX-512 have no bf16 dot-product instruction, so SAM runs in fp32 there
 // and the inputs may be float32 or bfloat16 (widened on load; the output has the input's dtype).
 //
@@ -120,10 +121,11 @@ void output_rows(const float* p, int64_t rows, int64_t n_pad, const float* vp, i
 }
 
 // Bias, softmax numerator and 1 / denominator of one score row, in place: row[j] becomes
-// exp(row[j] + bias_h[j / W] + bias_w[j % W] - max), zero for the padding keys j >= n.
+// exp(row[j] + bias_h[j / W] + bias_w[j % W] - max) (no bias where bias_h is null), zero for the
+// padding keys j >= n.
 float softmax_row(float* row, const float* bias_h, const float* bias_w, int64_t grid_h, int64_t grid_w,
                   int64_t n, int64_t n_pad) {
-  for (int64_t kh = 0; kh < grid_h; ++kh) {
+  for (int64_t kh = 0; bias_h && kh < grid_h; ++kh) {
     float* seg = row + kh * grid_w;
     const float h_term = bias_h[kh];
     for (int64_t kw = 0; kw < grid_w; ++kw) seg[kw] += h_term + bias_w[kw];
@@ -146,12 +148,19 @@ float softmax_row(float* row, const float* bias_h, const float* bias_w, int64_t 
   return 1.0f / (hsum(vsum) - padding);
 }
 
+// The bias of a rel_pos_attention call: per query row, grid_h + grid_w fp32 terms (null: none).
+struct Bias {
+  const float* h = nullptr;  // [B * heads, Nq, grid_h]
+  const float* w = nullptr;  // [B * heads, Nq, grid_w]
+  int64_t grid_h = 0, grid_w = 0;
+};
+
+// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: views, any strides. Returns [B, Nq, heads, C].
 template <typename T>
-at::Tensor rel_pos_attention_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& rel_h, const at::Tensor& rel_w, double scale) {
-  const int64_t batch = q.size(0), heads = q.size(1), n = q.size(2), c = q.size(3);
-  const int64_t grid_h = rel_h.size(3), grid_w = rel_w.size(3);
-  const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
+at::Tensor attention_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
+                           double scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2), n = k.size(2), c = q.size(3);
+  const int64_t grid_h = bias.grid_h, grid_w = bias.grid_w;
   const int64_t bh_count = batch * heads, n_pad = (n + 7) / 8 * 8;
   // Element (bh, row, ch) of a [B, heads, N, C] view, any strides.
   auto at_ = [heads](const at::Tensor& t, const T* data, int64_t bh, int64_t row, int64_t ch) {
@@ -179,12 +188,10 @@ at::Tensor rel_pos_attention_typed(const at::Tensor& q, const at::Tensor& k, con
     }
   });
 
-  at::Tensor out = at::empty({batch, n, heads, c}, q.options());
+  at::Tensor out = at::empty({batch, nq, heads, c}, q.options());
   T* out_data = out.data_ptr<T>();
-  const float* bh_ptr = bias_h.data_ptr<float>();
-  const float* bw_ptr = bias_w.data_ptr<float>();
   const float scale_f = static_cast<float>(scale);
-  const int64_t blocks = (n + kQueryBlock - 1) / kQueryBlock;
+  const int64_t blocks = (nq + kQueryBlock - 1) / kQueryBlock;
 
   at::parallel_for(0, bh_count * blocks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> queries, scores, outputs;
@@ -194,7 +201,7 @@ at::Tensor rel_pos_attention_typed(const at::Tensor& q, const at::Tensor& k, con
     float inv_sum[kQueryBlock];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, i0 = (task % blocks) * kQueryBlock;
-      const int64_t rows = std::min(kQueryBlock, n - i0);
+      const int64_t rows = std::min(kQueryBlock, nq - i0);
       // Whole register tiles: rows past the end are zero queries whose results are dropped.
       const int64_t tiled_rows = (rows + kRows - 1) / kRows * kRows;
       std::fill(queries.begin(), queries.end(), 0.0f);
@@ -203,14 +210,16 @@ at::Tensor rel_pos_attention_typed(const at::Tensor& q, const at::Tensor& k, con
       const float* kpb = kp_data + bh * n_pad * c;
       float* s = scores.data();
       score_rows<kRows>(queries.data(), tiled_rows, c, kpb, n_pad, s);
-      for (int64_t r = 0; r < rows; ++r)
-        inv_sum[r] = softmax_row(s + r * n_pad, bh_ptr + (bh * n + i0 + r) * grid_h,
-                                 bw_ptr + (bh * n + i0 + r) * grid_w, grid_h, grid_w, n, n_pad);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = bh * nq + i0 + r;
+        inv_sum[r] = softmax_row(s + r * n_pad, bias.h ? bias.h + row * grid_h : nullptr,
+                                 bias.w ? bias.w + row * grid_w : nullptr, grid_h, grid_w, n, n_pad);
+      }
       for (int64_t r = rows; r < tiled_rows; ++r) std::fill(s + r * n_pad, s + (r + 1) * n_pad, 0.0f);
       output_rows<kRows>(s, tiled_rows, n_pad, vp_data + bh * n_pad * c, c, outputs.data());
       const int64_t b = bh / heads, h = bh % heads;
       for (int64_t r = 0; r < rows; ++r) {
-        T* dst = out_data + ((b * n + i0 + r) * heads + h) * c;
+        T* dst = out_data + ((b * nq + i0 + r) * heads + h) * c;
         for (int64_t ch = 0; ch < c; ++ch) dst[ch] = static_cast<T>(outputs[r * c + ch] * inv_sum[r]);
       }
     }
@@ -218,26 +227,45 @@ at::Tensor rel_pos_attention_typed(const at::Tensor& q, const at::Tensor& k, con
   return out;
 }
 
+void check_operands(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              op, ": q [B, heads, Nq, C], k and v [B, heads, Nk, C]");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              op, ": q, k, v must all be float32 or all bfloat16");
+  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) <= 128, op, ": head dim must be 16..128 in steps of 16");
+}
+
+at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias, double scale) {
+  if (q.scalar_type() == at::kBFloat16) return attention_typed<at::BFloat16>(q, k, v, bias, scale);
+  return attention_typed<float>(q, k, v, bias, scale);
+}
+
 // q, k, v: [B, heads, N, C] views, any strides (e.g. straight out of the qkv projection);
 // rel_h [B, heads, N, H], rel_w [B, heads, N, W]. Returns [B, N, heads, C] in q's dtype: the
 // layout the output projection reads.
 at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& rel_h, const at::Tensor& rel_w, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
-              "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "rel_pos_attention: q, k, v must all be float32 or all bfloat16");
-  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) <= 128, "rel_pos_attention: head dim must be 16..128 in steps of 16");
+  check_operands("rel_pos_attention", q, k, v);
+  TORCH_CHECK(k.sizes() == q.sizes(), "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
   TORCH_CHECK(rel_h.dim() == 4 && rel_w.dim() == 4 && rel_h.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
                   rel_w.sizes().slice(0, 3) == q.sizes().slice(0, 3) && rel_h.size(3) * rel_w.size(3) == q.size(2),
               "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
-  if (q.scalar_type() == at::kBFloat16) return rel_pos_attention_typed<at::BFloat16>(q, k, v, rel_h, rel_w, scale);
-  return rel_pos_attention_typed<float>(q, k, v, rel_h, rel_w, scale);
+  const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
+  return dispatch(q, k, v, Bias{bias_h.data_ptr<float>(), bias_w.data_ptr<float>(), rel_h.size(3), rel_w.size(3)},
+                  scale);
+}
+
+// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: softmax(scale * q k^T) v, as [B, Nq, heads, C].
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  check_operands("attention", q, k, v);
+  return dispatch(q, k, v, Bias{}, scale);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(genfast, CPU, m) {
   m.impl("rel_pos_attention", &rel_pos_attention);
+  m.impl("attention", &attention);
 }

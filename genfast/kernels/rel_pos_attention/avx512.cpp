@@ -5,16 +5,23 @@
 // for keys j = (row, column) on an H x W grid. The unfused form materializes the bias as a
 // [B, N, N] tensor (N = 4096 for SAM's global blocks: 400 MB per head batch in bf16) and hands
 // it to SDPA, so global attention is bound by writing and re-reading that tensor. Here each task
-// takes 32 query rows of one head: their scores (32 x N fp32, 512 KB at N = 4096) stay in the L2
-// cache, the bias is added from the two small tables while scores are still hot, and the
+// takes 32 query rows of one head (all of a window's, where the keys are few): their scores
+// (32 x N fp32, 512 KB at N = 4096) stay in the L2 cache, the bias is added from the two small tables while scores are still hot, and the
 // softmax and P @ V follow before the next rows. Nothing of size N x N is ever written.
+// `attention` is the same without a bias, and with any number of queries (SAM 2's Hiera: its
+// pooling blocks have a quarter as many queries as keys); there the scale is folded into the
+// softmax's exponent, so the scores are read once less.
 //
 // Both products run on `vdpbf16ps` (16 lanes, each += a pair of bf16 products into fp32), so the
 // scores and output accumulate in fp32 like a flash kernel; P is rounded to bf16 for P @ V.
 // Operands are re-laid out once per head so every inner-loop load is one contiguous vector:
-//   K as pairs of channels, [C/2][N_pad] (lane = key), for S = Q K^T;
+//   K as pairs of channels, [C/2][N_pad + 16] (lane = key), for S = Q K^T;
 //   V as pairs of keys,     [N_pad/2][C] (lane = channel), for O = P V.
-// N is padded to a multiple of 16 with zero keys whose probabilities are set to 0.
+// N is padded to a multiple of 16 with zero keys whose probabilities are set to 0. S is computed
+// key block by key block, each block of K read from L1 by all the task's rows. K's rows (and the
+// scores') are one vector longer than N_pad: at N = 4096 a row is 16 KB, and the loads of one key
+// block, one per channel pair, all fell in the same L1 sets (4K aliasing), which cost a quarter
+// of the global blocks' time (sam2.1-hiera-tiny, Zen 4).
 //
 // Compiled with -mavx512f/bw/bf16; the Python side calls it only when the CPU has them.
 
@@ -29,29 +36,46 @@
 #include <cstring>
 #include <vector>
 
-#include "../common/avx512_vectors.h"
 
 namespace {
 
-using genfast_avx512::exp_nonpositive;
-
 constexpr int64_t kQueryBlock = 32;  // query rows per task
+constexpr int64_t kFewKeys = 256;       // up to this many (padded) keys, a task takes up to
+constexpr int64_t kMaxQueryBlock = 256;  // this many query rows
 constexpr int kRows = 4;             // query rows per register tile
 constexpr int kKeyVectors = 4;       // 16-key vectors per register tile of S
+constexpr int64_t kRowPad = 16;      // K's and the scores' rows are this much longer than N_pad
+
+// exp(x) for x <= 0 to the precision the probabilities keep (bf16): 2^n * p(r) with
+// x = n ln2 + r, |r| <= ln2 / 2, p the degree-4 Taylor polynomial (relative error < 5e-5; bf16
+// rounds at 4e-3). Two multiply-adds fewer than exp_nonpositive (common/avx512_vectors.h), on 4096 x 4096
+// values per head of a global block.
+inline __m512 exp_to_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.0f / 24);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
 // S[r, j0 + 16t + l] = q[r] . k[j0 + 16t + l] for R rows and KV vectors of 16 keys.
-// q: rows of C/2 channel pairs; kp: [C/2][n_pad] channel pairs.
+// q: rows of C/2 channel pairs; kp: [C/2][k_ld] channel pairs.
 template <int R, int KV>
-inline void scores_tile(const uint32_t* q, int64_t q_stride, const uint32_t* kp, int64_t n_pad,
+inline void scores_tile(const uint32_t* q, int64_t q_stride, const uint32_t* kp, int64_t k_ld,
                         int64_t pairs, int64_t j0, float* s, int64_t s_stride) {
   __m512 acc[R][KV];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < KV; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t c2 = 0; c2 < pairs; ++c2) {
     __m512bh keys[KV];
-    for (int t = 0; t < KV; ++t) keys[t] = as_bh(_mm512_loadu_si512(kp + c2 * n_pad + j0 + 16 * t));
+    for (int t = 0; t < KV; ++t) keys[t] = as_bh(_mm512_loadu_si512(kp + c2 * k_ld + j0 + 16 * t));
     for (int r = 0; r < R; ++r) {
       const __m512bh query = as_bh(_mm512_set1_epi32(static_cast<int>(q[r * q_stride + c2])));
       for (int t = 0; t < KV; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], query, keys[t]);
@@ -95,117 +119,150 @@ constexpr OutputRowsFn kOutputRows[kMaxChannelVectors] = {
     output_rows<1>, output_rows<2>, output_rows<3>, output_rows<4>,
     output_rows<5>, output_rows<6>, output_rows<7>, output_rows<8>};
 
-template <int R>
-void score_rows(const uint32_t* q, int64_t q_stride, const uint32_t* kp, int64_t n_pad, int64_t pairs, float* s) {
-  int64_t j0 = 0;
-  for (; j0 + 16 * kKeyVectors <= n_pad; j0 += 16 * kKeyVectors)
-    scores_tile<R, kKeyVectors>(q, q_stride, kp, n_pad, pairs, j0, s, n_pad);
-  for (; j0 < n_pad; j0 += 16) scores_tile<R, 1>(q, q_stride, kp, n_pad, pairs, j0, s, n_pad);
+// S for `rows` query rows (q: rows of C/2 channel pairs) against all n_pad keys, into rows of
+// s_ld scores: key block by key block, every row tile reading the block from L1.
+template <int KV>
+void score_key_block(const uint32_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, int64_t k_ld,
+                     int64_t pairs, int64_t j0, float* s, int64_t s_ld) {
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows)
+    scores_tile<kRows, KV>(q + r * q_stride, q_stride, kp, k_ld, pairs, j0, s + r * s_ld, s_ld);
+  for (; r < rows; ++r) scores_tile<1, KV>(q + r * q_stride, q_stride, kp, k_ld, pairs, j0, s + r * s_ld, s_ld);
 }
 
-// q, k, v: [B, heads, N, C] views with unit channel stride (e.g. straight out of the qkv
-// projection: no copies); rel_h [B, heads, N, H], rel_w [B, heads, N, W].
-// Returns [B, N, heads, C]: the layout the output projection reads.
-at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& rel_h, const at::Tensor& rel_w, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
-              "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
+void score_rows(const uint32_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, int64_t k_ld, int64_t n_pad,
+                int64_t pairs, float* s, int64_t s_ld) {
+  int64_t j0 = 0;
+  for (; j0 + 16 * kKeyVectors <= n_pad; j0 += 16 * kKeyVectors)
+    score_key_block<kKeyVectors>(q, q_stride, rows, kp, k_ld, pairs, j0, s, s_ld);
+  for (; j0 < n_pad; j0 += 16) score_key_block<1>(q, q_stride, rows, kp, k_ld, pairs, j0, s, s_ld);
+}
+
+// The bias of a rel_pos_attention call: per query row, grid_h + grid_w fp32 terms (null: none).
+struct Bias {
+  const float* h = nullptr;  // [B * heads, Nq, grid_h]
+  const float* w = nullptr;  // [B * heads, Nq, grid_w]
+  int64_t grid_h = 0, grid_w = 0;
+};
+
+// Unit channel stride and even row strides, so channel pairs can be read as 32-bit words.
+void check_operands(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              op, ": q [B, heads, Nq, C], k and v [B, heads, Nk, C]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              "rel_pos_attention: q, k, v must be bfloat16");
-  const int64_t batch = q.size(0), heads = q.size(1), n = q.size(2), c = q.size(3);
-  TORCH_CHECK(c % 16 == 0 && c / 16 <= kMaxChannelVectors, "rel_pos_attention: head dim must be 16..128 in steps of 16");
-  TORCH_CHECK(rel_h.dim() == 4 && rel_w.dim() == 4 && rel_h.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
-                  rel_w.sizes().slice(0, 3) == q.sizes().slice(0, 3) && rel_h.size(3) * rel_w.size(3) == n,
-              "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
-  // Unit channel stride and even row strides, so channel pairs can be read as 32-bit words.
+              op, ": q, k, v must be bfloat16");
+  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) / 16 <= kMaxChannelVectors, op,
+              ": head dim must be 16..128 in steps of 16");
   for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 2 == 0 && t->stride(1) % 2 == 0 && t->stride(2) % 2 == 0,
-                "rel_pos_attention: q, k, v need unit channel stride and even strides");
-  const int64_t grid_w = rel_w.size(3), grid_h = rel_h.size(3);
-  const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
+    TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 2 == 0 && t->stride(1) % 2 == 0 && t->stride(2) % 2 == 0, op,
+                ": q, k, v need unit channel stride and even strides");
+}
+
+// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: views with unit channel stride (e.g. straight
+// out of the qkv projection: no copies). Returns [B, Nq, heads, C]: the layout the output
+// projection reads.
+at::Tensor attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
+                          double scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2), n = k.size(2), c = q.size(3);
   const int64_t bh_count = batch * heads;
   const int64_t n_pad = (n + 15) / 16 * 16, pairs = c / 2, key_pairs = n_pad / 2;
+  const int64_t k_ld = n_pad + kRowPad, s_ld = n_pad + kRowPad;  // row strides of K and of the scores
   // Element offset of row `row` of head `bh` in a [B, heads, N, C] view.
   auto row_offset = [heads](const at::Tensor& t, int64_t bh, int64_t row) {
     return (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + row * t.stride(2);
   };
 
-  // One-time re-layout per head (see the header); padding keys are zero.
-  at::Tensor kp = at::empty({bh_count, pairs, n_pad}, q.options().dtype(at::kInt));
-  at::Tensor vp = at::empty({bh_count, key_pairs, c}, q.options().dtype(at::kInt));
-  {
-    const auto* k16 = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-    const auto* v16 = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  // Query rows per task: kQueryBlock where the keys are many (the rows' scores stay in L2); a
+  // whole head's, up to kMaxQueryBlock, where they are few (windows).
+  const int64_t query_block = n_pad <= kFewKeys ? std::min(nq, kMaxQueryBlock) : kQueryBlock;
+  const int64_t blocks = (nq + query_block - 1) / query_block;
+
+  // K and V re-laid out per head (see the header; padding keys are zero): once, before the tasks,
+  // where a head's queries take several tasks; else by the task itself, into buffers that stay in
+  // its cache. Written out and read back, the copies of many small windows were a third of their
+  // attention's time (sam2.1-hiera-tiny's 1/4 and 1/8 scales, Zen 4).
+  const bool shared = blocks > 1;
+  const auto* k16 = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* v16 = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  auto relayout = [&](int64_t bh, uint32_t* kpb, uint32_t* vpb) {
+    for (int64_t j = 0; j < n; ++j) {
+      const auto* row = reinterpret_cast<const uint32_t*>(k16 + row_offset(k, bh, j));
+      for (int64_t c2 = 0; c2 < pairs; ++c2) kpb[c2 * k_ld + j] = row[c2];
+    }
+    for (int64_t c2 = 0; c2 < pairs; ++c2)
+      for (int64_t j = n; j < n_pad; ++j) kpb[c2 * k_ld + j] = 0;
+    for (int64_t j2 = 0; j2 < key_pairs; ++j2) {
+      const int64_t j = 2 * j2;
+      const uint16_t* even = j < n ? v16 + row_offset(v, bh, j) : nullptr;
+      const uint16_t* odd = j + 1 < n ? v16 + row_offset(v, bh, j + 1) : nullptr;
+      for (int64_t ch = 0; ch < c; ++ch)
+        vpb[j2 * c + ch] = (even ? even[ch] : 0u) | (odd ? static_cast<uint32_t>(odd[ch]) << 16 : 0u);
+    }
+  };
+  at::Tensor kp, vp;
+  if (shared) {
+    kp = at::empty({bh_count, pairs, k_ld}, q.options().dtype(at::kInt));
+    vp = at::empty({bh_count, key_pairs, c}, q.options().dtype(at::kInt));
     auto* kp32 = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
     auto* vp32 = reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>());
     at::parallel_for(0, bh_count, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
-        uint32_t* kpb = kp32 + bh * pairs * n_pad;
-        for (int64_t j = 0; j < n; ++j) {
-          const auto* row = reinterpret_cast<const uint32_t*>(k16 + row_offset(k, bh, j));
-          for (int64_t c2 = 0; c2 < pairs; ++c2) kpb[c2 * n_pad + j] = row[c2];
-        }
-        for (int64_t c2 = 0; c2 < pairs; ++c2)
-          for (int64_t j = n; j < n_pad; ++j) kpb[c2 * n_pad + j] = 0;
-        uint32_t* vpb = vp32 + bh * key_pairs * c;
-        for (int64_t j2 = 0; j2 < key_pairs; ++j2) {
-          const int64_t j = 2 * j2;
-          const uint16_t* even = j < n ? v16 + row_offset(v, bh, j) : nullptr;
-          const uint16_t* odd = j + 1 < n ? v16 + row_offset(v, bh, j + 1) : nullptr;
-          for (int64_t ch = 0; ch < c; ++ch)
-            vpb[j2 * c + ch] = (even ? even[ch] : 0u) | (odd ? static_cast<uint32_t>(odd[ch]) << 16 : 0u);
-        }
-      }
+      for (int64_t bh = begin; bh < end; ++bh) relayout(bh, kp32 + bh * pairs * k_ld, vp32 + bh * key_pairs * c);
     });
   }
 
-  at::Tensor out = at::empty({batch, n, heads, c}, q.options());
-  const int64_t blocks = (n + kQueryBlock - 1) / kQueryBlock;
+  at::Tensor out = at::empty({batch, nq, heads, c}, q.options());
   const auto* q16 = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const auto* kp32 = reinterpret_cast<const uint32_t*>(kp.data_ptr<int32_t>());
-  const auto* vp32 = reinterpret_cast<const uint32_t*>(vp.data_ptr<int32_t>());
-  const float* bh_ptr = bias_h.data_ptr<float>();
-  const float* bw_ptr = bias_w.data_ptr<float>();
+  const auto* kp32 = shared ? reinterpret_cast<const uint32_t*>(kp.data_ptr<int32_t>()) : nullptr;
+  const auto* vp32 = shared ? reinterpret_cast<const uint32_t*>(vp.data_ptr<int32_t>()) : nullptr;
   auto* out_ptr = out.data_ptr<at::BFloat16>();
   const float scale_f = static_cast<float>(scale);
+  // Without a bias the scale goes into the exponent: exp(scale * (s - max)), scale > 0.
+  const __m512 exp_scale = _mm512_set1_ps(bias.h ? 1.0f : scale_f);
   const OutputRowsFn output_rows_fn = kOutputRows[c / 16 - 1];
   const int64_t q_stride = q.stride(2) / 2;  // in channel pairs
 
   at::parallel_for(0, bh_count * blocks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores, outputs;
+    thread_local std::vector<float> scores, outputs, inv_sum;
     thread_local std::vector<at::BFloat16> probs;
-    scores.resize(kQueryBlock * n_pad);
-    probs.resize(kQueryBlock * n_pad);
-    outputs.resize(kQueryBlock * c);
-    float inv_sum[kQueryBlock];
+    thread_local std::vector<uint32_t> own_k, own_v;  // the task's own re-layout (!shared)
+    scores.resize(query_block * s_ld);
+    probs.resize(query_block * s_ld);
+    outputs.resize(query_block * c);
+    inv_sum.resize(query_block);
+    if (!shared) {
+      own_k.resize(pairs * k_ld);
+      own_v.resize(key_pairs * c);
+    }
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / blocks, i0 = (task % blocks) * kQueryBlock;
-      const int64_t rows = std::min(kQueryBlock, n - i0);
+      const int64_t bh = task / blocks, i0 = (task % blocks) * query_block;
+      const int64_t rows = std::min(query_block, nq - i0);
       const auto* qb = reinterpret_cast<const uint32_t*>(q16 + row_offset(q, bh, i0));
-      const uint32_t* kpb = kp32 + bh * pairs * n_pad;
+      const uint32_t* kpb = shared ? kp32 + bh * pairs * k_ld : own_k.data();
+      const uint32_t* vpb = shared ? vp32 + bh * key_pairs * c : own_v.data();
+      if (!shared) relayout(bh, own_k.data(), own_v.data());
       float* s = scores.data();
+      score_rows(qb, q_stride, rows, kpb, k_ld, n_pad, pairs, s, s_ld);
 
-      int64_t r = 0;
-      for (; r + kRows <= rows; r += kRows) score_rows<kRows>(qb + r * q_stride, q_stride, kpb, n_pad, pairs, s + r * n_pad);
-      for (; r < rows; ++r) score_rows<1>(qb + r * q_stride, q_stride, kpb, n_pad, pairs, s + r * n_pad);
-
-      for (r = 0; r < rows; ++r) {
-        float* row = s + r * n_pad;
-        const float* bias_row_h = bh_ptr + (bh * n + i0 + r) * grid_h;
-        const float* bias_row_w = bw_ptr + (bh * n + i0 + r) * grid_w;
-        for (int64_t kh = 0; kh < grid_h; ++kh) {
-          float* seg = row + kh * grid_w;
-          const float h_term = bias_row_h[kh];
-          for (int64_t kw = 0; kw < grid_w; ++kw) seg[kw] = seg[kw] * scale_f + h_term + bias_row_w[kw];
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = s + r * s_ld;
+        if (bias.h) {
+          const float* bias_row_h = bias.h + (bh * nq + i0 + r) * bias.grid_h;
+          const float* bias_row_w = bias.w + (bh * nq + i0 + r) * bias.grid_w;
+          for (int64_t kh = 0; kh < bias.grid_h; ++kh) {
+            float* seg = row + kh * bias.grid_w;
+            const float h_term = bias_row_h[kh];
+            for (int64_t kw = 0; kw < bias.grid_w; ++kw) seg[kw] = seg[kw] * scale_f + h_term + bias_row_w[kw];
+          }
         }
         for (int64_t j = n; j < n_pad; ++j) row[j] = -INFINITY;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n_pad; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
         const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
         __m512 vsum = _mm512_setzero_ps();
-        at::BFloat16* prow = probs.data() + r * n_pad;
+        at::BFloat16* prow = probs.data() + r * s_ld;
         for (int64_t j = 0; j < n_pad; j += 16) {
-          __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), row_max));
+          __m512 e = exp_to_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), row_max), exp_scale));
           if (j + 16 > n) e = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << (n - j)) - 1), e);  // padding keys
           vsum = _mm512_add_ps(vsum, e);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
@@ -213,12 +270,11 @@ at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at:
         inv_sum[r] = 1.0f / _mm512_reduce_add_ps(vsum);
       }
 
-      output_rows_fn(reinterpret_cast<const uint32_t*>(probs.data()), key_pairs, vp32 + bh * key_pairs * c, key_pairs,
-                     rows, outputs.data());
+      output_rows_fn(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, vpb, key_pairs, rows, outputs.data());
       const int64_t b = bh / heads, h = bh % heads;
-      for (r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < rows; ++r) {
         const float* o = outputs.data() + r * c;
-        at::BFloat16* dst = out_ptr + ((b * n + i0 + r) * heads + h) * c;
+        at::BFloat16* dst = out_ptr + ((b * nq + i0 + r) * heads + h) * c;
         const __m512 inv = _mm512_set1_ps(inv_sum[r]);
         for (int64_t ch = 0; ch < c; ch += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + ch),
@@ -229,8 +285,29 @@ at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return out;
 }
 
+// q, k, v: [B, heads, N, C]; rel_h [B, heads, N, H], rel_w [B, heads, N, W] with H * W = N.
+at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& rel_h, const at::Tensor& rel_w, double scale) {
+  check_operands("rel_pos_attention", q, k, v);
+  TORCH_CHECK(k.sizes() == q.sizes(), "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
+  TORCH_CHECK(rel_h.dim() == 4 && rel_w.dim() == 4 && rel_h.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
+                  rel_w.sizes().slice(0, 3) == q.sizes().slice(0, 3) && rel_h.size(3) * rel_w.size(3) == q.size(2),
+              "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
+  const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
+  return attention_core(q, k, v, Bias{bias_h.data_ptr<float>(), bias_w.data_ptr<float>(), rel_h.size(3), rel_w.size(3)},
+                        scale);
+}
+
+// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: softmax(scale * q k^T) v, as [B, Nq, heads, C].
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  check_operands("attention", q, k, v);
+  TORCH_CHECK(scale > 0, "attention: the scale must be positive");
+  return attention_core(q, k, v, Bias{}, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(genfast, CPU, m) {
   m.impl("rel_pos_attention", &rel_pos_attention);
+  m.impl("attention", &attention);
 }

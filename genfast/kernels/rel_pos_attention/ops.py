@@ -1,6 +1,7 @@
 """`torch.ops.genfast.rel_pos_attention`: attention over an H x W key grid with SAM's decomposed
-relative-position bias added inside the kernel, never materialized (avx512.cpp explains it). The
-AVX-512 variant computes on bf16 inputs (`vdpbf16ps`); the AVX2 one in fp32, on float32 or
+relative-position bias added inside the kernel, never materialized (avx512.cpp explains it);
+`torch.ops.genfast.attention`: the same kernel without a bias, queries and keys of any lengths
+(SAM 2's Hiera). The AVX-512 variant computes on bf16 inputs (`vdpbf16ps`); the AVX2 one in fp32, on float32 or
 bfloat16 inputs (CPUs without AVX512-BF16 run SAM in fp32). `portable` is the same attention in
 PyTorch, with the bias materialized for SDPA.
 """
@@ -28,8 +29,17 @@ torch.library.define(
 )
 
 
+torch.library.define("genfast::attention", "(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+
+
 @torch.library.register_fake("genfast::rel_pos_attention")
 def _rel_pos_attention_fake(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float) -> Tensor:
+    b, heads, n, c = q.shape
+    return q.new_empty(b, n, heads, c)
+
+
+@torch.library.register_fake("genfast::attention")
+def _attention_fake(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     b, heads, n, c = q.shape
     return q.new_empty(b, n, heads, c)
 
@@ -57,13 +67,28 @@ def supports(q: Tensor) -> bool:
     return q.device.type == "cpu" and not c % 16 and c <= MAX_HEAD_DIM and takes(q.dtype)
 
 
+def _readable(t: Tensor) -> Tensor:
+    """t, or a contiguous copy where the kernel cannot read it: it reads channel pairs as 32-bit
+    words, so it needs unit channel stride and even other strides."""
+    if t.stride(-1) == 1 and not any(s % 2 for s in t.stride()[:-1]):
+        return t
+    return t.contiguous()
+
+
 def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float) -> Tensor:
     """q, k, v: [B, heads, N, C] (any strides with unit channel stride) in a dtype `supports`; rel_h [B, heads, N, H]
     and rel_w [B, heads, N, W] with H * W = N. Returns [B, heads, N, C], a view of a
     [B, N, heads, C] tensor (see the C++ files)."""
-    if any(t.stride(-1) != 1 or any(s % 2 for s in t.stride()) for t in (q, k, v)):
-        q, k, v = (t.contiguous() for t in (q, k, v))
+    q, k, v = (_readable(t) for t in (q, k, v))
     return torch.ops.genfast.rel_pos_attention(q, k, v, rel_h, rel_w, scale).transpose(1, 2)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """softmax(scale * q k^T) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C] (as
+    rel_pos_attention takes them, without the bias; scale > 0). Returns [B, heads, Nq, C], a view
+    of a [B, Nq, heads, C] tensor."""
+    q, k, v = (_readable(t) for t in (q, k, v))
+    return torch.ops.genfast.attention(q, k, v, scale).transpose(1, 2)
 
 
 def materialized_bias(rel_h: Tensor, rel_w: Tensor) -> Tensor:

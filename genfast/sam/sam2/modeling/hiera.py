@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genfast.sam.modeling.attention import attention
+from genfast.sam.modeling.attention import encoder_attention
 from genfast.sam.sam2.config import Sam2Config
+from genfast.sam.sam2.modeling.linear import Linear, linear, linear_gelu
 from genfast.sam.sam2.modeling.position import PositionEmbeddingSine
 
 
@@ -45,9 +46,28 @@ def window_unpartition(windows: Tensor, window: int, padded: tuple[int, int], si
     return x[:, :h, :w] if (hp, wp) != (h, w) else x
 
 
+def bicubic_matrix(in_size: int, out_size: int, device: torch.device) -> Tensor:
+    """The [out_size, in_size] fp32 matrix of F.interpolate's 1-D bicubic resize (align_corners
+    False), taken from F.interpolate itself (its weights and edge clamping) on one-hot inputs. The
+    2-D resize is separable: interpolate(p) = A_h @ p @ A_w^T per channel."""
+    eye = torch.eye(in_size, dtype=torch.float32, device=device)[None, :, :, None]  # one-hot rows as channels
+    return F.interpolate(eye, size=(out_size, 1), mode="bicubic")[0, :, :, 0].t()
+
+
+def tile_matrix(in_size: int, out_size: int, device: torch.device) -> Tensor:
+    """The [out_size, in_size] one-hot matrix of tiling: row i picks i % in_size."""
+    rows = torch.arange(out_size, device=device)[:, None] % in_size
+    return (rows == torch.arange(in_size, device=device)[None, :]).float()
+
+
 def _pool(x: Tensor, stride: int) -> Tensor:
-    """2-D max pooling of a [B, H, W, C] map."""
-    return F.max_pool2d(x.permute(0, 3, 1, 2), stride, stride).permute(0, 2, 3, 1)
+    """2-D max pooling of a [B, H, W, C] map (kernel = stride, no padding: as nn.MaxPool2d, rows and
+    columns past the last whole window dropped), as a max over a reshaped view: channels stay
+    innermost, where F.max_pool2d on the NCHW view made the compiled encoder transpose the map."""
+    b, h, w, c = x.shape
+    h, w = h // stride, w // stride
+    x = x[:, : h * stride, : w * stride]
+    return x.reshape(b, h, stride, w, stride, c).amax(dim=(2, 4))
 
 
 class MultiScaleAttention(nn.Module):
@@ -58,8 +78,8 @@ class MultiScaleAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.q_stride = q_stride
-        self.qkv = nn.Linear(dim, dim_out * 3)
-        self.proj = nn.Linear(dim_out, dim_out)
+        self.qkv = Linear(dim, dim_out * 3)
+        self.proj = Linear(dim_out, dim_out)
         self.attention_impl = "auto"  # genfast.sam.modeling.attention: the recipe's choice
 
     def forward(self, x: Tensor) -> Tensor:
@@ -69,7 +89,7 @@ class MultiScaleAttention(nn.Module):
             q = _pool(q.transpose(1, 2).reshape(b, h, w, -1), self.q_stride)
             h, w = q.shape[1:3]
             q = q.reshape(b, h * w, self.num_heads, -1).transpose(1, 2)
-        out = attention(q, k, v, self.attention_impl)
+        out = encoder_attention(q, k, v, self.attention_impl)
         return self.proj(out.transpose(1, 2).reshape(b, h, w, -1))
 
 
@@ -78,10 +98,10 @@ class Mlp(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(dim, hidden), nn.Linear(hidden, dim)])
+        self.layers = nn.ModuleList([Linear(dim, hidden), Linear(hidden, dim)])
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.layers[1](F.gelu(self.layers[0](x)))
+        return self.layers[1](linear_gelu(self.layers[0], x))
 
 
 class MultiScaleBlock(nn.Module):
@@ -94,7 +114,7 @@ class MultiScaleBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim_out, eps=1e-6)
         self.mlp = Mlp(dim_out, 4 * dim_out)
         # A stage's first block widens the residual stream too.
-        self.proj = nn.Linear(dim, dim_out) if dim != dim_out else None
+        self.proj = Linear(dim, dim_out) if dim != dim_out else None
 
     def forward(self, x: Tensor) -> Tensor:
         shortcut = x
@@ -126,7 +146,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(3, dim, kernel_size=7, stride=4, padding=3)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(x).permute(0, 2, 3, 1)  # [B, H, W, C]
+        # Channels-last in and out: the [B, H, W, C] view of the output is then contiguous, as
+        # the blocks' LayerNorms and linears want it (no copy of the 1/4-scale map).
+        x = self.proj(x.contiguous(memory_format=torch.channels_last))
+        return x.permute(0, 2, 3, 1)  # [B, H, W, C]
 
 
 class Hiera(nn.Module):
@@ -155,14 +178,28 @@ class Hiera(nn.Module):
             dim = dim_out
 
     def position_embedding(self, h: int, w: int) -> Tensor:
-        pos = F.interpolate(self.pos_embed, size=(h, w), mode="bicubic")
-        window = self.pos_embed_window
-        pos = pos + window.tile(1, 1, h // window.shape[2], w // window.shape[3])
-        return pos.permute(0, 2, 3, 1)
+        """[1, h, w, C] fp32: the background table resized bicubically to (h, w), plus the window
+        table tiled over it, as two small matrix products whatever the model's dtype. F.interpolate's
+        bicubic kernel took 25 ms of a 1 s bf16 encoder (sam2.1-hiera-tiny, 2 Zen 4 threads);
+        this takes ~1 ms. Both terms are one product: the tables side by side (block-diagonal,
+        [h0 + wh, w0 + ww]) between the resize matrices side by side with the tiling ones, so
+        that a compiled encoder gets the sum from one matrix kernel, laid out as the blocks read
+        it, rather than a gather of the window table inlined into every reader of the stream."""
+        table = self.pos_embed[0].permute(1, 2, 0).float()  # [h0, w0, C]
+        window = self.pos_embed_window[0].permute(1, 2, 0).float()  # [wh, ww, C]
+        (h0, w0, c), (wh, ww) = table.shape, window.shape[:2]
+        device = table.device
+        blocks = table.new_zeros(h0 + wh, w0 + ww, c)
+        blocks[:h0, :w0] = table
+        blocks[h0:, w0:] = window
+        rows = torch.cat([bicubic_matrix(h0, h, device), tile_matrix(wh, h, device)], dim=1)  # [h, h0 + wh]
+        cols = torch.cat([bicubic_matrix(w0, w, device), tile_matrix(ww, w, device)], dim=1)  # [w, w0 + ww]
+        resized = (rows @ blocks.view(h0 + wh, -1)).view(h, w0 + ww, c)  # along h
+        return (cols @ resized).view(1, h, w, c)  # along w, row by row
 
     def forward(self, x: Tensor) -> list[Tensor]:
         x = self.patch_embed(x)
-        x = x + self.position_embedding(*x.shape[1:3])
+        x = x + self.position_embedding(*x.shape[1:3]).to(x.dtype)
         outputs = []
         for i, block in enumerate(self.blocks):
             x = block(x)
@@ -172,20 +209,30 @@ class Hiera(nn.Module):
 
 
 class _Lateral(nn.Module):
-    """A 1x1 projection (wrapped so its name is `convs.{i}.conv` as in the checkpoints)."""
+    """A 1x1 projection (wrapped so its name is `convs.{i}.conv` as in the checkpoints).
+
+    Computed as a linear layer (genfast/sam/sam2/modeling/linear.py) over the channels of the
+    trunk's [B, H, W, C] memory, and returned as a [B, C, H, W] view of [B, H, W, C] memory (what
+    the convolution returned in eager mode): a compiled encoder otherwise had the convolution
+    write [B, C, H, W] memory and then transposed it (18 ms of the 1/4-scale level on one Zen 4
+    thread)."""
 
     def __init__(self, dim: int, d_model: int) -> None:
         super().__init__()
         self.conv = nn.Conv2d(dim, d_model, kernel_size=1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.conv(x)
+        out = linear(x.permute(0, 2, 3, 1), self.conv.weight.flatten(1), self.conv.bias)
+        return out.permute(0, 3, 1, 2)
 
 
 class FpnNeck(nn.Module):
     def __init__(self, config: Sam2Config) -> None:
         super().__init__()
-        self.position_encoding = PositionEmbeddingSine(config.d_model)
+        # The kept levels' grids at the model's input size (1/4, 1/8, 1/16): their encodings are
+        # made once (see PositionEmbeddingSine).
+        grids = [config.image_size // stride for stride in (4, 8, 16)]
+        self.position_encoding = PositionEmbeddingSine(config.d_model, sizes=tuple((g, g) for g in grids))
         # Coarsest stage first, as the checkpoints order them.
         self.convs = nn.ModuleList(_Lateral(dim, config.d_model) for dim in config.channel_list)
         self.top_down_levels = config.fpn_top_down_levels

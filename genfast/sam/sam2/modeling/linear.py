@@ -1,0 +1,86 @@
+"""The linear layers of SAM 2's image encoder: one oneDNN matrix product with the bias (and a
+following GELU) applied in its epilogue, on the CPU.
+
+aten.addmm, which nn.Linear is on the CPU, first copies the bias into every row of its output and
+then accumulates the product onto it: a slow extra pass over outputs that are large at the 1/4
+scale (65536 x 576 for a pooling block's qkv). In the compiled encoder inductor cannot fuse
+either the bias or the MLP's GELU into aten's product. oneDNN's linear takes both as post-ops
+of its own kernel (`torch.ops.mkldnn._linear_pointwise`, here with the plain weight, which it
+reorders per call: a small cost next to these products). On sam2.1-hiera-tiny (bf16, one Zen 4
+thread) the encoder's 1/4- and 1/8-scale linears took 25-45% longer as addmm (+ GELU) than fused.
+
+`dense_linear` is a custom op, so that a compiled encoder calls it as one kernel (inductor's own
+lowering of the oneDNN op wants prepacked constant weights; these weights are graph inputs).
+Elsewhere (no oneDNN, another device or dtype, bf16 without native bf16 arithmetic, where oneDNN
+has no bf16 linear under an AVX2 cap, gradients wanted) it is F.linear (+ F.gelu).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS = ("none", "gelu")  # GELU: the exact (erf) one, as nn.GELU()
+
+
+@cache
+def _fused_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes oneDNN's linear computes here: x86 CPUs (AVX2 and up) with fp32, and bf16 where
+    the CPU has bf16 arithmetic (the ISA caps of scripts/with_isa.sh apply)."""
+    from genfast.platform import hardware
+
+    if not (torch.backends.mkldnn.is_available() and hardware.isa_allows("avx2")):
+        return frozenset()
+    return frozenset({torch.float32, torch.bfloat16} if hardware.has_native_bf16() else {torch.float32})
+
+
+def _fused(x: Tensor, weight: Tensor) -> bool:
+    """Whether oneDNN's linear takes these operands."""
+    return x.device.type == "cpu" and x.dtype in _fused_dtypes() and weight.dtype == x.dtype
+
+
+def _reference(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    out = F.linear(x, weight, bias)
+    return F.gelu(out) if activation == "gelu" else out
+
+
+@torch.library.custom_op("genfast::dense_linear", mutates_args=())
+def dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    """activation(x @ weight^T + bias) for x [..., K], weight [N, K]: [..., N]."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; one of {', '.join(ACTIVATIONS)}")
+    if not _fused(x, weight):
+        return _reference(x, weight, bias, activation)
+    rows = x.reshape(-1, x.shape[-1])
+    algorithm = "none" if activation == "gelu" else ""  # oneDNN's erf GELU
+    out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, activation, [], algorithm)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@dense_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "none") -> Tensor:
+    """dense_linear, or F.linear (+ GELU) where gradients are wanted (the op has no backward)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _reference(x, weight, bias, activation)
+    return dense_linear(x, weight, bias, activation)
+
+
+class Linear(nn.Linear):
+    """nn.Linear computed by `linear` (dynamic int8 replaces it as any nn.Linear)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def linear_gelu(layer: nn.Module, x: Tensor) -> Tensor:
+    """GELU(layer(x)): fused where the layer is a floating-point Linear."""
+    if type(layer) is Linear:
+        return linear(x, layer.weight, layer.bias, "gelu")
+    return F.gelu(layer(x))

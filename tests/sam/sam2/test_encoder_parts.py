@@ -1,0 +1,107 @@
+"""The pieces of SAM 2's image encoder that are written for speed, each against the plain
+computation it replaces: the native attention kernel without a bias, the fused linear layers,
+the position tables as matrix products and buffers, the max pooling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genfast.kernels.rel_pos_attention import ops as kernel
+from genfast.sam.modeling.attention import encoder_attention
+from genfast.sam.sam2.build import build_random_sam2
+from genfast.sam.sam2.config import tiny_sam2_config
+from genfast.sam.sam2.modeling.hiera import _pool, bicubic_matrix
+from genfast.sam.sam2.modeling.linear import Linear, dense_linear, linear, linear_gelu
+from genfast.sam.sam2.modeling.position import PositionEmbeddingSine
+
+KERNEL_DTYPES = kernel.DTYPES.get(kernel.loaded_isa(), ()) if kernel.unavailable_reason() is None else ()
+
+
+@pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("windows", "heads", "queries", "keys", "channels"),
+    [(1, 2, 100, 100, 32), (6, 2, 16, 64, 96), (3, 1, 49, 196, 16), (2, 3, 5, 7, 48)],
+)
+def test_attention_kernel_matches_sdpa(dtype, windows, heads, queries, keys, channels) -> None:
+    """Any query and key counts (pooled queries: fewer than keys), q, k, v strided views of one
+    qkv product as the encoder passes them."""
+    if dtype not in KERNEL_DTYPES:
+        pytest.skip(f"the {kernel.loaded_isa()} kernel takes no {dtype}")
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(windows, keys, 3, heads, channels, generator=gen).to(dtype)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    q = q[:, :, :queries]
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    actual = encoder_attention(q, k, v, "fused")
+    assert actual.shape == expected.shape and actual.dtype == dtype
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_encoder_attention_math_is_the_explicit_softmax() -> None:
+    q, k, v = (torch.randn(2, 2, n, 16, generator=torch.Generator().manual_seed(n)) for n in (4, 9, 9))
+    expected = ((q * 16**-0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+    torch.testing.assert_close(encoder_attention(q, k, v, "math"), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_dense_linear_is_linear_then_activation(dtype, activation) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 7, 48, generator=gen).to(dtype)
+    weight, bias = torch.randn(80, 48, generator=gen).to(dtype), torch.randn(80, generator=gen).to(dtype)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    expected = F.gelu(expected) if activation == "gelu" else expected
+    actual = dense_linear(x, weight, bias, activation)
+    assert actual.shape == (2, 5, 7, 80) and actual.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
+    compiled = torch.compile(lambda x: dense_linear(x, weight, bias, activation), fullgraph=True)
+    torch.testing.assert_close(compiled(x), actual)
+
+
+def test_linear_layers_keep_gradients_and_defer_to_other_layers() -> None:
+    layer = Linear(6, 4)
+    x = torch.randn(3, 6, requires_grad=True)
+    linear(x, layer.weight, layer.bias, "gelu").sum().backward()  # the op has no backward: F.linear here
+    assert x.grad is not None
+    identity = torch.nn.Identity()  # e.g. a quantized layer: called, then GELU
+    torch.testing.assert_close(linear_gelu(identity, x.detach()), F.gelu(x.detach()))
+
+
+@pytest.mark.parametrize(("before", "after"), [(7, 256), (14, 64), (7, 7), (8, 5), (4, 32)])
+def test_bicubic_matrices_resize_as_interpolate(before, after) -> None:
+    table = torch.randn(3, before, before, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    expected = F.interpolate(table[None], size=(after, after), mode="bicubic")[0]
+    a = bicubic_matrix(before, after, torch.device("cpu")).double()
+    torch.testing.assert_close(a @ table @ a.t(), expected, atol=1e-5, rtol=1e-5)  # fp32 weights
+
+
+def test_position_embedding_is_the_resized_table_plus_the_tiled_window() -> None:
+    """As the official trunk computes it: F.interpolate (bicubic) and a tiled window table."""
+    trunk = build_random_sam2(tiny_sam2_config()).image_encoder.trunk
+    h = w = 32
+    window = trunk.pos_embed_window
+    expected = F.interpolate(trunk.pos_embed, size=(h, w), mode="bicubic")
+    expected = expected + window.tile(1, 1, h // window.shape[2], w // window.shape[3])
+    torch.testing.assert_close(trunk.position_embedding(h, w), expected.permute(0, 2, 3, 1), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("size", [(8, 8), (7, 9)])
+def test_pool_is_max_pool2d(size) -> None:
+    x = torch.randn(2, *size, 5)
+    expected = F.max_pool2d(x.permute(0, 3, 1, 2), 2, 2).permute(0, 2, 3, 1)
+    torch.testing.assert_close(_pool(x, 2), expected)
+
+
+def test_sine_tables_of_given_sizes_are_made_once_as_buffers() -> None:
+    encoding = PositionEmbeddingSine(32, sizes=((8, 8), (4, 6)))
+    assert not encoding.state_dict()  # not part of checkpoints
+    encoding.to(torch.bfloat16)
+    for h, w in ((8, 8), (4, 6), (5, 5)):  # the last one computed (and cached) on demand
+        x = torch.zeros(2, 3, h, w, dtype=torch.bfloat16)
+        expected = encoding.table(h, w, x.device, torch.bfloat16)
+        torch.testing.assert_close(encoding(x), expected.expand(2, -1, -1, -1), atol=0, rtol=0)
