@@ -5,14 +5,12 @@ baseline and, with --official, against Meta's sam2 package in fp32 eager (same w
 image and point), with each row's mask IoU against the official mask.
 
     python benchmarks/sam2_encoder.py [--model sam2.1-hiera-tiny] [--steps baseline,bf16,...]
-                                      [--official] [--keep-freed-memory] [--repeats 5]
+                                      [--official] [--repeats 5]
 
 Weights are random (`build_random_sam2`): speed does not depend on their values. Each step builds
 its own model. The compile step's first call compiles the encoder (or loads it from GENFAST_HOME):
 that is the warm-up, not timed. The fastest call is the one to compare when other processes share
-the CPU (the header gives the load average before and after). --keep-freed-memory has glibc keep
-freed memory for the next call (genfast/platform/heap.py) from the first genfast row on: the
-official row runs with the default malloc either way.
+the CPU (the header gives the load average before and after).
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import numpy as np
 import torch
 
 from genfast.bench.machine import describe_machine, machine_info
-from genfast.platform.heap import keep_freed_memory
 from genfast.recipe import Target
 from genfast.sam.recipe import RECIPE, apply_recipe
 from genfast.sam.sam2.build import build_random_sam2, to_official_keys
@@ -81,7 +78,6 @@ def main() -> None:
     parser.add_argument("--model", default="sam2.1-hiera-tiny")
     parser.add_argument("--steps", default=",".join(STEPS), help="comma-separated recipe steps")
     parser.add_argument("--official", action="store_true", help="add Meta's package (fp32 eager) as a row")
-    parser.add_argument("--keep-freed-memory", action="store_true", help="genfast rows: glibc keeps freed memory")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
@@ -97,8 +93,6 @@ def main() -> None:
         encode, fastest, decode, reference = measure(official, image, args.repeats)
         official_seconds = encode + decode
         row("official fp32 eager", f"{encode:.3f}", f"{fastest:.3f}", f"{decode:.3f}", "", "1.00x", "1.000")
-    if args.keep_freed_memory and not keep_freed_memory():
-        print("(malloc cannot be told to keep freed memory here: default malloc)")
     for step in args.steps.split(","):
         model = apply_recipe(build_random_sam2(args.model), RECIPE.plan(step, target).settings)
         encode, fastest, decode, masks = measure(SAM2ImagePredictor(model), image, args.repeats)
@@ -107,8 +101,7 @@ def main() -> None:
         iou = f"{mask_iou(masks, reference):.3f}" if reference is not None else ""
         speedup = f"{baseline_seconds / encode:.2f}x"
         row(step, f"{encode:.3f}", f"{fastest:.3f}", f"{decode:.3f}", speedup, versus, iou)
-    kept = "; genfast rows with glibc keeping freed memory" if args.keep_freed_memory else ""
-    print(f"\nload average {os.getloadavg()[0]:.2f} after the run; 'vs official' compares set_image + predict{kept}")
+    print(f"\nload average {os.getloadavg()[0]:.2f} after the run; 'vs official' compares set_image + predict")
 
 
 def row(*cells: str) -> None:

@@ -4,10 +4,6 @@ the position tables as matrix products and buffers, the max pooling."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,31 +105,3 @@ def test_sine_tables_of_given_sizes_are_made_once_as_buffers() -> None:
         x = torch.zeros(2, 3, h, w, dtype=torch.bfloat16)
         expected = encoding.table(h, w, x.device, torch.bfloat16)
         torch.testing.assert_close(encoding(x), expected.expand(2, -1, -1, -1), atol=0, rtol=0)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-@pytest.mark.parametrize("setting", ["1", "0"])
-def test_malloc_keeps_freed_memory_unless_told_not_to(setting) -> None:
-    """In a process of its own (it changes malloc for the whole process): large tensors freed and
-    allocated again, as an encoder's activations are on every call, fault in no fresh pages."""
-    code = (
-        "import resource, torch\n"
-        "from genfast.platform.heap import keep_freed_memory\n"
-        "applied = keep_freed_memory()\n"
-        "def call():\n"
-        "    a = torch.ones(48 << 20, dtype=torch.uint8)\n"
-        "    b = torch.ones(64 << 20, dtype=torch.uint8)\n"
-        "for _ in range(2):\n"
-        "    call()\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-        "call()\n"
-        "print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
-    )
-    env = {**os.environ, "GENFAST_KEEP_FREED_MEMORY": setting}
-    applied, faults = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout.split()
-    if setting == "0":
-        assert applied == "False" and int(faults) > 10_000  # 112 MB mapped afresh: 28672 pages
-    else:
-        assert applied == "True" and int(faults) < 1000

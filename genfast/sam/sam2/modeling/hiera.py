@@ -15,8 +15,6 @@ Parameter names follow the official checkpoints (`image_encoder.trunk.*`, `image
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -106,23 +104,6 @@ class Mlp(nn.Module):
         return self.layers[1](linear_gelu(self.layers[0], x))
 
 
-# Tokens per piece of a windowed attention or an MLP (see in_pieces).
-TOKENS_PER_PIECE = 16384
-
-
-def in_pieces(fn: Callable[[Tensor], Tensor], x: Tensor, tokens_per_item: int) -> Tensor:
-    """fn(x) for an fn that treats the entries of x's first dimension (windows, or tokens, of
-    `tokens_per_item` tokens each) independently, computed on pieces of about TOKENS_PER_PIECE
-    tokens and concatenated. At the 1/4 scale the intermediates are large (a pooling block's qkv is
-    75 MB in bf16, the first MLP's hidden layer 50 MB): glibc's malloc maps each allocation above
-    32 MB afresh and the product writing it pays a page fault per 4 KB, which made those products
-    2-3x slower than on reused memory (Zen 4). In pieces they stay below that and are reused."""
-    per_piece = max(1, TOKENS_PER_PIECE // tokens_per_item)
-    if x.shape[0] <= per_piece:
-        return fn(x)
-    return torch.cat([fn(piece) for piece in x.split(per_piece)])
-
-
 class MultiScaleBlock(nn.Module):
     def __init__(self, dim: int, dim_out: int, num_heads: int, window: int, q_stride: int | None) -> None:
         super().__init__()
@@ -146,9 +127,7 @@ class MultiScaleBlock(nn.Module):
         if window:
             h, w = x.shape[1:3]
             x, padded = window_partition(x, window)
-            x = in_pieces(self.attn, x, window * window)
-        else:
-            x = self.attn(x)
+        x = self.attn(x)
         if window:
             if self.q_stride:
                 # The pooled queries made each window (and the padded map) q_stride times smaller;
@@ -158,8 +137,7 @@ class MultiScaleBlock(nn.Module):
                 padded = (h + -h % window, w + -w % window)
             x = window_unpartition(x, window, padded, (h, w))
         x = shortcut + x
-        tokens = x.reshape(-1, x.shape[-1])
-        return in_pieces(lambda t: t + self.mlp(self.norm2(t)), tokens, 1).view(x.shape)
+        return x + self.mlp(self.norm2(x))
 
 
 class PatchEmbed(nn.Module):
