@@ -179,13 +179,12 @@ class Hiera(nn.Module):
 
     def position_embedding(self, h: int, w: int) -> Tensor:
         """[1, h, w, C] fp32: the background table resized bicubically to (h, w), plus the window
-        table tiled over it, as matrix products in fp32 whatever the model's dtype (F.interpolate's
-        bicubic kernel took 25 ms of a 1 s bf16 encoder, sam2.1-hiera-tiny on 2 Zen 4 threads;
-        this ~5 ms on one, most of it writing the result). Both terms come out of the same two
-        products: the tables side by side (block-diagonal, [h0 + wh, w0 + ww]) between the resize
-        matrices side by side with the tiling ones, so that a compiled encoder gets the sum from
-        one matrix kernel, laid out as the blocks read it, rather than a gather of the window
-        table inlined into every reader of the stream."""
+        table tiled over it, as two small matrix products whatever the model's dtype. F.interpolate's
+        bicubic kernel took 25 ms of a 1 s bf16 encoder (sam2.1-hiera-tiny, 2 Zen 4 threads);
+        this takes ~1 ms. Both terms are one product: the tables side by side (block-diagonal,
+        [h0 + wh, w0 + ww]) between the resize matrices side by side with the tiling ones, so
+        that a compiled encoder gets the sum from one matrix kernel, laid out as the blocks read
+        it, rather than a gather of the window table inlined into every reader of the stream."""
         table = self.pos_embed[0].permute(1, 2, 0).float()  # [h0, w0, C]
         window = self.pos_embed_window[0].permute(1, 2, 0).float()  # [wh, ww, C]
         (h0, w0, c), (wh, ww) = table.shape, window.shape[:2]
@@ -195,8 +194,8 @@ class Hiera(nn.Module):
         blocks[h0:, w0:] = window
         rows = torch.cat([bicubic_matrix(h0, h, device), tile_matrix(wh, h, device)], dim=1)  # [h, h0 + wh]
         cols = torch.cat([bicubic_matrix(w0, w, device), tile_matrix(ww, w, device)], dim=1)  # [w, w0 + ww]
-        resized = cols @ blocks  # [h0 + wh, w, C]: along w, on the small table
-        return (rows @ resized.view(h0 + wh, -1)).view(1, h, w, c)  # along h: one product
+        resized = (rows @ blocks.view(h0 + wh, -1)).view(h, w0 + ww, c)  # along h
+        return (cols @ resized).view(1, h, w, c)  # along w, row by row
 
     def forward(self, x: Tensor) -> list[Tensor]:
         x = self.patch_embed(x)
