@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from genfast.bench.machine import describe_machine, machine_info
+from genfast.errors import UserError
 from genfast.recipe import Target
 from genfast.sam.recipe import RECIPE, apply_recipe
 from genfast.sam.sam2.build import build_random_sam2, to_official_keys
@@ -94,7 +95,12 @@ def main() -> None:
         official_seconds = encode + decode
         row("official fp32 eager", f"{encode:.3f}", f"{fastest:.3f}", f"{decode:.3f}", "", "1.00x", "1.000")
     for step in args.steps.split(","):
-        model = apply_recipe(build_random_sam2(args.model), RECIPE.plan(step, target).settings)
+        try:
+            settings = RECIPE.plan(step, target).settings
+        except UserError as e:  # e.g. bf16 without native bf16 arithmetic: the later steps run in fp32
+            row(step, f"skipped: {e}", *[""] * (len(COLUMNS) - 2))
+            continue
+        model = apply_recipe(build_random_sam2(args.model), settings)
         encode, fastest, decode, masks = measure(SAM2ImagePredictor(model), image, args.repeats)
         baseline_seconds = baseline_seconds or encode
         versus = f"{official_seconds / (encode + decode):.2f}x" if official_seconds else ""

@@ -15,6 +15,8 @@ Parameter names follow the official checkpoints (`image_encoder.trunk.*`, `image
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -104,6 +106,23 @@ class Mlp(nn.Module):
         return self.layers[1](linear_gelu(self.layers[0], x))
 
 
+# Tokens per piece of a windowed attention or an MLP (see in_pieces).
+TOKENS_PER_PIECE = 16384
+
+
+def in_pieces(fn: Callable[[Tensor], Tensor], x: Tensor, tokens_per_item: int) -> Tensor:
+    """fn(x) for an fn that treats the entries of x's first dimension (windows, or tokens, of
+    `tokens_per_item` tokens each) independently, computed on pieces of about TOKENS_PER_PIECE
+    tokens and concatenated. At the 1/4 scale the intermediates are large (a pooling block's qkv is
+    75 MB in bf16, the first MLP's hidden layer 50 MB): glibc's malloc maps each allocation above
+    32 MB afresh and the product writing it pays a page fault per 4 KB, which made those products
+    2-3x slower than on reused memory (Zen 4). In pieces they stay below that and are reused."""
+    per_piece = max(1, TOKENS_PER_PIECE // tokens_per_item)
+    if x.shape[0] <= per_piece:
+        return fn(x)
+    return torch.cat([fn(piece) for piece in x.split(per_piece)])
+
+
 class MultiScaleBlock(nn.Module):
     def __init__(self, dim: int, dim_out: int, num_heads: int, window: int, q_stride: int | None) -> None:
         super().__init__()
@@ -127,7 +146,9 @@ class MultiScaleBlock(nn.Module):
         if window:
             h, w = x.shape[1:3]
             x, padded = window_partition(x, window)
-        x = self.attn(x)
+            x = in_pieces(self.attn, x, window * window)
+        else:
+            x = self.attn(x)
         if window:
             if self.q_stride:
                 # The pooled queries made each window (and the padded map) q_stride times smaller;
@@ -137,7 +158,8 @@ class MultiScaleBlock(nn.Module):
                 padded = (h + -h % window, w + -w % window)
             x = window_unpartition(x, window, padded, (h, w))
         x = shortcut + x
-        return x + self.mlp(self.norm2(x))
+        tokens = x.reshape(-1, x.shape[-1])
+        return in_pieces(lambda t: t + self.mlp(self.norm2(t)), tokens, 1).view(x.shape)
 
 
 class PatchEmbed(nn.Module):
@@ -179,12 +201,13 @@ class Hiera(nn.Module):
 
     def position_embedding(self, h: int, w: int) -> Tensor:
         """[1, h, w, C] fp32: the background table resized bicubically to (h, w), plus the window
-        table tiled over it, as two small matrix products whatever the model's dtype. F.interpolate's
-        bicubic kernel took 25 ms of a 1 s bf16 encoder (sam2.1-hiera-tiny, 2 Zen 4 threads);
-        this takes ~1 ms. Both terms are one product: the tables side by side (block-diagonal,
-        [h0 + wh, w0 + ww]) between the resize matrices side by side with the tiling ones, so
-        that a compiled encoder gets the sum from one matrix kernel, laid out as the blocks read
-        it, rather than a gather of the window table inlined into every reader of the stream."""
+        table tiled over it, as matrix products in fp32 whatever the model's dtype (F.interpolate's
+        bicubic kernel took 25 ms of a 1 s bf16 encoder, sam2.1-hiera-tiny on 2 Zen 4 threads;
+        this ~5 ms on one, most of it writing the result). Both terms come out of the same two
+        products: the tables side by side (block-diagonal, [h0 + wh, w0 + ww]) between the resize
+        matrices side by side with the tiling ones, so that a compiled encoder gets the sum from
+        one matrix kernel, laid out as the blocks read it, rather than a gather of the window
+        table inlined into every reader of the stream."""
         table = self.pos_embed[0].permute(1, 2, 0).float()  # [h0, w0, C]
         window = self.pos_embed_window[0].permute(1, 2, 0).float()  # [wh, ww, C]
         (h0, w0, c), (wh, ww) = table.shape, window.shape[:2]
@@ -194,8 +217,8 @@ class Hiera(nn.Module):
         blocks[h0:, w0:] = window
         rows = torch.cat([bicubic_matrix(h0, h, device), tile_matrix(wh, h, device)], dim=1)  # [h, h0 + wh]
         cols = torch.cat([bicubic_matrix(w0, w, device), tile_matrix(ww, w, device)], dim=1)  # [w, w0 + ww]
-        resized = (rows @ blocks.view(h0 + wh, -1)).view(h, w0 + ww, c)  # along h
-        return (cols @ resized).view(1, h, w, c)  # along w, row by row
+        resized = cols @ blocks  # [h0 + wh, w, C]: along w, on the small table
+        return (rows @ resized.view(h0 + wh, -1)).view(1, h, w, c)  # along h: one product
 
     def forward(self, x: Tensor) -> list[Tensor]:
         x = self.patch_embed(x)

@@ -6,8 +6,8 @@ then accumulates the product onto it: a slow extra pass over outputs that are la
 scale (65536 x 576 for a pooling block's qkv). In the compiled encoder inductor cannot fuse
 either the bias or the MLP's GELU into aten's product. oneDNN's linear takes both as post-ops
 of its own kernel (`torch.ops.mkldnn._linear_pointwise`, here with the plain weight, which it
-reorders per call: a small cost next to these products). On sam2.1-hiera-tiny (bf16, one Zen 4
-thread) the encoder's 1/4- and 1/8-scale linears took 25-45% longer as addmm (+ GELU) than fused.
+reorders per call: a small cost next to these products). On sam2.1-hiera-tiny's shapes (bf16, one
+Zen 4 thread) addmm took 10-20% longer than the fused product, and the GELU was a pass of its own.
 
 `dense_linear` is a custom op, so that a compiled encoder calls it as one kernel (inductor's own
 lowering of the oneDNN op wants prepacked constant weights; these weights are graph inputs).
@@ -66,8 +66,11 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "none") -> Tensor:
-    """dense_linear, or F.linear (+ GELU) where gradients are wanted (the op has no backward)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+    """dense_linear on the CPU; F.linear (+ GELU) elsewhere (a compiler fuses them there: CUDA's
+    matrix products take the bias and the GELU as epilogues) and where gradients are wanted (the
+    op has no backward)."""
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if x.device.type != "cpu" or wants_grad:
         return _reference(x, weight, bias, activation)
     return dense_linear(x, weight, bias, activation)
 
