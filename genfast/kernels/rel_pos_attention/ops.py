@@ -67,6 +67,17 @@ def supports(q: Tensor) -> bool:
     return q.device.type == "cpu" and not c % 16 and c <= MAX_HEAD_DIM and takes(q.dtype)
 
 
+# Key counts below which the plain attention (`attention`) of the AVX2 variant, which computes in
+# fp32, loses to PyTorch's SDPA: on SAM 2's windows (16-196 keys) SDPA took 0.3-0.65x its time, on
+# the global blocks (4096 keys) 1.07x (sam2.1-hiera-tiny, fp32, Zen 4 capped to AVX2, 2 threads).
+AVX2_ATTENTION_MIN_KEYS = 1024
+
+
+def attention_pays(keys: int) -> bool:
+    """Whether `attention` over `keys` keys beats SDPA in the loaded variant (see above)."""
+    return loaded_isa() != "avx2" or keys >= AVX2_ATTENTION_MIN_KEYS
+
+
 def _readable(t: Tensor) -> Tensor:
     """t, or a contiguous copy where the kernel cannot read it: it reads channel pairs as 32-bit
     words, so it needs unit channel stride and even other strides."""

@@ -50,8 +50,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, impl: str) -> Tensor:
 def encoder_attention(q: Tensor, k: Tensor, v: Tensor, impl: str) -> Tensor:
     """SAM 2's encoder attention: softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k and v
     [B, heads, Nk, C] (Nq < Nk where the queries are pooled). "fused"/"auto": the native kernel
-    where it takes q (CPU), else SDPA; "math" the explicit softmax; the rest SDPA."""
-    if impl in ("auto", "fused") and rel_pos_kernel.supports(q):
+    where it takes q (CPU) and beats SDPA (the AVX2 variant on long sequences only), else SDPA;
+    "math" the explicit softmax; the rest SDPA."""
+    if impl in ("auto", "fused") and rel_pos_kernel.supports(q) and rel_pos_kernel.attention_pays(k.shape[-2]):
         return rel_pos_kernel.attention(q, k, v, q.shape[-1] ** -0.5)
     return attention(q, k, v, impl)
 

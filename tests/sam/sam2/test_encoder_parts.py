@@ -35,10 +35,21 @@ def test_attention_kernel_matches_sdpa(dtype, windows, heads, queries, keys, cha
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     q = q[:, :, :queries]
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    actual = encoder_attention(q, k, v, "fused")
+    actual = kernel.attention(q, k, v, channels**-0.5)
     assert actual.shape == expected.shape and actual.dtype == dtype
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
+def test_encoder_attention_takes_the_kernel_where_it_pays(monkeypatch) -> None:
+    """The AVX2 variant (fp32 arithmetic) only on long key sequences; SDPA on windows."""
+    q, k, v = (torch.randn(1, 2, n, 16).to(KERNEL_DTYPES[0]) for n in (8, 16, 16))
+    calls = []
+    monkeypatch.setattr(kernel, "attention", lambda *args: calls.append(args) or args[0])
+    encoder_attention(q, k, v, "fused")
+    assert len(calls) == (kernel.loaded_isa() != "avx2")
+    assert kernel.attention_pays(4096) and kernel.attention_pays(16) == (kernel.loaded_isa() != "avx2")
 
 
 def test_encoder_attention_math_is_the_explicit_softmax() -> None:

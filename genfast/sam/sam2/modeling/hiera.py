@@ -64,12 +64,19 @@ def tile_matrix(in_size: int, out_size: int, device: torch.device) -> Tensor:
 
 def _pool(x: Tensor, stride: int) -> Tensor:
     """2-D max pooling of a [B, H, W, C] map (kernel = stride, no padding: as nn.MaxPool2d, rows and
-    columns past the last whole window dropped), as a max over a reshaped view: channels stay
-    innermost, where F.max_pool2d on the NCHW view made the compiled encoder transpose the map."""
+    columns past the last whole window dropped), as an elementwise maximum of the windows' strided
+    views: channels stay innermost, where F.max_pool2d on the NCHW view made the compiled encoder
+    transpose the map; and eagerly as fast as max_pool2d's channels-last kernel (a reduction over
+    the reshaped view's window dimensions, x.amax(dim=(2, 4)), was 15-30x slower)."""
     b, h, w, c = x.shape
     h, w = h // stride, w // stride
-    x = x[:, : h * stride, : w * stride]
-    return x.reshape(b, h, stride, w, stride, c).amax(dim=(2, 4))
+    windows = x[:, : h * stride, : w * stride].reshape(b, h, stride, w, stride, c)
+    out = windows[:, :, 0, :, 0]
+    for i in range(stride):
+        for j in range(stride):
+            if i or j:
+                out = torch.maximum(out, windows[:, :, i, :, j])
+    return out
 
 
 class MultiScaleAttention(nn.Module):
