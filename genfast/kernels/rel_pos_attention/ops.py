@@ -68,8 +68,8 @@ def supports(q: Tensor) -> bool:
 
 
 # Key counts below which the plain attention (`attention`) of the AVX2 variant, which computes in
-# fp32, loses to PyTorch's SDPA: on SAM 2's windows (16-196 keys) SDPA took 0.3-0.65x its time, on
-# the global blocks (4096 keys) 1.07x (sam2.1-hiera-tiny, fp32, Zen 4 capped to AVX2, 2 threads).
+# fp32, loses to PyTorch's SDPA: SDPA wins on SAM 2's windows (16-196 keys), the kernel on its
+# global blocks (4096 keys); measurements in docs/notes.md (SAM 2).
 AVX2_ATTENTION_MIN_KEYS = 1024
 
 
