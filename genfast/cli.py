@@ -83,8 +83,10 @@ def _tensor_parallel_ranks(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from genfast.compilation.inductor import use_persistent_cache
+    from genfast.platform.heap import keep_freed_memory
 
     use_persistent_cache()
+    keep_freed_memory()  # large activations reused, not faulted in afresh on every call
     try:
         if _tensor_parallel_ranks(args) > 1:
             from genfast.llm.tensor_parallel import launch_or_join
