@@ -20,7 +20,7 @@ import torch
 
 from genfast.errors import UserError
 
-TINY_ARCHS = ("sd15", "sdxl", "pixart")
+TINY_ARCHS = ("sd15", "sdxl", "pixart", "flux", "sd3")
 
 
 def _import_diffusers() -> Any:
@@ -161,8 +161,6 @@ def _tiny_vae(seed: int) -> torch.nn.Module:
 
 def _tiny_pixart(seed: int, tokenizer: Any) -> Any:
     """PixArt-α's layout (a DiT with adaLN-single, a T5 encoder, DPM-Solver) at toy widths."""
-    from transformers import T5Config, T5EncoderModel
-
     diffusers = _import_diffusers()
     torch.manual_seed(seed)
     transformer = diffusers.PixArtTransformer2DModel(
@@ -177,12 +175,7 @@ def _tiny_pixart(seed: int, tokenizer: Any) -> Any:
         caption_channels=32,
         norm_num_groups=8,
     ).eval()
-    torch.manual_seed(seed + 2)
-    text_encoder = T5EncoderModel(
-        T5Config(
-            vocab_size=514, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, pad_token_id=513, eos_token_id=513
-        )
-    ).eval()
+    text_encoder = _tiny_t5(seed + 2, 32, gated=False)
     return diffusers.PixArtAlphaPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
@@ -191,6 +184,102 @@ def _tiny_pixart(seed: int, tokenizer: Any) -> Any:
         scheduler=diffusers.DPMSolverMultistepScheduler(),
     )
 
+
+def _tiny_t5(seed: int, d_model: int, gated: bool = True) -> torch.nn.Module:
+    """A 2-layer T5 encoder; gated-GELU feed-forwards as T5 v1.1 (FLUX.1's and SD3's T5-XXL)."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=514, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2, num_heads=4, pad_token_id=513,
+        eos_token_id=513, feed_forward_proj="gated-gelu" if gated else "relu",
+    )  # fmt: skip
+    return T5EncoderModel(config).eval()
+
+
+def _tiny_flow_vae(seed: int, latent_channels: int) -> torch.nn.Module:
+    """The VAE of flow-matching pipelines: more latent channels, no quant convs, a shift."""
+    diffusers = _import_diffusers()
+    torch.manual_seed(seed)
+    return diffusers.AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=latent_channels,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.1,
+        scaling_factor=1.5,
+    ).eval()
+
+
+def _tiny_flux(seed: int, tokenizer: Any) -> Any:
+    """FLUX.1's layout (double- and single-stream blocks, 3-axis RoPE, packed 2x2 latents, CLIP's
+    pooled and T5's sequence embeddings, guidance embedding as in -dev) at toy widths."""
+    diffusers = _import_diffusers()
+    torch.manual_seed(seed)
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * 4,  # 4 latent channels in 2x2 patches
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 4, 8),
+    ).eval()
+    return diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+        vae=_tiny_flow_vae(seed + 1, 4),
+        text_encoder=_tiny_text_encoder(False, 32, seed + 2),
+        tokenizer=tokenizer,
+        text_encoder_2=_tiny_t5(seed + 3, 32),
+        tokenizer_2=tokenizer,
+        transformer=transformer,
+    )
+
+
+def _tiny_sd3(seed: int, tokenizer: Any) -> Any:
+    """Stable Diffusion 3.5's layout (MMDiT with RMS-normed q/k, one dual-attention layer as
+    in 3.5-medium, two CLIPs and a T5) at toy widths."""
+    diffusers = _import_diffusers()
+    torch.manual_seed(seed)
+    transformer = diffusers.SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=64,  # T5's width; the CLIPs' 32 + 32 are padded to it
+        caption_projection_dim=32,
+        pooled_projection_dim=64,  # the two CLIPs' projections, concatenated
+        out_channels=4,
+        pos_embed_max_size=16,
+        dual_attention_layers=(0,),
+        qk_norm="rms_norm",
+    ).eval()
+    return diffusers.StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_tiny_flow_vae(seed + 1, 4),
+        text_encoder=_tiny_text_encoder(True, 32, seed + 2),
+        tokenizer=tokenizer,
+        text_encoder_2=_tiny_text_encoder(True, 32, seed + 3),
+        tokenizer_2=tokenizer,
+        text_encoder_3=_tiny_t5(seed + 4, 64),
+        tokenizer_3=tokenizer,
+    )
+
+
+TINY_BUILDERS = {"pixart": _tiny_pixart, "flux": _tiny_flux, "sd3": _tiny_sd3}
 
 # PixArt pipelines snap the requested size to an aspect-ratio table chosen by the transformer's
 # sample size; a transformer of another sample size (the tiny PixArt's 16) has no table.
@@ -244,17 +333,18 @@ def initial_latents(pipe: Any, height: int, width: int, seed: int, images: int =
 
 
 def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:
-    """A tiny random StableDiffusionPipeline ("sd15"), StableDiffusionXLPipeline ("sdxl") or
-    PixArtAlphaPipeline ("pixart") in fp32 on the CPU, with the architectures' features:
-    cross-attention down/up blocks, resnets with 1x1 shortcuts, conv (sd15) or linear (sdxl)
-    transformer projections, SDXL's second text encoder and time-id embedding; PixArt's DiT blocks
-    and T5 encoder. Images are 32x32 by default (latents 16x16: VAE factor 2); call the PixArt one
+    """A tiny random StableDiffusionPipeline ("sd15"), StableDiffusionXLPipeline ("sdxl"),
+    PixArtAlphaPipeline ("pixart"), FluxPipeline ("flux") or StableDiffusion3Pipeline ("sd3") in
+    fp32 on the CPU, with the architectures' features: cross-attention down/up blocks, resnets
+    with 1x1 shortcuts, conv (sd15) or linear (sdxl) transformer projections, SDXL's second text
+    encoder and time-id embedding; PixArt's DiT blocks and T5 encoder; FLUX.1's and SD 3.5's
+    flow-matching transformers (see their builders). Images are 32x32 by default (latents 16x16: VAE factor 2); call the PixArt one
     with `call_kwargs(pipe)`."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
     tokenizer = _tiny_tokenizer()
-    if arch == "pixart":
-        pipe = _tiny_pixart(seed, tokenizer)
+    if arch in TINY_BUILDERS:
+        pipe = TINY_BUILDERS[arch](seed, tokenizer)
     else:
         pipe = _tiny_stable_diffusion(arch == "sdxl", seed, tokenizer)
     pipe.set_progress_bar_config(disable=True)
