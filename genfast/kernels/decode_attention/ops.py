@@ -47,19 +47,19 @@ def build_for(head_dim: int) -> None:
         kernel_available()
 
 
-def applies(q: Tensor, keys: Tensor, mask: Tensor, *, any_queries: bool = False) -> bool:
-    """Whether the kernel takes this call: on a CPU with a variant, fp32 or bf16 (q and the cache
-    each), the head size a multiple of 16, a boolean mask [B|1, 1, S|1, L]; one query per sequence
-    (S == 1) unless `any_queries`, which takes any S >= 1 (prefill, speculative verification)."""
-    queries = q.shape[2]
+def applies(q: Tensor, keys: Tensor, mask: Tensor) -> bool:
+    """Whether the kernel takes this decode step where it is optional: on a CPU with a variant,
+    fp32 or bf16 (q and the cache each), the head size a multiple of 16, one query per sequence
+    and a boolean mask [B|1, 1, 1, L]. (The batch-invariant path calls the kernel for any number
+    of queries, prefill included.)"""
     return (
         q.device.type == "cpu"
-        and (queries == 1 or (any_queries and queries > 1))
+        and q.shape[2] == 1
         and mask.dtype == torch.bool
         and mask.dim() == 4
         and mask.shape[0] in (1, q.shape[0])
         and mask.shape[1] == 1
-        and mask.shape[2] in (1, queries)
+        and mask.shape[2] == 1
         and mask.shape[3] == keys.shape[2]
         and takes_head_dim(q.shape[-1])
         and q.dtype in (torch.float32, torch.bfloat16)

@@ -118,16 +118,14 @@ def test_bad_shapes_are_refused():
         decode_attention.decode_attention(torch.randn(1, 4, 2, 64), k[:, :2], k[:, :2], rows, 0.125)
 
 
-def test_applies_takes_several_queries_only_when_asked():
+def test_applies_to_single_query_steps_only():
     q, keys = torch.randn(2, 4, 5, 64), torch.randn(2, 2, 10, 64)
     causal = attention_mask(torch.arange(5, 10), 10)  # [1, 1, 5, 10]
     available = DECODE_ATTENTION.available()
-    assert not decode_attention.applies(q, keys, causal)
-    assert decode_attention.applies(q, keys, causal, any_queries=True) == available
-    assert decode_attention.applies(q, keys, causal[:, :, :1], any_queries=True) == available  # one row for all
+    assert not decode_attention.applies(q, keys, causal)  # a prefill: SDPA's
     assert decode_attention.applies(q[:, :, :1], keys, causal[:, :, -1:]) == available
-    assert not decode_attention.applies(q[:, :, :3], keys, causal, any_queries=True)  # 5 rows for 3 queries
-    assert not decode_attention.applies(q, keys, causal[..., :9], any_queries=True)  # a row per key
+    assert not decode_attention.applies(q[:, :, :1], keys, causal[:, :, -1:, :9])  # a mask column per key
+    assert not decode_attention.applies(q[:, :, :1], keys, causal[:, :, -1:].float())  # an additive mask
 
 
 @native
