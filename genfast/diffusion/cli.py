@@ -35,7 +35,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "-m",
         required=True,
         help="a diffusers pipeline directory (with model_index.json) or a hub id (downloaded when "
-        "online); with --random-weights: tiny-sd15, tiny-sdxl or tiny-pixart",
+        "online); with --random-weights: tiny-sd15, tiny-sdxl, tiny-pixart, tiny-flux or tiny-sd3",
     )
     p.add_argument("--output", "-o", required=True, metavar="OUT.png", help="the image file (PNG)")
     p.add_argument("--denoising-steps", type=positive_int, default=30, metavar="N", help="denoising steps (default 30)")
@@ -50,8 +50,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--guidance",
         type=non_negative_float,
-        default=7.5,
-        help="classifier-free guidance scale (default 7.5; 1 or less: no guidance)",
+        default=None,
+        help="guidance scale (default: the pipeline's own, e.g. 7.5 for SD 1.5, 3.5 for FLUX.1); classifier-free "
+        "guidance: 1 or less turns it off; FLUX.1-dev: the distilled guidance the model takes as input",
     )
     p.add_argument("--negative", default=None, metavar="TEXT", help="negative prompt")
     add_recipe(p, RECIPE, DEFAULT_STEP)

@@ -6,18 +6,23 @@
 
 The PNG carries the prompt, seed, steps, size, model and recipe as text metadata; it is written
 atomically and never over an existing file without --force. A progress bar shows each denoising
-step on stderr. --random-weights builds a tiny random pipeline (tiny-sd15, tiny-sdxl) for smoke
-tests and timing only: every output says so.
+step on stderr. --random-weights builds a tiny random pipeline (tiny-sd15, tiny-sdxl, tiny-pixart,
+tiny-flux, tiny-sd3) for smoke tests and timing only: every output says so. Without --guidance the
+pipeline's own default guidance applies (its `__call__`'s: 7.5 for SD 1.5, 5 for SDXL, 3.5 for
+FLUX.1, 7 for SD 3.5).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import re
 import secrets
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +30,13 @@ from genfast.errors import UserError
 from genfast.interface import images
 from genfast.storage.files import check_outputs
 
-RANDOM_ARCHS = {"tiny-sd15": "sd15", "tiny-sdxl": "sdxl", "tiny-pixart": "pixart"}
+RANDOM_ARCHS = {
+    "tiny-sd15": "sd15",
+    "tiny-sdxl": "sdxl",
+    "tiny-pixart": "pixart",
+    "tiny-flux": "flux",
+    "tiny-sd3": "sd3",
+}
 RANDOM_WEIGHTS_WARNING = "random weights (--random-weights): for smoke tests and timing only; the image is noise"
 MAX_SIDE = 4096
 
@@ -56,22 +67,68 @@ def load(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
     return load_pipeline(args.model, dtype=dtype, device=device), args.model
 
 
+def declared_denoiser(model: str) -> str | None:
+    """The denoiser class (`unet` or `transformer`) a local pipeline directory's model_index.json
+    declares, or None (a hub id, or no readable index): lets the recipe be checked against the
+    pipeline before the slow load."""
+    index = Path(model).expanduser() / "model_index.json"
+    try:
+        components = json.loads(index.read_text())
+    except (OSError, ValueError):
+        return None
+    for name in ("unet", "transformer"):
+        entry = components.get(name) if isinstance(components, dict) else None
+        if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str):
+            return entry[1]
+    return None
+
+
+def guidance_kwargs(pipe: Any, guidance: float | None, negative: str | None) -> dict[str, Any]:
+    """The pipeline call's guidance scale (the user's, else the pipeline's own default) and
+    negative prompt (only when given: pipelines differ in their default, PixArt's is "").
+    Guidance-distilled pipelines (Flux: the scale is an input of the model, `true_cfg_scale` a
+    separate, doubled-cost option) take no negative prompt from genfast."""
+    parameters = inspect.signature(pipe.__call__).parameters
+    if guidance is None:
+        guidance = parameters["guidance_scale"].default
+    kwargs: dict[str, Any] = {"guidance_scale": guidance}
+    if negative is not None:
+        if "true_cfg_scale" in parameters:
+            raise UserError(
+                f"{type(pipe).__name__}'s guidance is distilled into the model (--guidance sets it): "
+                "it takes no --negative prompt"
+            )
+        kwargs["negative_prompt"] = negative
+    return kwargs
+
+
+def check_size(pipe: Any, width: int, height: int) -> None:
+    """A --size the pipeline cannot generate at exactly is an error, not a silently other size."""
+    from genfast.diffusion.pipelines import size_multiple
+
+    multiple = size_multiple(pipe)
+    if width % multiple or height % multiple:
+        raise UserError(
+            f"--size {width}x{height}: {type(pipe).__name__} with this VAE and denoiser takes sides that "
+            f"are multiples of {multiple}"
+        )
+
+
 def imagine_command(args: argparse.Namespace) -> int:
     from genfast.diffusion.pipelines import call_kwargs, initial_latents, native_size
-    from genfast.diffusion.recipe import RECIPE, apply_recipe
+    from genfast.diffusion.recipe import RECIPE, PipelineTarget, apply_recipe, pipeline_target
     from genfast.platform.hardware import DTYPES, dtype_name, resolve_device
     from genfast.platform.threads import avoid_busy_cores, use_threads
-    from genfast.recipe import Target
 
     size = parse_size(args.size) if args.size is not None else None
     output = Path(args.output).expanduser()
     images.check_png_names([output])  # fail before the slow part
     check_outputs([output], args.force, inputs=[args.model])
     device = resolve_device(args.device)
-    plan = RECIPE.plan(args.recipe, Target(device, dtype_name(args.dtype)))
-    recipe = plan.settings
-    for message in plan.messages():
-        print(f"genfast: {message}", file=sys.stderr)
+    dtype = dtype_name(args.dtype)
+    # Checked now, before the slow load, against what a local directory declares; planned again
+    # (and reported) for the loaded pipeline.
+    recipe = RECIPE.plan(args.recipe, PipelineTarget(device, dtype, declared_denoiser(args.model))).settings
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     if args.random_weights:
         print(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}", file=sys.stderr)
@@ -80,13 +137,19 @@ def imagine_command(args: argparse.Namespace) -> int:
     pipe, description = load(args, DTYPES[recipe.dtype], device)
     if other_work is not None and device.type == "cpu":
         avoid_busy_cores(other_work, lambda message: print(message, file=sys.stderr))
+    plan = RECIPE.plan(args.recipe, pipeline_target(pipe, dtype))
+    recipe = plan.settings
+    for message in plan.messages():
+        print(f"genfast: {message}", file=sys.stderr)
     width, height = size or native_size(pipe)
+    check_size(pipe, width, height)
+    guidance = guidance_kwargs(pipe, args.guidance, args.negative)
     apply_recipe(pipe, recipe)
     # Saved compiles (CPU, static shapes) show their own progress (genfast/compilation/saved.py).
     compiles_lazily = recipe.compile != "none" and (recipe.dynamic_shapes or device.type != "cpu")
     print(
         f"genfast: {description} | recipe {args.recipe} in {recipe.dtype} | {width}x{height}, "
-        f"{args.denoising_steps} steps, seed {seed} on {device}"
+        f"{args.denoising_steps} steps, guidance {guidance['guidance_scale']:g}, seed {seed} on {device}"
         + (" (the first call compiles, for minutes; not saved for later runs)" if compiles_lazily else ""),
         file=sys.stderr,
         flush=True,
@@ -95,17 +158,14 @@ def imagine_command(args: argparse.Namespace) -> int:
     loaded = time.perf_counter()
     generator = torch.Generator("cpu").manual_seed(seed)
     with torch.inference_mode():
-        # Only a given negative prompt is passed: pipelines differ in their default (PixArt's is "").
-        negative = {} if args.negative is None else {"negative_prompt": args.negative}
         image = pipe(
             args.prompt,
             height=height,
             width=width,
             num_inference_steps=args.denoising_steps,
-            guidance_scale=args.guidance,
             latents=initial_latents(pipe, height, width, seed),
             generator=generator,
-            **negative,
+            **guidance,
             **call_kwargs(pipe),
         ).images[0]
     done = time.perf_counter()
@@ -114,6 +174,7 @@ def imagine_command(args: argparse.Namespace) -> int:
         "genfast:seed": str(seed),
         "genfast:steps": str(args.denoising_steps),
         "genfast:size": f"{width}x{height}",
+        "genfast:guidance": f"{guidance['guidance_scale']:g}",
         "genfast:model": description,
         "genfast:recipe": args.recipe,
         "genfast:random-weights": str(bool(args.random_weights)).lower(),

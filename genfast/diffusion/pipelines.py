@@ -299,7 +299,11 @@ def _bins_resolution(pipe: Any) -> bool:
 
 def _latent_size(pipe: Any, height: int, width: int) -> tuple[int, int]:
     """The height and width the pipeline generates at when asked for `height` x `width` (PixArt
-    snaps them to its aspect-ratio table, and resizes the image back at the end)."""
+    snaps them to its aspect-ratio table, and resizes the image back at the end; Flux rounds them
+    down to whole 2x2 patches of latents, with a warning)."""
+    if _packs_latents(pipe):
+        step = 2 * pipe.vae_scale_factor
+        return height // step * step, width // step * step
     if not _bins_resolution(pipe) or call_kwargs(pipe):
         return height, width
     from diffusers.pipelines.pixart_alpha import pipeline_pixart_alpha as pixart
@@ -310,11 +314,24 @@ def _latent_size(pipe: Any, height: int, width: int) -> tuple[int, int]:
 
 
 def native_size(pipe: Any) -> tuple[int, int]:
-    """The (width, height) the pipeline's denoiser was trained at, diffusers' default: 512x512 for
-    SD 1.5, 1024x1024 for SDXL, 32x32 for the tiny test pipelines."""
-    sample = denoiser_of(pipe).config.sample_size
+    """The (width, height) the pipeline's denoiser was trained at, diffusers' default: the
+    denoiser's sample size times the VAE's factor (512x512 for SD 1.5, 1024x1024 for SDXL and
+    SD 3.5, 32x32 for the tiny test pipelines), or, where the denoiser has no sample size (Flux),
+    the pipeline's `default_sample_size` (128: 1024x1024 for FLUX.1, 256x256 for the tiny one)."""
+    sample = getattr(denoiser_of(pipe).config, "sample_size", None) or pipe.default_sample_size
     height, width = (sample, sample) if isinstance(sample, int) else sample
     return width * pipe.vae_scale_factor, height * pipe.vae_scale_factor
+
+
+def size_multiple(pipe: Any) -> int:
+    """What the image's sides must be multiples of for the pipeline to generate at that size: the
+    VAE's factor times the latent patch (Flux's 2x2 packing; SD3's and PixArt's patch embedding).
+    Pipelines that snap the size to a table (PixArt's resolution binning) take any multiple of 8."""
+    if _packs_latents(pipe):
+        return 2 * pipe.vae_scale_factor
+    if _bins_resolution(pipe) and not call_kwargs(pipe):
+        return 8
+    return pipe.vae_scale_factor * (getattr(denoiser_of(pipe).config, "patch_size", None) or 1)
 
 
 def initial_latents(pipe: Any, height: int, width: int, seed: int, images: int = 1) -> torch.Tensor:
@@ -323,13 +340,24 @@ def initial_latents(pipe: Any, height: int, width: int, seed: int, images: int =
     pipeline's dtype, and torch's CPU sampler need not give bf16 noise that is fp32's rounded
     (torch 2.13's does; with 2.11's, on a GPU machine, every bf16 image of the tests and the bench
     was another image than its fp32 baseline, 12-13 dB apart): drawn here, a seed gives the same
-    image in every precision."""
+    image in every precision. Flux takes its latents packed in 2x2 patches (`pipe._pack_latents`):
+    they are drawn as an image of latents (in_channels / 4 channels) and packed, as FluxPipeline
+    does, so an fp32 pipeline given a CPU generator of the same seed starts from the same noise."""
     denoiser = denoiser_of(pipe)
     height, width = _latent_size(pipe, height, width)
     factor = pipe.vae_scale_factor
-    shape = (images, denoiser.config.in_channels, int(height) // factor, int(width) // factor)
+    packs = _packs_latents(pipe)
+    channels = denoiser.config.in_channels // 4 if packs else denoiser.config.in_channels
+    shape = (images, channels, int(height) // factor, int(width) // factor)
     noise = torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+    if packs:
+        noise = pipe._pack_latents(noise, *shape)
     return noise.to(device=denoiser.device, dtype=denoiser.dtype)
+
+
+def _packs_latents(pipe: Any) -> bool:
+    """Whether the pipeline takes its latents packed in 2x2 patches: FluxTransformer2DModel's pipelines."""
+    return type(denoiser_of(pipe)).__name__ == "FluxTransformer2DModel" and hasattr(pipe, "_pack_latents")
 
 
 def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:

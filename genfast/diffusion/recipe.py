@@ -25,10 +25,16 @@ reports the graphs a second size adds at the real size. In fp32 one recompile re
 on the CPU: ATen runs batch-1 convolutions under 20480 input elements with its native kernel
 instead of oneDNN, a size guard (bf16 always takes oneDNN).
 
-`apply_recipe` works on any diffusers pipeline with a `unet` or `transformer` and a `vae`;
-a step that does not apply to it raises UserError saying why. Steps that cannot run on this
-machine (int8-conv without oneDNN, group-norm-kernel without its native kernel) follow the
-recipe's one rule (genfast/recipe.py): left out of a longer recipe with the reason, refused by name.
+`apply_recipe` works on any diffusers pipeline with a `unet` or `transformer` and a `vae`:
+SD 1.5, SDXL, SSD-1B (UNets), PixArt-α, Stable Diffusion 3/3.5 and FLUX.1 (transformers) are
+tested on tiny random pipelines. A step that does not apply to it raises UserError saying why.
+Steps that cannot run on this machine (int8-conv without oneDNN, group-norm-kernel without its
+native kernel) or on this pipeline (feature-cache without a UNet) follow the recipe's one rule
+(genfast/recipe.py): left out of a longer recipe with the reason, refused by name. The pipeline is
+part of the target (`pipeline_target`). On a transformer pipeline the convolution steps
+(channels-last, conv1x1-linear, int8-conv, group-norm-kernel) change the VAE only, the
+transformer's one convolution being its patch embedding (SD3) or none (Flux): they run, and the
+plan says so in a note (`Step.fallback`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ DEFAULT_STEP = "sdpa"  # what `genfast imagine` runs unless told otherwise: no c
 # Linears with fewer input or output features gain little from int8 (the rescaling dominates) and
 # are where its error matters most. 320 is the narrowest width of SD 1.5/SDXL's UNets, so at the real
 # sizes this quantizes the attention and feed-forward linears and leaves the time/text embeddings.
+# The DiTs are wider (SD 3.5 medium 1536, FLUX.1 3072): it quantizes all their blocks' linears and
+# the text projections, and leaves the 256-wide sinusoidal time (and guidance) embedding's first
+# linear and the patch embedding and output projection (64 latent values per patch).
 INT8_MIN_FEATURES = 320
 # Convolutions with fewer channels in or out stay in floating point: the first and last layers of
 # the UNet and VAE (3 or 4 image/latent channels), which gain nothing and carry the most error.
@@ -73,6 +82,49 @@ class DiffusionSettings(steps.StepSettings):
     group_norm_kernel: bool = False
     dynamic_shapes: bool = False  # compile with symbolic sizes: a new resolution reuses the graphs
     feature_cache_interval: int = 0  # 0: off; N: full UNet every N steps
+
+
+@dataclass(frozen=True)
+class PipelineTarget(Target):
+    """A Target that also knows the pipeline's denoiser class: the steps that depend on it (the
+    feature cache needs a UNet; the convolution steps change only the VAE of a transformer
+    pipeline) say so when a plan is made for it. Without it (before a pipeline is loaded) those
+    steps are assumed to apply."""
+
+    denoiser: str | None = None
+
+
+UNET = "UNet2DConditionModel"
+
+
+def pipeline_target(pipe: Any, dtype: str) -> PipelineTarget:
+    """Where `pipe` runs (its denoiser's device), with the user's --dtype and its denoiser class."""
+    from genfast.diffusion.pipelines import denoiser_of
+
+    denoiser = denoiser_of(pipe)
+    return PipelineTarget(next(denoiser.parameters()).device, dtype, type(denoiser).__name__)
+
+
+def _denoiser(target: Target) -> str | None:
+    return getattr(target, "denoiser", None)
+
+
+def _feature_cache_unavailable(target: Target) -> str | None:
+    denoiser = _denoiser(target)
+    if denoiser is None or denoiser == UNET:
+        return None
+    return (
+        f"the feature cache (DeepCache) reuses a {UNET}'s deep features; this pipeline's denoiser is "
+        f"{denoiser}: choose an earlier --recipe step for it"
+    )
+
+
+def _vae_only_note(target: Target) -> str | None:
+    """The convolution steps on a transformer pipeline: they run, on the VAE."""
+    denoiser = _denoiser(target)
+    if denoiser is None or denoiser == UNET:
+        return None
+    return f"changes the VAE only ({denoiser} has no convolutions but, in some, its patch embedding)"
 
 
 def _int8_conv_unavailable(target: Target) -> str | None:
@@ -181,21 +233,28 @@ RECIPE = Recipe(
     DiffusionSettings,
     [
         steps.baseline(
-            "fp32, attention by explicit softmax (AttnProcessor), eager",
+            "fp32, attention by explicit softmax (AttnProcessor; SD3 and Flux: SDPA's math backend), eager",
             [Transform(_cast, ("pipe",), Stage.PRECISION), Transform(_set_attention, MODELS, Stage.KERNELS)],
         ),
         steps.bf16("PSNR >= 35 dB (tiny models: ~48)"),
-        Step("sdpa", "AttnProcessor2_0: F.scaled_dot_product_attention", EXACT, {"attention": "sdpa"}),
+        Step(
+            "sdpa",
+            "F.scaled_dot_product_attention: AttnProcessor2_0, JointAttnProcessor2_0 (SD3), backend 'native' (Flux)",
+            EXACT,
+            {"attention": "sdpa"},
+        ),
         Step(
             "channels-last",
             "denoiser and VAE weights and activations in NHWC",
             EXACT,
             {"channels_last": True},
+            fallback=_vae_only_note,
             transforms=(Transform(_channels_last, MODELS, Stage.LAYOUT),),
         ),
         Step(
             "fused-qkv",
-            "one QKV (self-) / KV (cross-attention) linear: diffusers' fuse_qkv_projections",
+            "one QKV (self-) / KV (cross-attention) linear, one for each stream of joint attention (SD3, Flux): "
+            "diffusers' fuse_qkv_projections",
             EXACT,
             {"fuse_qkv": True},
             transforms=(Transform(_fuse_qkv, MODELS, Stage.REWRITE),),
@@ -205,6 +264,7 @@ RECIPE = Recipe(
             "every 1x1 Conv2d of denoiser and VAE runs as a Linear over channels",
             EXACT,
             {"conv1x1_linear": True},
+            fallback=_vae_only_note,
             transforms=(Transform(_conv1x1_to_linear, MODELS, Stage.REWRITE),),
         ),
         steps.compile_step(
@@ -226,6 +286,7 @@ RECIPE = Recipe(
             "PSNR >= 35 dB (tiny models, every conv quantized)",
             {"int8_conv": True},
             needs=_int8_conv_unavailable,
+            fallback=_vae_only_note,
             transforms=(Transform(_quantize_int8_convs, ("denoiser", "vae_decoder"), Stage.QUANTIZE),),
         ),
         Step(
@@ -234,11 +295,12 @@ RECIPE = Recipe(
             "fp32 max abs diff <= 1e-4; cumulative: as int8-conv",
             {"group_norm_kernel": True},
             needs=_group_norm_kernel_unavailable,
+            fallback=_vae_only_note,
             transforms=(Transform(_channels_last_group_norm, MODELS, Stage.KERNELS),),
         ),
         Step(
             "regional-compile",
-            "instead of whole-model compile: each repeated (transformer) block compiled",
+            "instead of whole-model compile: each repeated block (transformer and residual blocks) compiled",
             "as dynamic-int8",
             {"compile": "regional"},
             transforms=COMPILE,
@@ -254,6 +316,7 @@ RECIPE = Recipe(
             "DeepCache: UNet deep features reused every other step (UNet pipelines)",
             "not accuracy-preserving: PSNR >= 30 dB vs the same recipe uncached on tiny models (measured ~50)",
             {"feature_cache_interval": 2},
+            needs=_feature_cache_unavailable,
             transforms=(Transform(_cache_features, ("pipe",), Stage.WRAP),),
         ),
     ],
@@ -276,27 +339,20 @@ def validate(settings: DiffusionSettings, pipe: Any = None) -> None:
         raise UserError("fused QKV uses diffusers' FusedAttnProcessor2_0 (SDPA): it needs attention 'sdpa'")
     if pipe is None:
         return
-    from genfast.diffusion.pipelines import denoiser_of
-
     if getattr(pipe, "vae", None) is None:
         raise UserError(f"{type(pipe).__name__} has no `vae`: genfast's steps do not apply")
-    denoiser = type(denoiser_of(pipe)).__name__
-    if settings.feature_cache_interval and denoiser != "UNet2DConditionModel":
-        raise UserError(
-            f"feature caching is implemented for UNet2DConditionModel, not {denoiser}; "
-            "choose an earlier --recipe step for this pipeline"
-        )
 
 
 def apply_recipe(pipe: Any, settings: DiffusionSettings) -> Any:
     """Make a freshly loaded diffusers pipeline run as `settings` say, in place (and return it):
     the recipe's transforms (genfast/recipe.py), in their stages' order: processors before fusing,
     shape changes (fusing, conv->linear, int8) before compiling, the feature cache around the
-    (regionally compiled) UNet last."""
+    (regionally compiled) UNet last. A step the pipeline cannot take (feature-cache without a
+    UNet) is refused before anything changes."""
     from genfast.diffusion.pipelines import denoiser_of
 
     validate(settings, pipe)
     denoiser = denoiser_of(pipe)
     parts = {"pipe": pipe, "denoiser": denoiser, "vae": pipe.vae, "vae_decoder": getattr(pipe.vae, "decoder", pipe.vae)}
-    RECIPE.apply(settings, parts, Target(next(denoiser.parameters()).device, settings.dtype))
+    RECIPE.apply(settings, parts, pipeline_target(pipe, settings.dtype))
     return pipe
