@@ -69,7 +69,10 @@ class Progress:
         return self.done / max(time.perf_counter() - self._start, 1e-9)
 
     def line(self) -> str:
-        return f"{self.what} {self.done}/{self.total} ({self.rate:.2f} {self.what}/s)"
+        text = f"{self.what} {self.done}/{self.total} ({self.rate:.2f} {self.what}/s"
+        if 0 < self.done < self.total:
+            text += f", ~{_duration((self.total - self.done) / self.rate)} left"
+        return text + ")"
 
     def advance(self, n: int = 1) -> None:
         self.done += n
@@ -88,3 +91,11 @@ class Progress:
         if self._tty:
             self.stream.write(f"\r{self.line()}\n")
             self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

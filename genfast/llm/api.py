@@ -17,13 +17,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from genfast.errors import UserError
 from genfast.llm.decoding.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from genfast.serve.engine import Engine, Finished, GenerationRequest, Ticket
 
 log = logging.getLogger("genfast")
 
@@ -187,7 +190,7 @@ class LLM:
         self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int, stop: tuple[str, ...],
         seed: int | None,
     ) -> list[Completion]:  # fmt: skip
-        from genfast.serve.engine import Finished, GenerationRequest
+        from genfast.serve.engine import GenerationRequest
 
         requests = [GenerationRequest(tuple(p), max_new_tokens, params, stop, seed) for p in prompts]
         for index, request in enumerate(requests):
@@ -195,32 +198,46 @@ class LLM:
                 self.engine.validate(request)
             except UserError as e:
                 raise UserError(f"prompt {index}: {e}") from e
-        done: queue.Queue[tuple[int, Finished]] = queue.Queue()
-        # In flight at most as many as the engine's queue holds: it refuses more, counting a
-        # request as waiting until its slot is freed, which may be just after its result is sent.
-        window = threading.Semaphore(self.engine.max_queue)
         results: list[Finished | None] = [None] * len(requests)
-
-        def sink_for(index: int) -> Callable[[object], None]:
-            def sink(event: object) -> None:
-                if isinstance(event, Finished):
-                    window.release()
-                    done.put((index, event))
-
-            return sink
-
-        pending = iter(enumerate(requests))
-        submitted = 0
-        for _ in range(len(requests)):
-            while submitted < len(requests) and window.acquire(blocking=False):
-                index, request = next(pending)
-                self.engine.submit(request, sink_for(index))
-                submitted += 1
-            index, finished = done.get()
+        for index, finished in as_they_finish(self.engine, requests):
             if finished.error is not None:
                 raise RuntimeError(f"prompt {index} failed in the engine: {finished.error}")
             results[index] = finished
         return [_completion(f) for f in results if f is not None]
+
+
+def as_they_finish(engine: Engine, requests: Sequence[GenerationRequest]) -> Iterator[tuple[int, Finished]]:
+    """Run `requests` on the (started) engine, any number of them: (index, result) pairs in the
+    order they finish. At most as many are in flight as the engine's queue holds (it refuses
+    more, and counts a request as waiting until its slot is freed, which may be just after its
+    result is sent); the rest go in as earlier ones finish. Requests still running when the
+    caller stops iterating (an exception, Ctrl-C) are cancelled."""
+    from genfast.serve.engine import Finished
+
+    done: queue.Queue[tuple[int, Finished]] = queue.Queue()
+    window = threading.Semaphore(max(engine.max_queue, 1))
+    tickets: dict[int, Ticket] = {}
+
+    def sink_for(index: int) -> Callable[[object], None]:
+        def sink(event: object) -> None:
+            if isinstance(event, Finished):
+                window.release()
+                done.put((index, event))
+
+        return sink
+
+    submitted = 0
+    try:
+        for _ in range(len(requests)):
+            while submitted < len(requests) and window.acquire(blocking=False):
+                tickets[submitted] = engine.submit(requests[submitted], sink_for(submitted))
+                submitted += 1
+            index, finished = done.get()
+            del tickets[index]
+            yield index, finished
+    finally:
+        for ticket in tickets.values():
+            ticket.cancel()
 
 
 _BATCH_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")

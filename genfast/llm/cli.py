@@ -154,6 +154,28 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-file", action="append", default=[], help="read a prompt from a file (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     p.add_argument("--quiet", "-q", action="store_true", help="no stats on stderr")
+    g = p.add_argument_group("many prompts from a file (genfast/llm/batch_file.py)")
+    g.add_argument(
+        "--input",
+        default=None,
+        metavar="PROMPTS.jsonl",
+        help='one JSON object a line: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, '
+        "optionally with its own max_new_tokens, temperature, top_k, top_p, seed, stop; all run through "
+        "the continuous-batching engine",
+    )
+    g.add_argument(
+        "--output",
+        default=None,
+        metavar="ANSWERS.jsonl",
+        help='with --input: {"id", "text", "finish_reason", "usage"} appended a line per answer as it '
+        "completes; a re-run skips the ids already there",
+    )
+    g.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=8,
+        help="with --input: prompts decoded together (KV-cache slots; default 8)",
+    )
     add_model_args(p)
     add_sampling_args(p)
     add_tp_arg(p)

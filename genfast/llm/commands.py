@@ -125,7 +125,57 @@ def load_announced(args: argparse.Namespace) -> tuple[LoadedModel, LlmSettings]:
     return loaded, settings
 
 
+def _generate_file(args: argparse.Namespace) -> int:
+    """--input/--output: every prompt of a JSONL file through the continuous-batching engine
+    (genfast/llm/batch_file.py). Exit status 1 when an item was left out."""
+    from genfast.llm.batch_file import Item, run_batch_file
+    from genfast.serve.engine import Engine
+
+    if args.input is None or args.output is None:
+        raise UserError("--input and --output go together: prompts are read from one, answers appended to the other")
+    if args.prompt or args.prompt_file or args.chat:
+        raise UserError("--input takes its prompts (and chat conversations) from the file: drop the prompt arguments")
+    if _draft(args) is not None or (args.tp or 1) > 1:
+        raise UserError("--input runs on the batching engine, without speculative decoding or --tp (yet)")
+    source, target = Path(args.input), Path(args.output)
+    if not source.is_file():
+        raise UserError(f"input file not found: {source}")
+    if target.exists() and target.resolve() == source.resolve():
+        raise UserError("--output must be another file than --input")
+    params = _sampling(args)  # bad flags fail before the slow load
+    loaded, settings = load_announced(args)
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        max_batch=args.max_batch,
+        max_queue=2 * args.max_batch,
+        max_seq_len=args.max_seq_len,
+        compile=settings.compile,
+    )
+    engine.precompile(loaded, _log)
+    engine.start()
+    tokenizer = loaded.tokenizer
+
+    def encode(item: Item) -> list[int]:
+        text = item.prompt if item.messages is None else tokenizer.apply_chat_template(item.messages)
+        return tokenizer.encode(text)
+
+    defaults = dict(
+        max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
+        top_p=params.top_p, seed=args.seed, stop=list(args.stop),
+    )  # fmt: skip
+    try:
+        engine.warmup()
+        summary = run_batch_file(engine, encode, source, target, defaults)
+    finally:
+        engine.shutdown()
+    _log(f"genfast: {summary.line()}; answers in {target}")
+    return 1 if summary.failed else 0
+
+
 def generate_command(args: argparse.Namespace) -> int:
+    if args.input is not None or args.output is not None:
+        return _generate_file(args)
     phases = Phases()
     phases.mark("imports")
     prompts = from_main_rank(lambda: _read_prompts(args))

@@ -297,3 +297,17 @@ def tiny_genfast_model(name: str, tmp_path: Path, seed: int = 0):
 
     hf = make_hf_model(name, seed)
     return hf, load_model(Checkpoint.open(save_hf_model(hf, tmp_path / f"{name}-{seed}")))
+
+
+TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+
+
+def save_tiny_chat_model(directory: Path, context: int = 256) -> Path:
+    """The tiny llama3 model with a `context`-token window and a word tokenizer whose chat template
+    joins the turns as plain words ("user w5 w6 "), saved as a Hugging Face directory."""
+    hf = hf_model_from_config(dict(TINY_CONFIGS["llama3"], max_position_embeddings=context))
+    save_hf_model(hf, directory)
+    tokenizer = word_tokenizer(TINY_CONFIGS["llama3"]["vocab_size"])
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save(directory)
+    return directory

@@ -15,22 +15,15 @@ from genfast.errors import UserError
 from genfast.llm.api import LLM, Completion
 from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.sampling import SamplingParams
-from tests.llm.hf_fixtures import TINY_CONFIGS, hf_model_from_config, save_hf_model, word_tokenizer
+from tests.llm.hf_fixtures import save_tiny_chat_model
 
-VOCAB = TINY_CONFIGS["llama3"]["vocab_size"]
 CONTEXT = 256
-TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
 PROMPTS = ["w5 w17 w3", "w9 w9 w9 w9", "w200 w1 w33 w7", "w44 w45", "w300 w2 w8 w1 w9", "w12 w13", "w7"]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    hf = hf_model_from_config(dict(TINY_CONFIGS["llama3"], max_position_embeddings=CONTEXT))
-    directory = save_hf_model(hf, tmp_path_factory.mktemp("tiny-api"))
-    tokenizer = word_tokenizer(VOCAB)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save(directory)
-    return directory
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-api"), CONTEXT)
 
 
 @pytest.fixture(scope="module")

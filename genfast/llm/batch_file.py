@@ -1,0 +1,226 @@
+"""`genfast generate --input prompts.jsonl --output answers.jsonl`: a file of prompts through the
+continuous-batching engine, each answer written the moment it is complete.
+
+Input: one JSON object a line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`
+(a chat conversation, through the model's template), optionally with its own `max_new_tokens`,
+`temperature`, `top_k`, `top_p`, `seed` and `stop` (else the command's flags). Blank lines are
+skipped. Output: one JSON object a line, in the order the answers finish:
+`{"id", "text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}}`.
+
+Nothing is lost or done twice. Each answer goes to the output file in one append, flushed to the
+disk; a re-run reads the ids already there and skips them. A line cut short (the machine went down
+mid-write) is the only thing removed from an existing output, and its item runs again. A bad item
+(not JSON, no id, a repeated id, no prompt, a prompt too long for the context) is reported by its
+line and id and left out, and the rest run; it is not written, so a later run tries it again.
+Ctrl-C stops at once and leaves only complete answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from genfast.errors import UserError
+from genfast.llm.decoding.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from genfast.serve.engine import Engine, Finished, GenerationRequest
+
+OPTIONS = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int, "stop": list}
+FIELDS = {"id", "prompt", "messages", *OPTIONS}
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input line: its id, the prompt text (a conversation already through the template) and
+    the options it sets."""
+
+    line: int
+    id: Any
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Summary:
+    done: int = 0
+    skipped: int = 0  # already in the output
+    failed: list[str] = field(default_factory=list)  # one message per item left out
+
+    def line(self) -> str:
+        return f"done {self.done}, skipped {self.skipped} (already in the output), failed {len(self.failed)}"
+
+
+def read_items(path: Path, failed: list[str]) -> list[Item]:
+    """The items of a JSONL input; each bad line is reported into `failed` and left out."""
+    if not path.is_file():
+        raise UserError(f"input file not found: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"input file {path} is not UTF-8 text") from e
+    items: list[Item] = []
+    seen: set[str] = set()
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            item = _parse(number, text)
+        except ValueError as e:
+            failed.append(f"line {number}: {e}")
+            continue
+        key = json.dumps(item.id)
+        if key in seen:
+            failed.append(f"line {number}: id {key} repeats an earlier line's")
+            continue
+        seen.add(key)
+        items.append(item)
+    return items
+
+
+def _parse(number: int, text: str) -> Item:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg})") from e
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    if "id" not in record or not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
+        raise ValueError('no "id" (a string or an integer)')
+    name = f"id {json.dumps(record['id'])}"
+    unknown = sorted(set(record) - FIELDS)
+    if unknown:
+        raise ValueError(f"{name}: unknown fields {', '.join(unknown)} (known: {', '.join(sorted(FIELDS))})")
+    prompt, messages = record.get("prompt"), record.get("messages")
+    if (prompt is None) == (messages is None):
+        raise ValueError(f'{name}: give exactly one of "prompt" (text) and "messages" (a conversation)')
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f'{name}: "prompt" must be text')
+    if messages is not None and not (
+        isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages)
+    ):
+        raise ValueError(f'{name}: "messages" must be a list of {{"role", "content"}} objects')
+    options = {}
+    for key, kind in OPTIONS.items():
+        if key in record:
+            value = record[key]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f'{name}: "{key}" must be {"a list of strings" if kind is list else kind.__name__}')
+            options[key] = value
+    return Item(number, record["id"], prompt, messages, options)
+
+
+def completed_ids(path: Path) -> set[str]:
+    """The ids (as JSON text) an earlier run wrote to `path`; a last line cut short is removed."""
+    if not path.exists():
+        return set()
+    if not path.is_file():
+        raise UserError(f"--output {path} exists and is not a file")
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):  # an append cut short: drop it, its item runs again
+        cut = data.rfind(b"\n") + 1
+        with path.open("r+b") as f:
+            f.truncate(cut)
+        data = data[:cut]
+    ids = set()
+    for number, text in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        try:
+            ids.add(json.dumps(json.loads(text)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UserError(
+                f"--output {path} line {number} is not an answer genfast wrote ({e}); "
+                "choose another output file (it is never overwritten)"
+            ) from e
+    return ids
+
+
+class AnswerWriter:
+    """Appends one JSON line per answer in a single write, flushed to the disk before the next."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        written = os.write(self.fd, line)
+        if written != len(line):  # a full disk: what was written is an unfinished line
+            raise OSError(f"could not write an answer ({written} of {len(line)} bytes): is the disk full?")
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def run_batch_file(
+    engine: Engine,
+    encode: Callable[[Item], list[int]],
+    input_path: Path,
+    output_path: Path,
+    defaults: dict[str, Any],
+    stream: Any = None,
+) -> Summary:
+    """Answer every item of `input_path` not yet in `output_path` on the started `engine`;
+    `encode` turns an item into prompt token ids; `defaults`: the options an item does not set
+    (max_new_tokens, temperature, top_k, top_p, seed, stop)."""
+    from genfast.interface.progress import Progress
+    from genfast.llm.api import as_they_finish
+
+    stream = stream if stream is not None else sys.stderr
+    summary = Summary()
+    items = read_items(input_path, summary.failed)
+    finished_before = completed_ids(output_path)
+    todo = [item for item in items if json.dumps(item.id) not in finished_before]
+    summary.skipped = len(items) - len(todo)
+    requests, runnable = [], []
+    for item in todo:
+        try:
+            requests.append(_request(engine, item, encode(item), defaults))
+            runnable.append(item)
+        except UserError as e:
+            summary.failed.append(f"line {item.line}: id {json.dumps(item.id)}: {e}")
+    for message in summary.failed:
+        print(f"genfast: skipped {message}", file=stream)
+    writer = AnswerWriter(output_path)
+    progress = Progress(len(runnable), "answers", stream)
+    try:
+        for index, finished in as_they_finish(engine, requests):
+            item = runnable[index]
+            if finished.error is not None:
+                summary.failed.append(f"line {item.line}: id {json.dumps(item.id)}: {finished.error}")
+                print(f"genfast: failed line {item.line}: {finished.error}", file=stream)
+                continue
+            writer.write(_answer(item, finished))
+            summary.done += 1
+            progress.advance()
+    finally:
+        writer.close()
+        progress.finish()
+    return summary
+
+
+def _request(engine: Engine, item: Item, ids: list[int], defaults: dict[str, Any]) -> GenerationRequest:
+    from genfast.serve.engine import GenerationRequest
+
+    options = {**defaults, **item.options}
+    params = SamplingParams(options["temperature"], options["top_k"], options["top_p"])
+    request = GenerationRequest(tuple(ids), options["max_new_tokens"], params, tuple(options["stop"]), options["seed"])
+    engine.validate(request)
+    return request
+
+
+def _answer(item: Item, finished: Finished) -> dict[str, Any]:
+    return {
+        "id": item.id,
+        "text": finished.text,
+        "finish_reason": finished.finish_reason,
+        "usage": {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens},
+    }
