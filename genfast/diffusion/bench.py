@@ -1,45 +1,132 @@
 """`genfast bench diffusion`: the recipe's ladder (genfast/diffusion/recipe.py) on the user's machine.
 
-Every step runs in a fresh interpreter on the same pipeline (random weights at the real
-architecture size: speed does not depend on weight values; `tiny-sd15`/`tiny-sdxl` for smoke
-tests), the same prompt and seed: seconds per image (text encoding + N denoising steps + VAE
-decode), seconds per denoiser step (the denoiser's own calls, timed around it), compile time
-(first call minus a warm one), peak memory, and PSNR of the image against the baseline's (fp32,
-explicit-softmax attention) and against the same fp32 pipeline with SDPA attention. Rows compiled
-with symbolic sizes also generate one image at a second resolution and report the graphs it added
-(0: no recompile).
+Every row runs in a fresh interpreter on the same pipeline (random weights at the real
+architecture size: speed does not depend on weight values; `tiny-*` for smoke tests), the same
+prompt and seed: seconds per image (text encoding + N denoising steps + VAE decode), seconds per
+denoiser step (the denoiser's own calls, timed around it), compile time (first call minus a warm
+one), peak memory, and PSNR of the image against the baseline's (fp32, explicit-softmax attention)
+and against the same fp32 pipeline with SDPA attention. Rows compiled with symbolic sizes also
+generate one image at a second resolution and report the graphs it added (0: no recompile).
+
+The first row, `diffusers`, is diffusers' own pipeline as users run it: bf16, its default
+attention, eager, nothing of genfast's applied; its PSNR is computed by the baseline's process
+(which runs after it) and moved into its row. FLUX.1 and SD 3.5 (genfast.diffusion.transformer_archs)
+are built with `--blocks` transformer blocks at the real width; every row says how many. genfast's
+steps on these transformers are new: a row whose step fails on one is reported with the reason in
+its note and the ladder goes on. Before any row is built, rows whose weights and attention would
+not fit in this machine's memory are refused with the GiB they need.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, SPEEDUP, STEP, Case, Ladder, Options, Row
+from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, STEP, Case, Ladder, Options, Row
 from genfast.bench.table import median
-from genfast.diffusion.pipelines import DenoiserWrapper
+from genfast.diffusion.pipelines import DIT_ARCHS, DenoiserWrapper
 from genfast.diffusion.recipe import RECIPE
 from genfast.errors import UserError
 from genfast.platform.hardware import synchronize
 from genfast.recipe import Plan, Target
 
-ARCHS = ("sd15", "sdxl", "tiny-sd15", "tiny-sdxl")
+TINY_ARCHS = ("tiny-sd15", "tiny-sdxl", "tiny-flux", "tiny-sd3")
+ARCHS = ("sd15", "sdxl", *DIT_ARCHS, *TINY_ARCHS)
+DIFFUSERS = "diffusers"  # the row of diffusers' own pipeline (bf16, eager, unmodified)
 PROMPT = "a photograph of a lighthouse on a rocky coast at dusk"
 # Reference images and the row keys of the PSNR against them; both come from the baseline's process
 # (fp32-sdpa: the baseline pipeline switched to SDPA attention, the issue's quality reference).
 REFERENCES = {"baseline": "psnr_db", "fp32-sdpa": "psnr_vs_sdpa_db"}
+# The diffusers row's PSNR, computed by the baseline's process and moved into its row by `finish`.
+DIFFUSERS_PSNR = "diffusers_psnr"
+GIB = 2**30
+# Speed-ups are against the diffusers row where it runs, else the baseline (`reference_steps`).
+SPEEDUP_VS_FIRST = ("speedup", "speed-up", ".2f")
 
 
-def _pipeline(arch: str, device: torch.device) -> Any:
+def _is_dit(arch: str) -> bool:
+    """FLUX.1- and SD 3.5-shaped pipelines, real or tiny: where genfast's steps are still new."""
+    return arch in DIT_ARCHS or arch in ("tiny-flux", "tiny-sd3")
+
+
+def _pipeline(options: Options, device: torch.device) -> Any:
     from genfast.diffusion.pipelines import random_pipeline, tiny_pipeline
 
+    arch = options["arch"]
     if arch.startswith("tiny-"):
         return tiny_pipeline(arch.removeprefix("tiny-")).to(device)
+    if arch in DIT_ARCHS:  # drawn in bf16; a fp32 row casts the same weights up
+        return random_pipeline(arch, device=device, blocks=options["blocks"])
     return random_pipeline(arch, device=device).to(device)
+
+
+def _call_arguments(arch: str) -> dict[str, Any]:
+    """How the architecture's model card calls its pipeline (guidance, T5 sequence length)."""
+    if arch not in DIT_ARCHS:
+        return {}
+    from genfast.diffusion.transformer_archs import ARCHS as DIT
+
+    return dict(DIT[arch].call)
+
+
+def _row_dtype(step: str, target: Target) -> str:
+    """What the row's weights and activations are in: the diffusers row in bf16 (fp16 where
+    --dtype asks for it on CUDA), the baseline in fp32, later steps as the bf16 step says."""
+    from genfast import steps
+
+    if step == DIFFUSERS:
+        return steps.low_precision_name(target) or "bfloat16"
+    return "float32" if step == RECIPE.baseline else steps.low_precision_name(target) or "float32"
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory on `device`: the GPU's free bytes, or the CPU's MemAvailable (Linux); None
+    where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_needed_bytes(options: Options, step: str, target: Target) -> int:
+    """An estimate of a row's peak memory: every parameter in the row's dtype, the explicit-softmax
+    attention scores of the baseline (SDPA keeps none), and 1 GiB for the other activations."""
+    itemsize = torch.empty(0, dtype=getattr(torch, _row_dtype(step, target))).element_size()
+    need = options["parameters"] * itemsize + GIB
+    if step == RECIPE.baseline:
+        need += options["attention_scores"] * 4 * 2  # fp32 scores and their softmax
+    return need
+
+
+def _dit_sizes(arch: str, blocks: int | None, size: int) -> dict[str, Any]:
+    """The parameter count (from the configs, on the meta device) and the largest attention's
+    score count of `arch` at `size` x `size` pixels, for the memory estimate."""
+    from genfast.diffusion.transformer_archs import ARCHS as DIT
+    from genfast.diffusion.transformer_archs import parameter_counts
+
+    spec = DIT[arch]
+    image_tokens = (size // 16) ** 2  # VAE factor 8, 2x2 patches
+    text_tokens = spec.call["max_sequence_length"] + (77 if spec.family == "sd3" else 0)
+    batch = 2 if spec.family == "sd3" else 1  # classifier-free guidance
+    heads = spec.transformer["num_attention_heads"]
+    return {
+        "parameters": sum(parameter_counts(arch, blocks).values()),
+        "attention_scores": batch * heads * (image_tokens + text_tokens) ** 2,
+    }
 
 
 class _TimedDenoiser(DenoiserWrapper):
@@ -64,11 +151,13 @@ class DiffusionLadder(Ladder):
     recipe = RECIPE
     speed_key = "s_per_image"
     higher_is_faster = False
+    reference_steps = (DIFFUSERS, RECIPE.baseline)  # speed-ups against what users run, when measured
     # fmt: off
     columns = (
-        STEP, ("s_per_image", "s/image", ".2f"), SPEEDUP, ("s_per_denoiser_step", "s/denoiser step", ".3f"),
-        COMPILE_TIME, PEAK_MEMORY, ("psnr_db", "PSNR vs baseline dB", ".1f"),
-        ("psnr_vs_sdpa_db", "PSNR vs fp32 SDPA dB", ".1f"), ("new_size_graphs", "graphs at new size", "d"), NOTE,
+        STEP, ("blocks", "blocks", ""), ("s_per_image", "s/image", ".2f"), SPEEDUP_VS_FIRST,
+        ("s_per_denoiser_step", "s/denoiser step", ".3f"), COMPILE_TIME, PEAK_MEMORY,
+        ("psnr_db", "PSNR vs baseline dB", ".1f"), ("psnr_vs_sdpa_db", "PSNR vs fp32 SDPA dB", ".1f"),
+        ("new_size_graphs", "graphs at new size", "d"), NOTE,
     )
     # fmt: on
 
@@ -77,38 +166,148 @@ class DiffusionLadder(Ladder):
             raise UserError(f"unknown --arch {args.arch!r}; choose one of {', '.join(ARCHS)}")
         if args.size % 8 or not 8 <= args.size <= 4096:
             raise UserError(f"--size {args.size}: must be a multiple of 8 between 8 and 4096")
-        return {**super().options(args), "arch": args.arch, "size": args.size, "denoising_steps": args.denoising_steps}
+        options = {
+            **super().options(args),
+            "arch": args.arch,
+            "size": args.size,
+            "denoising_steps": args.denoising_steps,
+            **self._depth(args.arch, getattr(args, "blocks", None)),
+        }
+        if args.arch in DIT_ARCHS:
+            options.update(_dit_sizes(args.arch, options["blocks"], args.size))
+        return options
+
+    @staticmethod
+    def _depth(arch: str, blocks: int | None) -> Options:
+        """`blocks` (the transformer blocks built; --blocks, or the architecture's default) and
+        `depth` (how they split, for the header); UNets and tiny pipelines are always whole."""
+        if arch not in DIT_ARCHS:
+            if blocks is not None:
+                raise UserError(f"--blocks applies to {', '.join(DIT_ARCHS)}; {arch} is always built whole")
+            return {"blocks": None, "depth": "all blocks"}
+        from genfast.diffusion.transformer_archs import ARCHS as DIT
+
+        spec = DIT[arch]
+        blocks = spec.bench_blocks if blocks is None else blocks
+        if not 1 <= blocks <= spec.full_blocks:
+            raise UserError(
+                f"--blocks {blocks}: {arch} has {spec.full_blocks} transformer blocks; choose 1 to {spec.full_blocks}"
+            )
+        return {"blocks": blocks, "depth": spec.depth(blocks).describe()}
+
+    def steps(self, text: str | None) -> list[str]:
+        """The recipe's steps, after the `diffusers` row (first by default, or when named)."""
+        if not text:
+            return [DIFFUSERS, *self.recipe.names]
+        names = text.split(",")
+        first = [DIFFUSERS] if DIFFUSERS in names else []
+        return first + self.recipe.ordered(n for n in names if n != DIFFUSERS)
+
+    def rows(self, steps: list[str], options: Options) -> list[Row]:
+        """The rows; refused before any is built when none would fit in memory (the others
+        are skipped in their own process with the GiB they need)."""
+        if "parameters" in options:
+            target = self._target(options)
+            available = available_memory_bytes(target.device)
+            needs = {step: memory_needed_bytes(options, step, target) for step in steps}
+            if available is not None and needs and min(needs.values()) > available:
+                raise UserError(
+                    f"{options['arch']} with {options['depth']} needs ~{min(needs.values()) / GIB:.1f} GiB "
+                    f"({options['parameters'] / 1e9:.2f} G parameters), this machine has {available / GIB:.1f} GiB "
+                    "available: use a smaller --blocks (or --size)"
+                )
+        return [Row(step) for step in steps]
+
+    @staticmethod
+    def _target(options: Options) -> Target:
+        from genfast.platform.hardware import resolve_device
+
+        return Target(resolve_device(options["device"]), options["dtype"])
 
     def header(self, options: Options, machine: str) -> str:
         from genfast import steps
-        from genfast.platform.hardware import resolve_device
 
-        dtype = steps.low_precision_name(Target(resolve_device(options["device"]), options["dtype"])) or "float32"
+        dtype = steps.low_precision_name(self._target(options)) or "float32"
+        depth = f", {options['depth']}" if options["blocks"] is not None else ""
         return (
-            f"genfast bench diffusion: {options['arch']} with RANDOM weights (speed only), {options['size']}x"
+            f"genfast bench diffusion: {options['arch']} with RANDOM weights (speed only){depth}, {options['size']}x"
             f"{options['size']}, {options['denoising_steps']} denoising steps, on {machine}; median of "
             f"{options['repeats']}; steps from bf16 on in {dtype}"
         )
 
     def model(self, options: Options) -> str:
-        return f"{options['arch']} (random weights)"
+        blocks = options.get("blocks")
+        depth = "" if blocks is None else f", {options['depth'].split(';')[0]}"
+        return f"{options['arch']} (random weights{depth})"
 
     def footnote(self, options: Options, rows: list[dict[str, Any]]) -> str:
+        arch = options["arch"]
+        if arch == "flux-schnell":
+            guidance = "no guidance"
+        elif arch in ("flux-dev", "tiny-flux"):
+            guidance = "guidance embedding 3.5, no classifier-free guidance"
+        else:
+            guidance = "classifier-free guidance"
         return (
-            f"s/image: prompt encoding + {options['denoising_steps']} denoising steps (classifier-free guidance) + "
-            f"VAE decode, median of {options['repeats']} after a warm-up. PSNR: same seed and prompt, images in "
-            "[0, 1]."
+            f"s/image: prompt encoding + {options['denoising_steps']} denoising steps ({guidance}) + VAE decode, "
+            f"median of {options['repeats']} after a warm-up. diffusers: its own pipeline in bf16, eager, "
+            "unmodified. speed-up: against the diffusers row (the baseline where it is not run). PSNR: same seed "
+            "and prompt, images in [0, 1]."
         )
+
+    def skip_reason(self, row: Row, options: Options, target: Target) -> str | None:
+        if row.step != DIFFUSERS:
+            reason = super().skip_reason(row, options, target)
+            if reason:
+                return reason
+        if "parameters" not in options:
+            return None
+        need, available = memory_needed_bytes(options, row.step, target), available_memory_bytes(target.device)
+        if available is not None and need > available:
+            return (
+                f"needs ~{need / GIB:.1f} GiB in {_row_dtype(row.step, target)}, {available / GIB:.1f} GiB available "
+                "(use a smaller --blocks)"
+            )
+        return None
+
+    def launch(self, spec: Path, options: Options) -> int | None:
+        """On FLUX.1 and SD 3.5 pipelines, measures the row here and reports a step that fails on
+        them in the row's note (genfast's steps on these transformers are new), so the ladder
+        goes on with the others; other pipelines are measured as every ladder's rows are."""
+        if not _is_dit(options["arch"]):
+            return None
+        from genfast.bench.ladder import measure_row
+        from genfast.storage.files import write_json_atomic
+
+        row_spec = json.loads(spec.read_text())
+        try:
+            result = measure_row(row_spec)
+        except Exception as e:  # any failure of the step becomes the row's note
+            traceback.print_exc(file=sys.stderr)
+            reason = str(e).splitlines()[0] if str(e) else ""
+            step = row_spec["row"]["step"]
+            result = {"step": step, "group": [], "note": f"failed on {options['arch']}: {type(e).__name__}: {reason}"}
+        write_json_atomic(row_spec["out"], result)
+        return 0
 
     def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
         from genfast.diffusion.attention import set_attention
-        from genfast.diffusion.pipelines import denoiser_name, denoiser_of, initial_latents
+        from genfast.diffusion.pipelines import call_kwargs, denoiser_name, denoiser_of, initial_latents
         from genfast.diffusion.recipe import apply_recipe
 
-        assert plan is not None  # every row is a recipe step
-        settings, size, steps = plan.settings, options["size"], options["denoising_steps"]
-        pipe = _pipeline(options["arch"], target.device)
-        apply_recipe(pipe, settings)
+        size, steps = options["size"], options["denoising_steps"]
+        pipe = _pipeline(options, target.device)
+        if plan is None:  # the diffusers row: its own pipeline in bf16, nothing else changed
+            pipe.to(dtype=getattr(torch, _row_dtype(DIFFUSERS, target)))
+            dynamic = False
+        else:
+            apply_recipe(pipe, plan.settings)
+            dynamic = plan.settings.dynamic_shapes
+        # A smaller, non-square second size for dynamic-shape rows: cheaper than the timed one.
+        sizes = [(size, size)] + ([(max(size - 64, 64), max(size - 128, 64))] if dynamic else [])
+        # Drawn before the timer wraps the denoiser (they read its type, dtype and device).
+        latents = {hw: initial_latents(pipe, *hw, seed=0) for hw in sizes}
+        arguments = {**call_kwargs(pipe), **_call_arguments(options["arch"])}
         timer = _TimedDenoiser(denoiser_of(pipe), target.device)  # around the feature cache too: what the loop calls
         setattr(pipe, denoiser_name(pipe), timer)
 
@@ -121,9 +320,10 @@ class DiffusionLadder(Ladder):
                         height=height,
                         width=width,
                         num_inference_steps=steps,
-                        latents=initial_latents(pipe, height, width, seed=0),
+                        latents=latents[(height, width)],
                         generator=generator,
                         output_type="pt",
+                        **arguments,
                     )
                     .images.float()
                     .cpu()
@@ -142,20 +342,24 @@ class DiffusionLadder(Ladder):
                 "s_per_image": median(seconds),
                 "s_per_denoiser_step": median(denoiser_times[1:]),
                 "arch": options["arch"],
+                "blocks": options["blocks"],
                 "size": size,
                 "denoising_steps": steps,
             }
-            if settings.dynamic_shapes:  # a smaller, non-square second size: cheaper than the timed one
+            if dynamic:
                 from torch._dynamo.utils import counters
 
                 graphs = counters["stats"]["unique_graphs"]
-                generate(height=max(size - 64, 64), width=max(size - 128, 64))
+                generate(*sizes[1])
                 result["new_size_graphs"] = counters["stats"]["unique_graphs"] - graphs
+            if row.step == DIFFUSERS:  # compared by the baseline's process, which runs after
+                torch.save(images[-1], workdir / f"{DIFFUSERS}.pt")
             if row.step == self.recipe.baseline:  # the references: this image, and SDPA's in fp32
                 torch.save(images[-1], workdir / "baseline.pt")
                 for model in (timer.denoiser, pipe.vae):
                     set_attention(model, "sdpa")
                 torch.save(generate(), workdir / "fp32-sdpa.pt")
+                result |= _diffusers_psnr(workdir)
             return result
 
         def notes() -> list[str]:
@@ -163,7 +367,7 @@ class DiffusionLadder(Ladder):
 
             return compile_notes(timer.denoiser) + compile_notes(pipe.vae)
 
-        return Case(run, measure, compiled=settings.compile != "none", notes=notes)
+        return Case(run, measure, compiled=plan is not None and plan.settings.compile != "none", notes=notes)
 
     def compare(self, row: Row, output: Any, workdir: Path) -> dict[str, Any]:
         from genfast.diffusion.quality import psnr
@@ -174,6 +378,24 @@ class DiffusionLadder(Ladder):
             if path.exists() and row.step != self.recipe.baseline:
                 result[key] = psnr(output, torch.load(path))
         return result
+
+    def finish(self, rows: list[dict[str, Any]]) -> None:
+        """The diffusers row's PSNR, which the baseline's process computed, into its row."""
+        measured = next((r.pop(DIFFUSERS_PSNR) for r in rows if DIFFUSERS_PSNR in r), None)
+        for row in rows:
+            if row["step"] == DIFFUSERS and measured:
+                row.update(measured)
+
+
+def _diffusers_psnr(workdir: Path) -> dict[str, Any]:
+    """The diffusers row's image (saved by its process) against the references just made."""
+    from genfast.diffusion.quality import psnr
+
+    path = workdir / f"{DIFFUSERS}.pt"
+    if not path.exists():
+        return {}
+    image = torch.load(path)
+    return {DIFFUSERS_PSNR: {key: psnr(image, torch.load(workdir / f"{ref}.pt")) for ref, key in REFERENCES.items()}}
 
 
 def bench_command(args: argparse.Namespace) -> int:

@@ -70,7 +70,21 @@ def register(commands: argparse._SubParsersAction) -> None:
 def register_bench(bench: argparse._SubParsersAction) -> None:
     b = bench.add_parser("diffusion", help=BENCH_DIFFUSION_HELP, description=BENCH_DIFFUSION_DESCRIPTION)
     g = b.add_argument_group("diffusion")
-    g.add_argument("--arch", default="sd15", help="sd15 or sdxl (tiny-sd15, tiny-sdxl: smoke tests) (default sd15)")
+    g.add_argument(
+        "--arch",
+        default="sd15",
+        help="sd15, sdxl, flux-schnell, flux-dev, sd35-medium or sd35-large (tiny-sd15, tiny-sdxl, tiny-flux, "
+        "tiny-sd3: smoke tests) (default sd15)",
+    )
+    g.add_argument(
+        "--blocks",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="FLUX.1 and SD 3.5: transformer blocks to build at the real width, the text encoders cut to the same "
+        "fraction of their layers (default: what a 2-core CPU can time: 3 of FLUX.1's 57, 4 of SD 3.5-medium's "
+        "24, 2 of -large's 38)",
+    )
     g.add_argument("--size", type=positive_int, default=512, help="image side in pixels (default 512)")
     g.add_argument(
         "--denoising-steps", type=positive_int, default=4, metavar="N", help="denoising steps per image (default 4)"

@@ -478,7 +478,10 @@ _CLIP_BIGG = dict(
     projection_dim=1280,
     hidden_act="gelu",
 )
-REAL_ARCHS = ("sd15", "sdxl")
+UNET_ARCHS = ("sd15", "sdxl")
+# FLUX.1 and SD 3.5 (genfast.diffusion.transformer_archs, its ARCHS' names): built in bf16.
+DIT_ARCHS = ("flux-schnell", "flux-dev", "sd35-medium", "sd35-large")
+REAL_ARCHS = UNET_ARCHS + DIT_ARCHS
 
 
 def _text_encoder(fields: dict, projection: bool) -> torch.nn.Module:
@@ -491,14 +494,30 @@ def _text_encoder(fields: dict, projection: bool) -> torch.nn.Module:
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
 
-def random_pipeline(arch: str, seed: int = 0, device: torch.device | str = "cpu") -> Any:
-    """SD 1.5 ("sd15") or SDXL ("sdxl") at the real architecture sizes with random weights (fp32),
-    for benchmarks: speed does not depend on weight values. The weights are drawn on `device` (on
-    a GPU in a fraction of the seconds SDXL's 3.5 G parameters take on a CPU), the same ones for the
-    same seed and device. Prompts go through the tiny byte tokenizer (the real one is not
-    available offline)."""
+def random_pipeline(
+    arch: str,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    blocks: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> Any:
+    """A pipeline at a real architecture's size with random weights, for benchmarks: speed does
+    not depend on weight values. SD 1.5 ("sd15") and SDXL ("sdxl") are drawn in fp32 (`dtype`);
+    FLUX.1 ("flux-schnell", "flux-dev") and SD 3.5 ("sd35-medium", "sd35-large") in bf16 (`dtype`),
+    module by module, never in fp32 (genfast.diffusion.transformer_archs), with `blocks`
+    transformer blocks (None: all) and their text encoders cut to the same fraction of their
+    layers. The weights are drawn on `device` (on a GPU in a fraction of the seconds SDXL's 3.5 G
+    parameters take on a CPU), the same ones for the same seed, device and dtype. Prompts go
+    through the tiny byte tokenizer (the real ones are not available offline)."""
     if arch not in REAL_ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(REAL_ARCHS)}")
+    if arch in DIT_ARCHS:
+        from genfast.diffusion.transformer_archs import build_pipeline
+
+        dtype = torch.bfloat16 if dtype is None else dtype
+        return build_pipeline(arch, blocks, seed, device, dtype, tokenizer=_tiny_tokenizer())
+    if blocks is not None:
+        raise ValueError(f"{arch} is a UNet: a block count applies only to {', '.join(DIT_ARCHS)}")
     diffusers = _import_diffusers()
     sdxl = arch == "sdxl"
     device = torch.device(device)
@@ -518,5 +537,7 @@ def random_pipeline(arch: str, seed: int = 0, device: torch.device | str = "cpu"
     if sdxl:
         components.update(tokenizer_2=tokenizer, text_encoder_2=text_encoder_2)
     pipe = _stable_diffusion_pipeline(sdxl, components)
+    if dtype is not None:
+        pipe.to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe

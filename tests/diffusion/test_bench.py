@@ -103,3 +103,98 @@ def test_real_size_configs_have_the_published_parameter_counts(arch, unet_params
     with torch.device("meta"):
         unet = UNet2DConditionModel(**(pipelines._SDXL_UNET if arch == "sdxl" else pipelines._SD15_UNET))
     assert sum(p.numel() for p in unet.parameters()) == pytest.approx(unet_params, rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["tiny-flux", "tiny-sd3"])
+def test_bench_diffusion_on_dit_pipelines_starts_with_diffusers_own_row(arch, tmp_path):
+    """FLUX.1- and SD 3.5-shaped pipelines: the `diffusers` row (its own pipeline in bf16) first,
+    timed like the recipe's rows, its PSNR against the baseline moved into its row."""
+    out = tmp_path / "rows.json"
+    argv = ["bench", "diffusion", "--arch", arch, "--size", "32", "--denoising-steps", "1", "--repeats", "1"]
+    assert cli.main([*argv, "--steps", "diffusers,baseline", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [row["step"] for row in rows] == ["diffusers", "baseline"]
+    diffusers, baseline = rows
+    for row in rows:
+        assert row["s_per_image"] > 0 and 0 < row["s_per_denoiser_step"] < row["s_per_image"]
+        assert row["peak_mem_gb"] > 0 and row["model"] == f"{arch} (random weights)"
+    assert diffusers["speedup"] == 1 and baseline["speedup"] > 0  # speed-ups against what users run
+    assert diffusers["psnr_db"] >= 30 and diffusers["psnr_vs_sdpa_db"] >= 30  # bf16 against fp32
+    assert "diffusers_psnr" not in baseline and baseline.get("psnr_db") is None
+
+
+def test_the_default_ladder_starts_with_the_diffusers_row():
+    from genfast.diffusion.bench import DiffusionLadder
+    from genfast.diffusion.recipe import RECIPE
+
+    ladder = DiffusionLadder()
+    assert ladder.steps(None) == ["diffusers", *RECIPE.names]
+    assert ladder.steps("sdpa,diffusers,baseline") == ["diffusers", "baseline", "sdpa"]
+    assert ladder.steps("bf16") == ["bf16"]
+
+
+def test_a_step_that_fails_on_a_dit_pipeline_is_a_row_with_the_reason(tmp_path, monkeypatch):
+    """genfast's steps on FLUX.1/SD 3.5 are new: a failure becomes the row's note, the ladder goes on."""
+    from genfast.bench import ladder
+    from genfast.diffusion.bench import DiffusionLadder
+
+    def fails(spec):
+        raise RuntimeError("no kernel for this shape\nsecond line")
+
+    monkeypatch.setattr(ladder, "measure_row", fails)
+    out, spec = tmp_path / "row.json", tmp_path / "spec.json"
+    spec.write_text(json.dumps({"row": {"step": "compile", "group": {}}, "out": str(out)}))
+    assert DiffusionLadder().launch(spec, {"arch": "tiny-flux"}) == 0
+    row = json.loads(out.read_text())
+    assert row["step"] == "compile" and "s_per_image" not in row
+    assert row["note"] == "failed on tiny-flux: RuntimeError: no kernel for this shape"
+    assert DiffusionLadder().launch(spec, {"arch": "tiny-sd15"}) is None  # UNets: as every ladder
+
+
+def _options(arch: str, blocks: int | None = None, size: int = 512) -> dict:
+    import argparse
+
+    from genfast.diffusion.bench import DiffusionLadder
+
+    args = argparse.Namespace(
+        arch=arch, size=size, denoising_steps=1, blocks=blocks, device="cpu", dtype="bfloat16", repeats=1, threads=None
+    )
+    return DiffusionLadder().options(args)
+
+
+def test_real_dit_archs_are_estimated_from_their_parameter_counts():
+    options = _options("flux-dev")  # the default block count: 3 of 57
+    assert options["blocks"] == 3 and "3 of 57 blocks" in options["depth"]
+    assert options["parameters"] == pytest.approx(1.14e9, rel=0.01)  # 3 blocks, 1-layer CLIP and T5, the VAE
+    assert options["attention_scores"] == 24 * (32 * 32 + 512) ** 2
+
+
+def test_rows_that_do_not_fit_in_memory_are_refused_before_building(monkeypatch, capsys):
+    from genfast.diffusion import bench
+    from genfast.diffusion.bench import GIB, DiffusionLadder
+    from genfast.recipe import Target
+
+    monkeypatch.setattr(bench, "available_memory_bytes", lambda device: GIB)
+    assert cli.main(["bench", "diffusion", "--arch", "flux-schnell", "--blocks", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "1 of 57 blocks" in err and "GiB" in err and "available" in err and "--blocks" in err
+    # Enough for bf16, not for the fp32 baseline: that row alone is skipped, saying what it needs.
+    options, target = _options("flux-schnell", blocks=1), Target(torch.device("cpu"), "bfloat16")
+    bf16 = bench.memory_needed_bytes(options, "sdpa", target)
+    monkeypatch.setattr(bench, "available_memory_bytes", lambda device: bf16 + GIB)
+    ladder = DiffusionLadder()
+    assert ladder.skip_reason(bench.Row("sdpa"), options, target) is None
+    reason = ladder.skip_reason(bench.Row("baseline"), options, target)
+    assert reason.startswith("needs ~") and "GiB in float32" in reason
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--arch", "tiny-flux", "--blocks", "2"], "--blocks applies to"),
+        (["--arch", "flux-dev", "--blocks", "58"], "57 transformer blocks"),
+    ],
+)
+def test_bench_diffusion_blocks_errors(argv, message, capsys):
+    assert cli.main(["bench", "diffusion", *argv]) == 2
+    assert message in capsys.readouterr().err
