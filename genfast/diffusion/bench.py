@@ -166,6 +166,8 @@ class DiffusionLadder(Ladder):
             raise UserError(f"unknown --arch {args.arch!r}; choose one of {', '.join(ARCHS)}")
         if args.size % 8 or not 8 <= args.size <= 4096:
             raise UserError(f"--size {args.size}: must be a multiple of 8 between 8 and 4096")
+        if args.arch in DIT_ARCHS and args.size % 16:  # the VAE's factor 8 times the transformers' 2x2 patches
+            raise UserError(f"--size {args.size}: {args.arch} needs a multiple of 16")
         options = {
             **super().options(args),
             "arch": args.arch,

@@ -193,6 +193,7 @@ def test_rows_that_do_not_fit_in_memory_are_refused_before_building(monkeypatch,
     [
         (["--arch", "tiny-flux", "--blocks", "2"], "--blocks applies to"),
         (["--arch", "flux-dev", "--blocks", "58"], "57 transformer blocks"),
+        (["--arch", "sd35-medium", "--size", "520"], "multiple of 16"),
     ],
 )
 def test_bench_diffusion_blocks_errors(argv, message, capsys):
