@@ -89,9 +89,11 @@ def guidance_kwargs(pipe: Any, guidance: float | None, negative: str | None) -> 
     Guidance-distilled pipelines (Flux: the scale is an input of the model, `true_cfg_scale` a
     separate, doubled-cost option) take no negative prompt from genfast."""
     parameters = inspect.signature(pipe.__call__).parameters
-    if guidance is None:
-        guidance = parameters["guidance_scale"].default
-    kwargs: dict[str, Any] = {"guidance_scale": guidance}
+    kwargs: dict[str, Any] = {}
+    if "guidance_scale" in parameters:
+        kwargs["guidance_scale"] = parameters["guidance_scale"].default if guidance is None else guidance
+    elif guidance is not None:
+        raise UserError(f"{type(pipe).__name__} takes no guidance scale: leave out --guidance")
     if negative is not None:
         if "true_cfg_scale" in parameters:
             raise UserError(
@@ -149,7 +151,7 @@ def imagine_command(args: argparse.Namespace) -> int:
     compiles_lazily = recipe.compile != "none" and (recipe.dynamic_shapes or device.type != "cpu")
     print(
         f"genfast: {description} | recipe {args.recipe} in {recipe.dtype} | {width}x{height}, "
-        f"{args.denoising_steps} steps, guidance {guidance['guidance_scale']:g}, seed {seed} on {device}"
+        f"{args.denoising_steps} steps, guidance {guidance.get('guidance_scale', 'none')}, seed {seed} on {device}"
         + (" (the first call compiles, for minutes; not saved for later runs)" if compiles_lazily else ""),
         file=sys.stderr,
         flush=True,
@@ -174,7 +176,7 @@ def imagine_command(args: argparse.Namespace) -> int:
         "genfast:seed": str(seed),
         "genfast:steps": str(args.denoising_steps),
         "genfast:size": f"{width}x{height}",
-        "genfast:guidance": f"{guidance['guidance_scale']:g}",
+        "genfast:guidance": str(guidance.get("guidance_scale", "none")),
         "genfast:model": description,
         "genfast:recipe": args.recipe,
         "genfast:random-weights": str(bool(args.random_weights)).lower(),

@@ -71,7 +71,8 @@ def test_imagine_refuses_an_output_named_for_another_format(tmp_path, capsys):
 
 def test_imagine_loads_a_pipeline_directory(tmp_path, capsys):
     """A diffusers directory (here the tiny PixArt-α, saved) loads with --model DIR and runs with a
-    non-square size; the image is the in-process pipeline's."""
+    non-square size and, without --guidance, the pipeline's own default guidance (PixArt's 4.5);
+    the image is the in-process pipeline's."""
     import torch
 
     from genfast.diffusion.pipelines import call_kwargs, tiny_pipeline
@@ -108,12 +109,12 @@ def test_imagine_loads_a_pipeline_directory(tmp_path, capsys):
         height=32,
         width=48,
         num_inference_steps=2,
-        guidance_scale=7.5,
         generator=torch.Generator().manual_seed(5),
         **call_kwargs(pipe),
     ).images[0]
     with Image.open(out) as img:
         assert img.size == (48, 32) and img.text["genfast:random-weights"] == "false"
+        assert img.text["genfast:guidance"] == "4.5"
         assert np.array_equal(np.asarray(img), np.asarray(expected))
 
 

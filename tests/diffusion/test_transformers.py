@@ -1,0 +1,263 @@
+"""The diffusion recipe on the transformer pipelines, FLUX.1 (FluxPipeline) and Stable Diffusion 3.5
+(StableDiffusion3Pipeline), tiny and random: genfast's baseline against diffusers' own pipeline,
+each step of the ladder against the fp32 baseline within the budgets of genfast/diffusion/recipe.py,
+compiled forms (slow), the feature cache's refusal and `genfast imagine` on a saved tiny Flux."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from PIL import Image
+from torch._dynamo.utils import counters
+
+from genfast import cli
+from genfast.diffusion.attention import FusedJointAttention, fuse_qkv, unfuse_qkv
+from genfast.diffusion.commands import check_size
+from genfast.diffusion.conv1x1 import Conv1x1AsLinear
+from genfast.diffusion.group_norm import ChannelsLastGroupNorm
+from genfast.diffusion.pipelines import initial_latents, native_size, size_multiple, tiny_pipeline
+from genfast.diffusion.quality import psnr
+from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe, pipeline_target
+from genfast.errors import UserError
+from genfast.quant.conv import DynamicInt8Conv2d
+from genfast.quant.linear import QuantLinear
+from genfast.recipe import Target
+
+CPU_BF16 = Target(torch.device("cpu"), "bfloat16")
+REFERENCE_EXACT = 1e-5  # max abs pixel difference, genfast's baseline vs diffusers' pipeline (measured ~1e-6)
+FP32_EXACT = 1e-4  # the recipe's budget for its fp32 rewrites (measured ~1e-6)
+STEP_PSNR = 35.0  # dB: the bf16, dynamic-int8 and int8-conv budgets (measured 41-47 here)
+COMPILED_BF16_PSNR = 35.0  # dB, compiled vs eager with the same steps
+# The steps that run eagerly, in ladder order; compile, regional-compile and dynamic-shapes are
+# tested apart (slow).
+EAGER_STEPS = ["bf16", "sdpa", "channels-last", "fused-qkv", "conv1x1-linear", "dynamic-int8", "int8-conv",
+               "group-norm-kernel"]  # fmt: skip
+FP32_EXACT_STEPS = ["sdpa", "channels-last", "fused-qkv", "conv1x1-linear", "group-norm-kernel"]
+
+
+def generate(pipe, size: tuple[int, int] = (32, 32), steps: int = 3, seed: int = 0) -> torch.Tensor:
+    height, width = size
+    return pipe(
+        "a red cat",
+        num_inference_steps=steps,
+        height=height,
+        width=width,
+        latents=initial_latents(pipe, height, width, seed=seed),
+        generator=torch.Generator().manual_seed(seed),
+        output_type="pt",
+    ).images.float()
+
+
+def eager(step: str, **changes) -> DiffusionSettings:
+    """The cumulative recipe up to `step` without compiling, every layer of the tiny models
+    quantized by the int8 steps (they are narrower than the real-size thresholds)."""
+    if reason := RECIPE.unavailable(step, CPU_BF16):
+        pytest.skip(f"{step} cannot run here: {reason}")
+    everything = {"compile": "none", "dynamic_shapes": False, "int8_min_features": 1, "int8_conv_min_channels": 1}
+    return replace(RECIPE.plan(step, CPU_BF16).settings, **{**everything, **changes})
+
+
+@pytest.fixture(scope="module", params=["flux", "sd3"])
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def baseline(arch):
+    return generate(apply_recipe(tiny_pipeline(arch), DiffusionSettings()))
+
+
+def test_baseline_is_diffusers_own_pipeline(arch, baseline):
+    """genfast's baseline (explicit-softmax attention, genfast's initial latents: packed 2x2 for
+    Flux) against the unmodified diffusers pipeline drawing its own noise from the same seed."""
+    reference = tiny_pipeline(arch)
+    image = reference(
+        "a red cat",
+        num_inference_steps=3,
+        height=32,
+        width=32,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+    ).images.float()
+    assert (image - baseline).abs().max().item() <= REFERENCE_EXACT
+
+
+def test_attention_steps_choose_the_implementation(arch):
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, JointAttnProcessor2_0
+
+    pipe = apply_recipe(tiny_pipeline(arch), DiffusionSettings())
+    vae_processors = {type(p) for p in pipe.vae.attn_processors.values()}
+    processors = pipe.transformer.attn_processors.values()
+    if arch == "flux":  # diffusers' attention backends, set per module
+        assert {p._attention_backend.value for p in processors} == {"_native_math"}
+    else:
+        assert {type(p).__name__ for p in processors} == {"MathJointAttnProcessor"}
+    assert vae_processors == {AttnProcessor}
+    apply_recipe(pipe, DiffusionSettings(attention="sdpa"))
+    processors = pipe.transformer.attn_processors.values()
+    if arch == "flux":
+        assert {p._attention_backend.value for p in processors} == {"native"}
+    else:
+        assert {type(p) for p in processors} == {JointAttnProcessor2_0}
+    assert {type(p) for p in pipe.vae.attn_processors.values()} == {AttnProcessor2_0}
+
+
+@pytest.mark.parametrize("step", EAGER_STEPS)
+def test_each_step_within_its_budget(arch, baseline, step):
+    """The ladder's steps cumulatively (bf16 from the second on), against the fp32 baseline."""
+    pipe = apply_recipe(tiny_pipeline(arch), eager(step))
+    assert psnr(generate(pipe), baseline) >= STEP_PSNR
+    transformer, vae = pipe.transformer, pipe.vae
+    did = {
+        "fused-qkv": lambda: any(k.endswith("to_added_qkv.weight") for k in transformer.state_dict()),
+        "channels-last": lambda: vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last),
+        "conv1x1-linear": lambda: any(isinstance(m, Conv1x1AsLinear) for m in vae.modules()),
+        "dynamic-int8": lambda: any(isinstance(m, QuantLinear) for m in transformer.modules()),
+        "int8-conv": lambda: any(isinstance(m, DynamicInt8Conv2d) for m in vae.decoder.modules()),
+        "group-norm-kernel": lambda: any(isinstance(m, ChannelsLastGroupNorm) for m in vae.modules()),
+    }
+    assert did.get(step, lambda: True)(), f"{step} changed nothing"
+
+
+@pytest.mark.parametrize("step", FP32_EXACT_STEPS)
+def test_fp32_rewrites_are_exact(arch, baseline, step):
+    pipe = apply_recipe(tiny_pipeline(arch), eager(step, dtype="float32", dynamic_int8=False, int8_conv=False))
+    assert (generate(pipe) - baseline).abs().max().item() <= FP32_EXACT
+
+
+def test_fuse_unfuse_round_trip(arch):
+    """diffusers' fused projections (both streams of joint attention); SD3 gets genfast's fused
+    processor, which keeps SD 3.5's q/k norms and its dual-attention layer's image-only attention;
+    unfusing restores the state dict and processors exactly."""
+    transformer = apply_recipe(tiny_pipeline(arch), DiffusionSettings(attention="sdpa")).transformer
+    before = {k: v.clone() for k, v in transformer.state_dict().items()}
+    processors = {k: type(v) for k, v in transformer.attn_processors.items()}
+    fuse_qkv(transformer)
+    keys = transformer.state_dict().keys()
+    assert any(k.endswith("to_qkv.weight") for k in keys) and any(k.endswith("to_added_qkv.weight") for k in keys)
+    if arch == "sd3":
+        assert all(isinstance(p, FusedJointAttention) for p in transformer.attn_processors.values())
+    unfuse_qkv(transformer)
+    after = transformer.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert {k: type(v) for k, v in transformer.attn_processors.items()} == processors
+
+
+def test_convolution_steps_say_they_change_the_vae_only(arch):
+    pipe = tiny_pipeline(arch)
+    plan = RECIPE.plan("group-norm-kernel", pipeline_target(pipe, "bfloat16"))
+    noted = {step for step, _ in plan.notes}
+    assert {"channels-last", "conv1x1-linear"} <= noted
+    assert all("changes the VAE only" in note for _, note in plan.notes if note)
+    assert not RECIPE.plan("group-norm-kernel", pipeline_target(tiny_pipeline("sd15"), "bfloat16")).notes
+
+
+def test_feature_cache_is_refused_on_transformer_pipelines(arch):
+    """DeepCache needs a UNet: asked for by name it is a UserError naming the pipeline's denoiser;
+    the pipeline-aware target reports why it does not run (a bench row says so)."""
+    pipe = tiny_pipeline(arch)
+    target = pipeline_target(pipe, "bfloat16")
+    denoiser = type(pipe.transformer).__name__
+    with pytest.raises(
+        UserError, match=f"UNet2DConditionModel's deep features; this pipeline's denoiser is {denoiser}"
+    ):
+        RECIPE.plan("feature-cache", target)
+    assert "left out: the feature cache" in RECIPE.describe(target)
+    with pytest.raises(UserError, match="step feature-cache cannot run here"):
+        apply_recipe(pipe, eager("feature-cache", dtype="float32", dynamic_int8=False, int8_conv=False))
+    assert RECIPE.plan("feature-cache", pipeline_target(tiny_pipeline("sd15"), "bfloat16")).step == "feature-cache"
+
+
+def test_sizes_and_latents(arch):
+    """Flux: latents packed as FluxPipeline packs them (2x2 patches of latents, flattened), sizes
+    in whole patches of latents, the default size the pipeline's own; SD3: its patch size."""
+    pipe = tiny_pipeline(arch)
+    latents = initial_latents(pipe, 48, 32, seed=1)
+    if arch == "flux":
+        assert latents.shape == (1, (24 // 2) * (16 // 2), 4 * 4) and native_size(pipe) == (256, 256)
+        image = torch.randn(1, 4, 24, 16, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(latents, pipe._pack_latents(image, 1, 4, 24, 16))
+    else:
+        assert latents.shape == (1, 4, 24, 16) and native_size(pipe) == (32, 32)
+    assert size_multiple(pipe) == 4
+    with pytest.raises(UserError, match="multiples of 4"):
+        check_size(pipe, 34, 32)
+    check_size(pipe, 36, 32)
+
+
+def test_dynamic_int8_threshold_keeps_the_dit_edges():
+    """At the default threshold the tiny models (32 wide) keep every linear; at 32 the blocks'
+    linears are quantized while the patch embedding (16 in) and output projection (16 out) stay,
+    as the 64-value patches of the real FLUX.1 and SD 3.5 stay at 320."""
+    pipe = apply_recipe(
+        tiny_pipeline("flux"), eager("dynamic-int8", int8_min_features=DiffusionSettings().int8_min_features)
+    )
+    assert not any(isinstance(m, QuantLinear) for m in pipe.transformer.modules())
+    transformer = apply_recipe(tiny_pipeline("flux"), eager("dynamic-int8", int8_min_features=32)).transformer
+    assert isinstance(transformer.transformer_blocks[0].attn.to_out[0], QuantLinear)
+    assert not isinstance(transformer.x_embedder, QuantLinear) and not isinstance(transformer.proj_out, QuantLinear)
+
+
+@pytest.mark.slow
+def test_full_compile_matches_eager(arch):
+    """The whole transformer and the VAE decoder compiled (fullgraph: a graph break raises), no
+    recompile on a second call."""
+    recipe = replace(RECIPE.plan("compile", CPU_BF16).settings, dtype="float32")
+    eager_pipe = apply_recipe(tiny_pipeline(arch), replace(recipe, compile="none"))
+    pipe = apply_recipe(tiny_pipeline(arch), recipe)
+    graphs = counters["stats"]["unique_graphs"]
+    image = generate(pipe, steps=2)
+    # The transformer's graph, and the VAE decoder's unless an earlier test of this process compiled
+    # it (the tiny Flux and SD3 share one VAE structure: genfast/compilation/saved.py shares its code).
+    first = counters["stats"]["unique_graphs"] - graphs
+    assert first in (1, 2)
+    assert torch.equal(generate(pipe, steps=2), image)
+    assert counters["stats"]["unique_graphs"] - graphs == first
+    assert (image - generate(eager_pipe, steps=2)).abs().max().item() <= 1e-3  # the compile budget in fp32
+
+
+@pytest.mark.slow
+def test_regional_dynamic_shapes_reuse_graphs_at_new_sizes(arch):
+    """The dynamic-shapes recipe (bf16; each repeated block and the VAE decoder compiled with
+    symbolic sizes): a second and third size (one not square) add no graph, and match eager."""
+    recipe = replace(RECIPE.plan("dynamic-shapes", CPU_BF16).settings, dynamic_int8=False)
+    eager_pipe = apply_recipe(tiny_pipeline(arch), replace(recipe, compile="none", dynamic_shapes=False))
+    pipe = apply_recipe(tiny_pipeline(arch), recipe)
+    generate(pipe, steps=2)
+    graphs = counters["stats"]["unique_graphs"]
+    for size in ((48, 32), (24, 24)):
+        image = generate(pipe, size, steps=2)
+        assert counters["stats"]["unique_graphs"] == graphs, f"recompiled at {size}"
+        assert psnr(image, generate(eager_pipe, size, steps=2)) >= COMPILED_BF16_PSNR
+
+
+def test_imagine_on_a_saved_flux_pipeline(tmp_path, capsys):
+    """`genfast imagine --model DIR` on a saved tiny FLUX.1-dev-shaped pipeline: the pipeline's own
+    guidance (3.5) by default, the image diffusers' own for the seed; bad requests are one line."""
+    pipe = tiny_pipeline("flux")
+    pipe.save_pretrained(tmp_path / "flux")
+    out = tmp_path / "out.png"
+    common = ["--model", str(tmp_path / "flux"), "--size", "48x32", "--denoising-steps", "2", "--seed", "5"]
+    assert cli.main(["imagine", "a red square", *common, "--recipe", "baseline", "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "48x32, 2 steps, guidance 3.5" in err and "RANDOM" not in err
+    apply_recipe(pipe, DiffusionSettings())
+    expected = pipe(
+        "a red square", height=32, width=48, num_inference_steps=2, generator=torch.Generator().manual_seed(5)
+    ).images[0]
+    with Image.open(out) as img:
+        assert img.size == (48, 32) and img.text["genfast:guidance"] == "3.5"
+        assert np.array_equal(np.asarray(img), np.asarray(expected))
+    for argv, message in (
+        (["--recipe", "feature-cache"], "this pipeline's denoiser is FluxTransformer2DModel"),
+        (["--negative", "blurry"], "takes no --negative prompt"),
+    ):
+        assert cli.main(["imagine", "x", *common, *argv, "-o", str(tmp_path / "bad.png")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and not (tmp_path / "bad.png").exists()
