@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genfast.errors import UserError
+from genfast.interface.batch import Summary
 from genfast.llm.decoding.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,18 +48,8 @@ class Item:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class Summary:
-    done: int = 0
-    skipped: int = 0  # already in the output
-    failed: list[str] = field(default_factory=list)  # one message per item left out
-
-    def line(self) -> str:
-        return f"done {self.done}, skipped {self.skipped} (already in the output), failed {len(self.failed)}"
-
-
-def read_items(path: Path, failed: list[str]) -> list[Item]:
-    """The items of a JSONL input; each bad line is reported into `failed` and left out."""
+def read_items(path: Path, summary: Summary, stream: Any = None) -> list[Item]:
+    """The items of a JSONL input; each bad line is reported (`summary.fail`) and left out."""
     if not path.is_file():
         raise UserError(f"input file not found: {path}")
     try:
@@ -73,11 +64,11 @@ def read_items(path: Path, failed: list[str]) -> list[Item]:
         try:
             item = _parse(number, text)
         except ValueError as e:
-            failed.append(f"line {number}: {e}")
+            summary.fail(f"line {number}: {e}", stream)
             continue
         key = json.dumps(item.id)
         if key in seen:
-            failed.append(f"line {number}: id {key} repeats an earlier line's")
+            summary.fail(f"line {number}: id {key} repeats an earlier line's", stream)
             continue
         seen.add(key)
         items.append(item)
@@ -176,7 +167,7 @@ def run_batch_file(
 
     stream = stream if stream is not None else sys.stderr
     summary = Summary()
-    items = read_items(input_path, summary.failed)
+    items = read_items(input_path, summary, stream)
     finished_before = completed_ids(output_path)
     todo = [item for item in items if json.dumps(item.id) not in finished_before]
     summary.skipped = len(items) - len(todo)
@@ -186,17 +177,14 @@ def run_batch_file(
             requests.append(_request(engine, item, encode(item), defaults))
             runnable.append(item)
         except UserError as e:
-            summary.failed.append(f"line {item.line}: id {json.dumps(item.id)}: {e}")
-    for message in summary.failed:
-        print(f"genfast: skipped {message}", file=stream)
+            summary.fail(f"line {item.line}: id {json.dumps(item.id)}: {e}", stream)
     writer = AnswerWriter(output_path)
     progress = Progress(len(runnable), "answers", stream)
     try:
         for index, finished in as_they_finish(engine, requests):
             item = runnable[index]
             if finished.error is not None:
-                summary.failed.append(f"line {item.line}: id {json.dumps(item.id)}: {finished.error}")
-                print(f"genfast: failed line {item.line}: {finished.error}", file=stream)
+                summary.fail(f"line {item.line}: id {json.dumps(item.id)}: {finished.error}", stream)
                 continue
             writer.write(_answer(item, finished))
             summary.done += 1

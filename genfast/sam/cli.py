@@ -33,6 +33,9 @@ SEGMENT_EPILOG = """outputs (never overwritten without --force; written atomical
   OUT-overlay.png  masks tinted over the image with the prompt drawn (see --overlay).
   --json PATH      masks as uncompressed RLE ({size: [H, W], counts}, column-major,
                    zeros first) with predicted IoU, area and XYWH box ('-' = stdout).
+many images: -o OUTDIR gets NAME.png, NAME-overlay.png and NAME.json for each image NAME.EXT,
+  written as each is done; a re-run skips the images already done, and a bad image is named
+  and left out while the others run (exit status 1 if any was).
 video (SAM 2): -o OUTDIR gets masks/obj{ID}/{FRAME:05d}.png, masks.json (RLE per object and
   frame) and overlay.mp4; objects are tracked forwards from their first prompted frame, then
   backwards; frames are decoded as needed (memory does not grow with the video). The model
@@ -52,8 +55,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "image",
         metavar="INPUT",
-        help="an image file (any format Pillow reads; EXIF orientation is applied), or a video (.mp4, .mov, .mkv, "
-        ".webm ...) or a folder of frames, which SAM 2 tracks (see below)",
+        help="an image file (any format Pillow reads; EXIF orientation is applied); many images: a folder or a "
+        "quoted glob pattern ('photos/*.jpg'); or a video (.mp4, .mov, .mkv, .webm ...) or a folder of its "
+        "frames (named by frame number), which SAM 2 tracks (see below)",
+    )
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--images", action="store_true", help="INPUT is a folder of separate images, whatever the names")
+    kind.add_argument("--video", action="store_true", help="INPUT is a video, or a folder of frames whatever the names")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=1,
+        help="many images with a prompt: images per image-encoder call (default 1)",
     )
     g = p.add_argument_group("prompt")
     g.add_argument("--point", action="append", metavar="X,Y", help="a point on the object (repeatable)")

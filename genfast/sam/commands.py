@@ -220,18 +220,39 @@ class Segmentation:
     called_s: float = 0.0  # when the encoder was called, in seconds since launch (genfast.interface.startup)
 
 
-def segment_prompt(model: Sam | Sam2, image: np.ndarray, prompt: Prompt, multimask: bool) -> Segmentation:
-    """SAM's three masks for the prompt, best predicted IoU first; only the best without `multimask`."""
+def segment_prompts(model: Sam | Sam2, images: list[np.ndarray], prompt: Prompt, multimask: bool) -> list[Segmentation]:
+    """SAM's three masks for the prompt on each image, best predicted IoU first (only the best
+    without `multimask`); the images go through the encoder in one call."""
     from genfast.sam.predictor import SamPredictor
     from genfast.sam.sam2.predictor import SAM2ImagePredictor
 
-    predictor = SAM2ImagePredictor(model) if isinstance(model, Sam2) else SamPredictor(model)
+    n = len(images)
     called, start = since_launch(), time.perf_counter()
-    predictor.set_image(image)
+    predictor = SAM2ImagePredictor(model) if isinstance(model, Sam2) else SamPredictor(model)
+    if isinstance(predictor, SAM2ImagePredictor):
+        predictor.set_image_batch(images)
+    else:
+        predictor.set_images(images)
     synchronize(model.device)
-    encoded = time.perf_counter()
-    masks, scores, _ = predictor.predict(prompt.points, prompt.labels, prompt.box, multimask_output=True)
-    decoded = time.perf_counter()
+    encode_s = (time.perf_counter() - start) / n  # the batch's encoder time, shared
+    start = time.perf_counter()
+    if isinstance(predictor, SAM2ImagePredictor):
+        masks, scores, _ = predictor.predict_batch(
+            [prompt.points] * n, [prompt.labels] * n, [prompt.box] * n, multimask_output=True
+        )
+    else:
+        outputs = [
+            predictor.predict(prompt.points, prompt.labels, prompt.box, multimask_output=True, image_index=i)
+            for i in range(n)
+        ]
+        masks, scores = [o[0] for o in outputs], [o[1] for o in outputs]
+    decode_s = (time.perf_counter() - start) / n
+    return [_ranked(m, sc, multimask, encode_s, decode_s, called) for m, sc in zip(masks, scores, strict=True)]
+
+
+def _ranked(
+    masks: np.ndarray, scores: np.ndarray, multimask: bool, encode_s: float, decode_s: float, called: float
+) -> Segmentation:
     order = np.argsort(-scores, kind="stable")[: len(scores) if multimask else 1]
     kept = [masks[i] for i in order]
     boxes = box_xyxy_to_xywh(masks_to_boxes(torch.from_numpy(masks[order]))).tolist()  # the original's XYWH
@@ -239,7 +260,7 @@ def segment_prompt(model: Sam | Sam2, image: np.ndarray, prompt: Prompt, multima
         {"rank": rank + 1, "predicted_iou": float(scores[i]), "area": int(masks[i].sum()), "bbox": box}
         for rank, (i, box) in enumerate(zip(order, boxes))
     ]
-    return Segmentation(kept, records, encoded - start, decoded - encoded, called)
+    return Segmentation(kept, records, encode_s, decode_s, called)
 
 
 def segment_auto(model: Sam | Sam2, image: np.ndarray, args: argparse.Namespace) -> Segmentation:
@@ -321,10 +342,7 @@ def _output_paths(args: argparse.Namespace, multimask_outputs: int) -> OutputPat
 
 
 def segment_command(args: argparse.Namespace) -> int:
-    from genfast.platform.hardware import dtype_name, resolve_device
-    from genfast.platform.threads import avoid_busy_cores, use_threads
-    from genfast.recipe import Target
-    from genfast.sam.recipe import RECIPE, apply_recipe
+    from genfast.platform.hardware import resolve_device
 
     for flag in ("object", "frame"):
         if getattr(args, flag, None):
@@ -337,19 +355,7 @@ def segment_command(args: argparse.Namespace) -> int:
     image = image_files.load_image(args.image)
     height, width = image.shape[:2]
     check_prompt_inside(prompt, height, width)
-    # After the input checks: planning may build a native kernel (seconds on first use).
-    plan = RECIPE.plan(args.recipe, Target(device, dtype_name(args.dtype)))
-
-    other_work = use_threads(args.threads)
-    loaded = load_model(args, device)
-    if other_work is not None and device.type == "cpu":
-        avoid_busy_cores(other_work, _log)
-    apply_recipe(loaded.model, plan.settings)
-    if loaded.random_weights:
-        _log(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}")
-    _log(f"genfast: SAM {loaded.description} | recipe {args.recipe} in {plan.settings.dtype} on {device}")
-    for message in plan.messages():
-        _log(f"genfast: {message}")
+    loaded = prepare_model(args, device)  # after the input checks: this is the slow part
     outputs = getattr(loaded.model.config, "num_multimask_outputs", 3)  # SAM 2 always makes 3
     if args.multimask and outputs != multimask_outputs:
         paths = _output_paths(args, outputs)
@@ -357,25 +363,9 @@ def segment_command(args: argparse.Namespace) -> int:
     if args.auto:
         args.pred_iou_thresh = pred_iou_thresh(args, loaded.model)  # the summary names the one used
         result = segment_auto(loaded.model, image, args)
-        mask_images = [images.label_image(result.masks, (height, width))] if paths.masks else []
-        overlay_masks, colours = result.masks, [images.colour(i) for i in range(len(result.masks))]
     else:
-        result = segment_prompt(loaded.model, image, prompt, args.multimask)
-        mask_images = [images.mask_image(m) for m in result.masks][: len(paths.masks)]
-        # Best mask drawn last, on top.
-        overlay_masks = result.masks[::-1]
-        colours = [images.colour(i) for i in range(len(result.masks))][::-1]
-        for record, path in zip(result.records, paths.masks):
-            record["file"] = str(path)
-
-    text = _png_text(args, loaded)
-    files: dict[Path, bytes] = {path: image_files.png_bytes(img, text) for path, img in zip(paths.masks, mask_images)}
-    if paths.overlay:
-        overlay = images.overlay_image(image, overlay_masks, colours, prompt.points, prompt.labels, prompt.box)
-        files[paths.overlay] = image_files.png_bytes(overlay, text)
-    document = _json_document(args, loaded, prompt, result, (height, width), paths) if args.json_path else None
-    if paths.json:
-        files[paths.json] = (json.dumps(document, separators=(",", ":")) + "\n").encode()
+        [result] = segment_prompts(loaded.model, [image], prompt, args.multimask)
+    files, document = output_files(args, loaded, Path(args.image), image, prompt, result, paths)
     image_files.write_files(files, args.force)
     if paths.json_stdout:
         sys.stdout.write(json.dumps(document, separators=(",", ":")) + "\n")
@@ -387,11 +377,67 @@ def segment_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _png_text(args: argparse.Namespace, loaded: LoadedSam) -> dict[str, str]:
+def prepare_model(args: argparse.Namespace, device: torch.device) -> LoadedSam:
+    """The model the flags name, on `device`, run as --recipe says; says so on stderr."""
+    from genfast.platform.hardware import dtype_name
+    from genfast.platform.threads import avoid_busy_cores, use_threads
+    from genfast.recipe import Target
+    from genfast.sam.recipe import RECIPE, apply_recipe
+
+    # Planning may build a native kernel (seconds on first use): after the callers' input checks.
+    plan = RECIPE.plan(args.recipe, Target(device, dtype_name(args.dtype)))
+    other_work = use_threads(args.threads)
+    loaded = load_model(args, device)
+    if other_work is not None and device.type == "cpu":
+        avoid_busy_cores(other_work, _log)
+    apply_recipe(loaded.model, plan.settings)
+    if loaded.random_weights:
+        _log(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}")
+    _log(f"genfast: SAM {loaded.description} | recipe {args.recipe} in {plan.settings.dtype} on {device}")
+    for message in plan.messages():
+        _log(f"genfast: {message}")
+    return loaded
+
+
+def output_files(
+    args: argparse.Namespace,
+    loaded: LoadedSam,
+    image_path: Path,
+    image: np.ndarray,
+    prompt: Prompt,
+    result: Segmentation,
+    paths: OutputPaths,
+) -> tuple[dict[Path, bytes], dict[str, Any] | None]:
+    """The files one image's result makes (mask or label PNGs, overlay, JSON), and the JSON
+    document (None without --json)."""
+    size = image.shape[:2]
+    if args.auto:
+        mask_images = [images.label_image(result.masks, size)] if paths.masks else []
+        overlay_masks, colours = result.masks, [images.colour(i) for i in range(len(result.masks))]
+    else:
+        mask_images = [images.mask_image(m) for m in result.masks][: len(paths.masks)]
+        # Best mask drawn last, on top.
+        overlay_masks = result.masks[::-1]
+        colours = [images.colour(i) for i in range(len(result.masks))][::-1]
+        for record, path in zip(result.records, paths.masks):
+            record["file"] = str(path)
+    text = _png_text(loaded, image_path)
+    files: dict[Path, bytes] = {path: image_files.png_bytes(img, text) for path, img in zip(paths.masks, mask_images)}
+    if paths.overlay:
+        overlay = images.overlay_image(image, overlay_masks, colours, prompt.points, prompt.labels, prompt.box)
+        files[paths.overlay] = image_files.png_bytes(overlay, text)
+    wanted = paths.json is not None or paths.json_stdout
+    document = _json_document(args, loaded, image_path, prompt, result, size, paths) if wanted else None
+    if paths.json:
+        files[paths.json] = (json.dumps(document, separators=(",", ":")) + "\n").encode()
+    return files, document
+
+
+def _png_text(loaded: LoadedSam, image_path: Path) -> dict[str, str]:
     text = {
         "Software": f"genfast {__version__}",
         "genfast:model": loaded.description,
-        "genfast:image": str(args.image),
+        "genfast:image": str(image_path),
         "genfast:random-weights": str(loaded.random_weights).lower(),
     }
     if loaded.random_weights:
@@ -402,6 +448,7 @@ def _png_text(args: argparse.Namespace, loaded: LoadedSam) -> dict[str, str]:
 def _json_document(
     args: argparse.Namespace,
     loaded: LoadedSam,
+    image_path: Path,
     prompt: Prompt,
     result: Segmentation,
     size: tuple[int, int],
@@ -415,7 +462,7 @@ def _json_document(
         document["warning"] = RANDOM_WEIGHTS_WARNING
     document.update(
         {
-            "image": str(args.image),
+            "image": str(image_path),
             "image_size": list(size),  # [height, width]
             "model": loaded.description,
             "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None,

@@ -31,12 +31,6 @@ VIDEO_SUFFIXES = (".mp4", ".mov", ".m4v", ".mkv", ".webm", ".avi", ".mpg", ".mpe
 DEFAULT_VIDEO_MODEL = "sam2.1-hiera-tiny"
 
 
-def is_video(path: str) -> bool:
-    """Whether the segment command's input is a video (a known video suffix, or a folder of frames)."""
-    p = Path(path).expanduser()
-    return p.is_dir() or p.suffix.lower() in VIDEO_SUFFIXES
-
-
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

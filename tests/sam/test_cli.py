@@ -228,8 +228,8 @@ def test_missing_and_unreadable_images(files, tmp_path, capsys, monkeypatch):
     assert_one_line_error(capsys, "does not exist")
     assert main([*base, str(files["bad_image"])]) == 2
     assert_one_line_error(capsys, "cannot read")
-    assert main([*base, str(tmp_path)]) == 2  # a directory is a video's frames: none here
-    assert_one_line_error(capsys, "is empty; put the video's frames in it")
+    assert main([*base, str(tmp_path)]) == 2  # a directory of images (or a video's frames): none here
+    assert_one_line_error(capsys, "no images match")
     assert list(tmp_path.iterdir()) == []
 
 
