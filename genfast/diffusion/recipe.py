@@ -124,7 +124,7 @@ def _vae_only_note(target: Target) -> str | None:
     denoiser = _denoiser(target)
     if denoiser is None or denoiser == UNET:
         return None
-    return f"changes the VAE only ({denoiser} has no convolutions but, in some, its patch embedding)"
+    return f"changes the VAE only ({denoiser}: no convolution but at most a patch embedding)"
 
 
 def _int8_conv_unavailable(target: Target) -> str | None:
