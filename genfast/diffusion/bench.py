@@ -56,6 +56,36 @@ def _is_dit(arch: str) -> bool:
     return arch in DIT_ARCHS or arch in ("tiny-flux", "tiny-sd3")
 
 
+def _denoiser_class(arch: str) -> str:
+    """The class of the arch's denoiser, known before it is built (steps such as the feature
+    cache depend on it)."""
+    if arch in DIT_ARCHS:
+        from genfast.diffusion.transformer_archs import ARCHS as DIT
+
+        family = DIT[arch].family
+    else:
+        family = arch.removeprefix("tiny-")
+    return {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel"}.get(family, "UNet2DConditionModel")
+
+
+def _pipeline_target(options: Options, target: Target) -> Target:
+    from genfast.diffusion.recipe import PipelineTarget
+
+    return PipelineTarget(target.device, target.dtype, _denoiser_class(options["arch"]))
+
+
+def _cast_quietly(pipe: Any, dtype: torch.dtype) -> None:
+    """pipe.to(dtype) without diffusers' warning, on every cast, that no module asks for fp32."""
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        pipe.to(dtype=dtype)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+
+
 def _pipeline(options: Options, device: torch.device) -> Any:
     from genfast.diffusion.pipelines import random_pipeline, tiny_pipeline
 
@@ -258,8 +288,8 @@ class DiffusionLadder(Ladder):
         )
 
     def skip_reason(self, row: Row, options: Options, target: Target) -> str | None:
-        if row.step != DIFFUSERS:
-            reason = super().skip_reason(row, options, target)
+        if row.step != DIFFUSERS:  # as the recipe says for this pipeline (feature-cache needs a UNet)
+            reason = self.recipe.unavailable(row.step, _pipeline_target(options, target))
             if reason:
                 return reason
         if "parameters" not in options:
@@ -299,12 +329,17 @@ class DiffusionLadder(Ladder):
 
         size, steps = options["size"], options["denoising_steps"]
         pipe = _pipeline(options, target.device)
+        pipeline_notes: list[str] = []
         if plan is None:  # the diffusers row: its own pipeline in bf16, nothing else changed
-            pipe.to(dtype=getattr(torch, _row_dtype(DIFFUSERS, target)))
+            _cast_quietly(pipe, getattr(torch, _row_dtype(DIFFUSERS, target)))
             dynamic = False
         else:
             apply_recipe(pipe, plan.settings)
             dynamic = plan.settings.dynamic_shapes
+            # What the steps do on this pipeline (e.g. the convolution steps change only a DiT's
+            # VAE): the child's plan was made before the pipeline existed.
+            planned = self.recipe.plan(row.step, _pipeline_target(options, target)).notes
+            pipeline_notes = [f"{step}: {note}" for step, note in planned if (step, note) not in plan.notes]
         # A smaller, non-square second size for dynamic-shape rows: cheaper than the timed one.
         sizes = [(size, size)] + ([(max(size - 64, 64), max(size - 128, 64))] if dynamic else [])
         # Drawn before the timer wraps the denoiser (they read its type, dtype and device).
@@ -367,7 +402,7 @@ class DiffusionLadder(Ladder):
         def notes() -> list[str]:
             from genfast.compilation.saved import compile_notes
 
-            return compile_notes(timer.denoiser) + compile_notes(pipe.vae)
+            return pipeline_notes + compile_notes(timer.denoiser) + compile_notes(pipe.vae)
 
         return Case(run, measure, compiled=plan is not None and plan.settings.compile != "none", notes=notes)
 

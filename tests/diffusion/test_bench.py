@@ -199,3 +199,13 @@ def test_rows_that_do_not_fit_in_memory_are_refused_before_building(monkeypatch,
 def test_bench_diffusion_blocks_errors(argv, message, capsys):
     assert cli.main(["bench", "diffusion", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_steps_a_dit_pipeline_cannot_take_are_skipped_with_the_reason():
+    from genfast.diffusion.bench import DiffusionLadder, Row
+    from genfast.recipe import Target
+
+    ladder, target = DiffusionLadder(), Target(torch.device("cpu"), "bfloat16")
+    reason = ladder.skip_reason(Row("feature-cache"), {"arch": "tiny-flux"}, target)
+    assert "FluxTransformer2DModel" in reason
+    assert ladder.skip_reason(Row("feature-cache"), {"arch": "tiny-sd15"}, target) is None
