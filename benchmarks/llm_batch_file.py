@@ -72,7 +72,7 @@ def from_file(model: str, dtype: str, texts: list[str], new_tokens: int, max_bat
         source, target = Path(name) / "in.jsonl", Path(name) / "out.jsonl"
         source.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(texts)))
         start = time.perf_counter()
-        summary = run_batch_file(engine, lambda item: tokenizer.encode(item.prompt or ""), source, target, defaults)
+        summary = run_batch_file(engine, source, target, defaults)
         seconds = time.perf_counter() - start
         records = {r["id"]: r for r in map(json.loads, target.read_text().splitlines())}
     engine.shutdown()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -149,25 +149,42 @@ class LLM:
         return self.generate(prompts, params, **options)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Ray Data's `map_batches` protocol: a `prompt` column (text) or a `messages` column
-        (conversations) in; the same batch out with `text`, `finish_reason`, `prompt_tokens` and
-        `completion_tokens` columns added. Sampling fields given as columns of one value each
-        (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`) apply to the batch."""
+        """Ray Data's `map_batches` protocol: rows with a `prompt` (text) or `messages` (a
+        conversation) and optionally their own `max_new_tokens`, `temperature`, `top_k`, `top_p`,
+        `seed` and `stop`; other columns pass through. Out: the batch with `text`,
+        `finish_reason`, `prompt_tokens`, `completion_tokens` and `error` added. A row that cannot
+        run (no prompt, too long for the context) gets its reason in `error` and no text: one
+        bad row does not fail the batch."""
         import numpy as np
 
-        options = {key: _one_value(batch[key], key) for key in _BATCH_OPTIONS if key in batch}
-        if "prompt" in batch:
-            results = self.generate([str(p) for p in batch["prompt"]], **options)
-        elif "messages" in batch:
-            results = self.chat([list(m) for m in batch["messages"]], **options)
-        else:
-            raise UserError(f"the batch has no 'prompt' or 'messages' column (it has {', '.join(batch) or 'none'})")
+        from genfast.llm.batch_file import encode_item, item_from_record, request_for
+
+        rows = _rows(batch)
+        defaults = dict(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=0.0, top_k=None, top_p=None, seed=None,
+                        stop=[])  # fmt: skip
+        results: list[Completion | None] = [None] * len(rows)
+        errors: list[str | None] = [None] * len(rows)
+        runnable, requests = [], []
+        for index, row in enumerate(rows):
+            try:
+                item = item_from_record(index + 1, row, strict=False)
+                requests.append(request_for(self.engine, item, encode_item(self.tokenizer, item), defaults))
+                runnable.append(index)
+            except (ValueError, UserError) as e:
+                errors[index] = str(e)
+        for position, finished in as_they_finish(self.engine, requests):
+            index = runnable[position]
+            if finished.error is not None:
+                errors[index] = finished.error
+            else:
+                results[index] = _completion(finished)
         return {
             **batch,
-            "text": np.array([r.text for r in results], dtype=object),
-            "finish_reason": np.array([r.finish_reason for r in results], dtype=object),
-            "prompt_tokens": np.array([r.usage.prompt_tokens for r in results]),
-            "completion_tokens": np.array([r.usage.completion_tokens for r in results]),
+            "text": np.array([r.text if r else None for r in results], dtype=object),
+            "finish_reason": np.array([r.finish_reason if r else "error" for r in results], dtype=object),
+            "prompt_tokens": np.array([r.usage.prompt_tokens if r else 0 for r in results]),
+            "completion_tokens": np.array([r.usage.completion_tokens if r else 0 for r in results]),
+            "error": np.array(errors, dtype=object),
         }
 
     def close(self) -> None:
@@ -240,14 +257,28 @@ def as_they_finish(engine: Engine, requests: Sequence[GenerationRequest]) -> Ite
             ticket.cancel()
 
 
-_BATCH_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """A column batch (numpy arrays or lists, as Ray Data gives them) as one dict per row of the
+    fields an item reads, in plain Python values; missing values (None, NaN) left out."""
+    from genfast.llm.batch_file import FIELDS
+
+    columns = {key: list(batch[key]) for key in FIELDS if key in batch}
+    count = len(next(iter(batch.values()))) if batch else 0
+    return [{key: value for key, column in columns.items() if (value := _plain(column[i])) is not None} for i in
+            range(count)]  # fmt: skip
 
 
-def _one_value(column: Iterable[Any], name: str) -> Any:
-    values = {v.item() if hasattr(v, "item") else v for v in column}
-    if len(values) != 1:
-        raise UserError(f"column {name!r} must hold one value for the whole batch, got {sorted(values)}")
-    return values.pop()
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays (Arrow's lists and structs become them) as Python values; NaN as None."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _sampling(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,11 +81,19 @@ def _parse(number: int, text: str) -> Item:
         raise ValueError(f"not JSON ({e.msg})") from e
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
-    if "id" not in record or not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
+    return item_from_record(number, record)
+
+
+def item_from_record(number: int, record: dict[str, Any], strict: bool = True) -> Item:
+    """An item from its fields; ValueError says what is wrong. `strict` (a file's line): the id is
+    required and unknown fields are refused; otherwise (a row among other columns, as Ray Data
+    gives them) the id is optional and other fields are ignored."""
+    has_id = "id" in record and isinstance(record["id"], (str, int)) and not isinstance(record["id"], bool)
+    if strict and not has_id:
         raise ValueError('no "id" (a string or an integer)')
-    name = f"id {json.dumps(record['id'])}"
+    name = f"id {json.dumps(record['id'])}" if has_id else f"row {number}"
     unknown = sorted(set(record) - FIELDS)
-    if unknown:
+    if strict and unknown:
         raise ValueError(f"{name}: unknown fields {', '.join(unknown)} (known: {', '.join(sorted(FIELDS))})")
     prompt, messages = record.get("prompt"), record.get("messages")
     if (prompt is None) == (messages is None):
@@ -99,14 +106,20 @@ def _parse(number: int, text: str) -> Item:
         raise ValueError(f'{name}: "messages" must be a list of {{"role", "content"}} objects')
     options = {}
     for key, kind in OPTIONS.items():
-        if key in record:
+        if record.get(key) is not None:
             value = record[key]
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f'{name}: "{key}" must be {"a list of strings" if kind is list else kind.__name__}')
             options[key] = value
-    return Item(number, record["id"], prompt, messages, options)
+    return Item(number, record["id"] if has_id else None, prompt, messages, options)
+
+
+def encode_item(tokenizer: Any, item: Item) -> list[int]:
+    """The prompt's token ids: the text, or the conversation through the chat template."""
+    text = item.prompt if item.messages is None else tokenizer.apply_chat_template(item.messages)
+    return tokenizer.encode(text)
 
 
 def completed_ids(path: Path) -> set[str]:
@@ -153,14 +166,13 @@ class AnswerWriter:
 
 def run_batch_file(
     engine: Engine,
-    encode: Callable[[Item], list[int]],
     input_path: Path,
     output_path: Path,
     defaults: dict[str, Any],
     stream: Any = None,
 ) -> Summary:
     """Answer every item of `input_path` not yet in `output_path` on the started `engine`;
-    `encode` turns an item into prompt token ids; `defaults`: the options an item does not set
+    `defaults`: the options an item does not set
     (max_new_tokens, temperature, top_k, top_p, seed, stop)."""
     from genfast.interface.progress import Progress
     from genfast.llm.api import as_they_finish
@@ -174,7 +186,7 @@ def run_batch_file(
     requests, runnable = [], []
     for item in todo:
         try:
-            requests.append(_request(engine, item, encode(item), defaults))
+            requests.append(request_for(engine, item, encode_item(engine.tokenizer, item), defaults))
             runnable.append(item)
         except UserError as e:
             summary.fail(f"line {item.line}: id {json.dumps(item.id)}: {e}", stream)
@@ -195,7 +207,9 @@ def run_batch_file(
     return summary
 
 
-def _request(engine: Engine, item: Item, ids: list[int], defaults: dict[str, Any]) -> GenerationRequest:
+def request_for(engine: Engine, item: Item, ids: list[int], defaults: dict[str, Any]) -> GenerationRequest:
+    """The engine request of an item (its options over `defaults`); UserError where the engine
+    cannot run it (e.g. too long for the context)."""
     from genfast.serve.engine import GenerationRequest
 
     options = {**defaults, **item.options}

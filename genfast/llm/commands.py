@@ -128,7 +128,7 @@ def load_announced(args: argparse.Namespace) -> tuple[LoadedModel, LlmSettings]:
 def _generate_file(args: argparse.Namespace) -> int:
     """--input/--output: every prompt of a JSONL file through the continuous-batching engine
     (genfast/llm/batch_file.py). Exit status 1 when an item was left out."""
-    from genfast.llm.batch_file import Item, run_batch_file
+    from genfast.llm.batch_file import run_batch_file
     from genfast.serve.engine import Engine
 
     if args.input is None or args.output is None:
@@ -154,19 +154,13 @@ def _generate_file(args: argparse.Namespace) -> int:
     )
     engine.precompile(loaded, _log)
     engine.start()
-    tokenizer = loaded.tokenizer
-
-    def encode(item: Item) -> list[int]:
-        text = item.prompt if item.messages is None else tokenizer.apply_chat_template(item.messages)
-        return tokenizer.encode(text)
-
     defaults = dict(
         max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
         top_p=params.top_p, seed=args.seed, stop=list(args.stop),
     )  # fmt: skip
     try:
         engine.warmup()
-        summary = run_batch_file(engine, encode, source, target, defaults)
+        summary = run_batch_file(engine, source, target, defaults)
     finally:
         engine.shutdown()
     _log(f"genfast: {summary.line()}; answers in {target}")

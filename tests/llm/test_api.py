@@ -95,18 +95,25 @@ def test_pickles_as_its_arguments_and_is_rebuilt(llm):
         copy.close()
 
 
-def test_ray_data_batch_protocol(llm):
-    batch = {"id": np.array([3, 4]), "prompt": np.array(PROMPTS[:2], dtype=object), "max_new_tokens": np.array([5, 5])}
+def test_ray_data_batch_protocol_row_by_row(llm):
+    conversation = [{"role": "user", "content": "w5 w6"}]
+    batch = {
+        "id": np.array([3, 4, 5, 6, 7]),
+        "prompt": np.array([PROMPTS[0], PROMPTS[1], None, None, "w3 " * 260], dtype=object),
+        "messages": np.array([None, None, conversation, None, None], dtype=object),
+        "max_new_tokens": np.array([5, 3, 4, 5, 5]),
+        "temperature": np.array([np.nan, 0.0, np.nan, np.nan, np.nan]),  # Arrow's missing floats
+    }
     out = llm(batch)
-    want = llm.generate(PROMPTS[:2], max_new_tokens=5)
-    assert list(out["id"]) == [3, 4]
-    assert list(out["text"]) == [r.text for r in want]
-    assert list(out["completion_tokens"]) == [5, 5]
-    assert list(out["finish_reason"]) == ["length", "length"]
-    with pytest.raises(UserError, match="one value for the whole batch"):
-        llm({"prompt": np.array(PROMPTS[:2], dtype=object), "max_new_tokens": np.array([5, 6])})
-    with pytest.raises(UserError, match="no 'prompt' or 'messages' column"):
-        llm({"text": np.array(["w1"])})
+    assert list(out["id"]) == [3, 4, 5, 6, 7]  # other columns pass through
+    assert out["text"][0] == llm.generate(PROMPTS[0], max_new_tokens=5)[0].text
+    assert out["text"][1] == llm.generate(PROMPTS[1], max_new_tokens=3)[0].text
+    assert out["text"][2] == llm.chat(conversation, max_new_tokens=4)[0].text
+    assert list(out["completion_tokens"]) == [5, 3, 4, 0, 0]
+    assert list(out["finish_reason"]) == ["length", "length", "length", "error", "error"]
+    assert out["error"][:3].tolist() == [None, None, None]
+    assert 'give exactly one of "prompt"' in out["error"][3]
+    assert "context holds 256 tokens" in out["error"][4]
 
 
 def test_importable_from_the_package():
