@@ -34,6 +34,7 @@ REFERENCE_EXACT = 1e-5  # max abs pixel difference, genfast's baseline vs diffus
 FP32_EXACT = 1e-4  # the recipe's budget for its fp32 rewrites (measured ~1e-6)
 STEP_PSNR = 35.0  # dB: the bf16, dynamic-int8 and int8-conv budgets (measured 41-47 here)
 COMPILED_BF16_PSNR = 35.0  # dB, compiled vs eager with the same steps
+TEXT_TOKENS = 32  # T5 tokens of a prompt (the pipelines' defaults, 512 and 256, only make the tests slower)
 # The steps that run eagerly, in ladder order; compile, regional-compile and dynamic-shapes are
 # tested apart (slow).
 EAGER_STEPS = ["bf16", "sdpa", "channels-last", "fused-qkv", "conv1x1-linear", "dynamic-int8", "int8-conv",
@@ -50,6 +51,7 @@ def generate(pipe, size: tuple[int, int] = (32, 32), steps: int = 3, seed: int =
         width=width,
         latents=initial_latents(pipe, height, width, seed=seed),
         generator=torch.Generator().manual_seed(seed),
+        max_sequence_length=TEXT_TOKENS,
         output_type="pt",
     ).images.float()
 
@@ -83,6 +85,7 @@ def test_baseline_is_diffusers_own_pipeline(arch, baseline):
         height=32,
         width=32,
         generator=torch.Generator().manual_seed(0),
+        max_sequence_length=TEXT_TOKENS,
         output_type="pt",
     ).images.float()
     assert (image - baseline).abs().max().item() <= REFERENCE_EXACT
