@@ -342,8 +342,11 @@ class DiffusionLadder(Ladder):
             pipeline_notes = [f"{step}: {note}" for step, note in planned if (step, note) not in plan.notes]
         # A smaller, non-square second size for dynamic-shape rows: cheaper than the timed one.
         sizes = [(size, size)] + ([(max(size - 64, 64), max(size - 128, 64))] if dynamic else [])
-        # Drawn before the timer wraps the denoiser (they read its type, dtype and device).
-        latents = {hw: initial_latents(pipe, *hw, seed=0) for hw in sizes}
+        # Drawn before the timer wraps the denoiser (they read its type, dtype and device), as
+        # inference tensors like every later step's latents: a compiled denoiser's guards see
+        # one kind of tensor.
+        with torch.inference_mode():
+            latents = {hw: initial_latents(pipe, *hw, seed=0) for hw in sizes}
         arguments = {**call_kwargs(pipe), **_call_arguments(options["arch"])}
         timer = _TimedDenoiser(denoiser_of(pipe), target.device)  # around the feature cache too: what the loop calls
         setattr(pipe, denoiser_name(pipe), timer)
