@@ -99,9 +99,11 @@ UNET = "UNet2DConditionModel"
 
 def pipeline_target(pipe: Any, dtype: str) -> PipelineTarget:
     """Where `pipe` runs (its denoiser's device), with the user's --dtype and its denoiser class."""
-    from genfast.diffusion.pipelines import denoiser_of
+    from genfast.diffusion.pipelines import DenoiserWrapper, denoiser_of
 
     denoiser = denoiser_of(pipe)
+    while isinstance(denoiser, DenoiserWrapper):  # the class that decides is the wrapped one
+        denoiser = denoiser.denoiser
     return PipelineTarget(next(denoiser.parameters()).device, dtype, type(denoiser).__name__)
 
 

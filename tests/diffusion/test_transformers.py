@@ -21,7 +21,7 @@ from genfast.diffusion.attention import FusedJointAttention, fuse_qkv, unfuse_qk
 from genfast.diffusion.commands import check_size
 from genfast.diffusion.conv1x1 import Conv1x1AsLinear
 from genfast.diffusion.group_norm import ChannelsLastGroupNorm
-from genfast.diffusion.pipelines import initial_latents, native_size, size_multiple, tiny_pipeline
+from genfast.diffusion.pipelines import DenoiserWrapper, initial_latents, native_size, size_multiple, tiny_pipeline
 from genfast.diffusion.quality import psnr
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe, pipeline_target
 from genfast.errors import UserError
@@ -188,6 +188,8 @@ def test_sizes_and_latents(arch):
         assert torch.equal(latents, pipe._pack_latents(image, 1, 4, 24, 16))
     else:
         assert latents.shape == (1, 4, 24, 16) and native_size(pipe) == (32, 32)
+    pipe.transformer = DenoiserWrapper(pipe.transformer)  # as tests and caches wrap it: still packed
+    assert torch.equal(initial_latents(pipe, 48, 32, seed=1), latents)
     assert size_multiple(pipe) == 4
     with pytest.raises(UserError, match="multiples of 4"):
         check_size(pipe, 34, 32)
