@@ -6,8 +6,8 @@ choose within each without changing anything else:
 - Processor objects on classic `Attention` modules (UNets, PixArt, VAEs, SD3): `AttnProcessor`
   computes softmax(QK^T)V by hand, `AttnProcessor2_0` calls SDPA and `FusedAttnProcessor2_0` does
   so from one fused QKV (self-attention) or KV (cross-attention) projection. SD3's joint attention
-  has only SDPA processors (`JointAttnProcessor2_0`, fused `FusedJointAttnProcessor2_0`): its math
-  form is the same processor with SDPA restricted to its math backend (`MathJointAttnProcessor`).
+  has only an SDPA processor (`JointAttnProcessor2_0`; fused: genfast's `FusedJointAttention`, see
+  `fuse_qkv`): its math form is that processor with SDPA restricted to its math backend.
 - Attention backends of the newer `AttentionModuleMixin` modules (Flux): the module's processor
   calls diffusers' `dispatch_attention_fn` with the backend the processor holds; "_native_math"
   is SDPA's math backend, "native" plain SDPA. Each module's processor is set, never the model's
