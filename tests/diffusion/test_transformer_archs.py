@@ -142,3 +142,13 @@ def test_a_real_width_block_is_built_in_bf16():
     assert pipe.transformer.config.num_attention_heads == 38 and pipe.text_encoder_3.config.d_model == 4096
     for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         assert {p.dtype for p in getattr(pipe, name).parameters()} == {torch.bfloat16}, name
+
+
+def test_random_pipeline_takes_a_block_count_for_dits_only():
+    from genfast.diffusion.pipelines import DIT_ARCHS, REAL_ARCHS, random_pipeline
+
+    assert set(DIT_ARCHS) == set(archs.ARCHS) and set(DIT_ARCHS) < set(REAL_ARCHS)
+    with pytest.raises(ValueError, match="UNet"):
+        random_pipeline("sd15", blocks=2)
+    with pytest.raises(ValueError, match="unknown architecture"):
+        random_pipeline("flux-pro")
