@@ -180,7 +180,8 @@ class Depth:
     encoders: dict[str, int]
 
     def describe(self) -> str:
-        """e.g. '3 of 57 blocks (1 double-stream + 2 single-stream), text encoders 1/1 layers'."""
+        """e.g. "3 of 57 blocks (1 double-stream + 2 single-stream); text encoder layers: text_encoder 1,
+        text_encoder_2 1"."""
         if self.blocks == self.full_blocks:
             return f"all {self.full_blocks} blocks"
         kinds = ""
@@ -207,7 +208,7 @@ _SD35_ENCODERS = {
 
 # FLUX.1-schnell: 4 steps, no guidance, T5 prompts of 256 tokens (its model card); FLUX.1-dev: the
 # guidance embedding at 3.5, 512 tokens; SD 3.5: classifier-free guidance (diffusers' default 7.0,
-# a batch of two), 256 tokens. The default block counts keep a 512x512 step to seconds on 2 cores.
+# a batch of two), 256 tokens. The default block counts are for per-step timing on a 2-core CPU.
 ARCHS: dict[str, DitArch] = {
     "flux-schnell": DitArch(
         "flux-schnell",
