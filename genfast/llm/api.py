@@ -148,10 +148,21 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template([dict(m) for m in messages]) for messages in batch]
         return self.generate(prompts, params, **options)
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def __call__(
+        self,
+        batch: dict[str, Any],
+        *,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> dict[str, Any]:
         """Ray Data's `map_batches` protocol: rows with a `prompt` (text) or `messages` (a
         conversation) and optionally their own `max_new_tokens`, `temperature`, `top_k`, `top_p`,
-        `seed` and `stop`; other columns pass through. Out: the batch with `text`,
+        `seed` and `stop` (else the keywords', which `map_batches(fn_kwargs=...)` sets); other
+        columns pass through. Out: the batch with `text`,
         `finish_reason`, `prompt_tokens`, `completion_tokens` and `error` added. A row that cannot
         run (no prompt, too long for the context) gets its reason in `error` and no text: one
         bad row does not fail the batch."""
@@ -160,8 +171,8 @@ class LLM:
         from genfast.llm.batch_file import encode_item, item_from_record, request_for
 
         rows = _rows(batch)
-        defaults = dict(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=0.0, top_k=None, top_p=None, seed=None,
-                        stop=[])  # fmt: skip
+        defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        stop=list(stop))  # fmt: skip
         results: list[Completion | None] = [None] * len(rows)
         errors: list[str | None] = [None] * len(rows)
         runnable, requests = [], []
@@ -179,7 +190,7 @@ class LLM:
             else:
                 results[index] = _completion(finished)
         return {
-            **batch,
+            **{key: _missing_as_none(column) for key, column in batch.items()},
             "text": np.array([r.text if r else None for r in results], dtype=object),
             "finish_reason": np.array([r.finish_reason if r else "error" for r in results], dtype=object),
             "prompt_tokens": np.array([r.usage.prompt_tokens if r else 0 for r in results]),
@@ -266,6 +277,17 @@ def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
     count = len(next(iter(batch.values()))) if batch else 0
     return [{key: value for key, column in columns.items() if (value := _plain(column[i])) is not None} for i in
             range(count)]  # fmt: skip
+
+
+def _missing_as_none(column: Any) -> Any:
+    """An object column with NaN (Arrow's missing value, through pandas) as None: Ray Data's JSON
+    writer crashed (pandas' to_json, a segmentation fault) on NaN beside lists in one column."""
+    import numpy as np
+
+    if isinstance(column, np.ndarray) and column.dtype == object:
+        values = [None if isinstance(v, float) and v != v else v for v in column]
+        return np.array([*values, None], dtype=object)[:-1]  # the extra None keeps equal-length lists 1-D
+    return column
 
 
 def _plain(value: Any) -> Any:

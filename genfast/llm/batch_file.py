@@ -110,6 +110,8 @@ def item_from_record(number: int, record: dict[str, Any], strict: bool = True) -
             value = record[key]
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
+            if kind is int and isinstance(value, float) and value.is_integer():  # a column with gaps is float
+                value = int(value)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f'{name}: "{key}" must be {"a list of strings" if kind is list else kind.__name__}')
             options[key] = value

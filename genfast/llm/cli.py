@@ -176,6 +176,21 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=8,
         help="with --input: prompts decoded together (KV-cache slots; default 8)",
     )
+    g.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="ADDRESS",
+        help="with --input: run on a Ray cluster (this machine's with no ADDRESS); --output is then a folder of "
+        "JSONL files, each row the input row with the answer's fields (pip install 'genfast[ray]')",
+    )
+    g.add_argument(
+        "--actors", type=positive_int, default=1, help="with --ray: model copies working at once (default 1)"
+    )
+    g.add_argument(
+        "--cpus-per-actor", type=positive_int, default=1, help="with --ray: CPUs each copy reserves (default 1)"
+    )
     add_model_args(p)
     add_sampling_args(p)
     add_tp_arg(p)

@@ -143,6 +143,12 @@ def _generate_file(args: argparse.Namespace) -> int:
     if target.exists() and target.resolve() == source.resolve():
         raise UserError("--output must be another file than --input")
     params = _sampling(args)  # bad flags fail before the slow load
+    defaults = dict(
+        max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
+        top_p=params.top_p, seed=args.seed, stop=list(args.stop),
+    )  # fmt: skip
+    if args.ray is not None:
+        return _generate_on_ray(args, source, target, defaults)
     loaded, settings = load_announced(args)
     engine = Engine(
         loaded.model,
@@ -154,10 +160,6 @@ def _generate_file(args: argparse.Namespace) -> int:
     )
     engine.precompile(loaded, _log)
     engine.start()
-    defaults = dict(
-        max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
-        top_p=params.top_p, seed=args.seed, stop=list(args.stop),
-    )  # fmt: skip
     try:
         engine.warmup()
         summary = run_batch_file(engine, source, target, defaults)
@@ -165,6 +167,23 @@ def _generate_file(args: argparse.Namespace) -> int:
         engine.shutdown()
     _log(f"genfast: {summary.line()}; answers in {target}")
     return 1 if summary.failed else 0
+
+
+def _generate_on_ray(args: argparse.Namespace, source: Path, target: Path, defaults: dict) -> int:
+    """--input with --ray: the file through genfast.ray.llm on the cluster at --ray's address."""
+    from genfast.ray.llm import generate_jsonl
+
+    llm = dict(
+        model=args.model, recipe=args.recipe, quant=args.quant, device=args.device, dtype=args.dtype,
+        threads=args.threads or args.cpus_per_actor, compile=args.compile, batch_invariant=args.batch_invariant,
+        max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+    )  # fmt: skip
+    rows = generate_jsonl(
+        source, target, llm, sampling=defaults, address=args.ray, concurrency=args.actors,
+        batch_size=2 * args.max_batch, cpus_per_actor=args.cpus_per_actor,
+    )  # fmt: skip
+    _log(f"genfast: {rows} rows answered on Ray; answers in {target}/ (rows with an error say why)")
+    return 0
 
 
 def generate_command(args: argparse.Namespace) -> int:

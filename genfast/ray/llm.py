@@ -1,0 +1,54 @@
+"""Many prompts on a Ray cluster: JSONL in, a folder of JSONL answers out, through `genfast.LLM`.
+
+Input rows are what `genfast generate --input` reads (`prompt` or `messages`, optional sampling
+fields; genfast/llm/batch_file.py); every input column comes out again with `text`,
+`finish_reason`, `prompt_tokens`, `completion_tokens` and `error` (the reason a row could not
+run; its text is then null). Ray Data writes the answers as one JSONL file per block into the
+output folder, in no particular order: join on your own id column.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from genfast.errors import UserError
+from genfast.ray import connect
+
+
+def generate_jsonl(
+    input_path: str | Path,
+    output_dir: str | Path,
+    llm: dict[str, Any],
+    *,
+    sampling: dict[str, Any] | None = None,
+    address: str | None = None,
+    concurrency: int = 1,
+    batch_size: int = 16,
+    cpus_per_actor: float = 1,
+) -> int:
+    """Answer every row of `input_path` with `concurrency` actors, each a `genfast.LLM(**llm)`
+    reserving `cpus_per_actor` CPUs, `batch_size` rows per call; `sampling`: the options of rows
+    that do not set them (`LLM.__call__`'s keywords). Returns the rows written."""
+    from genfast.llm.api import LLM
+
+    source, target = Path(input_path).expanduser(), Path(output_dir).expanduser()
+    if not source.is_file():
+        raise UserError(f"input file not found: {source}")
+    if target.exists() and any(target.iterdir()):
+        raise UserError(f"{target} is not empty: give an empty or new folder for the answers")
+    ray = connect(address)
+    # Reading and writing JSONL take no CPU of their own: the actors hold the CPUs (with every CPU
+    # of the cluster in an actor, reads that wanted one would wait for ever).
+    dataset = ray.data.read_json(str(source.resolve()), lines=True, num_cpus=0)
+    answers = dataset.map_batches(
+        LLM,
+        fn_constructor_kwargs=llm,
+        fn_kwargs=sampling or {},
+        compute=ray.data.ActorPoolStrategy(size=concurrency),
+        batch_size=batch_size,
+        batch_format="numpy",
+        num_cpus=cpus_per_actor,
+    )
+    answers.write_json(str(target.resolve()), ray_remote_args={"num_cpus": 0})
+    return sum(1 for path in target.glob("*.json") for line in path.read_text().splitlines() if line.strip())
