@@ -370,8 +370,8 @@ def tiny_pipeline(arch: str = "sd15", seed: int = 0) -> Any:
     fp32 on the CPU, with the architectures' features: cross-attention down/up blocks, resnets
     with 1x1 shortcuts, conv (sd15) or linear (sdxl) transformer projections, SDXL's second text
     encoder and time-id embedding; PixArt's DiT blocks and T5 encoder; FLUX.1's and SD 3.5's
-    flow-matching transformers (see their builders). Images are 32x32 by default (latents 16x16: VAE factor 2); call the PixArt one
-    with `call_kwargs(pipe)`."""
+    flow-matching transformers (see their builders). Images are 32x32 by default (latents 16x16:
+    VAE factor 2); call the PixArt one with `call_kwargs(pipe)`."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
     tokenizer = _tiny_tokenizer()
