@@ -34,7 +34,7 @@ from genfast.bench.table import median
 from genfast.diffusion.pipelines import DIT_ARCHS, DenoiserWrapper
 from genfast.diffusion.recipe import RECIPE
 from genfast.errors import UserError
-from genfast.platform.hardware import synchronize
+from genfast.platform.hardware import available_memory_bytes, synchronize
 from genfast.recipe import Plan, Target
 
 TINY_ARCHS = ("tiny-sd15", "tiny-sdxl", "tiny-flux", "tiny-sd3")
@@ -114,22 +114,6 @@ def _row_dtype(step: str, target: Target) -> str:
     if step == DIFFUSERS:
         return steps.low_precision_name(target) or "bfloat16"
     return "float32" if step == RECIPE.baseline else steps.low_precision_name(target) or "float32"
-
-
-def available_memory_bytes(device: torch.device) -> int | None:
-    """Free memory on `device`: the GPU's free bytes, or the CPU's MemAvailable (Linux); None
-    where unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def memory_needed_bytes(options: Options, step: str, target: Target) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from genfast.diffusion.transformer_archs import CLIP_G, CLIP_L  # also SD 1.5's and SDXL's text encoders
 from genfast.errors import UserError
 
 TINY_ARCHS = ("sd15", "sdxl", "pixart", "flux", "sd3")
@@ -466,22 +467,6 @@ _VAE = dict(
     down_block_types=("DownEncoderBlock2D",) * 4,
     up_block_types=("UpDecoderBlock2D",) * 4,
 )
-_CLIP_L = dict(
-    hidden_size=768,
-    intermediate_size=3072,
-    num_attention_heads=12,
-    num_hidden_layers=12,
-    projection_dim=768,
-    hidden_act="quick_gelu",
-)
-_CLIP_BIGG = dict(
-    hidden_size=1280,
-    intermediate_size=5120,
-    num_attention_heads=20,
-    num_hidden_layers=32,
-    projection_dim=1280,
-    hidden_act="gelu",
-)
 UNET_ARCHS = ("sd15", "sdxl")
 # FLUX.1 and SD 3.5 (genfast.diffusion.transformer_archs, its ARCHS' names): built in bf16.
 DIT_ARCHS = ("flux-schnell", "flux-dev", "sd35-medium", "sd35-large")
@@ -529,8 +514,8 @@ def random_pipeline(
         torch.manual_seed(seed)
         unet = diffusers.UNet2DConditionModel(**(_SDXL_UNET if sdxl else _SD15_UNET)).eval()
         vae = diffusers.AutoencoderKL(**_VAE, sample_size=1024 if sdxl else 512).eval()
-        text_encoder = _text_encoder(_CLIP_L, projection=False)
-        text_encoder_2 = _text_encoder(_CLIP_BIGG, projection=True) if sdxl else None
+        text_encoder = _text_encoder(CLIP_L, projection=False)
+        text_encoder_2 = _text_encoder(CLIP_G, projection=True) if sdxl else None
     scheduler = diffusers.EulerDiscreteScheduler(
         beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", timestep_spacing="leading", steps_offset=1
     )

@@ -333,3 +333,19 @@ def describe_isa() -> str:
     if isa_override() is not None:
         text += f" [{ISA_ENV}={isa_override()}; detected {detected_isa()}]"
     return text
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory on `device`: the GPU's free bytes, or the CPU's MemAvailable (Linux); None
+    where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -30,6 +30,7 @@ import torch
 from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, SPEEDUP, STEP, Case, Ladder, Options, Row
 from genfast.compilation.saved import compile_notes
 from genfast.errors import UserError
+from genfast.platform.hardware import available_memory_bytes
 from genfast.recipe import Plan, Target
 from genfast.sam.config import SamConfig, sam_preset
 from genfast.sam.recipe import RECIPE
@@ -125,17 +126,6 @@ def attention_scores_bytes(step: str, config: SamConfig, batch_size: int) -> int
         "sdpa": 2 * 2 * per_matrix,
         ORIGINAL: 3 * 4 * per_matrix // batch_size,
     }.get(step, 0)
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), else None."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def agreement(outputs: list[tuple[np.ndarray, np.ndarray]], baseline: list[tuple[np.ndarray, np.ndarray]]) -> dict:
@@ -251,8 +241,8 @@ class SamLadder(Ladder):
         if reason:
             return reason
         need = attention_scores_bytes(row.step, SamConfig(**options["config"]), row.group["batch_size"])
-        available = available_memory_bytes()
-        if target.device.type == "cpu" and available is not None and need > 0.95 * available:
+        available = available_memory_bytes(target.device) if target.device.type == "cpu" else None
+        if available is not None and need > 0.95 * available:
             return (
                 f"its attention scores need ~{need / 1e9:.0f} GB, {available / 1e9:.0f} GB available "
                 "(use a smaller --batch-size)"
