@@ -20,8 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from genfast.bench.machine import describe_machine, machine_info
 from genfast.llm.batch_file import run_batch_file
 from genfast.llm.recipe import apply_recipe, make_generator, plan
@@ -90,7 +88,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16)
     args = parser.parse_args()
     texts = prompts(args.prompts)
-    print(f"{describe_machine(machine_info('cpu'))}; torch {torch.__version__}; {args.model} in {args.dtype}, "
+    print(f"{describe_machine(machine_info('cpu'))}; {args.model} in {args.dtype}, "
           f"{args.prompts} prompts x {args.new_tokens} greedy tokens")  # fmt: skip
     single, decode_rate, single_wall = one_at_a_time(args.model, args.dtype, texts, args.new_tokens)
     batched, file_rate = from_file(args.model, args.dtype, texts, args.new_tokens, args.max_batch)
