@@ -41,8 +41,10 @@ PAGE_COLUMNS: dict[str, tuple[Column, ...]] = {
         ("llama_cpp_prefill_tok_s", "llama.cpp prefill tok/s", ".0f"), ("vs_llama_cpp", "vs llama.cpp", ""),
     ),
     "sam": (
-        ("img_s", "img/s", ".3f"), (SPEEDUP, "", ".2f"), ("peak_mem_gb", "peak mem GB", ".2f"),
-        ("mask_iou", "mask IoU", ".4f"), ("logit_rel_err", "logit rel err", ".1e"), ("compile_s", "compile s", ".0f"),
+        ("img_s", "img/s", ".3f"), ("frames_s", "frames/s", ".3f"), (SPEEDUP, "", ".2f"),
+        ("peak_mem_gb", "peak mem GB", ".2f"), ("mem_growth_mb_per_frame", "MB/frame", ".1f"),
+        ("masks", "masks kept", ".0f"), ("mask_iou", "mask IoU", ".4f"), ("logit_rel_err", "logit rel err", ".1e"),
+        ("compile_s", "compile s", ".0f"),
     ),
     "diffusion": (
         ("s_per_image", "s/image", ".2f"), (SPEEDUP, "", ".2f"), ("s_per_denoiser_step", "s/denoiser step", ".3f"),
