@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from genfast.bench.machine import describe_machine, machine_info
-from genfast.llm.batch_file import run_batch_file
 from genfast.llm.recipe import apply_recipe, make_generator, plan
+from genfast.serve.batch_file import run_batch_file
 from genfast.serve.engine import Engine
 
 TOPICS = ("the sea", "a library", "winter", "trains", "bread", "the moon", "music", "a garden")

@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     """`genfast.LLM` without importing torch at `import genfast` (the CLI's start stays fast)."""
     if name == "LLM":
-        from genfast.llm.api import LLM
+        from genfast.serve.offline import LLM
 
         return LLM
     raise AttributeError(f"module 'genfast' has no attribute {name!r}")

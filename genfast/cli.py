@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from genfast.platform.heap import keep_freed_memory
 
     use_persistent_cache()
-    keep_freed_memory()  # large activations reused, not faulted in afresh on every call
+    keep_freed_memory()  # where GENFAST_KEEP_FREED_MEMORY=1 asks (genfast/platform/heap.py)
     try:
         if _tensor_parallel_ranks(args) > 1:
             from genfast.llm.tensor_parallel import launch_or_join

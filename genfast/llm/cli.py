@@ -146,6 +146,17 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """`genfast generate`: prompts from the command line (genfast/llm/commands.py), a file of
+    them through the batching engine (--input: genfast/serve/batch_file.py) or on a Ray cluster
+    (--ray: genfast/ray/llm.py)."""
+    if args.input is None and args.output is None and args.ray is None:
+        return lazy("genfast.llm.commands", "generate_command")(args)
+    if args.ray is not None:
+        return lazy("genfast.ray.llm", "generate_command")(args)
+    return lazy("genfast.serve.batch_file", "generate_file_command")(args)
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "generate", help="complete a prompt (streams to stdout, stats to stderr)", description=GENERATE_DESCRIPTION
@@ -154,7 +165,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-file", action="append", default=[], help="read a prompt from a file (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     p.add_argument("--quiet", "-q", action="store_true", help="no stats on stderr")
-    g = p.add_argument_group("many prompts from a file (genfast/llm/batch_file.py)")
+    g = p.add_argument_group("many prompts from a file (genfast/serve/batch_file.py)")
     g.add_argument(
         "--input",
         default=None,
@@ -195,7 +206,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_sampling_args(p)
     add_tp_arg(p)
     _add_speculative_args(p)
-    p.set_defaults(run=lazy("genfast.llm.commands", "generate_command"))
+    p.set_defaults(run=_generate)
 
     p = commands.add_parser("chat", help="interactive multi-turn chat (streams replies)")
     p.add_argument("--system", default=None, help="system prompt")

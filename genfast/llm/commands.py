@@ -38,7 +38,7 @@ def _log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _sampling(args: argparse.Namespace) -> SamplingParams:
+def sampling_of(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(args.temperature, args.top_k, args.top_p)
 
 
@@ -60,8 +60,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _prepare(args: argparse.Namespace, batch_size: int) -> tuple[LoadedModel, LlmSettings, Generator, SamplingParams]:
-    params = _sampling(args)  # validate flags before the slow load
-    draft = _draft(args)
+    params = sampling_of(args)  # validate flags before the slow load
+    draft = draft_of(args)
     loaded, settings = load_announced(args)
     generator = make_generator(loaded, args.max_seq_len, batch_size, settings.compile, draft, args.speculate_k)
     if draft is not None:
@@ -85,7 +85,7 @@ def _start_compiled(
     return generator.warmup(params)
 
 
-def _draft(args: argparse.Namespace) -> str | None:
+def draft_of(args: argparse.Namespace) -> str | None:
     """The draft (genfast.llm.decoding.speculative.parse_draft) that --draft, --self-draft or
     --prompt-lookup ask for, validated before the slow load."""
     from genfast.llm.decoding.drafters import parse_draft
@@ -125,70 +125,7 @@ def load_announced(args: argparse.Namespace) -> tuple[LoadedModel, LlmSettings]:
     return loaded, settings
 
 
-def _generate_file(args: argparse.Namespace) -> int:
-    """--input/--output: every prompt of a JSONL file through the continuous-batching engine
-    (genfast/llm/batch_file.py). Exit status 1 when an item was left out."""
-    from genfast.llm.batch_file import run_batch_file
-    from genfast.serve.engine import Engine
-
-    if args.input is None or args.output is None:
-        raise UserError("--input and --output go together: prompts are read from one, answers appended to the other")
-    if args.prompt or args.prompt_file or args.chat:
-        raise UserError("--input takes its prompts (and chat conversations) from the file: drop the prompt arguments")
-    if _draft(args) is not None or (args.tp or 1) > 1:
-        raise UserError("--input runs on the batching engine, without speculative decoding or --tp (yet)")
-    source, target = Path(args.input), Path(args.output)
-    if not source.is_file():
-        raise UserError(f"input file not found: {source}")
-    if target.exists() and target.resolve() == source.resolve():
-        raise UserError("--output must be another file than --input")
-    params = _sampling(args)  # bad flags fail before the slow load
-    defaults = dict(
-        max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
-        top_p=params.top_p, seed=args.seed, stop=list(args.stop),
-    )  # fmt: skip
-    if args.ray is not None:
-        return _generate_on_ray(args, source, target, defaults)
-    loaded, settings = load_announced(args)
-    engine = Engine(
-        loaded.model,
-        loaded.tokenizer,
-        max_batch=args.max_batch,
-        max_queue=2 * args.max_batch,
-        max_seq_len=args.max_seq_len,
-        compile=settings.compile,
-    )
-    engine.precompile(loaded, _log)
-    engine.start()
-    try:
-        engine.warmup()
-        summary = run_batch_file(engine, source, target, defaults)
-    finally:
-        engine.shutdown()
-    _log(f"genfast: {summary.line()}; answers in {target}")
-    return 1 if summary.failed else 0
-
-
-def _generate_on_ray(args: argparse.Namespace, source: Path, target: Path, defaults: dict) -> int:
-    """--input with --ray: the file through genfast.ray.llm on the cluster at --ray's address."""
-    from genfast.ray.llm import generate_jsonl
-
-    llm = dict(
-        model=args.model, recipe=args.recipe, quant=args.quant, device=args.device, dtype=args.dtype,
-        threads=args.threads or args.cpus_per_actor, compile=args.compile, batch_invariant=args.batch_invariant,
-        max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-    )  # fmt: skip
-    rows = generate_jsonl(
-        source, target, llm, sampling=defaults, address=args.ray, concurrency=args.actors,
-        batch_size=2 * args.max_batch, cpus_per_actor=args.cpus_per_actor,
-    )  # fmt: skip
-    _log(f"genfast: {rows} rows answered on Ray; answers in {target}/ (rows with an error say why)")
-    return 0
-
-
 def generate_command(args: argparse.Namespace) -> int:
-    if args.input is not None or args.output is not None:
-        return _generate_file(args)
     phases = Phases()
     phases.mark("imports")
     prompts = from_main_rank(lambda: _read_prompts(args))

@@ -1,17 +1,20 @@
-"""glibc's malloc told to keep large freed blocks for reuse, for CPU inference that allocates the
-same large tensors on every call (an image encoder's activations, a UNet's, a prefill's).
+"""glibc's malloc told to serve large blocks from its heap and keep freed memory there, for CPU
+inference that allocates the same large tensors on every call (an image encoder's activations).
 
 Why: glibc serves an allocation above its mmap threshold (dynamic, 128 KB up to 32 MB) with a
 fresh mapping and unmaps it when it is freed. Every call of a model whose intermediates exceed
 32 MB then faults its outputs in afresh, one page fault and one zeroed 4 KB page at a time,
 inside the kernel that first writes them: a matrix product with a 38 MB output ran at under half
-its arithmetic rate that way (the measurements are in docs/notes.md).
+its arithmetic rate that way (docs/notes.md, SAM 2).
 
-`keep_freed_memory()` raises the mmap threshold and the trim threshold together (mallopt), so
-blocks up to THRESHOLD come from the heap and freed ones stay there for the next call. The cost:
-the process keeps its peak memory instead of handing it back between calls (an explicit
-`malloc_trim`, as `genfast.platform.hugepages` does, still hands it back). The CLI applies it on
-start; `GENFAST_KEEP_FREED_MEMORY=0` turns it off, and off glibc it does nothing.
+`keep_freed_memory()` raises the mmap and trim thresholds together (mallopt), so blocks up to
+THRESHOLD come from the heap and freed ones stay there. It is opt-in (`GENFAST_KEEP_FREED_MEMORY=1`,
+which the CLI reads), because the heap fragments: PyTorch asks for aligned blocks, and a freed
+block is a little too small for the next aligned request of the same size, so a loop of one
+size can grow the heap instead of reusing it (measured: 64 MB more per iteration of a bare
+allocate-fill-free loop). Real models mix sizes and mostly reuse (compiled sam2.1-hiera-tiny
+set_image 8-10% faster, flat memory over a video), but a long-running process should measure
+its own pattern before turning it on. Off glibc it does nothing.
 """
 
 from __future__ import annotations
@@ -29,14 +32,14 @@ _kept = False
 
 
 def keep_freed_memory() -> bool:
-    """Make malloc serve blocks below THRESHOLD from the heap and keep what is freed; returns
-    whether it now does (idempotent). Both settings are needed: setting either one turns glibc's
-    dynamic mmap threshold off, and the trim threshold alone leaves every block above 128 KB
-    mapped afresh."""
+    """With GENFAST_KEEP_FREED_MEMORY=1, make malloc serve blocks below THRESHOLD from the heap
+    and keep what is freed; returns whether it now does (idempotent). Both settings are needed:
+    setting either one turns glibc's dynamic mmap threshold off, and the trim threshold alone
+    leaves every block above 128 KB mapped afresh."""
     global _kept
     if _kept:
         return True
-    if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
+    if os.environ.get(ENV, "0") != "1" or not sys.platform.startswith("linux"):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,12 +36,14 @@ def _alive_nodes(address: str, env: dict[str, str]) -> int:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory) -> Iterator[str]:
+def ray_cluster() -> Iterator[str]:
     """The head node's address; each node offers one CPU."""
     ray = str(Path(sys.executable).with_name("ray"))
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    temp = tmp_path_factory.mktemp("ray")
+    # Ray's unix sockets live under its temporary folder and their paths must stay under ~107
+    # bytes: a short folder of our own, not pytest's (per-worker paths are long).
+    temp = Path(tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp"))
     # Ray's token authentication follows what ~/.ray holds; the nodes and the clients the tests
     # start must agree, whatever this machine's user has set up: off for this loopback cluster.
     settings = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
@@ -72,3 +76,4 @@ def ray_cluster(tmp_path_factory) -> Iterator[str]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.pid, signal.SIGKILL)
             node.wait(timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)

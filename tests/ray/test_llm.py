@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from genfast.llm.api import LLM
+from genfast.serve.offline import LLM
 from tests.llm.hf_fixtures import save_tiny_chat_model
 
 FLAGS = ["--no-compile", "--dtype", "float32", "--device", "cpu", "--max-batch", "2"]

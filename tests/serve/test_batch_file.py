@@ -17,7 +17,7 @@ import pytest
 
 from genfast.cli import main
 from genfast.interface.progress import Progress
-from genfast.llm.batch_file import completed_ids
+from genfast.serve.batch_file import completed_ids
 from tests.llm.hf_fixtures import save_tiny_chat_model
 
 CONTEXT = 256
@@ -49,7 +49,7 @@ def generate(model_dir: Path, source: Path, target: Path, *extra: str) -> int:
 
 
 def test_answers_equal_the_python_api_and_carry_usage(model_dir, tmp_path):
-    from genfast.llm.api import LLM
+    from genfast.serve.offline import LLM
 
     records = [{"id": i, "prompt": " ".join(f"w{(7 * i + j) % 300}" for j in range(1 + i % 5))} for i in range(9)]
     records.append({"id": "chat", "messages": [{"role": "user", "content": "w5 w6"}], "max_new_tokens": 3})

@@ -15,9 +15,7 @@ prompts (or chat conversations) and returns the batch with the completions' colu
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -26,7 +24,7 @@ from genfast.errors import UserError
 from genfast.llm.decoding.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from genfast.serve.engine import Engine, Finished, GenerationRequest, Ticket
+    from genfast.serve.engine import Finished
 
 log = logging.getLogger("genfast")
 
@@ -168,7 +166,7 @@ class LLM:
         bad row does not fail the batch."""
         import numpy as np
 
-        from genfast.llm.batch_file import encode_item, item_from_record, request_for
+        from genfast.serve.batch_file import as_they_finish, encode_item, item_from_record, request_for
 
         rows = _rows(batch)
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -227,6 +225,8 @@ class LLM:
             except UserError as e:
                 raise UserError(f"prompt {index}: {e}") from e
         results: list[Finished | None] = [None] * len(requests)
+        from genfast.serve.batch_file import as_they_finish
+
         for index, finished in as_they_finish(self.engine, requests):
             if finished.error is not None:
                 raise RuntimeError(f"prompt {index} failed in the engine: {finished.error}")
@@ -234,44 +234,10 @@ class LLM:
         return [_completion(f) for f in results if f is not None]
 
 
-def as_they_finish(engine: Engine, requests: Sequence[GenerationRequest]) -> Iterator[tuple[int, Finished]]:
-    """Run `requests` on the (started) engine, any number of them: (index, result) pairs in the
-    order they finish. At most as many are in flight as the engine's queue holds (it refuses
-    more, and counts a request as waiting until its slot is freed, which may be just after its
-    result is sent); the rest go in as earlier ones finish. Requests still running when the
-    caller stops iterating (an exception, Ctrl-C) are cancelled."""
-    from genfast.serve.engine import Finished
-
-    done: queue.Queue[tuple[int, Finished]] = queue.Queue()
-    window = threading.Semaphore(max(engine.max_queue, 1))
-    tickets: dict[int, Ticket] = {}
-
-    def sink_for(index: int) -> Callable[[object], None]:
-        def sink(event: object) -> None:
-            if isinstance(event, Finished):
-                window.release()
-                done.put((index, event))
-
-        return sink
-
-    submitted = 0
-    try:
-        for _ in range(len(requests)):
-            while submitted < len(requests) and window.acquire(blocking=False):
-                tickets[submitted] = engine.submit(requests[submitted], sink_for(submitted))
-                submitted += 1
-            index, finished = done.get()
-            del tickets[index]
-            yield index, finished
-    finally:
-        for ticket in tickets.values():
-            ticket.cancel()
-
-
 def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
     """A column batch (numpy arrays or lists, as Ray Data gives them) as one dict per row of the
     fields an item reads, in plain Python values; missing values (None, NaN) left out."""
-    from genfast.llm.batch_file import FIELDS
+    from genfast.serve.batch_file import FIELDS
 
     columns = {key: list(batch[key]) for key in FIELDS if key in batch}
     count = len(next(iter(batch.values()))) if batch else 0

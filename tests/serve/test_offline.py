@@ -12,9 +12,9 @@ import pytest
 
 import genfast
 from genfast.errors import UserError
-from genfast.llm.api import LLM, Completion
 from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.sampling import SamplingParams
+from genfast.serve.offline import LLM, Completion
 from tests.llm.hf_fixtures import save_tiny_chat_model
 
 CONTEXT = 256

@@ -17,9 +17,13 @@ Ctrl-C stops at once and leaves only complete answers.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import queue
 import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +33,7 @@ from genfast.interface.batch import Summary
 from genfast.llm.decoding.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from genfast.serve.engine import Engine, Finished, GenerationRequest
+    from genfast.serve.engine import Engine, Finished, GenerationRequest, Ticket
 
 OPTIONS = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int, "stop": list}
 FIELDS = {"id", "prompt", "messages", *OPTIONS}
@@ -177,7 +181,6 @@ def run_batch_file(
     `defaults`: the options an item does not set
     (max_new_tokens, temperature, top_k, top_p, seed, stop)."""
     from genfast.interface.progress import Progress
-    from genfast.llm.api import as_they_finish
 
     stream = stream if stream is not None else sys.stderr
     summary = Summary()
@@ -209,6 +212,40 @@ def run_batch_file(
     return summary
 
 
+def as_they_finish(engine: Engine, requests: Sequence[GenerationRequest]) -> Iterator[tuple[int, Finished]]:
+    """Run `requests` on the (started) engine, any number of them: (index, result) pairs in the
+    order they finish. At most as many are in flight as the engine's queue holds (it refuses
+    more, and counts a request as waiting until its slot is freed, which may be just after its
+    result is sent); the rest go in as earlier ones finish. Requests still running when the
+    caller stops iterating (an exception, Ctrl-C) are cancelled."""
+    from genfast.serve.engine import Finished
+
+    done: queue.Queue[tuple[int, Finished]] = queue.Queue()
+    window = threading.Semaphore(max(engine.max_queue, 1))
+    tickets: dict[int, Ticket] = {}
+
+    def sink_for(index: int) -> Callable[[object], None]:
+        def sink(event: object) -> None:
+            if isinstance(event, Finished):
+                window.release()
+                done.put((index, event))
+
+        return sink
+
+    submitted = 0
+    try:
+        for _ in range(len(requests)):
+            while submitted < len(requests) and window.acquire(blocking=False):
+                tickets[submitted] = engine.submit(requests[submitted], sink_for(submitted))
+                submitted += 1
+            index, finished = done.get()
+            del tickets[index]
+            yield index, finished
+    finally:
+        for ticket in tickets.values():
+            ticket.cancel()
+
+
 def request_for(engine: Engine, item: Item, ids: list[int], defaults: dict[str, Any]) -> GenerationRequest:
     """The engine request of an item (its options over `defaults`); UserError where the engine
     cannot run it (e.g. too long for the context)."""
@@ -228,3 +265,58 @@ def _answer(item: Item, finished: Finished) -> dict[str, Any]:
         "finish_reason": finished.finish_reason,
         "usage": {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens},
     }
+
+
+def check_file_flags(args: argparse.Namespace) -> tuple[Path, Path, dict[str, Any]]:
+    """`genfast generate --input --output`'s flags checked before the slow load: the input, the
+    output and the sampling defaults of items that set none."""
+    from genfast.llm.commands import draft_of, sampling_of
+
+    if args.input is None or args.output is None:
+        raise UserError("--input and --output go together: prompts are read from one, answers written to the other")
+    if args.prompt or args.prompt_file or args.chat:
+        raise UserError("--input takes its prompts (and chat conversations) from the file: drop the prompt arguments")
+    if draft_of(args) is not None or (args.tp or 1) > 1:
+        raise UserError("--input runs on the batching engine, without speculative decoding or --tp (yet)")
+    source, target = Path(args.input), Path(args.output)
+    if not source.is_file():
+        raise UserError(f"input file not found: {source}")
+    if target.exists() and target.resolve() == source.resolve():
+        raise UserError("--output must be another file than --input")
+    params = sampling_of(args)
+    defaults = dict(
+        max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
+        top_p=params.top_p, seed=args.seed, stop=list(args.stop),
+    )  # fmt: skip
+    return source, target, defaults
+
+
+def generate_file_command(args: argparse.Namespace) -> int:
+    """`genfast generate --input F --output F`: the file through this machine's batching engine.
+    Exit status 1 when an item was left out."""
+    from genfast.llm.commands import load_announced
+    from genfast.serve.engine import Engine
+
+    source, target, defaults = check_file_flags(args)
+    loaded, settings = load_announced(args)
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        max_batch=args.max_batch,
+        max_queue=2 * args.max_batch,
+        max_seq_len=args.max_seq_len,
+        compile=settings.compile,
+    )
+    engine.precompile(loaded, _log)
+    engine.start()
+    try:
+        engine.warmup()
+        summary = run_batch_file(engine, source, target, defaults)
+    finally:
+        engine.shutdown()
+    _log(f"genfast: {summary.line()}; answers in {target}")
+    return 1 if summary.failed else 0
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
