@@ -202,9 +202,9 @@ def run_batch_file(
             item = runnable[index]
             if finished.error is not None:
                 summary.fail(f"line {item.line}: id {json.dumps(item.id)}: {finished.error}", stream)
-                continue
-            writer.write(_answer(item, finished))
-            summary.done += 1
+            else:
+                writer.write(_answer(item, finished))
+                summary.done += 1
             progress.advance()
     finally:
         writer.close()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from genfast.errors import UserError
 from genfast.llm.decoding.sampling import SamplingParams
+from genfast.serve.batch_file import FIELDS, as_they_finish, encode_item, item_from_record, request_for
 
 if TYPE_CHECKING:
     from genfast.serve.engine import Finished
@@ -166,8 +167,6 @@ class LLM:
         bad row does not fail the batch."""
         import numpy as np
 
-        from genfast.serve.batch_file import as_they_finish, encode_item, item_from_record, request_for
-
         rows = _rows(batch)
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         stop=list(stop))  # fmt: skip
@@ -225,8 +224,6 @@ class LLM:
             except UserError as e:
                 raise UserError(f"prompt {index}: {e}") from e
         results: list[Finished | None] = [None] * len(requests)
-        from genfast.serve.batch_file import as_they_finish
-
         for index, finished in as_they_finish(self.engine, requests):
             if finished.error is not None:
                 raise RuntimeError(f"prompt {index} failed in the engine: {finished.error}")
@@ -237,8 +234,6 @@ class LLM:
 def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
     """A column batch (numpy arrays or lists, as Ray Data gives them) as one dict per row of the
     fields an item reads, in plain Python values; missing values (None, NaN) left out."""
-    from genfast.serve.batch_file import FIELDS
-
     columns = {key: list(batch[key]) for key in FIELDS if key in batch}
     count = len(next(iter(batch.values()))) if batch else 0
     return [{key: value for key, column in columns.items() if (value := _plain(column[i])) is not None} for i in
