@@ -52,6 +52,7 @@ def _inputs(b: int, h: int, w: int, c: int, bias_scale: float = 1.0, seed: int =
         (1, 5, 7, 80, 1.0),  # vit_h's head dim, rectangular grid, N = 35
         (1, 6, 6, 48, 30.0),  # a bias that dominates the scores: the row max must be subtracted
         (1, 64, 64, 64, 1.0),  # SAM's global blocks: N = 4096
+        (1, 65, 66, 16, 1.0),  # N = 4290: keys in chunks, grid rows across the chunks' ends
     ],
 )
 def test_fused_kernel_matches_fp32_reference(b, h, w, c, bias_scale):
@@ -136,7 +137,7 @@ def _embeddings(model, image: torch.Tensor, impl: str, dtype: torch.dtype) -> to
 
 
 @needs_kernel
-def test_encoder_attention_choices_agree():
+def test_sam2_attention_choices_agree():
     """fp32: sdpa and folded == math to 1e-5. bf16 with the fused kernel or the folded bias: as
     close to fp32 as bf16 SDPA is (error at most 1.5x SDPA's, and cosine >= 0.999)."""
     torch.manual_seed(0)

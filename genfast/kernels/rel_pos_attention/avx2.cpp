@@ -30,10 +30,12 @@
 #include <vector>
 
 #include "../common/avx2_vectors.h"
+#include "rel_pos_attention.h"
 
 namespace {
 
 using namespace genfast_avx2;
+using genfast_rel_pos_attention::Bias;
 
 constexpr int64_t kQueryBlock = 16;  // query rows per task
 constexpr int kRows = 4;             // query rows per register tile (divides kQueryBlock)
@@ -148,13 +150,6 @@ float softmax_row(float* row, const float* bias_h, const float* bias_w, int64_t 
   return 1.0f / (hsum(vsum) - padding);
 }
 
-// The bias of a rel_pos_attention call: per query row, grid_h + grid_w fp32 terms (null: none).
-struct Bias {
-  const float* h = nullptr;  // [B * heads, Nq, grid_h]
-  const float* w = nullptr;  // [B * heads, Nq, grid_w]
-  int64_t grid_h = 0, grid_w = 0;
-};
-
 // q [B, heads, Nq, C], k and v [B, heads, Nk, C]: views, any strides. Returns [B, Nq, heads, C].
 template <typename T>
 at::Tensor attention_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
@@ -227,45 +222,20 @@ at::Tensor attention_typed(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-void check_operands(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
-                  q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              op, ": q [B, heads, Nq, C], k and v [B, heads, Nk, C]");
+// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: views, any strides (e.g. straight out of the
+// qkv projection). Returns [B, Nq, heads, C] in q's dtype: the layout the output projection reads.
+at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
+                  double scale) {
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               op, ": q, k, v must all be float32 or all bfloat16");
-  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) <= 128, op, ": head dim must be 16..128 in steps of 16");
-}
-
-at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias, double scale) {
   if (q.scalar_type() == at::kBFloat16) return attention_typed<at::BFloat16>(q, k, v, bias, scale);
   return attention_typed<float>(q, k, v, bias, scale);
-}
-
-// q, k, v: [B, heads, N, C] views, any strides (e.g. straight out of the qkv projection);
-// rel_h [B, heads, N, H], rel_w [B, heads, N, W]. Returns [B, N, heads, C] in q's dtype: the
-// layout the output projection reads.
-at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& rel_h, const at::Tensor& rel_w, double scale) {
-  check_operands("rel_pos_attention", q, k, v);
-  TORCH_CHECK(k.sizes() == q.sizes(), "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
-  TORCH_CHECK(rel_h.dim() == 4 && rel_w.dim() == 4 && rel_h.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
-                  rel_w.sizes().slice(0, 3) == q.sizes().slice(0, 3) && rel_h.size(3) * rel_w.size(3) == q.size(2),
-              "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
-  const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
-  return dispatch(q, k, v, Bias{bias_h.data_ptr<float>(), bias_w.data_ptr<float>(), rel_h.size(3), rel_w.size(3)},
-                  scale);
-}
-
-// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: softmax(scale * q k^T) v, as [B, Nq, heads, C].
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  check_operands("attention", q, k, v);
-  return dispatch(q, k, v, Bias{}, scale);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(genfast, CPU, m) {
-  m.impl("rel_pos_attention", &rel_pos_attention);
-  m.impl("attention", &attention);
+  m.impl("rel_pos_attention", &genfast_rel_pos_attention::rel_pos_attention<attend>);
+  m.impl("attention", &genfast_rel_pos_attention::attention<attend>);
 }

@@ -11,6 +11,11 @@
 // `attention` is the same without a bias, and with any number of queries (SAM 2's Hiera: its
 // pooling blocks have a quarter as many queries as keys); there the scale is folded into the
 // softmax's exponent, so the scores are read once less.
+// Beyond kOnePassKeys keys (SAM 2's memory attention: 4096 queries over up to ~29K memory keys,
+// one head of 256 channels) a task's scores no longer fit L2, and K and V (29 MB in bf16) hardly
+// fit L3: a task then takes kLongQueryBlock rows over the keys in chunks of kKeyChunk, with the
+// online softmax of flash attention (a running max and sum per row, the output rescaled when the
+// max grows), so each chunk of K and V is read once per 128 query rows and stays in L2 meanwhile.
 //
 // Both products run on `vdpbf16ps` (16 lanes, each += a pair of bf16 products into fp32), so the
 // scores and output accumulate in fp32 like a flash kernel; P is rounded to bf16 for P @ V.
@@ -32,16 +37,24 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "rel_pos_attention.h"
 
 namespace {
 
-constexpr int64_t kQueryBlock = 32;  // query rows per task
-constexpr int64_t kFewKeys = 256;       // up to this many (padded) keys, a task takes up to
-constexpr int64_t kMaxQueryBlock = 256;  // this many query rows
+using genfast_rel_pos_attention::Bias;
+
+constexpr int64_t kQueryBlock = 32;       // query rows per task
+constexpr int64_t kFewKeys = 256;         // up to this many (padded) keys, a task takes up to
+constexpr int64_t kMaxQueryBlock = 256;   // this many query rows
+constexpr int64_t kOnePassKeys = 4096;    // up to this many (padded) keys, one pass over them all;
+constexpr int64_t kKeyChunk = 256;        // beyond, passes of this many keys
+constexpr int64_t kLongQueryBlock = 128;  // over this many query rows per task
 constexpr int kRows = 4;             // query rows per register tile
 constexpr int kKeyVectors = 4;       // 16-key vectors per register tile of S
 constexpr int64_t kRowPad = 16;      // K's and the scores' rows are this much longer than N_pad
@@ -85,39 +98,52 @@ inline void scores_tile(const uint32_t* q, int64_t q_stride, const uint32_t* kp,
     for (int t = 0; t < KV; ++t) _mm512_storeu_ps(s + r * s_stride + j0 + 16 * t, acc[r][t]);
 }
 
-// O[r, :] = P[r] @ V for R rows, CV vectors of 16 channels (C = 16 * CV).
-// p: rows of n_pad/2 probability pairs; vp: [n_pad/2][C] key pairs.
+// O[r, :16 CV] += P[r] @ V[:, :16 CV] for R rows and CV vectors of 16 channels.
+// p: rows of key_pairs probability pairs; vp: [key_pairs][v_ld] key pairs; o: rows of o_ld floats.
 template <int R, int CV>
-inline void output_tile(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t key_pairs, float* o) {
-  constexpr int64_t c = 16 * CV;
+inline void output_tile(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t v_ld, int64_t key_pairs,
+                        float* o, int64_t o_ld) {
   __m512 acc[R][CV];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < CV; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t j2 = 0; j2 < key_pairs; ++j2) {
     __m512bh values[CV];
-    for (int t = 0; t < CV; ++t) values[t] = as_bh(_mm512_loadu_si512(vp + j2 * c + 16 * t));
+    for (int t = 0; t < CV; ++t) values[t] = as_bh(_mm512_loadu_si512(vp + j2 * v_ld + 16 * t));
     for (int r = 0; r < R; ++r) {
       const __m512bh prob = as_bh(_mm512_set1_epi32(static_cast<int>(p[r * p_stride + j2])));
       for (int t = 0; t < CV; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], prob, values[t]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < CV; ++t) _mm512_storeu_ps(o + r * c + 16 * t, acc[r][t]);
+    for (int t = 0; t < CV; ++t) {
+      float* dst = o + r * o_ld + 16 * t;
+      _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), acc[r][t]));
+    }
 }
 
 template <int CV>
-void output_rows(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t key_pairs, int64_t rows, float* o) {
+void output_rows(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t v_ld, int64_t key_pairs,
+                 int64_t rows, float* o, int64_t o_ld) {
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows)
-    output_tile<kRows, CV>(p + r * p_stride, p_stride, vp, key_pairs, o + r * 16 * CV);
-  for (; r < rows; ++r) output_tile<1, CV>(p + r * p_stride, p_stride, vp, key_pairs, o + r * 16 * CV);
+    output_tile<kRows, CV>(p + r * p_stride, p_stride, vp, v_ld, key_pairs, o + r * o_ld, o_ld);
+  for (; r < rows; ++r) output_tile<1, CV>(p + r * p_stride, p_stride, vp, v_ld, key_pairs, o + r * o_ld, o_ld);
 }
 
-using OutputRowsFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*);
-constexpr int kMaxChannelVectors = 8;  // head dims up to 128
+using OutputRowsFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*, int64_t);
+constexpr int kMaxChannelVectors = 8;  // per register tile of O: 4 x 8 accumulators
 constexpr OutputRowsFn kOutputRows[kMaxChannelVectors] = {
     output_rows<1>, output_rows<2>, output_rows<3>, output_rows<4>,
     output_rows<5>, output_rows<6>, output_rows<7>, output_rows<8>};
+
+// O[r, :] += P[r] @ V for `rows` rows of c channels, in slices of up to 128 channels (a register tile's).
+void accumulate_output(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t key_pairs, int64_t rows,
+                       int64_t c, float* o) {
+  for (int64_t ch = 0; ch < c; ch += 16 * kMaxChannelVectors) {
+    const int64_t vectors = std::min<int64_t>(kMaxChannelVectors, (c - ch) / 16);
+    kOutputRows[vectors - 1](p, p_stride, vp + ch, c, key_pairs, rows, o + ch, c);
+  }
+}
 
 // S for `rows` query rows (q: rows of C/2 channel pairs) against all n_pad keys, into rows of
 // s_ld scores: key block by key block, every row tile reading the block from L1.
@@ -138,44 +164,50 @@ void score_rows(const uint32_t* q, int64_t q_stride, int64_t rows, const uint32_
   for (; j0 < n_pad; j0 += 16) score_key_block<1>(q, q_stride, rows, kp, k_ld, pairs, j0, s, s_ld);
 }
 
-// The bias of a rel_pos_attention call: per query row, grid_h + grid_w fp32 terms (null: none).
-struct Bias {
-  const float* h = nullptr;  // [B * heads, Nq, grid_h]
-  const float* w = nullptr;  // [B * heads, Nq, grid_w]
-  int64_t grid_h = 0, grid_w = 0;
-};
-
-// Unit channel stride and even row strides, so channel pairs can be read as 32-bit words.
-void check_operands(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
-                  q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              op, ": q [B, heads, Nq, C], k and v [B, heads, Nk, C]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              op, ": q, k, v must be bfloat16");
-  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) / 16 <= kMaxChannelVectors, op,
-              ": head dim must be 16..128 in steps of 16");
-  for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 2 == 0 && t->stride(1) % 2 == 0 && t->stride(2) % 2 == 0, op,
-                ": q, k, v need unit channel stride and even strides");
+// Scale and bias one row's scores for keys j0 .. j0 + len (bias: query row `row`'s terms; none
+// where bias.h is null, the scale then applied in the exponent).
+void add_bias(float* s, const Bias& bias, int64_t row, int64_t j0, int64_t len, float scale) {
+  if (!bias.h) return;
+  const float* bias_h = bias.h + row * bias.grid_h;
+  const float* bias_w = bias.w + row * bias.grid_w;
+  for (int64_t j = j0, end = j0 + len; j < end;) {  // segment by segment of grid rows
+    const int64_t kh = j / bias.grid_w, kw = j % bias.grid_w;
+    const int64_t seg = std::min(end - j, bias.grid_w - kw);
+    float* out = s + (j - j0);
+    const float h_term = bias_h[kh];
+    for (int64_t i = 0; i < seg; ++i) out[i] = out[i] * scale + h_term + bias_w[kw + i];
+    j += seg;
+  }
 }
 
 // q [B, heads, Nq, C], k and v [B, heads, Nk, C]: views with unit channel stride (e.g. straight
 // out of the qkv projection: no copies). Returns [B, Nq, heads, C]: the layout the output
 // projection reads.
-at::Tensor attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
-                          double scale) {
+at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
+                  double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              op, ": q, k, v must be bfloat16");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 2 == 0 && t->stride(1) % 2 == 0 && t->stride(2) % 2 == 0, op,
+                ": q, k, v need unit channel stride and even strides");
   const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2), n = k.size(2), c = q.size(3);
   const int64_t bh_count = batch * heads;
   const int64_t n_pad = (n + 15) / 16 * 16, pairs = c / 2, key_pairs = n_pad / 2;
-  const int64_t k_ld = n_pad + kRowPad, s_ld = n_pad + kRowPad;  // row strides of K and of the scores
+  const int64_t k_ld = n_pad + kRowPad;  // the row stride of K
   // Element offset of row `row` of head `bh` in a [B, heads, N, C] view.
   auto row_offset = [heads](const at::Tensor& t, int64_t bh, int64_t row) {
     return (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + row * t.stride(2);
   };
 
-  // Query rows per task: kQueryBlock where the keys are many (the rows' scores stay in L2); a
-  // whole head's, up to kMaxQueryBlock, where they are few (windows).
-  const int64_t query_block = n_pad <= kFewKeys ? std::min(nq, kMaxQueryBlock) : kQueryBlock;
+  // Keys per pass (see the header): all of them up to kOnePassKeys, else chunks of kKeyChunk.
+  const int64_t chunk = n_pad <= kOnePassKeys ? n_pad : kKeyChunk;
+  const int64_t s_ld = chunk + kRowPad;  // the row stride of the scores
+  // Query rows per task: a whole head's, up to kMaxQueryBlock, where the keys are few (windows);
+  // kQueryBlock where a pass holds many (the rows' scores stay in L2); kLongQueryBlock where the
+  // keys come in chunks, so that each chunk of K and V, read from memory, serves many rows.
+  const int64_t query_block = n_pad <= kFewKeys       ? std::min(nq, kMaxQueryBlock)
+                              : n_pad <= kOnePassKeys ? kQueryBlock
+                                                      : kLongQueryBlock;
   const int64_t blocks = (nq + query_block - 1) / query_block;
 
   // K and V re-laid out per head (see the header; padding keys are zero): once, before the tasks,
@@ -218,18 +250,19 @@ at::Tensor attention_core(const at::Tensor& q, const at::Tensor& k, const at::Te
   auto* out_ptr = out.data_ptr<at::BFloat16>();
   const float scale_f = static_cast<float>(scale);
   // Without a bias the scale goes into the exponent: exp(scale * (s - max)), scale > 0.
-  const __m512 exp_scale = _mm512_set1_ps(bias.h ? 1.0f : scale_f);
-  const OutputRowsFn output_rows_fn = kOutputRows[c / 16 - 1];
+  const float exp_scale_f = bias.h ? 1.0f : scale_f;
+  const __m512 exp_scale = _mm512_set1_ps(exp_scale_f);
   const int64_t q_stride = q.stride(2) / 2;  // in channel pairs
 
   at::parallel_for(0, bh_count * blocks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores, outputs, inv_sum;
+    thread_local std::vector<float> scores, outputs, row_max, row_sum;
     thread_local std::vector<at::BFloat16> probs;
     thread_local std::vector<uint32_t> own_k, own_v;  // the task's own re-layout (!shared)
     scores.resize(query_block * s_ld);
     probs.resize(query_block * s_ld);
     outputs.resize(query_block * c);
-    inv_sum.resize(query_block);
+    row_max.resize(query_block);
+    row_sum.resize(query_block);
     if (!shared) {
       own_k.resize(pairs * k_ld);
       own_v.resize(key_pairs * c);
@@ -241,41 +274,51 @@ at::Tensor attention_core(const at::Tensor& q, const at::Tensor& k, const at::Te
       const uint32_t* kpb = shared ? kp32 + bh * pairs * k_ld : own_k.data();
       const uint32_t* vpb = shared ? vp32 + bh * key_pairs * c : own_v.data();
       if (!shared) relayout(bh, own_k.data(), own_v.data());
-      float* s = scores.data();
-      score_rows(qb, q_stride, rows, kpb, k_ld, n_pad, pairs, s, s_ld);
+      std::fill(outputs.begin(), outputs.begin() + rows * c, 0.0f);
+      std::fill(row_max.begin(), row_max.begin() + rows, -INFINITY);
+      std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
 
-      for (int64_t r = 0; r < rows; ++r) {
-        float* row = s + r * s_ld;
-        if (bias.h) {
-          const float* bias_row_h = bias.h + (bh * nq + i0 + r) * bias.grid_h;
-          const float* bias_row_w = bias.w + (bh * nq + i0 + r) * bias.grid_w;
-          for (int64_t kh = 0; kh < bias.grid_h; ++kh) {
-            float* seg = row + kh * bias.grid_w;
-            const float h_term = bias_row_h[kh];
-            for (int64_t kw = 0; kw < bias.grid_w; ++kw) seg[kw] = seg[kw] * scale_f + h_term + bias_row_w[kw];
+      // The online softmax over the passes: each row keeps its running max m and sum l of
+      // exp(scale (s - m)); a pass with a larger max rescales both, and the output, by
+      // exp(scale (m_old - m_new)). One pass (the common case) rescales nothing.
+      for (int64_t j0 = 0; j0 < n_pad; j0 += chunk) {
+        const int64_t len = std::min(chunk, n_pad - j0), real = std::min(len, n - j0);
+        float* s = scores.data();
+        score_rows(qb, q_stride, rows, kpb + j0, k_ld, len, pairs, s, s_ld);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = s + r * s_ld;
+          add_bias(row, bias, bh * nq + i0 + r, j0, real, scale_f);
+          for (int64_t j = real; j < len; ++j) row[j] = -INFINITY;
+          __m512 vmax = _mm512_set1_ps(-INFINITY);
+          for (int64_t j = 0; j < len; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
+          const float pass_max = std::max(row_max[r], _mm512_reduce_max_ps(vmax));
+          if (pass_max > row_max[r] && row_max[r] != -INFINITY) {
+            const float rescale = std::exp(exp_scale_f * (row_max[r] - pass_max));
+            row_sum[r] *= rescale;
+            float* o = outputs.data() + r * c;
+            for (int64_t ch = 0; ch < c; ++ch) o[ch] *= rescale;
           }
+          row_max[r] = pass_max;
+          const __m512 m = _mm512_set1_ps(pass_max);
+          __m512 vsum = _mm512_setzero_ps();
+          at::BFloat16* prow = probs.data() + r * s_ld;
+          for (int64_t j = 0; j < len; j += 16) {
+            __m512 e = exp_to_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), m), exp_scale));
+            if (j + 16 > real) e = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << std::max<int64_t>(real - j, 0)) - 1), e);
+            vsum = _mm512_add_ps(vsum, e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+          }
+          row_sum[r] += _mm512_reduce_add_ps(vsum);
         }
-        for (int64_t j = n; j < n_pad; ++j) row[j] = -INFINITY;
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < n_pad; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
-        const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 vsum = _mm512_setzero_ps();
-        at::BFloat16* prow = probs.data() + r * s_ld;
-        for (int64_t j = 0; j < n_pad; j += 16) {
-          __m512 e = exp_to_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), row_max), exp_scale));
-          if (j + 16 > n) e = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << (n - j)) - 1), e);  // padding keys
-          vsum = _mm512_add_ps(vsum, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-        }
-        inv_sum[r] = 1.0f / _mm512_reduce_add_ps(vsum);
+        accumulate_output(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, vpb + (j0 / 2) * c, len / 2, rows,
+                          c, outputs.data());
       }
 
-      output_rows_fn(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, vpb, key_pairs, rows, outputs.data());
       const int64_t b = bh / heads, h = bh % heads;
       for (int64_t r = 0; r < rows; ++r) {
         const float* o = outputs.data() + r * c;
         at::BFloat16* dst = out_ptr + ((b * nq + i0 + r) * heads + h) * c;
-        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+        const __m512 inv = _mm512_set1_ps(1.0f / row_sum[r]);
         for (int64_t ch = 0; ch < c; ch += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + ch),
                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + ch), inv))));
@@ -285,29 +328,9 @@ at::Tensor attention_core(const at::Tensor& q, const at::Tensor& k, const at::Te
   return out;
 }
 
-// q, k, v: [B, heads, N, C]; rel_h [B, heads, N, H], rel_w [B, heads, N, W] with H * W = N.
-at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& rel_h, const at::Tensor& rel_w, double scale) {
-  check_operands("rel_pos_attention", q, k, v);
-  TORCH_CHECK(k.sizes() == q.sizes(), "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
-  TORCH_CHECK(rel_h.dim() == 4 && rel_w.dim() == 4 && rel_h.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
-                  rel_w.sizes().slice(0, 3) == q.sizes().slice(0, 3) && rel_h.size(3) * rel_w.size(3) == q.size(2),
-              "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
-  const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
-  return attention_core(q, k, v, Bias{bias_h.data_ptr<float>(), bias_w.data_ptr<float>(), rel_h.size(3), rel_w.size(3)},
-                        scale);
-}
-
-// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: softmax(scale * q k^T) v, as [B, Nq, heads, C].
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  check_operands("attention", q, k, v);
-  TORCH_CHECK(scale > 0, "attention: the scale must be positive");
-  return attention_core(q, k, v, Bias{}, scale);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(genfast, CPU, m) {
-  m.impl("rel_pos_attention", &rel_pos_attention);
-  m.impl("attention", &attention);
+  m.impl("rel_pos_attention", &genfast_rel_pos_attention::rel_pos_attention<attend>);
+  m.impl("attention", &genfast_rel_pos_attention::attention<attend>);
 }

@@ -1,7 +1,8 @@
 """`torch.ops.genfast.rel_pos_attention`: attention over an H x W key grid with SAM's decomposed
 relative-position bias added inside the kernel, never materialized (avx512.cpp explains it);
 `torch.ops.genfast.attention`: the same kernel without a bias, queries and keys of any lengths
-(SAM 2's Hiera). The AVX-512 variant computes on bf16 inputs (`vdpbf16ps`); the AVX2 one in fp32, on float32 or
+(SAM 2's Hiera and memory attention; long key sequences in chunks, with an online softmax). The
+AVX-512 variant computes on bf16 inputs (`vdpbf16ps`); the AVX2 one in fp32, on float32 or
 bfloat16 inputs (CPUs without AVX512-BF16 run SAM in fp32). `portable` is the same attention in
 PyTorch, with the bias materialized for SDPA.
 """
@@ -21,7 +22,7 @@ KERNEL = Kernel(
     rank=3,
 )
 
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 256  # rel_pos_attention.h
 DTYPES = {"avx512": (torch.bfloat16,), "avx2": (torch.float32, torch.bfloat16)}  # what each variant computes on
 
 torch.library.define(
@@ -67,15 +68,21 @@ def supports(q: Tensor) -> bool:
     return q.device.type == "cpu" and not c % 16 and c <= MAX_HEAD_DIM and takes(q.dtype)
 
 
-# Key counts below which the plain attention (`attention`) of the AVX2 variant, which computes in
-# fp32, loses to PyTorch's SDPA: SDPA wins on SAM 2's windows (16-196 keys), the kernel on its
-# global blocks (4096 keys); measurements in docs/notes.md (SAM 2).
+# Where the plain attention (`attention`) of the AVX2 variant, which computes in fp32, beats
+# PyTorch's SDPA: on Hiera's global blocks (4096 keys, head dim 96), not on its windows (16-196
+# keys), nor on the memory attention's one head of 256 channels, at 4096 keys or at 7 frames'
+# 28.7K (where it holds all of a task's scores and re-reads K and V per 16 query rows, and SDPA's
+# flash kernel streams them in blocks). Measurements in docs/notes.md (SAM 2).
 AVX2_ATTENTION_MIN_KEYS = 1024
+AVX2_ATTENTION_MAX_KEYS = 4096
+AVX2_ATTENTION_MAX_HEAD_DIM = 128
 
 
-def attention_pays(keys: int) -> bool:
-    """Whether `attention` over `keys` keys beats SDPA in the loaded variant (see above)."""
-    return loaded_isa() != "avx2" or keys >= AVX2_ATTENTION_MIN_KEYS
+def attention_pays(keys: int, head_dim: int) -> bool:
+    """Whether `attention` over `keys` keys of `head_dim` channels beats SDPA in the loaded variant (see above)."""
+    if loaded_isa() != "avx2":
+        return True
+    return AVX2_ATTENTION_MIN_KEYS <= keys <= AVX2_ATTENTION_MAX_KEYS and head_dim <= AVX2_ATTENTION_MAX_HEAD_DIM
 
 
 def _readable(t: Tensor) -> Tensor:

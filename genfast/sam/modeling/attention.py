@@ -8,8 +8,9 @@
   CPU the native kernel (genfast/kernels/rel_pos_attention/) where it applies (bf16 on AVX512-BF16,
   fp32 or bf16 on AVX2; head dim a multiple of 16), on CUDA "folded"; SDPA everywhere else, and
   always in the mask decoder, whose attention has no bias. SAM 2's encoder (Hiera), which has no
-  bias, takes the same native kernel without one (`encoder_attention`): PyTorch's CPU flash
-  attention was 2-3x slower on its global blocks (bf16, 4096 keys, head dim 96);
+  bias, and its memory attention take the same native kernel without one (`sam2_attention`):
+  PyTorch's CPU flash attention was 2-3x slower on Hiera's global blocks (bf16, 4096 keys, head
+  dim 96);
 - "folded": for the encoder, one SDPA call with the bias folded into the scores' own product as
   extra dimensions (`folded_rel_pos_attention`): nothing of size N x N is materialized, and no
   score reads the bias tables on its own;
@@ -47,12 +48,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, impl: str) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v)
 
 
-def encoder_attention(q: Tensor, k: Tensor, v: Tensor, impl: str) -> Tensor:
-    """SAM 2's encoder attention: softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k and v
-    [B, heads, Nk, C] (Nq < Nk where the queries are pooled). "fused"/"auto": the native kernel
-    where it takes q (CPU) and beats SDPA (the AVX2 variant on long sequences only), else SDPA;
-    "math" the explicit softmax; the rest SDPA."""
-    if impl in ("auto", "fused") and rel_pos_kernel.supports(q) and rel_pos_kernel.attention_pays(k.shape[-2]):
+def sam2_attention(q: Tensor, k: Tensor, v: Tensor, impl: str) -> Tensor:
+    """SAM 2's attentions (Hiera's, and the memory attention's over a frame's memories):
+    softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C].
+    "fused"/"auto": the native kernel where it takes q (CPU) and beats SDPA (the AVX2 variant on
+    Hiera's global blocks only), else SDPA; "math" the explicit softmax; the rest SDPA."""
+    pays = rel_pos_kernel.supports(q) and rel_pos_kernel.attention_pays(k.shape[-2], q.shape[-1])
+    if impl in ("auto", "fused") and pays:
         return rel_pos_kernel.attention(q, k, v, q.shape[-1] ** -0.5)
     return attention(q, k, v, impl)
 

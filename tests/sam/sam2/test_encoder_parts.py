@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from genfast.kernels.rel_pos_attention import ops as kernel
-from genfast.sam.modeling.attention import encoder_attention
+from genfast.sam.modeling.attention import sam2_attention
 from genfast.sam.sam2.build import build_random_sam2
 from genfast.sam.sam2.config import tiny_sam2_config
 from genfast.sam.sam2.modeling.hiera import _pool, bicubic_matrix
@@ -23,7 +23,13 @@ KERNEL_DTYPES = kernel.DTYPES.get(kernel.loaded_isa(), ()) if kernel.unavailable
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("windows", "heads", "queries", "keys", "channels"),
-    [(1, 2, 100, 100, 32), (6, 2, 16, 64, 96), (3, 1, 49, 196, 16), (2, 3, 5, 7, 48)],
+    [
+        (1, 2, 100, 100, 32),
+        (6, 2, 16, 64, 96),
+        (3, 1, 49, 196, 16),
+        (2, 3, 5, 7, 48),
+        (1, 1, 130, 4500, 256),  # the memory attention's head dim; keys in chunks (more than 4096)
+    ],
 )
 def test_attention_kernel_matches_sdpa(dtype, windows, heads, queries, keys, channels) -> None:
     """Any query and key counts (pooled queries: fewer than keys), q, k, v strided views of one
@@ -42,20 +48,40 @@ def test_attention_kernel_matches_sdpa(dtype, windows, heads, queries, keys, cha
 
 
 @pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
-def test_encoder_attention_takes_the_kernel_where_it_pays(monkeypatch) -> None:
-    """The AVX2 variant (fp32 arithmetic) only on long key sequences; SDPA on windows."""
+def test_attention_kernel_rescales_when_a_later_chunk_holds_the_maximum() -> None:
+    """Keys in chunks (online softmax): scores growing along the keys move each row's maximum in
+    every chunk, so each chunk rescales what the earlier ones summed; the padded last chunk too."""
+    gen = torch.Generator().manual_seed(1)
+    dtype = KERNEL_DTYPES[0]
+    keys = 5000
+    direction = torch.randn(32, generator=gen)
+    q = (direction + 0.3 * torch.randn(1, 1, 40, 32, generator=gen)).to(dtype)
+    growth = torch.linspace(0.0, 0.7, keys)[:, None]  # scores from ~0 to ~4
+    k = (direction * growth + 0.3 * torch.randn(1, 1, keys, 32, generator=gen)).to(dtype)
+    v = torch.randn(1, 1, keys, 32, generator=gen).to(dtype)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kernel.attention(q, k, v, 32**-0.5).float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
+def test_sam2_attention_takes_the_kernel_where_it_pays(monkeypatch) -> None:
+    """The AVX2 variant (fp32 arithmetic) only on Hiera's global blocks; SDPA on windows and on
+    the memory attention's many keys."""
     q, k, v = (torch.randn(1, 2, n, 16).to(KERNEL_DTYPES[0]) for n in (8, 16, 16))
     calls = []
     monkeypatch.setattr(kernel, "attention", lambda *args: calls.append(args) or args[0])
-    encoder_attention(q, k, v, "fused")
+    sam2_attention(q, k, v, "fused")
     assert len(calls) == (kernel.loaded_isa() != "avx2")
-    assert kernel.attention_pays(4096) and kernel.attention_pays(16) == (kernel.loaded_isa() != "avx2")
+    avx2 = kernel.loaded_isa() == "avx2"
+    assert kernel.attention_pays(4096, 96) and kernel.attention_pays(16, 96) != avx2
+    assert kernel.attention_pays(7 * 4096 + 64, 256) != avx2 and kernel.attention_pays(4096, 256) != avx2
 
 
-def test_encoder_attention_math_is_the_explicit_softmax() -> None:
+def test_sam2_attention_math_is_the_explicit_softmax() -> None:
     q, k, v = (torch.randn(2, 2, n, 16, generator=torch.Generator().manual_seed(n)) for n in (4, 9, 9))
     expected = ((q * 16**-0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
-    torch.testing.assert_close(encoder_attention(q, k, v, "math"), expected)
+    torch.testing.assert_close(sam2_attention(q, k, v, "math"), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from genfast.kernels.rel_pos_attention import ops as kernel
+from genfast.sam.modeling.attention import set_attention
 from genfast.sam.sam2.config import Sam2Config, sam2_preset, tiny_sam2_config
 from genfast.sam.sam2.modeling.memory import MemoryAttention, MemoryEncoder
 from genfast.sam.sam2.modeling.position import PositionEmbeddingSine, get_1d_sine_pe
@@ -105,6 +107,31 @@ def test_memory_attention_in_bf16() -> None:
     actual = half(**low)
     assert actual.dtype == torch.bfloat16
     _close(actual.float(), expected, rel=0.03)
+
+
+@torch.no_grad()
+def test_memory_attention_fused_takes_the_kernel_and_matches_sdpa(monkeypatch) -> None:
+    """The recipe's fused step: both attentions of every layer through the native kernel where it
+    takes bf16 and pays, within bf16's error of the SDPA the other steps run."""
+    if not kernel.takes(torch.bfloat16):
+        pytest.skip("no native attention kernel for bf16 here")
+    _, attention, _ = _pair(TINY)
+    half = MemoryAttention(TINY).eval().to(torch.bfloat16)
+    half.load_state_dict(attention.state_dict())
+    inputs = {
+        k: [v[0].bfloat16()] if isinstance(v, list) else v.bfloat16() if torch.is_tensor(v) else v
+        for k, v in _memory_inputs(TINY, 2, 8, 2, 2).items()
+    }
+    set_attention(half, "sdpa")
+    expected = half(**inputs).float()
+    set_attention(half, "fused")
+    calls = []
+    original = kernel.attention
+    monkeypatch.setattr(kernel, "attention", lambda *args: calls.append(args[1].shape[-2]) or original(*args))
+    actual = half(**inputs).float()
+    key_counts = [8 * 8, 2 * 8 * 8 + 2 * (TINY.d_model // TINY.mem_dim)] * len(half.layers)
+    assert calls == [n for n in key_counts if kernel.attention_pays(n, TINY.d_model)]  # AVX2: none this short
+    _close(actual, expected, rel=0.03)
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genfast.sam.modeling.attention import encoder_attention
+from genfast.sam.modeling.attention import sam2_attention
 from genfast.sam.sam2.config import Sam2Config
 from genfast.sam.sam2.modeling.linear import Linear, linear, linear_gelu
 from genfast.sam.sam2.modeling.position import PositionEmbeddingSine
@@ -98,7 +98,7 @@ class MultiScaleAttention(nn.Module):
             q = _pool(q.transpose(1, 2).reshape(b, h, w, -1), self.q_stride)
             h, w = q.shape[1:3]
             q = q.reshape(b, h * w, self.num_heads, -1).transpose(1, 2)
-        out = encoder_attention(q, k, v, self.attention_impl)
+        out = sam2_attention(q, k, v, self.attention_impl)
         return self.proj(out.transpose(1, 2).reshape(b, h, w, -1))
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.sam.modeling.attention import sam2_attention
 from genfast.sam.modeling.common import LayerNorm2d
 from genfast.sam.sam2.config import Sam2Config
 from genfast.sam.sam2.modeling.position import PositionEmbeddingSine
@@ -65,6 +66,7 @@ class RoPEAttention(nn.Module):
         self.k_proj = nn.Linear(kv_dim, dim)
         self.v_proj = nn.Linear(kv_dim, dim)
         self.out_proj = nn.Linear(dim, dim)
+        self.attention_impl = "auto"  # genfast.sam.modeling.attention: the recipe's choice
 
     def _heads(self, x: Tensor) -> Tensor:
         b, n, c = x.shape
@@ -81,7 +83,10 @@ class RoPEAttention(nn.Module):
             k = torch.cat([apply_rope(k[..., :num_rope, :], *rope), k[..., num_rope:, :]], dim=-2)
         elif num_rope:
             k = apply_rope(k, *rope)
-        out = F.scaled_dot_product_attention(q, k, v)
+        if self.attention_impl in ("auto", "fused"):  # the native kernel where it takes q
+            out = sam2_attention(q, k, v, self.attention_impl)
+        else:  # SDPA, as the official computes it (no step materializes 4096 x 29K scores)
+            out = F.scaled_dot_product_attention(q, k, v)
         b, _, n, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
 

@@ -1,0 +1,65 @@
+// The host side both variants (<isa>.cpp) share: the two ops' shape checks and their entry
+// points. A variant supplies the attention itself as
+//
+//   at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+//                     const Bias& bias, double scale);
+//
+// which checks what is its own (the dtypes it computes on, the strides it reads) and returns
+// [B, Nq, heads, C] in q's dtype.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace genfast_rel_pos_attention {
+
+constexpr int64_t kMaxHeadDim = 256;  // SAM 2's memory attention: one head of 256 channels
+
+// The bias of a rel_pos_attention call: per query row, grid_h + grid_w fp32 terms (null: none).
+// Key j sits at row j / grid_w, column j % grid_w of the grid.
+struct Bias {
+  const float* h = nullptr;  // [B * heads, Nq, grid_h]
+  const float* w = nullptr;  // [B * heads, Nq, grid_w]
+  int64_t grid_h = 0, grid_w = 0;
+};
+
+using Attend = at::Tensor (*)(const char*, const at::Tensor&, const at::Tensor&, const at::Tensor&, const Bias&,
+                              double);
+
+inline void check_shapes(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              op, ": q [B, heads, Nq, C], k and v [B, heads, Nk, C]");
+  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) >= 16 && q.size(3) <= kMaxHeadDim, op,
+              ": head dim must be 16..", kMaxHeadDim, " in steps of 16");
+  TORCH_CHECK(k.size(2) > 0, op, ": no keys");
+  // The AVX-512 variant folds the scale into the softmax's exponent, which needs it positive.
+  TORCH_CHECK(scale > 0, op, ": the scale must be positive");
+}
+
+// q, k, v: [B, heads, N, C]; rel_h [B, heads, N, H], rel_w [B, heads, N, W] with H * W = N.
+// Returns [B, N, heads, C]: the layout the output projection reads.
+template <Attend attend>
+at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rel_h,
+                             const at::Tensor& rel_w, double scale) {
+  check_shapes("rel_pos_attention", q, k, v, scale);
+  TORCH_CHECK(k.sizes() == q.sizes(), "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
+  TORCH_CHECK(rel_h.dim() == 4 && rel_w.dim() == 4 && rel_h.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
+                  rel_w.sizes().slice(0, 3) == q.sizes().slice(0, 3) && rel_h.size(3) * rel_w.size(3) == q.size(2),
+              "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
+  const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
+  const Bias bias{bias_h.data_ptr<float>(), bias_w.data_ptr<float>(), rel_h.size(3), rel_w.size(3)};
+  return attend("rel_pos_attention", q, k, v, bias, scale);
+}
+
+// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: softmax(scale * q k^T) v, as [B, Nq, heads, C].
+template <Attend attend>
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  check_shapes("attention", q, k, v, scale);
+  return attend("attention", q, k, v, Bias{}, scale);
+}
+
+}  // namespace genfast_rel_pos_attention
