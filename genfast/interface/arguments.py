@@ -147,3 +147,22 @@ def add_bench_args(p: argparse.ArgumentParser, workload: str, repeats: int) -> N
         "(needs matplotlib: pip install genfast[plot])",
     )
     g.add_argument("--force", action="store_true", help="overwrite an existing --json or --plot file")
+
+
+def add_ray(p: argparse.ArgumentParser | argparse._ArgumentGroup, what: str) -> None:
+    """--ray [ADDRESS], --actors and --cpus-per-actor of a batch command (genfast/ray/); `what`
+    says what --ray does to the command's outputs."""
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="ADDRESS",
+        help=f"run on a Ray cluster (this machine's with no ADDRESS); {what} (pip install 'genfast[ray]')",
+    )
+    p.add_argument(
+        "--actors", type=positive_int, default=1, help="with --ray: model copies working at once (default 1)"
+    )
+    p.add_argument(
+        "--cpus-per-actor", type=positive_int, default=1, help="with --ray: CPUs each copy reserves (default 1)"
+    )

@@ -6,7 +6,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from genfast.interface.arguments import add_bench_args, add_device, add_recipe, add_threads, lazy, positive_int, seed
+from genfast.interface.arguments import (
+    add_bench_args,
+    add_device,
+    add_ray,
+    add_recipe,
+    add_threads,
+    lazy,
+    positive_int,
+    seed,
+)
 from genfast.llm.recipe import DEFAULT_STEP, RECIPE
 from genfast.quant import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, QUANT_MODES, QUANTIZE_MODES
 
@@ -187,20 +196,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=8,
         help="with --input: prompts decoded together (KV-cache slots; default 8)",
     )
-    g.add_argument(
-        "--ray",
-        nargs="?",
-        const="auto",
-        default=None,
-        metavar="ADDRESS",
-        help="with --input: run on a Ray cluster (this machine's with no ADDRESS); --output is then a folder of "
-        "JSONL files, each row the input row with the answer's fields (pip install 'genfast[ray]')",
-    )
-    g.add_argument(
-        "--actors", type=positive_int, default=1, help="with --ray: model copies working at once (default 1)"
-    )
-    g.add_argument(
-        "--cpus-per-actor", type=positive_int, default=1, help="with --ray: CPUs each copy reserves (default 1)"
+    add_ray(
+        g,
+        "with --input; --output is then a folder of JSONL files, each row the input row with the answer's fields",
     )
     add_model_args(p)
     add_sampling_args(p)

@@ -9,4 +9,6 @@ cluster.
 
 - `genfast.ray.llm.generate_jsonl`: a JSONL file of prompts (what `genfast generate --input`
   reads) -> a folder of JSONL answers, through `genfast.LLM`.
+- `genfast.ray.sam.segment_images`: image files -> a folder of JSONL masks, through
+  `genfast.Segmenter`.
 """

@@ -8,6 +8,7 @@ import argparse
 from genfast.interface.arguments import (
     add_bench_args,
     add_device,
+    add_ray,
     add_recipe,
     add_threads,
     lazy,
@@ -42,6 +43,14 @@ video (SAM 2): -o OUTDIR gets masks/obj{ID}/{FRAME:05d}.png, masks.json (RLE per
   defaults to sam2.1-hiera-tiny.
 weights: not shipped; `genfast pull sam-vit-b` (or sam2.1-hiera-tiny ...) downloads the
 official checkpoint into the cache, where --model finds it (or pass --checkpoint PATH)."""
+
+
+def _segment(args: argparse.Namespace) -> int:
+    """`genfast segment`: here (genfast/sam/segment.py), or many images on a Ray cluster (--ray:
+    genfast/ray/sam.py)."""
+    if args.ray is not None:
+        return lazy("genfast.ray.sam", "segment_command")(args)
+    return lazy("genfast.sam.segment", "segment")(args)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -132,6 +141,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="masks (uncompressed RLE), scores and boxes as JSON ('-' = stdout)",
     )
     g.add_argument("--force", action="store_true", help="overwrite existing output files")
+    add_ray(
+        g,
+        "many images only: -o OUTDIR then receives JSONL files, a row per image with its path, its masks as "
+        "uncompressed RLE records (as --json writes them) and any error, not PNGs",
+    )
     g = p.add_argument_group("model")
     g.add_argument(
         "--checkpoint",
@@ -157,7 +171,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_device(g)
     add_threads(g, beside_other_work=True)
     add_recipe(g, RECIPE, DEFAULT_STEP, dtype_default="float32", dtype_help=DTYPE_HELP)
-    p.set_defaults(run=lazy("genfast.sam.segment", "segment"))
+    p.set_defaults(run=_segment)
 
 
 def register_bench(bench: argparse._SubParsersAction) -> None:

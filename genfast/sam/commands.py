@@ -470,14 +470,16 @@ def _json_document(
             "prompt": None if args.auto else prompt.as_json(),
             "mask_files": [str(p) for p in paths.masks],  # --auto: the label map
             "overlay_file": str(paths.overlay) if paths.overlay else None,
-            "masks": [{**record, "segmentation": rle} for record, rle in zip(result.records, _rles(result.masks))],
+            "masks": records_with_masks(result),
         }
     )
     return document
 
 
-def _rles(masks: list[np.ndarray]) -> list[dict[str, Any]]:
-    return mask_to_rle(torch.from_numpy(np.stack(masks))) if masks else []
+def records_with_masks(result: Segmentation) -> list[dict[str, Any]]:
+    """The result's records, each with its mask as uncompressed RLE under `segmentation`."""
+    rles = mask_to_rle(torch.from_numpy(np.stack(result.masks))) if result.masks else []
+    return [{**record, "segmentation": rle} for record, rle in zip(result.records, rles, strict=True)]
 
 
 def _summary(args: argparse.Namespace, result: Segmentation, size: tuple[int, int], written: list[Path]) -> str:

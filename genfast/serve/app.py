@@ -1,6 +1,6 @@
 """The HTTP layer: a FastAPI app serving an `Engine` with OpenAI's API.
 
-Routes: GET /health and GET /metrics (Prometheus text; no key needed for either), GET /v1/models,
+Routes: GET /health, GET /ready and GET /metrics (Prometheus text; no key needed for these), GET /v1/models,
 POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events ending in
 `data: [DONE]` when `stream` is true). Every error is an OpenAI error object. The engine runs on
 its own thread; each request's events cross into the event loop through a `_Bridge`. A client
@@ -118,6 +118,15 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
         if engine.stopping:
             return JSONResponse({"status": "shutting_down", **stats}, status_code=503)
         return JSONResponse({"status": "ok", **stats})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        # Readiness for a load balancer: 503 once shutting down (in-flight requests finishing: send
+        # no more). Before the model is loaded the port refuses connections (genfast/serve/commands.py),
+        # which probes count as not ready too.
+        if engine.stopping:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

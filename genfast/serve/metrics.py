@@ -7,6 +7,12 @@ waiting requests, decode steps, the KV cache in use (tokens held over the slots'
 prefix reuse (prompt tokens found in a slot's row or the prefix cache, and their share of all
 prompt tokens) and the prefix cache's memory, budget and evictions.
 Each app has its own registry, so several engines in one process (tests) never share counters.
+
+The queue, running requests and KV-cache use also go out under vLLM's names
+(`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, and
+`vllm:cache_config_info` with the prefix cache's block size): the names the Gateway API Inference
+Extension's endpoint picker and llm-d scrape by default (their model server protocol), so a genfast
+replica behind them needs no metric-name flags (docs/serving.md, "Behind a gateway").
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from genfast.serve.prefix_cache import BLOCK_SIZE
 
 if TYPE_CHECKING:
     from genfast.serve.engine import Engine
@@ -81,11 +89,23 @@ class _EngineState(Collector):
         yield GaugeMetricFamily("genfast_requests_running", "Requests in a KV-cache slot", value=stats.active)
         yield GaugeMetricFamily("genfast_requests_waiting", "Requests queued for a slot", value=stats.queued)
         yield GaugeMetricFamily("genfast_slots", "KV-cache slots (the largest decode batch)", value=stats.slots)
+        capacity = stats.slots * stats.max_seq_len
+        usage = stats.cached_tokens / capacity
         yield GaugeMetricFamily(
-            "genfast_kv_cache_usage_ratio",
-            "Tokens held in the KV cache over its capacity (slots x context)",
-            value=stats.cached_tokens / (stats.slots * stats.max_seq_len),
-        )
+            "genfast_kv_cache_usage_ratio", "Tokens held in the KV cache over its capacity (slots x context)",
+            value=usage,
+        )  # fmt: skip
+        # The model server protocol's gauges, under the names its scrapers look for (see above).
+        yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests queued for a slot", value=stats.queued)
+        yield GaugeMetricFamily("vllm:num_requests_running", "Requests in a KV-cache slot", value=stats.active)
+        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache use, 1 = full (genfast_kv_cache_usage_ratio)",
+                                value=usage)  # fmt: skip
+        config = GaugeMetricFamily(
+            "vllm:cache_config_info", "The KV cache's layout: prefix blocks of block_size tokens",
+            labels=["block_size", "num_gpu_blocks"],
+        )  # fmt: skip
+        config.add_metric([str(BLOCK_SIZE), str(capacity // BLOCK_SIZE)], 1.0)
+        yield config
         yield CounterMetricFamily("genfast_decode_steps", "Batched decode steps run", value=stats.decode_steps)
         yield CounterMetricFamily(
             "genfast_prompt_tokens_cached", "Prompt tokens found in the cache (not prefilled)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import threading
 import time
 
 import openai
@@ -35,6 +36,26 @@ def test_models_and_health(serve):
     assert [m.id for m in models] == ["tiny"] and models[0].owned_by == "genfast"
     status, health = request(server, "GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["slots"] == 2 and health["active"] == 0
+
+
+def test_ready_until_draining(serve):
+    """/ready: 200 while serving; 503 "draining" once shutting down, while in-flight requests
+    finish (a load balancer then sends no more), as /health's status says."""
+    server = serve(max_batch=2)
+    assert request(server, "GET", "/ready") == (200, {"status": "ready"})
+    stream, _ = long_stream(server, max_tokens=900)
+    drain = threading.Thread(target=server.engine.shutdown, args=(120,))
+    try:
+        assert wait_until(lambda: server.engine.stats().active == 1)
+        drain.start()
+        assert wait_until(lambda: server.engine.stopping)
+        assert request(server, "GET", "/ready") == (503, {"status": "draining"})
+        status, health = request(server, "GET", "/health")
+        assert status == 503 and health["status"] == "shutting_down" and health["active"] == 1
+    finally:
+        stream.close()  # cancelled: the engine is idle and the drain ends
+        if drain.is_alive():
+            drain.join(timeout=60)
 
 
 def test_completions_greedy_equal_single_request_generate(serve, reference):
@@ -294,6 +315,11 @@ def test_metrics_parse_as_prometheus_text_and_move_as_requests_run(serve):
     before = scrape(server)
     assert before["genfast_requests_running"] == 0 and before["genfast_slots"] == 2
     assert before["genfast_generation_tokens_total"] == 0 and before["genfast_kv_cache_usage_ratio"] == 0
+    # The model server protocol's gauges under vLLM's names (the gateway's endpoint picker scrapes them).
+    assert before["vllm:num_requests_running"] == before["vllm:num_requests_waiting"] == 0
+    assert before["vllm:kv_cache_usage_perc"] == 0
+    [layout] = [key for key in before if key.startswith("vllm:cache_config_info")]
+    assert layout == f"vllm:cache_config_info{{block_size=16,num_gpu_blocks={2 * server.engine.max_seq_len // 16}}}"
     client = server.client()
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
     for _ in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, stream=True):
@@ -303,6 +329,8 @@ def test_metrics_parse_as_prometheus_text_and_move_as_requests_run(serve):
         assert wait_until(lambda: scrape(server)["genfast_requests_running"] == 1)
         during = scrape(server)
         assert 0 < during["genfast_kv_cache_usage_ratio"] <= 1
+        assert during["vllm:kv_cache_usage_perc"] == during["genfast_kv_cache_usage_ratio"]
+        assert during["vllm:num_requests_running"] == 1
     finally:
         stream.close()
     assert wait_until(lambda: scrape(server).get("genfast_requests_total{finish_reason=cancelled}") == 1)
