@@ -8,6 +8,10 @@ import numpy as np
 import torch
 
 
+# Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses).
+ROPE_PERMUTED = {"llama", "smollm3"}
+
+
 def permute_for_gguf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp's converter permutation of q/k rows (rotate-half -> interleaved pairs)."""
     head_dim = w.shape[0] // n_heads
@@ -113,7 +117,7 @@ def write_gguf_from_hf(
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             target = f"blk.{i}.{per_layer[module]}.{kind}"
-            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ROPE_PERMUTED and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
                 tensor = permute_for_gguf(tensor, heads)
         else:

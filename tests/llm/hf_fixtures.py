@@ -225,6 +225,25 @@ TINY_CONFIGS = {
         tie_word_embeddings=False,
         use_sliding_window=False,
     ),
+    # NoPE: every fourth layer (the default interval, which llama.cpp assumes for GGUF) attends
+    # without rotary positions; tied, as SmolLM3-3B.
+    "smollm3": dict(
+        model_type="smollm3",
+        architectures=["SmolLM3ForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Linear rope scaling, MHA (no GQA), attention_bias.
     "llama2_linear": dict(
         model_type="llama",

@@ -40,6 +40,7 @@ FAMILIES = [
     ("gemma3", "gemma3"),
     ("mixtral", "llama"),  # llama.cpp writes Mixtral as "llama" with an expert count
     ("qwen3_moe", "qwen3moe"),
+    ("smollm3", "smollm3"),
 ]
 # Budgets on the tiny random models: the mean KL divergence of the next-token distributions,
 # and the relative logit error ||quantized - fp32|| / ||fp32|| as a guard against gross breakage
@@ -109,6 +110,7 @@ COMPILED_LAYERS = {
     "gemma2": dict(num_hidden_layers=2),  # local, global
     "gemma3": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]),
     "qwen3_moe": dict(num_hidden_layers=2),  # experts, dense (mlp_only_layers)
+    "smollm3": dict(num_hidden_layers=2, no_rope_layer_interval=2),  # rotary, NoPE
 }
 
 
@@ -201,3 +203,16 @@ def test_local_layers_keep_a_ring_of_their_window(name, tmp_path, fresh_dynamo):
     if name == "mistral_window":  # the ring's compiled code is the same for every family: compiled once
         compiled = Generator(model, tok, max_seq_len=128, compile=True)
         assert compiled.generate([prompts[1]], 60, stop_at_eos=False).token_ids[0] == want[1]
+
+
+@pytest.mark.parametrize(
+    "changes, nope", [(dict(no_rope_layers=[0, 1, 1, 0]), (0, 3)), (dict(no_rope_layer_interval=2), (1, 3))]
+)
+def test_smollm3_takes_its_nope_layers_from_the_config(changes, nope, tmp_path):
+    """The NoPE layers as a list (1: the layer rotates) or as an interval, and logits equal transformers'."""
+    hf = make_hf_model("smollm3", **changes)
+    model = load_model(Checkpoint.open(save_hf_model(hf, tmp_path / "smollm3")))
+    assert model.args.family_args.nope_layers == nope
+    tokens = _tokens(hf.config.vocab_size, 19)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, torch.arange(19), all_logits=True), hf(tokens).logits, atol=ATOL, rtol=0)
