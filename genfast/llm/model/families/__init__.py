@@ -6,10 +6,10 @@ classes it builds (genfast/llm/model/layers.py, subclassed where it differs) and
 tensors of its own in both formats. Adding a family is a module here plus its entry in `_registry`.
 
 Registered: llama (Llama, Mistral, SmolLM/SmolLM2), mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2,
-gemma3, smollm3 (NoPE layers), seed_oss, olmo2 (OLMo 2 and 3), granite, ernie4_5,
-exaone4, glm4 and hunyuan_dense.
-Several are a few lines of data over the shared blocks (seed_oss, ernie4_5); the others subclass
-the shared attention or block where they differ.
+gemma3, smollm3 (NoPE layers), seed_oss, olmo2 (OLMo 2 and 3), granite, ernie4_5, exaone4, glm4
+and hunyuan_dense (model_type hunyuan_v1_dense). Several are a few lines of data over the shared
+blocks (qwen2, phi3, seed_oss, ernie4_5); the others subclass the shared attention or block (or
+another family's) only where they differ.
 """
 
 from __future__ import annotations
