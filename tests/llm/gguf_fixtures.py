@@ -7,6 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses).
+ROPE_PERMUTED = {"llama", "smollm3", "granite"}
+
 
 def permute_for_gguf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp's converter permutation of q/k rows (rotate-half -> interleaved pairs)."""
@@ -36,13 +39,18 @@ def write_gguf_from_hf(
     w.add_head_count_kv(cfg.num_key_value_heads)
     rope = getattr(cfg, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
-    w.add_rope_freq_base(float(rope["rope_theta"]) if "rope_theta" in rope else float(cfg.rope_theta))
+    theta = float(rope["rope_theta"]) if "rope_theta" in rope else float(cfg.rope_theta)
+    if rope.get("rope_type") == "dynamic" and rope.get("alpha"):  # HunYuan: the converter scales the base
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        theta *= rope["alpha"] ** (head_dim / (head_dim - 2))
+    w.add_rope_freq_base(theta)
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0)
+    w.add_rope_dimension_count(int(head_dim * partial))
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
@@ -70,6 +78,8 @@ def write_gguf_from_hf(
         "post_attention_layernorm": "ffn_norm",
         "self_attn.q_norm": "attn_q_norm",  # Qwen3
         "self_attn.k_norm": "attn_k_norm",
+        "self_attn.query_layernorm": "attn_q_norm",  # HunYuan
+        "self_attn.key_layernorm": "attn_k_norm",
         "self_attn.qkv_proj": "attn_qkv",  # Phi-3: fused as llama.cpp keeps them
         "mlp.gate_up_proj": "ffn_up",
     }
@@ -84,6 +94,19 @@ def write_gguf_from_hf(
             w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         if getattr(cfg, "final_logit_softcapping", None):
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch in ("olmo2", "exaone4"):  # post-norms only, under llama.cpp's post-norm names
+        per_layer.update({"post_attention_layernorm": "post_attention_norm",
+                          "post_feedforward_layernorm": "post_ffw_norm"})  # fmt: skip
+        if arch == "olmo2" and getattr(cfg, "layer_types", None):  # OLMo 3's local layers
+            w.add_sliding_window(cfg.sliding_window)
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if arch == "glm4":  # llama.cpp's names of GLM-4's four norms
+        per_layer.update({"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm"})
+    if arch == "granite":  # llama.cpp's names of Granite's multipliers
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     n_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if n_experts:  # mixture of experts (Mixtral: architecture "llama" with an expert count)
         w.add_expert_count(n_experts)
@@ -113,7 +136,7 @@ def write_gguf_from_hf(
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             target = f"blk.{i}.{per_layer[module]}.{kind}"
-            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ROPE_PERMUTED and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
                 tensor = permute_for_gguf(tensor, heads)
         else:

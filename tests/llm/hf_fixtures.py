@@ -6,6 +6,23 @@ from pathlib import Path
 
 import torch
 
+# What the later families' tiny configs share: two layers of width 64, GQA, tied embeddings.
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 TINY_CONFIGS = {
     # GQA, untied head, Llama-3.1 rope scaling.
     "llama3": dict(
@@ -224,6 +241,78 @@ TINY_CONFIGS = {
         rope_theta=1000000.0,
         tie_word_embeddings=False,
         use_sliding_window=False,
+    ),
+    # NoPE: every fourth layer (the default interval, which llama.cpp assumes for GGUF) attends
+    # without rotary positions; tied, as SmolLM3-3B.
+    "smollm3": dict(
+        SMALL, model_type="smollm3", architectures=["SmolLM3ForCausalLM"], num_hidden_layers=4, rope_theta=50000.0
+    ),
+    # q/k/v biases without an output bias, head_dim apart from hidden_size / heads, untied.
+    "seed_oss": dict(
+        SMALL,
+        model_type="seed_oss",
+        architectures=["SeedOssForCausalLM"],
+        head_dim=24,
+        attention_bias=True,
+        attention_out_bias=False,
+        tie_word_embeddings=False,
+    ),
+    # Post-norms (no pre-norms), q/k norms over the whole projection, untied.
+    "olmo2": dict(
+        SMALL, model_type="olmo2", architectures=["Olmo2ForCausalLM"], rope_theta=500000.0, tie_word_embeddings=False
+    ),
+    # OLMo 2's block with a 6-token window on the first layer (layer_types), rotary as the global one.
+    "olmo3": dict(
+        SMALL,
+        model_type="olmo3",
+        architectures=["Olmo3ForCausalLM"],
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=6,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
+    # Post-norms and per-head q/k norms, every layer global and rotary (EXAONE 4.0 1.2B's layout,
+    # the one llama.cpp assumes for GGUF files of any size but the 32B's).
+    "exaone4": dict(
+        SMALL,
+        model_type="exaone4",
+        architectures=["Exaone4ForCausalLM"],
+        sliding_window=None,
+        layer_types=["full_attention", "full_attention"],
+        rope_theta=1000000.0,
+    ),
+    # Four norms per block, q/k/v biases, fused gate_up_proj, rotary on interleaved pairs of half
+    # of each head's dims, untied.
+    "glm4": dict(
+        SMALL,
+        model_type="glm4",
+        architectures=["Glm4ForCausalLM"],
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    ),
+    # Per-head q/k norms after the rotary embedding, NTK-alpha ("dynamic") rope.
+    "hunyuan_dense": dict(
+        SMALL,
+        model_type="hunyuan_v1_dense",
+        architectures=["HunYuanDenseV1ForCausalLM"],
+        head_dim=16,
+        rope_scaling=dict(type="dynamic", alpha=1000.0, factor=1.0),
+    ),
+    # Embedding, attention and residual multipliers and logits scaling, values of Granite 3's size.
+    "granite": dict(
+        SMALL,
+        model_type="granite",
+        architectures=["GraniteForCausalLM"],
+        embedding_multiplier=12.0,
+        attention_multiplier=0.0078125,
+        residual_multiplier=0.22,
+        logits_scaling=8.0,
+    ),
+    # Rotary pairs interleaved (not halves), head_dim set apart.
+    "ernie4_5": dict(
+        SMALL, model_type="ernie4_5", architectures=["Ernie4_5ForCausalLM"], head_dim=16, rope_theta=500000.0
     ),
     # Linear rope scaling, MHA (no GQA), attention_bias.
     "llama2_linear": dict(

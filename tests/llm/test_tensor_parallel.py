@@ -70,6 +70,10 @@ CASES = [
     Case("qwen2", "int8"),  # per-channel scales: each rank's columns keep the row's scale
     Case("qwen2", "int4"),  # groups of 32: whole groups per rank
     Case(QUANTIZED_DIR),  # a `genfast quantize --mode int4` directory: its blocks are read as codes
+    Case("smollm3"),  # a NoPE layer among rotary ones
+    Case("granite"),  # its own attention scale and residual multiplier on every rank
+    Case("glm4"),  # four norms per block, q/k rows reordered from interleaved pairs of half the head
+    Case("exaone4"),  # post-norms (OLMo 2's block) with per-head q/k norms
 ]
 # The functional all-reduce inside the compiled prefill and decode graphs (fullgraph): ~35 s of
 # compiling on two cores, so in its own (slow) test.

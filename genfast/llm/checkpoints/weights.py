@@ -115,8 +115,8 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
     Face or GGUF checkpoint, tensor by tensor."""
     args, path = checkpoint.args, checkpoint.path
     if checkpoint.format == "hf":
-        get, available = _hf_source(path)
         family = families.family(args.family)
+        get, available = _hf_source(path, args if family.hf_rope_interleaved else None)
         layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
         layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
         expert_names = family.hf_expert_tensors
@@ -209,7 +209,10 @@ def gguf_quantized_linears(
             suffix = source.split(".", 2)[-1]
             if suffix in permuted:
                 qw = QuantizedWeight(
-                    *(unpermute_rope_rows(t, permuted[suffix]) for t in (qw.codes, qw.scales, qw.mins)),
+                    *(
+                        unpermute_rope_rows(t, permuted[suffix], args.rotary_dim)
+                        for t in (qw.codes, qw.scales, qw.mins)
+                    ),
                     qw.bits,
                     qw.group_size,
                     qw.in_features,
@@ -242,7 +245,9 @@ def gguf_quantized_linears(
     return found
 
 
-def _hf_source(path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
+def _hf_source(path: Path, interleaved: ModelArgs | None = None) -> tuple[Callable[[str], torch.Tensor], set[str]]:
+    """A getter of the tensors of a HF directory, and their names; `interleaved`: the args of a model
+    whose q/k rows are in interleaved rotary pairs, reordered to halves here."""
     from safetensors import SafetensorError, safe_open
 
     index = path / "model.safetensors.index.json"
@@ -272,8 +277,12 @@ def _hf_source(path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
         if not index.is_file():
             weight_map.update(dict.fromkeys(handles[name].keys(), name))
 
+    heads = {} if interleaved is None else {"q_proj": interleaved.n_heads, "k_proj": interleaved.n_kv_heads}
+
     def get(name: str) -> torch.Tensor:
-        return handles[weight_map[name]].get_tensor(name)
+        tensor = handles[weight_map[name]].get_tensor(name)
+        kind = name.split(".")[-2]
+        return unpermute_rope_rows(tensor, heads[kind], interleaved.rotary_dim) if kind in heads else tensor
 
     return get, set(weight_map)
 
@@ -288,13 +297,17 @@ def _gguf_getter(gguf: GGUFFile, args: ModelArgs) -> Callable[[str], torch.Tenso
         tensor = gguf.tensor(name)
         kind = name.split(".")[-2]
         if kind in permuted:
-            tensor = unpermute_rope_rows(tensor, permuted[kind])
+            tensor = unpermute_rope_rows(tensor, permuted[kind], args.rotary_dim)
         return family.gguf_tensor(name, tensor)
 
     return get
 
 
-def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's q/k row permutation (per head: [pairs interleaved] -> [half | half])."""
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k row permutation (per head: [pairs interleaved] -> [half | half]),
+    of the first `rotary_dim` rows of each head (default: all; the others do not rotate)."""
     head_dim = w.shape[0] // n_heads
-    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    rotary = rotary_dim or head_dim
+    heads = w.reshape(n_heads, head_dim, *w.shape[1:])
+    rotated = heads[:, :rotary].reshape(n_heads, rotary // 2, 2, *w.shape[1:]).transpose(1, 2)
+    return torch.cat([rotated.reshape(n_heads, rotary, *w.shape[1:]), heads[:, rotary:]], dim=1).reshape(w.shape)

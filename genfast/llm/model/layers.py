@@ -241,6 +241,9 @@ class Attention(nn.Module):
     # Every query through the native kernel, whose result for a query does not depend on the other
     # queries, rows or cache length of the call (set by genfast.llm.model.invariance).
     batch_invariant = False
+    # Each head's q, k and v depend on its own rows of wqkv alone, so tensor parallelism may split
+    # the heads over ranks (not so where a norm spans all heads: OLMo 2).
+    heads_independent = True
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -250,6 +253,7 @@ class Attention(nn.Module):
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
         self.kv_cache: KVCache | WindowKVCache | None = None
         self.sliding_window: int | None = args.sliding_window  # a family may set it per layer (Gemma)
+        self.scale = args.head_dim**-0.5  # of the scores q.k; a family may set its own (Gemma, Granite)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor, cache_rows: Tensor | None = None
@@ -275,24 +279,28 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
         """Attention of q [B, H, S, D] over the valid keys and values [B, KV, L, D]: [B, H, S, D]."""
         if self.batch_invariant:
-            return decode_attention.decode_attention(q, keys, values, mask, self.head_dim**-0.5)
+            return decode_attention.decode_attention(q, keys, values, mask, self.scale)
         if decode_attention.applies(q, keys, mask):
-            return decode_attention.decode_attention(q, keys, values, mask, self.head_dim**-0.5)
+            return decode_attention.decode_attention(q, keys, values, mask, self.scale)
         if q.shape[2] == 1 and torch.compiler.is_compiling():  # the kernel's PyTorch path
-            return decode_attention.portable(q, keys, values, mask, self.head_dim**-0.5)
+            return decode_attention.portable(q, keys, values, mask, self.scale)
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under fp32 compute
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v of `x` [B, S, dim], each [B, heads, S, head_dim], before rotary embedding (a
         family that normalizes q and k per head overrides this)."""
-        bsz, seqlen, _ = x.shape
+        q, k, v = self.projections(x)
+        return self.heads(q), self.heads(k), self.heads(v)
+
+    def projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of `x` [B, S, dim] as projected: [B, S, heads * head_dim] each."""
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        return q, k, v
+        return self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+
+    def heads(self, x: Tensor) -> Tensor:
+        """[B, S, n * head_dim] -> [B, n, S, head_dim]."""
+        return x.view(*x.shape[:2], -1, self.head_dim).transpose(1, 2)
 
 
 class FeedForward(nn.Module):

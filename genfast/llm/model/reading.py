@@ -20,6 +20,8 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
             f"unsupported architecture {model_type!r} (architectures {cfg.get('architectures')}); "
             f"genfast loads model_type {', '.join(families.hf_model_types())}"
         )
+    if cfg.get("mlp_bias"):  # Llama, Granite, Seed-OSS may say so; the tensors would go unread
+        raise UserError(f"{model_type} checkpoints with mlp_bias (biases in the MLP's projections) are not supported")
     rope = cfg.get("rope_parameters") or {}
     if "full_attention" in rope:  # per layer type (transformers 5, Gemma 3): the global layers'
         rope = rope["full_attention"]
@@ -38,7 +40,8 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         else:  # Qwen2/3 window only some layers (max_window_layers); full attention equals
             max_seq_len = sliding  # sliding-window attention up to the window
 
-    return ModelArgs(
+    own = family.hf_fields(cfg)  # the family's fields take precedence over the shared reading
+    shared = dict(
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
@@ -49,13 +52,14 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         rotary_dim=int(head_dim * partial),
         norm_eps=cfg.get("rms_norm_eps", 1e-5),
         rope_theta=float(theta),
-        rope_scaling=_rope_scaling_from_hf(rope_scaling, cfg),
         max_seq_len=max_seq_len,
         sliding_window=window,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         family=model_type,
-        **family.hf_fields(cfg),
     )
+    if "rope_scaling" not in own:  # a family may read a scheme of its own (HunYuan's NTK alpha)
+        shared["rope_scaling"] = _rope_scaling_from_hf(rope_scaling, cfg)
+    return ModelArgs(**{**shared, **own})
 
 
 def args_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelArgs:

@@ -104,3 +104,13 @@ def test_a_quantized_gemma_directory_loads_back_with_its_family_args(tmp_path):
     with torch.no_grad():
         want = on_load.model(tokens, torch.arange(17), all_logits=True)
         torch.testing.assert_close(saved.model(tokens, torch.arange(17), all_logits=True), want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "name, changes",
+    [("llama3", {"mlp_bias": True}), ("granite", {"mlp_bias": True}), ("ernie4_5", {"use_bias": True})],
+)
+def test_biases_genfast_does_not_read_are_refused(name, changes):
+    """MLP biases would be left unread (and the logits wrong): such configs are refused."""
+    with pytest.raises(UserError, match="not supported"):
+        args_from_hf_config({**TINY_CONFIGS[name], **changes})

@@ -26,6 +26,7 @@ from genfast.llm.loading import load
 from genfast.llm.model import families
 from genfast.llm.model.layers import WINDOW_SLACK, WindowKVCache
 from genfast.llm.model.reading import args_from_hf_config
+from genfast.llm.tensor_parallel import shard_model
 from tests.llm.decoding.test_generate import check_compiled_matches_eager
 from tests.llm.gguf_fixtures import write_gguf_from_hf
 from tests.llm.hf_fixtures import TINY_CONFIGS, make_hf_model, save_hf_model, word_tokenizer
@@ -40,6 +41,15 @@ FAMILIES = [
     ("gemma3", "gemma3"),
     ("mixtral", "llama"),  # llama.cpp writes Mixtral as "llama" with an expert count
     ("qwen3_moe", "qwen3moe"),
+    ("smollm3", "smollm3"),
+    ("seed_oss", "seed_oss"),
+    ("olmo2", "olmo2"),
+    ("olmo3", "olmo2"),  # llama.cpp writes OLMo 3 as "olmo2" with a window and a layer pattern
+    ("granite", "granite"),
+    ("ernie4_5", "ernie4_5"),
+    ("exaone4", "exaone4"),
+    ("glm4", "glm4"),
+    ("hunyuan_dense", "hunyuan-dense"),
 ]
 # Budgets on the tiny random models: the mean KL divergence of the next-token distributions,
 # and the relative logit error ||quantized - fp32|| / ||fp32|| as a guard against gross breakage
@@ -102,6 +112,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+# EXAONE 4.0 32B's layout: local layers (a 6-token window here) rotate, the global ones do not.
+EXAONE4_HYBRID = dict(num_hidden_layers=2, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+
 # The compile tests' models keep one layer of each kind a family has, and no more: compiling is most
 # of these tests' time (cold, on a 2-core Xeon: gemma3's two compile tests took 142 s with six
 # layers, 87 s with two).
@@ -109,12 +122,27 @@ COMPILED_LAYERS = {
     "gemma2": dict(num_hidden_layers=2),  # local, global
     "gemma3": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]),
     "qwen3_moe": dict(num_hidden_layers=2),  # experts, dense (mlp_only_layers)
+    "smollm3": dict(num_hidden_layers=2, no_rope_layer_interval=2),  # rotary, NoPE
+    "exaone4": EXAONE4_HYBRID,  # local and rotary, global and NoPE
+}
+
+
+# Families whose modules are another's, with other values (biases, q/k row order, windows): their
+# compiled steps are that family's code, compiled by its tests; compiling them again would only
+# add minutes to the suite.
+COMPILED_AS = {
+    "seed_oss": "qwen2 in tests/llm/decoding/test_generate.py: Llama's modules with q/k/v biases",
+    "ernie4_5": "Llama's modules; only the loader reorders q/k rows",
+    "olmo3": "olmo2's modules with a window on some layers, as gemma2's local layers",
+    "smollm3": "exaone4's NoPE layers (NoPEAttention)",
 }
 
 
 @pytest.fixture
 def compiled_family(family_model, tmp_path) -> tuple[str, object, Path]:
     name = family_model[0]
+    if name in COMPILED_AS:
+        pytest.skip(f"compiled as {COMPILED_AS[name]}")
     return saved_family(name, tmp_path, **COMPILED_LAYERS[name]) if name in COMPILED_LAYERS else family_model
 
 
@@ -178,9 +206,9 @@ def greedy_per_transformers(hf, prompt: list[int], generated: list[int]) -> bool
     return bool((logits.max(-1).values - chosen <= 1e-4).all())
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral_window"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral_window", "olmo3"])
 def test_local_layers_keep_a_ring_of_their_window(name, tmp_path, fresh_dynamo):
-    """Local layers (Gemma's; all of Mistral v0.1's) cache window + WINDOW_SLACK slots whatever the
+    """Local layers (Gemma's and OLMo 3's; all of Mistral v0.1's) cache window + WINDOW_SLACK slots whatever the
     context, which goes on past the window. A prompt longer than
     the ring and a generation that wraps it many times are transformers' greedy tokens, and a
     left-padded batch, speculative decoding (rejected drafts are written into the ring and must
@@ -201,3 +229,38 @@ def test_local_layers_keep_a_ring_of_their_window(name, tmp_path, fresh_dynamo):
     if name == "mistral_window":  # the ring's compiled code is the same for every family: compiled once
         compiled = Generator(model, tok, max_seq_len=128, compile=True)
         assert compiled.generate([prompts[1]], 60, stop_at_eos=False).token_ids[0] == want[1]
+
+
+@pytest.mark.parametrize(
+    "changes, nope", [(dict(no_rope_layers=[0, 1, 1, 0]), (0, 3)), (dict(no_rope_layer_interval=2), (1, 3))]
+)
+def test_smollm3_takes_its_nope_layers_from_the_config(changes, nope, tmp_path):
+    """The NoPE layers as a list (1: the layer rotates) or as an interval, and logits equal transformers'."""
+    hf = make_hf_model("smollm3", **changes)
+    model = load_model(Checkpoint.open(save_hf_model(hf, tmp_path / "smollm3")))
+    assert model.args.family_args.nope_layers == nope
+    tokens = _tokens(hf.config.vocab_size, 19)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(tokens, torch.arange(19), all_logits=True), hf(tokens).logits, atol=ATOL, rtol=0
+        )
+
+
+def test_tensor_parallelism_refuses_norms_over_all_heads(tmp_path):
+    """OLMo 2 normalizes q and k over every head at once: a rank with half the heads cannot."""
+    model = load_model(Checkpoint.open(save_hf_model(make_hf_model("olmo2"), tmp_path / "olmo2")))
+    with pytest.raises(UserError, match="over all heads together"):
+        shard_model(model, 0, 2)
+
+
+def test_a_hybrid_exaone4_keeps_positions_out_of_its_global_layers(tmp_path):
+    """EXAONE 4.0 32B's layout: the local layers rotate and attend within their window, the global
+    ones neither; a sequence longer than the window, logits equal transformers'."""
+    hf = make_hf_model("exaone4", **{**EXAONE4_HYBRID, "num_hidden_layers": 4, "layer_types": None})
+    model = load_model(Checkpoint.open(save_hf_model(hf, tmp_path / "exaone4")))
+    own = model.args.family_args
+    assert (own.sliding_layers, own.nope_layers, own.sliding_window) == ((0, 1, 2), (3,), 6)
+    tokens = _tokens(hf.config.vocab_size, 19)
+    with torch.no_grad():
+        got, want = model(tokens, torch.arange(19), all_logits=True), hf(tokens).logits
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

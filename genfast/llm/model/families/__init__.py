@@ -4,18 +4,58 @@ A family says which Hugging Face `model_type`s and GGUF `general.architecture`s 
 config differs from the shared reading (genfast.llm.model.config.ModelArgs), which block and attention
 classes it builds (genfast/llm/model/layers.py, subclassed where it differs) and the names of any
 tensors of its own in both formats. Adding a family is a module here plus its entry in `_registry`.
+
+Registered: llama (Llama, Mistral, SmolLM/SmolLM2), mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2,
+gemma3, smollm3 (NoPE layers), seed_oss, olmo2 (OLMo 2 and 3), granite, ernie4_5, exaone4, glm4
+and hunyuan_dense (model_type hunyuan_v1_dense). Several are a few lines of data over the shared
+blocks (qwen2, phi3, seed_oss, ernie4_5); the others subclass the shared attention or block (or
+another family's) only where they differ.
 """
 
 from __future__ import annotations
 
 from genfast.errors import UserError
-from genfast.llm.model.families import gemma2, gemma3, llama, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from genfast.llm.model.families import (
+    ernie4_5,
+    exaone4,
+    gemma2,
+    gemma3,
+    glm4,
+    granite,
+    hunyuan_dense,
+    llama,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    seed_oss,
+    smollm3,
+)
 from genfast.llm.model.families.base import Family
 
 
 def _registry() -> dict[str, Family]:
     found: dict[str, Family] = {}
-    every = (llama, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3)
+    every = (
+        llama,
+        mixtral,
+        qwen2,
+        qwen3,
+        qwen3_moe,
+        phi3,
+        gemma2,
+        gemma3,
+        smollm3,
+        seed_oss,
+        olmo2,
+        granite,
+        ernie4_5,
+        exaone4,
+        glm4,
+        hunyuan_dense,
+    )
     for fam in (module.FAMILY for module in every):
         for name in {fam.name, *fam.hf_model_types, *fam.gguf_architectures}:
             found[name] = fam

@@ -52,8 +52,10 @@ class Family:
     gguf_fields: Callable[[dict[str, Any], str], dict[str, Any]] = lambda meta, arch: {}
     # A GGUF tensor as llama.cpp stores it -> as the model takes it (name: the GGUF tensor's).
     gguf_tensor: Callable[[str, Tensor], Tensor] = lambda name, tensor: tensor
-    # llama.cpp's converter interleaves the rotary halves of q/k rows for this architecture.
+    # The q/k rows of a head are in interleaved rotary pairs, not halves: in GGUF files (llama.cpp's
+    # converter permutes Llama's rows so; ERNIE's are so already), in HF checkpoints (ERNIE 4.5).
     gguf_rope_interleaved: bool = False
+    hf_rope_interleaved: bool = False
     # A config's `sliding_window` applies to every layer unless it says `use_sliding_window: false`
     # (Mistral, Phi-3); otherwise only when it says true, and then to some layers (Qwen2/3).
     sliding_window_by_default: bool = False

@@ -80,16 +80,20 @@ class GemmaAttention(Attention):
 
 class GemmaBlock(nn.Module):
     """Norms before and after attention and MLP; the same attribute names as the shared block
-    (attention, feed_forward, attention_norm, ffn_norm), so quantization and sharding apply."""
+    (attention, feed_forward, attention_norm, ffn_norm), so quantization and sharding apply.
+    `norm_type` and `feed_forward_type`: Gemma's; a family with the same four norms may take others."""
+
+    norm_type: type[nn.Module] = GemmaRMSNorm
+    feed_forward_type: type[FeedForward] = GeluFeedForward
 
     def __init__(self, args: ModelArgs, attention: Attention) -> None:
         super().__init__()
         self.attention = attention
-        self.feed_forward = GeluFeedForward(args)
-        self.attention_norm = GemmaRMSNorm(args.dim, args.norm_eps)
-        self.post_attention_norm = GemmaRMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = GemmaRMSNorm(args.dim, args.norm_eps)
-        self.post_ffn_norm = GemmaRMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = self.feed_forward_type(args)
+        self.attention_norm = self.norm_type(args.dim, args.norm_eps)
+        self.post_attention_norm = self.norm_type(args.dim, args.norm_eps)
+        self.ffn_norm = self.norm_type(args.dim, args.norm_eps)
+        self.post_ffn_norm = self.norm_type(args.dim, args.norm_eps)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor, cache_rows: Tensor | None = None
