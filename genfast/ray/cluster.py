@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from genfast.errors import UserError
@@ -29,3 +30,34 @@ def connect(address: str | None) -> Any:
         except ConnectionError as e:
             raise UserError(f"could not join the Ray cluster at {address}: {e}") from e
     return ray
+
+
+def map_to_jsonl(
+    ray: Any,
+    rows: Any,
+    model_class: type,
+    model_kwargs: dict[str, Any],
+    call_kwargs: dict[str, Any],
+    target: Path,
+    *,
+    concurrency: int,
+    batch_size: int,
+    cpus_per_actor: float,
+) -> int:
+    """Map the Dataset `rows` through `concurrency` actors of `model_class(**model_kwargs)` (a
+    genfast Ray Data callable class; `call_kwargs`: its `__call__`'s keywords), each reserving
+    `cpus_per_actor` CPUs, and write the mapped rows as JSONL files into the folder `target`.
+    Returns the rows written."""
+    mapped = rows.map_batches(
+        model_class,
+        fn_constructor_kwargs=model_kwargs,
+        fn_kwargs=call_kwargs,
+        compute=ray.data.ActorPoolStrategy(size=concurrency),
+        batch_size=batch_size,
+        batch_format="numpy",
+        num_cpus=cpus_per_actor,
+    )
+    # Writing takes no CPU of its own: the actors hold the CPUs (with every CPU of the cluster in
+    # an actor, a writer that wanted one would wait for ever).
+    mapped.write_json(str(target.resolve()), ray_remote_args={"num_cpus": 0})
+    return sum(1 for path in target.glob("*.json") for line in path.read_text().splitlines() if line.strip())

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from genfast.errors import UserError
-from genfast.ray.cluster import connect
+from genfast.ray.cluster import connect, map_to_jsonl
 
 
 def generate_jsonl(
@@ -40,20 +40,12 @@ def generate_jsonl(
     if target.exists() and any(target.iterdir()):
         raise UserError(f"{target} is not empty: give an empty or new folder for the answers")
     ray = connect(address)
-    # Reading and writing JSONL take no CPU of their own: the actors hold the CPUs (with every CPU
-    # of the cluster in an actor, reads that wanted one would wait for ever).
+    # Reading takes no CPU either (see map_to_jsonl).
     dataset = ray.data.read_json(str(source.resolve()), lines=True, num_cpus=0)
-    answers = dataset.map_batches(
-        LLM,
-        fn_constructor_kwargs=llm,
-        fn_kwargs=sampling or {},
-        compute=ray.data.ActorPoolStrategy(size=concurrency),
-        batch_size=batch_size,
-        batch_format="numpy",
-        num_cpus=cpus_per_actor,
-    )
-    answers.write_json(str(target.resolve()), ray_remote_args={"num_cpus": 0})
-    return sum(1 for path in target.glob("*.json") for line in path.read_text().splitlines() if line.strip())
+    return map_to_jsonl(
+        ray, dataset, LLM, llm, sampling or {}, target, concurrency=concurrency, batch_size=batch_size,
+        cpus_per_actor=cpus_per_actor,
+    )  # fmt: skip
 
 
 def generate_command(args: argparse.Namespace) -> int:

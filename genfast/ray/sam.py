@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from genfast.errors import UserError
-from genfast.ray.cluster import connect
+from genfast.ray.cluster import connect, map_to_jsonl
 
 
 def segment_images(
@@ -42,19 +42,12 @@ def segment_images(
     if target.exists() and any(target.iterdir()):
         raise UserError(f"{target} is not empty: give an empty or new folder for the masks")
     ray = connect(address)
-    # The rows are paths: the actors read the files (and hold the CPUs; see genfast/ray/llm.py).
+    # The rows are paths: the actors read the files.
     rows = ray.data.from_items([{"path": str(Path(p).expanduser().resolve())} for p in images])
-    masks = rows.map_batches(
-        Segmenter,
-        fn_constructor_kwargs=segmenter,
-        fn_kwargs=prompt or {},
-        compute=ray.data.ActorPoolStrategy(size=concurrency),
-        batch_size=batch_size,
-        batch_format="numpy",
-        num_cpus=cpus_per_actor,
-    )
-    masks.write_json(str(target.resolve()), ray_remote_args={"num_cpus": 0})
-    return sum(1 for path in target.glob("*.json") for line in path.read_text().splitlines() if line.strip())
+    return map_to_jsonl(
+        ray, rows, Segmenter, segmenter, prompt or {}, target, concurrency=concurrency, batch_size=batch_size,
+        cpus_per_actor=cpus_per_actor,
+    )  # fmt: skip
 
 
 def segment_command(args: argparse.Namespace) -> int:

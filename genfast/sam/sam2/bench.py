@@ -73,10 +73,6 @@ class Sam2Ladder(SamLadder):
 
         return official.is_installed()
 
-    def steps(self, text: str | None) -> list[str]:
-        # fused-attention is SDPA for SAM 2 (Hiera has no relative-position bias): no row of its own.
-        return [s for s in super().steps(text) if text or s != "fused-attention"]
-
     def header(self, options: Options, machine: str) -> str:
         return (
             f"genfast bench sam: {self.config(options).name} ({self.kind}) with RANDOM weights (speed only) on "
