@@ -67,12 +67,14 @@ def imagine_folder(
         for batch in drawn.iter_batches(batch_size=None, batch_format="numpy"):
             for index, line in enumerate(batch["line"]):
                 item: PromptItem = by_line[int(line)]
-                if batch["error"][index] is not None:
-                    summary.fail(f"line {item.line}: id {item.id!r}: {batch['error'][index]}", stream)
+                error, warning = _text(batch["error"][index]), _text(batch["warning"][index])
+                if error is not None:
+                    summary.fail(f"line {item.line}: id {item.id!r}: {error}", stream)
                 else:
-                    if batch["warning"][index] is not None:
-                        print(f"genfast: warning: line {item.line}: id {item.id!r}: the prompt is "
-                              f"{batch['warning'][index]}", file=stream)  # fmt: skip
+                    if warning is not None:
+                        print(
+                            f"genfast: warning: line {item.line}: id {item.id!r}: the prompt is {warning}", file=stream
+                        )
                     text = json.loads(batch["settings"][index])
                     write_image(outdir, item, Image.fromarray(batch["image"][index]), text)
                     summary.done += 1
@@ -80,6 +82,11 @@ def imagine_folder(
     finally:
         progress.finish()
     return summary
+
+
+def _text(value: Any) -> str | None:
+    """A text column's value; None where it is missing (a column of nulls comes back as NaN)."""
+    return value if isinstance(value, str) else None
 
 
 def imagine_command(args: argparse.Namespace) -> int:
