@@ -9,4 +9,6 @@ cluster.
 
 - `genfast.ray.llm.generate_jsonl`: a JSONL file of prompts (what `genfast generate --input`
   reads) -> a folder of JSONL answers, through `genfast.LLM`.
+- `genfast.ray.diffusion.imagine_folder`: a file of prompts (what `genfast imagine --prompts`
+  reads) -> a PNG each in a folder of this machine, through `genfast.ImageGenerator`.
 """
