@@ -126,6 +126,8 @@ def check_size(pipe: Any, width: int, height: int) -> None:
 
 
 def check_prompt(prompt: Any) -> str:
+    if prompt is None:
+        raise ValueError("no prompt")
     if not isinstance(prompt, str):
         raise ValueError(f"the prompt must be text, not {type(prompt).__name__}")
     if not prompt.strip():

@@ -58,6 +58,8 @@ def read_prompts(path: Path, base_seed: int, summary: Summary, stream: TextIO | 
     one is reported (`summary.fail`) and left out."""
     if not path.is_file():
         raise UserError(f"prompts file not found: {path}")
+    if path.suffix.lower() == ".json":  # read as text, each line would be drawn as a prompt
+        raise UserError(f"{path}: a prompts file is text (a prompt a line) or .jsonl (an object a line): rename it")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:

@@ -79,6 +79,7 @@ def test_bad_items_are_named_and_the_rest_drawn(tmp_path, capsys):
         json.dumps({"id": "OK", "prompt": "a dog"}),  # ok.png on a case-insensitive disk
         json.dumps({"id": "size", "prompt": "a cat", "steps": 3}),
         json.dumps({"id": "long", "prompt": "stripes " * 20}),
+        json.dumps({"id": "none"}),
     ]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(lines) + "\n")
@@ -94,7 +95,8 @@ def test_bad_items_are_named_and_the_rest_drawn(tmp_path, capsys):
         "line 8: id 'OK' repeats line 1's",
         "line 9: unknown fields steps",
         "warning: line 10: id 'long': the prompt is 142 tokens, of which the text encoder reads 77",
-        "done 2, skipped 0 (already in the output), failed 8",
+        "line 11: id 'none': no prompt",
+        "done 2, skipped 0 (already in the output), failed 9",
     ):
         assert message in err, message
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["long.png", "ok.png"]
@@ -112,11 +114,14 @@ def test_flags_that_do_not_go_with_a_prompts_file(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a cat\n")
     (tmp_path / "file").write_text("")
+    as_json = tmp_path / "p.json"
+    as_json.write_text('{"id": 1, "prompt": "a cat"}\n')
     for argv, message in (
         (["a dog", "--prompts", str(prompts), "-o", str(tmp_path)], "drop the prompt argument"),
         (["--prompts", str(prompts)], "needs -o OUTDIR"),
         (["--prompts", str(tmp_path / "none.txt"), "-o", str(tmp_path)], "prompts file not found"),
         (["--prompts", str(prompts), "-o", str(tmp_path / "file")], "exists and is not a folder"),
+        (["--prompts", str(as_json), "-o", str(tmp_path)], "or .jsonl (an object a line): rename it"),
         (["--ray", "-o", str(tmp_path / "x.png"), "a dog"], "--ray draws a file of prompts"),
     ):
         assert cli.main(["imagine", *argv, *SMOKE]) == 2
