@@ -9,6 +9,7 @@ from genfast.diffusion.recipe import DEFAULT_STEP, RECIPE
 from genfast.interface.arguments import (
     add_bench_args,
     add_device,
+    add_ray,
     add_recipe,
     add_threads,
     lazy,
@@ -29,7 +30,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "imagine", help="text to image with a diffusers pipeline (PNG out)", description=IMAGINE_DESCRIPTION
     )
-    p.add_argument("prompt", help="what to draw")
+    p.add_argument("prompt", nargs="?", default=None, help="what to draw (or --prompts FILE)")
     p.add_argument(
         "--model",
         "-m",
@@ -37,7 +38,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="a diffusers pipeline directory (with model_index.json) or a hub id (downloaded when "
         "online); with --random-weights: tiny-sd15, tiny-sdxl, tiny-pixart, tiny-flux or tiny-sd3",
     )
-    p.add_argument("--output", "-o", required=True, metavar="OUT.png", help="the image file (PNG)")
+    p.add_argument(
+        "--output", "-o", default=None, metavar="OUT.png", help="the image file (PNG); with --prompts, a folder"
+    )
     p.add_argument("--denoising-steps", type=positive_int, default=30, metavar="N", help="denoising steps (default 30)")
     p.add_argument(
         "--size",
@@ -46,7 +49,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="pixels, multiples of 8 (default: the size the model was trained at, e.g. 512x512 for SD 1.5, "
         "1024x1024 for SDXL)",
     )
-    p.add_argument("--seed", type=seed, default=None, help="default: random (printed, and stored in the PNG)")
+    p.add_argument(
+        "--seed",
+        type=seed,
+        default=None,
+        help="default: random (printed, and stored in the PNG); with --prompts, the base seed (default 0): an item "
+        "without its own seed gets it plus its line number less one",
+    )
     p.add_argument(
         "--guidance",
         type=non_negative_float,
@@ -64,7 +73,27 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="a tiny random pipeline (smoke tests and timing only; labelled in every output)",
     )
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
-    p.set_defaults(run=lazy("genfast.diffusion.commands", "imagine_command"))
+    g = p.add_argument_group("many prompts from a file (genfast/diffusion/prompts_file.py)")
+    g.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help='one prompt a line (OUTDIR/00001.png ...), or .jsonl: {"id": ..., "prompt": "..."} a line with '
+        "optionally its own seed and negative (OUTDIR/ID.png); a re-run skips the PNGs already there",
+    )
+    g.add_argument("--batch-size", type=positive_int, default=1, help="prompts drawn in one pipeline call (default 1)")
+    add_ray(g, "with --prompts; the PNGs come back to OUTDIR here")
+    p.set_defaults(run=_imagine)
+
+
+def _imagine(args: argparse.Namespace) -> int:
+    """`genfast imagine`: one prompt (genfast/diffusion/commands.py), a file of them (--prompts:
+    genfast/diffusion/prompts_file.py) or a file of them on a Ray cluster (--ray: genfast/ray/diffusion.py)."""
+    if args.ray is not None:
+        return lazy("genfast.ray.diffusion", "imagine_command")(args)
+    if args.prompts is not None:
+        return lazy("genfast.diffusion.prompts_file", "imagine_file_command")(args)
+    return lazy("genfast.diffusion.commands", "imagine_command")(args)
 
 
 def register_bench(bench: argparse._SubParsersAction) -> None:

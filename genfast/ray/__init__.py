@@ -11,4 +11,6 @@ cluster.
   reads) -> a folder of JSONL answers, through `genfast.LLM`.
 - `genfast.ray.sam.segment_images`: image files -> a folder of JSONL masks, through
   `genfast.Segmenter`.
+- `genfast.ray.diffusion.imagine_folder`: a file of prompts (what `genfast imagine --prompts`
+  reads) -> a PNG each in a folder of this machine, through `genfast.ImageGenerator`.
 """

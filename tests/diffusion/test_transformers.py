@@ -18,8 +18,8 @@ from torch._dynamo.utils import counters
 
 from genfast import cli
 from genfast.diffusion.attention import FusedJointAttention, fuse_qkv, unfuse_qkv
-from genfast.diffusion.commands import check_size
 from genfast.diffusion.conv1x1 import Conv1x1AsLinear
+from genfast.diffusion.generator import check_size
 from genfast.diffusion.group_norm import ChannelsLastGroupNorm
 from genfast.diffusion.pipelines import DenoiserWrapper, initial_latents, native_size, size_multiple, tiny_pipeline
 from genfast.diffusion.quality import psnr
