@@ -114,17 +114,17 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
     """A function that fills a part of the model (the module stored under a prefix) from a Hugging
     Face or GGUF checkpoint, tensor by tensor."""
     args, path = checkpoint.args, checkpoint.path
+    family = families.family(args.family)
+    to_model = family.hf_tensor if checkpoint.format == "hf" else lambda suffix, tensor: tensor
     if checkpoint.format == "hf":
         get, available = _hf_source(path)
-        family = families.family(args.family)
         layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
         layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
         expert_names = family.hf_expert_tensors
     else:
         gguf = checkpoint.gguf
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
-        own = families.family(args.family).gguf_layer_tensors
-        layer_names = {**_GGUF_LAYER, **own}
+        layer_names = {**_GGUF_LAYER, **family.gguf_layer_tensors}
         layer_prefix, global_names = "blk.{i}.", _GGUF_GLOBAL
         expert_names = _GGUF_EXPERTS
 
@@ -133,6 +133,7 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
             name = prefix + local
             if name == "output.weight" and args.tie_embeddings:
                 continue
+            suffix = name
             if name.startswith("layers."):
                 _, idx, suffix = name.split(".", 2)
                 names = expert_names if args.is_moe_layer(int(idx)) and suffix in expert_names else layer_names
@@ -144,7 +145,7 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
             missing = [s for s in sources if s not in available]
             if missing:
                 raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
-            tensor = _assemble([get(s) for s in sources], per_expert)
+            tensor = to_model(suffix, _assemble([get(s) for s in sources], per_expert, bias=name.endswith("bias")))
             if tensor.shape != param.shape:
                 raise UserError(
                     f"{path}: tensor {sources[0]} has shape {tuple(tensor.shape)} but the config implies "
@@ -156,13 +157,16 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
     return fill
 
 
-def _assemble(parts: list[torch.Tensor], per_expert: int | None) -> torch.Tensor:
+def _assemble(parts: list[torch.Tensor], per_expert: int | None, bias: bool = False) -> torch.Tensor:
     """One parameter from its source tensors: fused projections are concatenated along the output
-    features (GGUF's expert stacks [E, out, in] too); experts stored a tensor each (HF; `per_expert`
-    tensors per expert, expert by expert) are concatenated per expert and stacked."""
+    features (GGUF's expert stacks [E, out, in] too; a bias's last dimension, of each expert for
+    stacked expert biases [E, out]); experts stored a tensor each (HF; `per_expert` tensors per
+    expert, expert by expert) are concatenated per expert and stacked."""
     if per_expert is not None:
         return torch.stack([torch.cat(parts[i : i + per_expert]) for i in range(0, len(parts), per_expert)])
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=max(parts[0].dim() - 2, 0))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=-1 if bias else max(parts[0].dim() - 2, 0))
 
 
 def _quantized_filler(checkpoint: Checkpoint, dtype: torch.dtype) -> Filler:
@@ -272,10 +276,29 @@ def _hf_source(path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
         if not index.is_file():
             weight_map.update(dict.fromkeys(handles[name].keys(), name))
 
+    # MXFP4 tensors (gpt-oss's experts) are stored as `<name>_blocks` and `<name>_scales`: offered
+    # under <name>, dequantized, in the layout of transformers' unquantized tensor.
+    mxfp4 = {
+        name.removesuffix("_blocks")
+        for name in weight_map
+        if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in weight_map
+    }
+
     def get(name: str) -> torch.Tensor:
+        if name in mxfp4:
+            blocks, scales = get(name + "_blocks"), get(name + "_scales")
+            return dequantize_hf_mxfp4(blocks, scales).transpose(-1, -2)
         return handles[weight_map[name]].get_tensor(name)
 
-    return get, set(weight_map)
+    return get, set(weight_map) | mxfp4
+
+
+def dequantize_hf_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An MXFP4 stack as Hugging Face stores it (blocks uint8 [..., out, in / 32, 16], scales
+    uint8 e8m0 [..., out, in / 32]) as fp32 [..., out, in]."""
+    from genfast.quant.mxfp4 import dequantize_mxfp4
+
+    return dequantize_mxfp4(blocks, scales, torch.float32)
 
 
 def _gguf_getter(gguf: GGUFFile, args: ModelArgs) -> Callable[[str], torch.Tensor]:
