@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genfast.errors import UserError
+from genfast.llm import harmony
 from genfast.llm.checkpoints.checkpoint import read_json
 
 if TYPE_CHECKING:
@@ -65,6 +66,18 @@ class Tokenizer:
     chat_template: str | None = None
     bos_token: str = ""
     eos_token: str = ""
+    # OpenAI's harmony format (gpt-oss; genfast.llm.harmony): set from the vocabulary. Its decoded
+    # text keeps the special tokens, which mark the reply's messages and channels.
+    harmony: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        ids = {marker: self.backend.token_to_id(marker) for marker in harmony.MARKERS}
+        self.harmony = all(ids[m] is not None for m in (harmony.CHANNEL, harmony.MESSAGE, harmony.RETURN))
+        if self.harmony:
+            # <|end|> ends a message within a reply (the analysis before the answer), whatever a
+            # config lists; <|return|> and <|call|> end the reply.
+            ends = {ids[m] for m in harmony.STOP_TEXTS if ids[m] is not None}
+            self.stop_ids = (set(self.stop_ids) - {ids[harmony.END]}) | ends
 
     @property
     def vocab_size(self) -> int:
@@ -78,8 +91,11 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+    def decode(self, ids: Iterable[int], skip_special: bool | None = None) -> str:
+        """Text of `ids`, without special tokens unless `skip_special` is False (default: kept
+        by harmony tokenizers only)."""
+        skip = not self.harmony if skip_special is None else skip_special
+        return self.backend.decode(list(ids), skip_special_tokens=skip)
 
     def save(self, directory: Path) -> None:
         """Write tokenizer.json and the configs `load_tokenizer` reads back into an equal Tokenizer."""
