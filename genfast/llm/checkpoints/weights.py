@@ -24,6 +24,7 @@ from genfast.llm.model import families
 from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.layers import TransformerBlock
 from genfast.llm.model.transformer import Transformer
+from genfast.nn import ExpertLinear
 from genfast.quant.grids import QuantizedWeight
 
 # GGUF block types whose codes are a genfast grid as they are (gguf_file.GGUFFile.quantized).
@@ -121,14 +122,36 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
         layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
         layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
         expert_names = family.hf_expert_tensors
+        mxfp4_experts = _hf_mxfp4_experts(get, available, family.hf_tensor)
     else:
         gguf = checkpoint.gguf
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
         layer_names = {**_GGUF_LAYER, **family.gguf_layer_tensors}
         layer_prefix, global_names = "blk.{i}.", _GGUF_GLOBAL
         expert_names = _GGUF_EXPERTS
+        mxfp4_experts = _gguf_mxfp4_experts(gguf)
+
+    def keep_mxfp4_codes(module: torch.nn.Module, prefix: str) -> None:
+        """Expert stacks stored as MXFP4 (gpt-oss's) become MXFP4ExpertLinears of their codes, not
+        dequantized weights: a quarter of bf16's bytes per decode step."""
+        for local, child in list(module.named_modules()):
+            name = prefix + local
+            if not isinstance(child, ExpertLinear) or not name.startswith("layers."):
+                continue
+            _, idx, suffix = name.split(".", 2)
+            sources = [layer_prefix.format(i=idx) + s for s in expert_names.get(suffix + ".weight", ())]
+            layer = mxfp4_experts(suffix + ".weight", sources) if sources else None
+            if layer is None:
+                continue
+            if (layer.n_experts, layer.out_features, layer.in_features) != child.weight.shape:
+                raise UserError(
+                    f"{path}: MXFP4 tensor {sources[0]} holds {layer.n_experts} experts of "
+                    f"{layer.out_features}x{layer.in_features} but the config implies {tuple(child.weight.shape)}"
+                )
+            module.set_submodule(local, layer.to(child.weight.device))
 
     def fill(module: torch.nn.Module, prefix: str) -> None:
+        keep_mxfp4_codes(module, prefix)
         for local, param in module.named_parameters(remove_duplicate=False):
             name = prefix + local
             if name == "output.weight" and args.tie_embeddings:
@@ -155,6 +178,44 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
                 param.copy_(tensor)
 
     return fill
+
+
+MXFP4Experts = Callable[[str, list[str]], "torch.nn.Module | None"]
+
+
+def _hf_mxfp4_experts(
+    get: Callable[[str], torch.Tensor], available: set[str], to_model: Callable[[str, torch.Tensor], torch.Tensor]
+) -> MXFP4Experts:
+    """For a Hugging Face checkpoint: the MXFP4ExpertLinear of an expert stack stored as one
+    tensor's `_blocks` and `_scales`, its rows put in genfast's order (None: not stored so)."""
+
+    def experts(suffix: str, sources: list[str]) -> torch.nn.Module | None:
+        if len(sources) != 1 or sources[0] + "_blocks" not in available:
+            return None
+        from genfast.quant.mxfp4 import MXFP4ExpertLinear
+
+        blocks, scales = get(sources[0] + "_blocks"), get(sources[0] + "_scales")
+        # The family's reordering of output rows (gpt-oss: gate and up de-interleaved), read off
+        # what it does to a tensor of row numbers in the unquantized layout [E, in, out].
+        rows = torch.arange(blocks.shape[1], dtype=torch.float32).view(1, 1, -1)
+        order = to_model(suffix, rows)[0, :, 0].long()
+        return MXFP4ExpertLinear.from_hf(blocks[:, order].contiguous(), scales[:, order].contiguous())
+
+    return experts
+
+
+def _gguf_mxfp4_experts(gguf: GGUFFile) -> MXFP4Experts:
+    """For a GGUF: the MXFP4ExpertLinear of an expert stack whose parts (gate and up, or down)
+    are all of type MXFP4, joined along the output rows (None: not stored so)."""
+
+    def experts(suffix: str, sources: list[str]) -> torch.nn.Module | None:
+        if not all(s in gguf.tensor_names and gguf.tensor_type(s) == "MXFP4" for s in sources):
+            return None
+        from genfast.quant.mxfp4 import MXFP4ExpertLinear
+
+        return MXFP4ExpertLinear.from_gguf(torch.cat([gguf.raw_blocks(s) for s in sources], dim=1))
+
+    return experts
 
 
 def _assemble(parts: list[torch.Tensor], per_expert: int | None, bias: bool = False) -> torch.Tensor:
@@ -276,29 +337,10 @@ def _hf_source(path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
         if not index.is_file():
             weight_map.update(dict.fromkeys(handles[name].keys(), name))
 
-    # MXFP4 tensors (gpt-oss's experts) are stored as `<name>_blocks` and `<name>_scales`: offered
-    # under <name>, dequantized, in the layout of transformers' unquantized tensor.
-    mxfp4 = {
-        name.removesuffix("_blocks")
-        for name in weight_map
-        if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in weight_map
-    }
-
     def get(name: str) -> torch.Tensor:
-        if name in mxfp4:
-            blocks, scales = get(name + "_blocks"), get(name + "_scales")
-            return dequantize_hf_mxfp4(blocks, scales).transpose(-1, -2)
         return handles[weight_map[name]].get_tensor(name)
 
-    return get, set(weight_map) | mxfp4
-
-
-def dequantize_hf_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """An MXFP4 stack as Hugging Face stores it (blocks uint8 [..., out, in / 32, 16], scales
-    uint8 e8m0 [..., out, in / 32]) as fp32 [..., out, in]."""
-    from genfast.quant.mxfp4 import dequantize_mxfp4
-
-    return dequantize_mxfp4(blocks, scales, torch.float32)
+    return get, set(weight_map)
 
 
 def _gguf_getter(gguf: GGUFFile, args: ModelArgs) -> Callable[[str], torch.Tensor]:

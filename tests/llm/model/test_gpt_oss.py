@@ -239,27 +239,47 @@ def test_logits_from_safetensors_and_gguf_equal_transformers(gpt_oss, tmp_path):
         assert (model(tokens, torch.arange(23), all_logits=True) - expected).abs().max() > 1e-2
 
 
+def check_mxfp4_model(model, hf, tokens: torch.Tensor) -> None:
+    """`model`'s experts are MXFP4 codes; its logits equal transformers' on the dequantized weights
+    through the experts' portable path (which dequantizes them exactly). Where the native kernel
+    runs (it quantizes the activations to int8 per block of 32), each stack's outputs stay within
+    2% of the portable path's (the random model's near-tied routing amplifies that in its logits)."""
+    from genfast.quant.mxfp4 import MXFP4ExpertLinear
+
+    stacks = [m for m in model.modules() if isinstance(m, MXFP4ExpertLinear)]
+    assert len(stacks) == 2 * CONFIG["num_hidden_layers"]
+    rows = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    experts = torch.arange(64) % 32
+    for stack in stacks:
+        x = rows[:, : stack.in_features]
+        native = stack(x, experts)
+        stack.kernel_ready = False
+        portable = stack(x, experts)
+        assert float((native - portable).norm() / portable.norm()) < 0.02
+    with torch.no_grad():
+        got = model(tokens, torch.arange(tokens.shape[1]), all_logits=True)
+        torch.testing.assert_close(got, hf(tokens).logits, atol=ATOL, rtol=0)
+
+
 def test_mxfp4_experts_from_gguf_equal_transformers_on_the_dequantized_weights(tmp_path):
+    pytest.importorskip("genfast.quant.mxfp4", reason="the MXFP4 format module has not landed on this branch yet")
     hf = make_gpt_oss(seed=1)
     path = write_gpt_oss_gguf(hf, tmp_path / "gpt-oss-mxfp4.gguf", experts="MXFP4")
     checkpoint = Checkpoint.open(path)
     assert checkpoint.gguf.tensor_type("blk.0.ffn_gate_exps.weight") == "MXFP4"
+    gate = hf.model.layers[0].mlp.experts.gate_up_proj.transpose(1, 2)[:, 0::2]
+    torch.testing.assert_close(checkpoint.gguf.tensor("blk.0.ffn_gate_exps.weight"), mxfp4_dequantized(gate))
+    model = load_model(checkpoint)
     experts_through_mxfp4(hf)
-    tokens = _tokens(19, seed=3)
-    with torch.no_grad():
-        got = load_model(checkpoint)(tokens, torch.arange(19), all_logits=True)
-        torch.testing.assert_close(got, hf(tokens).logits, atol=ATOL, rtol=0)
+    check_mxfp4_model(model, hf, _tokens(19, seed=3))
 
 
 def test_mxfp4_safetensors_equal_transformers_on_the_dequantized_weights(tmp_path):
     pytest.importorskip("genfast.quant.mxfp4", reason="the MXFP4 format module has not landed on this branch yet")
     hf = make_gpt_oss(seed=2)
-    directory = save_mxfp4_checkpoint(hf, tmp_path / "mxfp4")
+    model = load_model(Checkpoint.open(save_mxfp4_checkpoint(hf, tmp_path / "mxfp4")))
     experts_through_mxfp4(hf)
-    tokens = _tokens(19, seed=4)
-    with torch.no_grad():
-        got = load_model(Checkpoint.open(directory))(tokens, torch.arange(19), all_logits=True)
-        torch.testing.assert_close(got, hf(tokens).logits, atol=ATOL, rtol=0)
+    check_mxfp4_model(model, hf, _tokens(19, seed=4))
 
 
 def test_sinks_take_their_share_in_both_attention_paths():
@@ -370,3 +390,36 @@ def test_quantized_logits_stay_within_budget(gpt_oss, quant):
     max_error, max_kl = BUDGET[quant]
     assert error <= max_error, f"{quant}: relative logit error {error:.4f}"
     assert float(kl.sum(-1).mean()) <= max_kl, f"{quant}: mean KL {float(kl.sum(-1).mean()):.2e}"
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
+        dict(factor=32.0, truncate=True, original_max_position_embeddings=4096),  # llama.cpp's rounding
+        dict(factor=40.0, mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=4096),  # DeepSeek's
+        dict(factor=4.0, attention_factor=1.5, beta_fast=16.0, beta_slow=2.0, original_max_position_embeddings=64),
+    ],
+)
+def test_yarn_frequencies_and_scale_equal_transformers(rope):
+    """The real models' head size and base, read from a config and computed as transformers' rope init does."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from genfast.llm.model.config import rope_inverse_frequencies
+    from genfast.llm.model.reading import args_from_hf_config
+
+    parameters = dict(rope_type="yarn", rope_theta=150000.0, **rope)
+    config = transformers.GptOssConfig(head_dim=64, max_position_embeddings=131072, rope_parameters=parameters)
+    want, want_scale = ROPE_INIT_FUNCTIONS["yarn"](config)
+    args = args_from_hf_config(config.to_dict())
+    got = torch.tensor(rope_inverse_frequencies(args), dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert args.rope_scaling.attention_factor == pytest.approx(want_scale, rel=1e-9)
+
+
+def test_a_saved_config_reads_back_equal(gpt_oss):
+    from genfast.llm.model.reading import args_from_dict
+
+    args = Checkpoint.open(gpt_oss[1]).args
+    assert args_from_dict(json.loads(json.dumps(args.to_dict()))) == args
