@@ -67,6 +67,8 @@ class Family:
     # the fp32 logits after the output head (as the model returns them).
     scale_embeddings: Callable[[ModelArgs, Tensor], Tensor] = _unchanged
     final_logits: Callable[[ModelArgs, Tensor], Tensor] = _unchanged
+    # Why the family's blocks cannot be sharded by genfast.llm.tensor_parallel (None: they can).
+    not_shardable: str | None = None
 
 
 # Per-head q/k norm weights (Qwen3, Gemma 3): genfast's names -> the checkpoints' (HF, GGUF).

@@ -222,4 +222,5 @@ FAMILY = Family(
     },
     gguf_fields=gguf_fields,
     args_type=GptOssArgs,
+    not_shardable="their per-head attention sinks, expert biases and MXFP4 experts are not sharded",
 )
