@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts,
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): a router picks each token's top-k experts,
 gated MLPs of the shared shape whose outputs are summed with the router's weights.
 
 The experts' weights are stacked per projection ([E, 2 * width, dim] and [E, dim, width]) in

@@ -276,10 +276,17 @@ def test_mxfp4_experts_from_gguf_equal_transformers_on_the_dequantized_weights(t
 
 def test_mxfp4_safetensors_equal_transformers_on_the_dequantized_weights(tmp_path):
     pytest.importorskip("genfast.quant.mxfp4", reason="the MXFP4 format module has not landed on this branch yet")
+    from genfast.quant.mxfp4 import MXFP4ExpertLinear
+
     hf = make_gpt_oss(seed=2)
-    model = load_model(Checkpoint.open(save_mxfp4_checkpoint(hf, tmp_path / "mxfp4")))
+    checkpoint = Checkpoint.open(save_mxfp4_checkpoint(hf, tmp_path / "mxfp4"))
+    model = load_model(checkpoint)
     experts_through_mxfp4(hf)
     check_mxfp4_model(model, hf, _tokens(19, seed=4))
+    # int8 quantizes the rest and leaves the MXFP4 codes as they are.
+    replaced = quantize_loaded(checkpoint, model, 8, None)
+    assert "layers.0.attention.wqkv" in replaced and not any("feed_forward.w" in name for name in replaced)
+    assert isinstance(model.layers[0].feed_forward.w13, MXFP4ExpertLinear)
 
 
 def test_sinks_take_their_share_in_both_attention_paths():
