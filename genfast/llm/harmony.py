@@ -25,7 +25,7 @@ START, CHANNEL, MESSAGE, END, RETURN, CALL = (
 MARKERS = (START, CHANNEL, MESSAGE, END, RETURN, CALL)
 # The tokens that end a harmony reply (`<|end|>` only ends a message within it).
 STOP_TEXTS = (RETURN, CALL)
-FINAL = "final"
+FINAL, ANALYSIS = "final", "analysis"
 
 
 @dataclass

@@ -111,3 +111,19 @@ def test_chat_shows_the_final_answer_and_sets_the_analysis_apart(harmony_model, 
     # The next turn's prompt carries the earlier answer, not its analysis.
     assert "<|start|> assistant <|message|> w7 w8 <|end|>" in " ".join(prompts[1].split())
     assert "w5" not in prompts[1]
+
+
+def test_the_server_answers_with_the_final_channel_and_the_analysis_as_reasoning():
+    from genfast.serve.engine import Finished
+    from genfast.serve.protocol import ResponseHeader
+
+    finished = Finished(REPLY, [1, 2, 3], "stop", 5)
+    message = ResponseHeader("chat", "m", harmony=True).response(finished)["choices"][0]["message"]
+    assert message["content"] == "Hi <b>!" and message["reasoning_content"] == "We think <|x|> hard."
+    assert ResponseHeader("chat", "m").response(finished)["choices"][0]["message"]["content"] == REPLY
+    streamed = ResponseHeader("chat", "m", harmony=True)
+    chunks = [streamed.chunk(REPLY[i : i + 4]) for i in range(0, len(REPLY), 4)] + [streamed.chunk(None, "stop")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content", "") for d in deltas) == "Hi <b>!"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "We think <|x|> hard."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
