@@ -26,6 +26,7 @@ from genfast.llm.model.layers import TransformerBlock
 from genfast.llm.model.transformer import Transformer
 from genfast.nn import ExpertLinear
 from genfast.quant.grids import QuantizedWeight
+from genfast.quant.mxfp4 import MXFP4ExpertLinear
 
 # GGUF block types whose codes are a genfast grid as they are (gguf_file.GGUFFile.quantized).
 GGUF_TYPES_FOR_BITS = {8: ("Q8_0",), 4: ("Q4_0", "Q4_1")}
@@ -180,7 +181,7 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
     return fill
 
 
-MXFP4Experts = Callable[[str, list[str]], "torch.nn.Module | None"]
+MXFP4Experts = Callable[[str, list[str]], MXFP4ExpertLinear | None]
 
 
 def _hf_mxfp4_experts(
@@ -189,11 +190,9 @@ def _hf_mxfp4_experts(
     """For a Hugging Face checkpoint: the MXFP4ExpertLinear of an expert stack stored as one
     tensor's `_blocks` and `_scales`, its rows put in genfast's order (None: not stored so)."""
 
-    def experts(suffix: str, sources: list[str]) -> torch.nn.Module | None:
+    def experts(suffix: str, sources: list[str]) -> MXFP4ExpertLinear | None:
         if len(sources) != 1 or sources[0] + "_blocks" not in available:
             return None
-        from genfast.quant.mxfp4 import MXFP4ExpertLinear
-
         blocks, scales = get(sources[0] + "_blocks"), get(sources[0] + "_scales")
         # The family's reordering of output rows (gpt-oss: gate and up de-interleaved), read off
         # what it does to a tensor of row numbers in the unquantized layout [E, in, out].
@@ -208,11 +207,9 @@ def _gguf_mxfp4_experts(gguf: GGUFFile) -> MXFP4Experts:
     """For a GGUF: the MXFP4ExpertLinear of an expert stack whose parts (gate and up, or down)
     are all of type MXFP4, joined along the output rows (None: not stored so)."""
 
-    def experts(suffix: str, sources: list[str]) -> torch.nn.Module | None:
+    def experts(suffix: str, sources: list[str]) -> MXFP4ExpertLinear | None:
         if not all(s in gguf.tensor_names and gguf.tensor_type(s) == "MXFP4" for s in sources):
             return None
-        from genfast.quant.mxfp4 import MXFP4ExpertLinear
-
         return MXFP4ExpertLinear.from_gguf(torch.cat([gguf.raw_blocks(s) for s in sources], dim=1))
 
     return experts

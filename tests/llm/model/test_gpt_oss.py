@@ -25,6 +25,7 @@ from genfast.llm.decoding.speculative import MAX_K, SpeculativeGenerator
 from genfast.llm.model import families
 from genfast.llm.model.families.gpt_oss import GptOssExperts, attention_with_sinks
 from genfast.llm.model.layers import WINDOW_SLACK, KVCache, WindowKVCache
+from genfast.quant.mxfp4 import MXFP4ExpertLinear
 from genfast.serve.engine import Engine, GenerationRequest
 from tests.llm.decoding.test_generate import check_compiled_matches_eager
 from tests.llm.hf_fixtures import hf_model_from_config, save_hf_model, word_tokenizer
@@ -244,8 +245,6 @@ def check_mxfp4_model(model, hf, tokens: torch.Tensor) -> None:
     through the experts' portable path (which dequantizes them exactly). Where the native kernel
     runs (it quantizes the activations to int8 per block of 32), each stack's outputs stay within
     2% of the portable path's (the random model's near-tied routing amplifies that in its logits)."""
-    from genfast.quant.mxfp4 import MXFP4ExpertLinear
-
     stacks = [m for m in model.modules() if isinstance(m, MXFP4ExpertLinear)]
     assert len(stacks) == 2 * CONFIG["num_hidden_layers"]
     rows = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
@@ -262,7 +261,6 @@ def check_mxfp4_model(model, hf, tokens: torch.Tensor) -> None:
 
 
 def test_mxfp4_experts_from_gguf_equal_transformers_on_the_dequantized_weights(tmp_path):
-    pytest.importorskip("genfast.quant.mxfp4", reason="the MXFP4 format module has not landed on this branch yet")
     hf = make_gpt_oss(seed=1)
     path = write_gpt_oss_gguf(hf, tmp_path / "gpt-oss-mxfp4.gguf", experts="MXFP4")
     checkpoint = Checkpoint.open(path)
@@ -275,9 +273,6 @@ def test_mxfp4_experts_from_gguf_equal_transformers_on_the_dequantized_weights(t
 
 
 def test_mxfp4_safetensors_equal_transformers_on_the_dequantized_weights(tmp_path):
-    pytest.importorskip("genfast.quant.mxfp4", reason="the MXFP4 format module has not landed on this branch yet")
-    from genfast.quant.mxfp4 import MXFP4ExpertLinear
-
     hf = make_gpt_oss(seed=2)
     checkpoint = Checkpoint.open(save_mxfp4_checkpoint(hf, tmp_path / "mxfp4"))
     model = load_model(checkpoint)
