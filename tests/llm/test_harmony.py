@@ -127,3 +127,30 @@ def test_the_server_answers_with_the_final_channel_and_the_analysis_as_reasoning
     assert "".join(d.get("content", "") for d in deltas) == "Hi <b>!"
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "We think <|x|> hard."
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_gpt_oss_gguf_vocabulary_pre_tokenizes_as_o200k_and_is_harmony():
+    """llama.cpp writes gpt-oss's vocabulary with pre-tokenizer 'gpt-4o' (o200k: words split where
+    case turns upward, digits by three) and the markers as control tokens; a GGUF's end-of-turn
+    id (<|end|>) must not stop a harmony reply."""
+    from tokenizers import pre_tokenizers
+
+    from genfast.llm.checkpoints.tokenizer import gguf_tokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokens = sorted(alphabet) + MARKERS
+    ids = {t: i for i, t in enumerate(tokens)}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-4o",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * len(alphabet) + [3] * len(MARKERS),
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.eos_token_id": ids["<|return|>"],
+        "tokenizer.ggml.eot_token_id": ids["<|end|>"],
+    }
+    tok = gguf_tokenizer(meta)
+    assert tok.harmony and tok.stop_ids == {ids["<|return|>"], ids["<|call|>"]}
+    pieces = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("HelloWorld it's 12345 CAPS.\n")]
+    assert pieces == ["Hello", "World", "Ġit's", "Ġ", "123", "45", "ĠCAPS", ".Ċ"]
+    assert tok.decode(tok.encode("<|start|>Hi<|end|>")) == "<|start|>Hi<|end|>"

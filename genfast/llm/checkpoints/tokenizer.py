@@ -29,6 +29,15 @@ _LLAMA3 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+# o200k (gpt-4o, gpt-oss): words split where lower case turns to upper, contractions kept on.
+_CASED_WORD = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER_WORD = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED_WORD}*{_LOWER_WORD}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_CASED_WORD}+{_LOWER_WORD}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # `tokenizer.ggml.pre` -> (regexes applied in turn, whole pieces kept as-is when in the vocab).
 _GGUF_PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
     "gpt-2": ([_GPT2], False),
@@ -44,6 +53,7 @@ _GGUF_PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
     "dbrx": ([_LLAMA3], False),
     "smaug-bpe": ([_LLAMA3], False),
     "qwen2": ([_QWEN2], False),
+    "gpt-4o": ([_O200K], False),
     "stablelm2": ([_QWEN2], False),
     "default": ([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"], False),
 }
