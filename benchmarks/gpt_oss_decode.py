@@ -23,6 +23,7 @@ import argparse
 import platform
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -244,6 +245,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="genfast's --dtype for the non-expert weights")
     p.add_argument("--eager", action="store_true", help="genfast: no torch.compile")
     args = p.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows in a log file as it happens
     if args.what == "write":
         write(args.out)
     elif args.what == "predict":
