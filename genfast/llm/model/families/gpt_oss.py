@@ -61,7 +61,7 @@ def attention_with_sinks(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, 
     if seqlen == 1:
         group = heads // kv_heads
         scores = (q.reshape(bsz, kv_heads, group, hd) @ keys.transpose(2, 3)).float() * scale  # [B, KV, G, L]
-        scores = scores.masked_fill(~mask.view(mask.shape[0], 1, 1, -1), float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf"))  # mask [B|1, 1, 1, L] over [B, KV, G, L]
         sink = sinks.float().view(1, kv_heads, group, 1).expand(bsz, -1, -1, 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
         return (probs.to(values.dtype) @ values).view(bsz, heads, 1, hd)
@@ -187,9 +187,7 @@ def from_hf_layout(suffix: str, tensor: Tensor) -> Tensor:
     ([E, out, in], gate ‖ up); `suffix`: the genfast parameter the tensor fills."""
     if suffix in ("feed_forward.w13.weight", "feed_forward.w2.weight"):
         tensor = tensor.transpose(-1, -2)
-    if suffix == "feed_forward.w13.weight":
-        return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
-    if suffix == "feed_forward.w13_bias":
+    if suffix in ("feed_forward.w13.weight", "feed_forward.w13_bias"):  # [E, 2I, ...]: gate ‖ up
         return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
     return tensor
 
