@@ -22,6 +22,7 @@ from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.precompiled import attach
 from genfast.llm.decoding.sampling import SamplingParams
 from genfast.llm.decoding.stats import format_stats
+from genfast.llm.harmony import ReplyPrinter
 from genfast.llm.loading import LoadedModel, load
 from genfast.llm.model import invariance
 from genfast.llm.recipe import RECIPE, LlmSettings, genfast_chooses_threads, load_for_command, make_generator, plan
@@ -211,15 +212,22 @@ def chat_command(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": message})
         ids = _fit_conversation(generator, system, history, args.max_new_tokens)
 
-        def stream(_: int, text: str) -> None:
+        # A harmony reply (gpt-oss) shows its final answer; its analysis goes to stderr, labelled.
+        printer = ReplyPrinter() if tokenizer.harmony else None
+
+        def stream(_: int, text: str, printer: ReplyPrinter | None = printer) -> None:
+            if printer is not None:
+                printer.write(text)
+                return
             sys.stdout.write(text)
             sys.stdout.flush()
 
         result = generator.generate([ids], args.max_new_tokens, params, args.stop, args.seed, on_text=stream)
         check_same_tokens(result.token_ids)
+        answer = printer.finish() if printer is not None else result.texts[0]
         sys.stdout.write("\n")
         sys.stdout.flush()
-        history.append({"role": "assistant", "content": result.texts[0]})
+        history.append({"role": "assistant", "content": answer})
         notes = generator.precompiled.take_notes() if generator.precompiled is not None else []
         prompt = f"prompt {result.prompt_tokens} tokens ({result.cached_prompt_tokens} cached), first token "
         prompt += f"{result.ttft_s * 1000:.0f} ms"

@@ -51,6 +51,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from genfast.errors import UserError
+from genfast.llm.model import families
 from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.layers import TransformerBlock
 from genfast.llm.model.transformer import Transformer
@@ -262,7 +263,11 @@ def launch_or_join(tp: int, model: str | None, device: str, argv: Sequence[str],
 
 
 def check_shardable(args: ModelArgs, world: int) -> None:
-    """Heads (q and kv) and the feed-forward width must split evenly over `world` ranks."""
+    """Heads (q and kv) and the feed-forward width must split evenly over `world` ranks, and the
+    family's blocks must be ones the sharding knows."""
+    why = families.family(args.family).not_shardable
+    if why is not None and world > 1:
+        raise UserError(f"--tp {world}: {args.family} models do not run tensor-parallel yet ({why}); use --tp 1")
     sizes = {
         "attention heads": args.n_heads,
         "key/value heads": args.n_kv_heads,

@@ -166,7 +166,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
         except UserError as e:
             raise APIError(400, str(e), param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens or max(engine.max_seq_len - len(ids), 1)
-        header = ResponseHeader("chat", model_name, body.function_names() if body.tools_active else None)
+        tool_names = body.function_names() if body.tools_active else None
+        header = ResponseHeader("chat", model_name, tool_names, harmony=tokenizer.harmony)
         return await serve(body, ids, max_tokens, header, request)
 
     def check_model(body: GenerationBody) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from genfast.errors import UserError
+from genfast.llm.harmony import ANALYSIS, FINAL, HarmonyStream, split_reply
 from genfast.serve.constraints import json_schema_grammar, response_format_grammar
 from genfast.serve.engine import MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, Finished, TokenLogprob
 from genfast.serve.tools import ToolCall, call_grammar, parse_tool_calls
@@ -336,10 +337,19 @@ def completion_logprobs(entries: Sequence[TokenLogprob], offset: int) -> dict[st
 class ResponseHeader:
     """The id, creation time and model every response object and stream chunk of one request shares."""
 
-    def __init__(self, kind: Literal["completion", "chat"], model: str, tool_names: set[str] | None = None) -> None:
+    def __init__(
+        self,
+        kind: Literal["completion", "chat"],
+        model: str,
+        tool_names: set[str] | None = None,
+        harmony: bool = False,
+    ) -> None:
         """`tool_names`: the functions a chat reply may call (its calls are parsed into tool_calls;
-        streamed, the reply is then sent whole at its end)."""
+        streamed, the reply is then sent whole at its end). `harmony`: the model's replies are in
+        OpenAI's harmony format (gpt-oss; genfast.llm.harmony): a chat reply's content is its final
+        channel, its analysis goes to `reasoning_content`."""
         self.kind, self.model, self.tool_names = kind, model, tool_names
+        self._harmony = HarmonyStream() if harmony and kind == "chat" else None
         self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._streamed_chars = 0  # completions' text offsets across stream chunks
@@ -370,6 +380,8 @@ class ResponseHeader:
             return self._object("text_completion", [choice], Usage.of(finished))
         content, calls = self._calls(finished)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self._harmony is not None and ANALYSIS in (channels := split_reply(finished.text)):
+            message["reasoning_content"] = channels[ANALYSIS]
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
             reason = "tool_calls"
@@ -377,6 +389,8 @@ class ResponseHeader:
         return self._object("chat.completion", [choice], Usage.of(finished))
 
     def _calls(self, finished: Finished) -> tuple[str | None, list[ToolCall]]:
+        if self._harmony is not None:  # harmony's tool calls (its commentary channel) are not parsed yet
+            return split_reply(finished.text).get(FINAL, ""), []
         if not self.tool_names or finished.finish_reason != "stop":
             return finished.text, []
         return parse_tool_calls(finished.text, self.tool_names)
@@ -408,11 +422,28 @@ class ResponseHeader:
             self._streamed_chars += sum(len(e.token) for e in logprobs or ())
             choice = {"index": 0, "text": text or "", "logprobs": rendered, "finish_reason": reason}
             return self._object("text_completion", [choice], None)
-        delta: dict[str, Any] = {} if text is None else {"content": text}
+        if self._harmony is not None:
+            delta = self._harmony_delta(text)
+        else:
+            delta = {} if text is None else {"content": text}
         if first:
             delta["role"] = "assistant"
         choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": reason}
         return self._object("chat.completion.chunk", [choice], None)
+
+    def _harmony_delta(self, text: str | None) -> dict[str, Any]:
+        """A streamed harmony reply's new text as content (final channel) and reasoning_content
+        (analysis); None: the reply ended, flush what was held back."""
+        assert self._harmony is not None
+        pieces = self._harmony.finish() if text is None else self._harmony.push(text)
+        delta: dict[str, Any] = {}
+        for key, channel in (("content", FINAL), ("reasoning_content", ANALYSIS)):
+            part = "".join(t for c, t in pieces if c == channel)
+            if part:
+                delta[key] = part
+        if text is not None and not delta:
+            delta["content"] = ""  # a chunk per delta, as for other models
+        return delta
 
     def usage_chunk(self, finished: Finished) -> dict[str, Any]:
         """The extra last chunk sent with stream_options.include_usage (no choices, as OpenAI)."""

@@ -38,6 +38,7 @@ AVX2 = {
         "rel_pos_attention",
         "group_norm",
         "decode_attention",
+        "mxfp4_linear",
     )
 }
 NONE = dict.fromkeys(AVX2)

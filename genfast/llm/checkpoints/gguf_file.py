@@ -24,7 +24,7 @@ GGUF_MAGIC = b"GGUF"
 # Bytes per block of 32 weights for the types that load without requantization.
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 # Types genfast dequantizes (the `gguf` package implements the arithmetic).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 
 
 def is_gguf(path: Path) -> bool:
@@ -52,6 +52,7 @@ def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:
 _GGML_TYPES = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
+    39: ("MXFP4", 32, 17),  # an e8m0 scale, then 16 bytes of e2m1 pairs (gpt-oss's experts)
 }  # fmt: skip
 # GGUF metadata value types: id -> struct format of a scalar (8: string, 9: array).
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -179,6 +180,12 @@ class GGUFFile:
         # Byte j of a block holds element j (low nibble) and element j + 16 (high nibble).
         codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
         return _shaped(QuantizedWeight(codes.reshape(rows, cols), scales, mins, 4, 32, cols), t.shape)
+
+    def raw_blocks(self, name: str) -> torch.Tensor:
+        """The tensor's blocks as stored, uint8 [*leading dims, bytes per row] (e.g. MXFP4 codes
+        kept as they are), a copy."""
+        t = self._tensors[name]
+        return torch.from_numpy(np.array(self._blocks(t))).reshape(*t.shape[:-1], -1)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor in its logical shape (rows = output features), as float32."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genfast.errors import UserError
+from genfast.llm import harmony
 from genfast.llm.checkpoints.checkpoint import read_json
 
 if TYPE_CHECKING:
@@ -28,6 +29,15 @@ _LLAMA3 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+# o200k (gpt-4o, gpt-oss): words split where lower case turns to upper, contractions kept on.
+_CASED_WORD = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER_WORD = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED_WORD}*{_LOWER_WORD}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_CASED_WORD}+{_LOWER_WORD}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # `tokenizer.ggml.pre` -> (regexes applied in turn, whole pieces kept as-is when in the vocab).
 _GGUF_PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
     "gpt-2": ([_GPT2], False),
@@ -43,6 +53,7 @@ _GGUF_PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
     "dbrx": ([_LLAMA3], False),
     "smaug-bpe": ([_LLAMA3], False),
     "qwen2": ([_QWEN2], False),
+    "gpt-4o": ([_O200K], False),
     "stablelm2": ([_QWEN2], False),
     "default": ([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"], False),
 }
@@ -65,6 +76,18 @@ class Tokenizer:
     chat_template: str | None = None
     bos_token: str = ""
     eos_token: str = ""
+    # OpenAI's harmony format (gpt-oss; genfast.llm.harmony): set from the vocabulary. Its decoded
+    # text keeps the special tokens, which mark the reply's messages and channels.
+    harmony: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        ids = {marker: self.backend.token_to_id(marker) for marker in harmony.MARKERS}
+        self.harmony = all(ids[m] is not None for m in (harmony.CHANNEL, harmony.MESSAGE, harmony.RETURN))
+        if self.harmony:
+            # <|end|> ends a message within a reply (the analysis before the answer), whatever a
+            # config lists; <|return|> and <|call|> end the reply.
+            ends = {ids[m] for m in harmony.STOP_TEXTS if ids[m] is not None}
+            self.stop_ids = (set(self.stop_ids) - {ids[harmony.END]}) | ends
 
     @property
     def vocab_size(self) -> int:
@@ -78,8 +101,11 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+    def decode(self, ids: Iterable[int], skip_special: bool | None = None) -> str:
+        """Text of `ids`, without special tokens unless `skip_special` is False (default: kept
+        by harmony tokenizers only)."""
+        skip = not self.harmony if skip_special is None else skip_special
+        return self.backend.decode(list(ids), skip_special_tokens=skip)
 
     def save(self, directory: Path) -> None:
         """Write tokenizer.json and the configs `load_tokenizer` reads back into an equal Tokenizer."""

@@ -24,7 +24,9 @@ from genfast.llm.model import families
 from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.layers import TransformerBlock
 from genfast.llm.model.transformer import Transformer
+from genfast.nn import ExpertLinear
 from genfast.quant.grids import QuantizedWeight
+from genfast.quant.mxfp4 import MXFP4ExpertLinear
 
 # GGUF block types whose codes are a genfast grid as they are (gguf_file.GGUFFile.quantized).
 GGUF_TYPES_FOR_BITS = {8: ("Q8_0",), 4: ("Q4_0", "Q4_1")}
@@ -114,25 +116,48 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
     """A function that fills a part of the model (the module stored under a prefix) from a Hugging
     Face or GGUF checkpoint, tensor by tensor."""
     args, path = checkpoint.args, checkpoint.path
+    family = families.family(args.family)
+    to_model = family.hf_tensor if checkpoint.format == "hf" else lambda suffix, tensor: tensor
     if checkpoint.format == "hf":
-        family = families.family(args.family)
         get, available = _hf_source(path, args if family.hf_rope_interleaved else None)
         layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
         layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
         expert_names = family.hf_expert_tensors
+        mxfp4_experts = _hf_mxfp4_experts(get, available, family.hf_tensor)
     else:
         gguf = checkpoint.gguf
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
-        own = families.family(args.family).gguf_layer_tensors
-        layer_names = {**_GGUF_LAYER, **own}
+        layer_names = {**_GGUF_LAYER, **family.gguf_layer_tensors}
         layer_prefix, global_names = "blk.{i}.", _GGUF_GLOBAL
         expert_names = _GGUF_EXPERTS
+        mxfp4_experts = _gguf_mxfp4_experts(gguf)
+
+    def keep_mxfp4_codes(module: torch.nn.Module, prefix: str) -> None:
+        """Expert stacks stored as MXFP4 (gpt-oss's) become MXFP4ExpertLinears of their codes, not
+        dequantized weights: a quarter of bf16's bytes per decode step."""
+        for local, child in list(module.named_modules()):
+            name = prefix + local
+            if not isinstance(child, ExpertLinear) or not name.startswith("layers."):
+                continue
+            _, idx, suffix = name.split(".", 2)
+            sources = [layer_prefix.format(i=idx) + s for s in expert_names.get(suffix + ".weight", ())]
+            layer = mxfp4_experts(suffix + ".weight", sources) if sources else None
+            if layer is None:
+                continue
+            if (layer.n_experts, layer.out_features, layer.in_features) != child.weight.shape:
+                raise UserError(
+                    f"{path}: MXFP4 tensor {sources[0]} holds {layer.n_experts} experts of "
+                    f"{layer.out_features}x{layer.in_features} but the config implies {tuple(child.weight.shape)}"
+                )
+            module.set_submodule(local, layer.to(child.weight.device))
 
     def fill(module: torch.nn.Module, prefix: str) -> None:
+        keep_mxfp4_codes(module, prefix)
         for local, param in module.named_parameters(remove_duplicate=False):
             name = prefix + local
             if name == "output.weight" and args.tie_embeddings:
                 continue
+            suffix = name
             if name.startswith("layers."):
                 _, idx, suffix = name.split(".", 2)
                 names = expert_names if args.is_moe_layer(int(idx)) and suffix in expert_names else layer_names
@@ -144,7 +169,7 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
             missing = [s for s in sources if s not in available]
             if missing:
                 raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
-            tensor = _assemble([get(s) for s in sources], per_expert)
+            tensor = to_model(suffix, _assemble([get(s) for s in sources], per_expert, bias=name.endswith("bias")))
             if tensor.shape != param.shape:
                 raise UserError(
                     f"{path}: tensor {sources[0]} has shape {tuple(tensor.shape)} but the config implies "
@@ -156,13 +181,50 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
     return fill
 
 
-def _assemble(parts: list[torch.Tensor], per_expert: int | None) -> torch.Tensor:
+MXFP4Experts = Callable[[str, list[str]], MXFP4ExpertLinear | None]
+
+
+def _hf_mxfp4_experts(
+    get: Callable[[str], torch.Tensor], available: set[str], to_model: Callable[[str, torch.Tensor], torch.Tensor]
+) -> MXFP4Experts:
+    """For a Hugging Face checkpoint: the MXFP4ExpertLinear of an expert stack stored as one
+    tensor's `_blocks` and `_scales`, its rows put in genfast's order (None: not stored so)."""
+
+    def experts(suffix: str, sources: list[str]) -> MXFP4ExpertLinear | None:
+        if len(sources) != 1 or sources[0] + "_blocks" not in available:
+            return None
+        blocks, scales = get(sources[0] + "_blocks"), get(sources[0] + "_scales")
+        # The family's reordering of output rows (gpt-oss: gate and up de-interleaved), read off
+        # what it does to a tensor of row numbers in the unquantized layout [E, in, out].
+        rows = torch.arange(blocks.shape[1], dtype=torch.float32).view(1, 1, -1)
+        order = to_model(suffix, rows)[0, :, 0].long()
+        return MXFP4ExpertLinear.from_hf(blocks[:, order].contiguous(), scales[:, order].contiguous())
+
+    return experts
+
+
+def _gguf_mxfp4_experts(gguf: GGUFFile) -> MXFP4Experts:
+    """For a GGUF: the MXFP4ExpertLinear of an expert stack whose parts (gate and up, or down)
+    are all of type MXFP4, joined along the output rows (None: not stored so)."""
+
+    def experts(suffix: str, sources: list[str]) -> MXFP4ExpertLinear | None:
+        if not all(s in gguf.tensor_names and gguf.tensor_type(s) == "MXFP4" for s in sources):
+            return None
+        return MXFP4ExpertLinear.from_gguf(torch.cat([gguf.raw_blocks(s) for s in sources], dim=1))
+
+    return experts
+
+
+def _assemble(parts: list[torch.Tensor], per_expert: int | None, bias: bool = False) -> torch.Tensor:
     """One parameter from its source tensors: fused projections are concatenated along the output
-    features (GGUF's expert stacks [E, out, in] too); experts stored a tensor each (HF; `per_expert`
-    tensors per expert, expert by expert) are concatenated per expert and stacked."""
+    features (GGUF's expert stacks [E, out, in] too; a bias's last dimension, of each expert for
+    stacked expert biases [E, out]); experts stored a tensor each (HF; `per_expert` tensors per
+    expert, expert by expert) are concatenated per expert and stacked."""
     if per_expert is not None:
         return torch.stack([torch.cat(parts[i : i + per_expert]) for i in range(0, len(parts), per_expert)])
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=max(parts[0].dim() - 2, 0))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=-1 if bias else max(parts[0].dim() - 2, 0))
 
 
 def _quantized_filler(checkpoint: Checkpoint, dtype: torch.dtype) -> Filler:

@@ -20,11 +20,14 @@ class FamilyArgs:
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama-3.1 style frequency-dependent scaling ("llama3"), plain position interpolation
-    ("linear"), or Phi-3's LongRoPE ("longrope": per-frequency divisors, `short_factor` while the
+    ("linear"), Phi-3's LongRoPE ("longrope": per-frequency divisors, `short_factor` while the
     sequence fits the original context and `long_factor` beyond it, cos and sin scaled by
+    `attention_factor`), or YaRN ("yarn": frequencies blended between kept and divided by `factor`
+    along a ramp over the dims that rotate between `beta_fast` and `beta_slow` times in the
+    original context, its ends rounded outwards where `truncate`; cos and sin scaled by
     `attention_factor`)."""
 
-    kind: str  # "llama3" | "linear" | "longrope"
+    kind: str  # "llama3" | "linear" | "longrope" | "yarn"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -32,6 +35,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,38 @@ def longrope_attention_factor(factor: float, original_context: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_context))
 
 
+def yarn_attention_factor(factor: float, mscale: float = 0.0, mscale_all_dim: float = 0.0) -> float:
+    """YaRN's default scale of cos and sin when the context grew by `factor` (0.1 ln(factor) + 1;
+    with DeepSeek's `mscale` and `mscale_all_dim`, the ratio of two such terms)."""
+
+    def term(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    return term(mscale) / term(mscale_all_dim) if mscale and mscale_all_dim else term(1.0)
+
+
+def yarn_inverse_frequencies(inv: list[float], rs: RopeScaling, rotary_dim: int, theta: float) -> list[float]:
+    """YaRN: the dims that rotate fewer than `beta_slow` times over the original context are
+    divided by `factor` (interpolated), those that rotate more than `beta_fast` times are kept
+    (extrapolated), with a linear ramp between the two dims where those counts fall."""
+
+    def dim_rotating(times: float) -> float:  # the dim whose wavelength fits `times` in the context
+        context = rs.original_max_position_embeddings
+        return rotary_dim * math.log(context / (times * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_rotating(rs.beta_fast), dim_rotating(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp: a step
+    out = []
+    for i, f in enumerate(inv):
+        kept = 1 - min(max((i - low) / (high - low), 0.0), 1.0)  # 1 below the ramp, 0 above it
+        out.append(f / rs.factor * (1 - kept) + f * kept)
+    return out
+
+
 def rope_inverse_frequencies(args: ModelArgs, long: bool = False) -> list[float]:
     """Per-pair inverse frequencies of the rotary dims, with the configured scaling applied
     (LongRoPE: its short factors, or its long ones with `long`)."""
@@ -150,6 +188,8 @@ def rope_inverse_frequencies(args: ModelArgs, long: bool = False) -> list[float]
         return [f / rs.factor for f in inv]
     if rs.kind == "longrope":
         return [f / d for f, d in zip(inv, rs.long_factor if long else rs.short_factor, strict=True)]
+    if rs.kind == "yarn":
+        return yarn_inverse_frequencies(inv, rs, args.rotary_dim, args.rope_theta)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor

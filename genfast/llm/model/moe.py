@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts,
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): a router picks each token's top-k experts,
 gated MLPs of the shared shape whose outputs are summed with the router's weights.
 
 The experts' weights are stacked per projection ([E, 2 * width, dim] and [E, dim, width]) in
@@ -32,10 +32,12 @@ class Router(nn.Module):
     # a token's experts then never depend on the tokens beside it.
     batch_invariant = False
 
-    def __init__(self, dim: int, n_experts: int, n_active: int, normalize: bool) -> None:
+    def __init__(self, dim: int, n_experts: int, n_active: int, normalize: bool, bias: bool = False) -> None:
         super().__init__()
         self.n_active, self.normalize = n_active, normalize
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        # A logit bias per expert (gpt-oss); None: none.
+        self.bias = nn.Parameter(torch.empty(n_experts)) if bias else None
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, dim] -> (weights [T, k] in x's dtype, experts [T, k] int64)."""
@@ -46,6 +48,10 @@ class Router(nn.Module):
         return weights.to(x.dtype), experts
 
     def logits(self, x: Tensor) -> Tensor:
+        logits = self.unbiased_logits(x)
+        return logits if self.bias is None else logits + self.bias.to(logits.dtype)
+
+    def unbiased_logits(self, x: Tensor) -> Tensor:
         if not self.batch_invariant:
             return F.linear(x, self.weight.to(x.dtype))
         # The kernel takes bf16 weights: a wider router goes in as two bf16 parts, its leading bits
@@ -59,12 +65,15 @@ class Router(nn.Module):
 
 class MoEFeedForward(nn.Module):
     """Each token through its k experts' gated MLPs (SwiGLU), summed with the router's weights.
-    `w13`, `w2` and `intermediate_size` mirror the dense FeedForward's, per expert."""
+    `w13`, `w2` and `intermediate_size` mirror the dense FeedForward's, per expert. A family whose
+    experts differ (gpt-oss: biases, a clamped activation) overrides `experts`."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, router_bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = args.expert_intermediate_size
-        self.router = Router(args.dim, args.n_experts, args.n_active_experts, args.normalize_expert_weights)
+        self.router = Router(
+            args.dim, args.n_experts, args.n_active_experts, args.normalize_expert_weights, router_bias
+        )
         self.w13 = ExpertLinear(args.n_experts, args.dim, 2 * args.expert_intermediate_size)  # gate ‖ up
         self.w2 = ExpertLinear(args.n_experts, args.expert_intermediate_size, args.dim)
 
@@ -74,7 +83,10 @@ class MoEFeedForward(nn.Module):
         weights, experts = self.router(x)
         k = experts.shape[-1]
         rows = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
-        per_row = experts.reshape(-1)
-        gate, up = self.w13(rows, per_row).split(self.intermediate_size, dim=-1)
-        out = self.w2(F.silu(gate) * up, per_row).view(-1, k, shape[-1])
+        out = self.experts(rows, experts.reshape(-1)).view(-1, k, shape[-1])
         return (out * weights[..., None]).sum(dim=1).view(shape)
+
+    def experts(self, rows: Tensor, per_row: Tensor) -> Tensor:
+        """Each row [R, dim] through its own expert's gated MLP (per_row [R]): [R, dim]."""
+        gate, up = self.w13(rows, per_row).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up, per_row)

@@ -9,7 +9,13 @@ from typing import Any
 
 from genfast.errors import UserError
 from genfast.llm.model import families
-from genfast.llm.model.config import FamilyArgs, ModelArgs, RopeScaling, longrope_attention_factor
+from genfast.llm.model.config import (
+    FamilyArgs,
+    ModelArgs,
+    RopeScaling,
+    longrope_attention_factor,
+    yarn_attention_factor,
+)
 
 
 def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
@@ -84,7 +90,15 @@ def args_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> Mod
     scaling = None
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
         scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
-    return ModelArgs(
+    elif meta.get(f"{arch}.rope.scaling.type") == "yarn":  # llama.cpp's defaults for what GGUF does not store
+        factor = float(key("rope.scaling.factor"))
+        scaling = RopeScaling(
+            "yarn",
+            factor,
+            original_max_position_embeddings=int(key("rope.scaling.original_context_length")),
+            attention_factor=yarn_attention_factor(factor),
+        )
+    values: dict[str, Any] = dict(
         vocab_size=int(vocab),
         dim=dim,
         n_layers=int(key("block_count")),
@@ -102,8 +116,9 @@ def args_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> Mod
         out_bias="blk.0.attn_output.bias" in tensor_names,
         family=arch,
         **_gguf_expert_fields(meta, arch, tensor_names),
-        **families.family(arch).gguf_fields(meta, arch),
     )
+    values.update(families.family(arch).gguf_fields(meta, arch))  # the family's own reading wins
+    return ModelArgs(**values)
 
 
 def args_from_dict(fields_: dict[str, Any]) -> ModelArgs:
@@ -203,4 +218,18 @@ def _rope_scaling_from_hf(rs: dict[str, Any] | None, cfg: dict[str, Any]) -> Rop
         )
     if kind == "linear":
         return RopeScaling("linear", float(rs["factor"]))
-    raise UserError(f"unsupported rope scaling {kind!r}; genfast supports 'llama3', 'linear' and 'longrope'")
+    if kind == "yarn":
+        original = int(rs.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+        # As transformers: the factor is the context's growth over the original one, unless given.
+        factor = float(rs.get("factor") or cfg["max_position_embeddings"] / original)
+        default = yarn_attention_factor(factor, float(rs.get("mscale") or 0), float(rs.get("mscale_all_dim") or 0))
+        return RopeScaling(
+            "yarn",
+            factor,
+            original_max_position_embeddings=original,
+            attention_factor=float(rs.get("attention_factor") or default),
+            beta_fast=float(rs.get("beta_fast") or 32.0),
+            beta_slow=float(rs.get("beta_slow") or 1.0),
+            truncate=bool(rs.get("truncate", True)),
+        )
+    raise UserError(f"unsupported rope scaling {kind!r}; genfast supports 'llama3', 'linear', 'longrope' and 'yarn'")

@@ -1,7 +1,7 @@
 """A decoder-only language model with a static KV cache: embedding, the blocks of its family
 (genfast/llm/model/families/: Llama 2/3/3.x, Mistral, Mixtral, SmolLM, SmolLM3, TinyLlama, Qwen2,
 Qwen3, Qwen3-MoE, Phi-3/4, Gemma 2/3, OLMo 2/3, EXAONE 4.0, Granite, Seed-OSS, ERNIE 4.5, GLM-4,
-Hunyuan dense), final norm and output head. The shared blocks are in
+Hunyuan dense, gpt-oss), final norm and output head. The shared blocks are in
 genfast/llm/model/layers.py, the mixture-of-experts MLP in genfast/llm/model/moe.py.
 """
 

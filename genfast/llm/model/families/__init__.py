@@ -21,6 +21,7 @@ from genfast.llm.model.families import (
     gemma2,
     gemma3,
     glm4,
+    gpt_oss,
     granite,
     hunyuan_dense,
     llama,
@@ -55,6 +56,7 @@ def _registry() -> dict[str, Family]:
         exaone4,
         glm4,
         hunyuan_dense,
+        gpt_oss,
     )
     for fam in (module.FAMILY for module in every):
         for name in {fam.name, *fam.hf_model_types, *fam.gguf_architectures}:

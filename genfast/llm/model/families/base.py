@@ -47,6 +47,9 @@ class Family:
     # The same for a mixture-of-experts MLP in HF checkpoints, which store a tensor per expert
     # ("{e}"); GGUF files stack them under names shared by all families (genfast.llm.checkpoints.weights).
     hf_expert_tensors: dict[str, list[str]] = field(default_factory=dict)
+    # A Hugging Face tensor as the checkpoint stores it -> as the model takes it, given the genfast
+    # parameter suffix it fills (after fused parts are joined; gpt-oss's transposed expert stacks).
+    hf_tensor: Callable[[str, Tensor], Tensor] = lambda suffix, tensor: tensor
     # ModelArgs fields that the family reads from GGUF metadata (beyond the shared ones), given
     # the metadata and its architecture.
     gguf_fields: Callable[[dict[str, Any], str], dict[str, Any]] = lambda meta, arch: {}
@@ -66,6 +69,8 @@ class Family:
     # the fp32 logits after the output head (as the model returns them).
     scale_embeddings: Callable[[ModelArgs, Tensor], Tensor] = _unchanged
     final_logits: Callable[[ModelArgs, Tensor], Tensor] = _unchanged
+    # Why the family's blocks cannot be sharded by genfast.llm.tensor_parallel (None: they can).
+    not_shardable: str | None = None
 
 
 # Per-head q/k norm weights (Qwen3, Gemma 3): genfast's names -> the checkpoints' (HF, GGUF).
