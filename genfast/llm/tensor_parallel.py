@@ -51,6 +51,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from genfast.errors import UserError
+from genfast.llm.model import families
 from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.layers import TransformerBlock
 from genfast.llm.model.transformer import Transformer
@@ -262,7 +263,10 @@ def launch_or_join(tp: int, model: str | None, device: str, argv: Sequence[str],
 
 
 def check_shardable(args: ModelArgs, world: int) -> None:
-    """Heads (q and kv) and the feed-forward width must split evenly over `world` ranks."""
+    """Heads (q and kv) and the feed-forward width must split evenly over `world` ranks, of a
+    family whose blocks genfast can shard."""
+    if not families.family(args.family).tensor_parallel:
+        raise UserError(f"--tp is not supported for {args.family} models yet; run them without --tp")
     sizes = {
         "attention heads": args.n_heads,
         "key/value heads": args.n_kv_heads,

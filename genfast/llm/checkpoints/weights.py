@@ -114,17 +114,16 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
     """A function that fills a part of the model (the module stored under a prefix) from a Hugging
     Face or GGUF checkpoint, tensor by tensor."""
     args, path = checkpoint.args, checkpoint.path
+    family = families.family(args.family)
     if checkpoint.format == "hf":
         get, available = _hf_source(path)
-        family = families.family(args.family)
         layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
         layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
         expert_names = family.hf_expert_tensors
     else:
         gguf = checkpoint.gguf
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
-        own = families.family(args.family).gguf_layer_tensors
-        layer_names = {**_GGUF_LAYER, **own}
+        layer_names = {**_GGUF_LAYER, **family.gguf_layer_tensors}
         layer_prefix, global_names = "blk.{i}.", _GGUF_GLOBAL
         expert_names = _GGUF_EXPERTS
 
@@ -144,7 +143,7 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
             missing = [s for s in sources if s not in available]
             if missing:
                 raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
-            tensor = _assemble([get(s) for s in sources], per_expert)
+            tensor = family.load_tensor(args, name, _assemble([get(s) for s in sources], per_expert))
             if tensor.shape != param.shape:
                 raise UserError(
                     f"{path}: tensor {sources[0]} has shape {tuple(tensor.shape)} but the config implies "

@@ -22,9 +22,11 @@ class RopeScaling:
     """Llama-3.1 style frequency-dependent scaling ("llama3"), plain position interpolation
     ("linear"), or Phi-3's LongRoPE ("longrope": per-frequency divisors, `short_factor` while the
     sequence fits the original context and `long_factor` beyond it, cos and sin scaled by
-    `attention_factor`)."""
+    `attention_factor`), or YaRN ("yarn": frequencies between `beta_slow` and `beta_fast` rotations
+    over the original context blend from interpolated to kept, cos and sin scaled by
+    `attention_factor`; `mscale_all_dim` > 0 also scales DeepSeek's softmax, see `yarn_mscale`)."""
 
-    kind: str  # "llama3" | "linear" | "longrope"
+    kind: str  # "llama3" | "linear" | "longrope" | "yarn"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -32,6 +34,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,33 @@ def longrope_attention_factor(factor: float, original_context: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_context))
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context grown by `factor`: 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inverse_frequencies(inv: list[float], rs: RopeScaling, rotary_dim: int, theta: float) -> list[float]:
+    """YaRN: pairs that turn fewer than `beta_slow` times over the original context are divided by
+    `factor`, those turning more than `beta_fast` times are kept, a linear ramp between (the
+    correction range floored and ceiled, as transformers does by default)."""
+
+    def pair_of(rotations: float) -> float:  # the pair index that turns `rotations` times
+        return (
+            rotary_dim
+            * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
+
+    low = max(math.floor(pair_of(rs.beta_fast)), 0)
+    high = min(math.ceil(pair_of(rs.beta_slow)), rotary_dim - 1)
+    span = (high - low) or 0.001  # a single-pair range would divide by zero
+    out = []
+    for i, f in enumerate(inv):
+        kept = 1 - min(max((i - low) / span, 0.0), 1.0)  # 1: extrapolate (keep), 0: interpolate
+        out.append(f / rs.factor * (1 - kept) + f * kept)
+    return out
+
+
 def rope_inverse_frequencies(args: ModelArgs, long: bool = False) -> list[float]:
     """Per-pair inverse frequencies of the rotary dims, with the configured scaling applied
     (LongRoPE: its short factors, or its long ones with `long`)."""
@@ -150,6 +182,8 @@ def rope_inverse_frequencies(args: ModelArgs, long: bool = False) -> list[float]
         return [f / rs.factor for f in inv]
     if rs.kind == "longrope":
         return [f / d for f, d in zip(inv, rs.long_factor if long else rs.short_factor, strict=True)]
+    if rs.kind == "yarn":
+        return _yarn_inverse_frequencies(inv, rs, args.rotary_dim, args.rope_theta)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor

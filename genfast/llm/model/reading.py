@@ -9,7 +9,7 @@ from typing import Any
 
 from genfast.errors import UserError
 from genfast.llm.model import families
-from genfast.llm.model.config import FamilyArgs, ModelArgs, RopeScaling, longrope_attention_factor
+from genfast.llm.model.config import FamilyArgs, ModelArgs, RopeScaling, longrope_attention_factor, yarn_mscale
 
 
 def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
@@ -38,7 +38,7 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         else:  # Qwen2/3 window only some layers (max_window_layers); full attention equals
             max_seq_len = sliding  # sliding-window attention up to the window
 
-    return ModelArgs(
+    shared = dict(
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
@@ -54,8 +54,8 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         sliding_window=window,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         family=model_type,
-        **family.hf_fields(cfg),
     )
+    return ModelArgs(**{**shared, **family.hf_fields(cfg)})  # a family's own reading wins
 
 
 def args_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelArgs:
@@ -80,7 +80,7 @@ def args_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> Mod
     scaling = None
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
         scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
-    return ModelArgs(
+    shared = dict(
         vocab_size=int(vocab),
         dim=dim,
         n_layers=int(key("block_count")),
@@ -98,8 +98,8 @@ def args_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> Mod
         out_bias="blk.0.attn_output.bias" in tensor_names,
         family=arch,
         **_gguf_expert_fields(meta, arch, tensor_names),
-        **families.family(arch).gguf_fields(meta, arch),
     )
+    return ModelArgs(**{**shared, **families.family(arch).gguf_fields(meta, arch)})  # a family's own reading wins
 
 
 def args_from_dict(fields_: dict[str, Any]) -> ModelArgs:
@@ -199,4 +199,20 @@ def _rope_scaling_from_hf(rs: dict[str, Any] | None, cfg: dict[str, Any]) -> Rop
         )
     if kind == "linear":
         return RopeScaling("linear", float(rs["factor"]))
-    raise UserError(f"unsupported rope scaling {kind!r}; genfast supports 'llama3', 'linear' and 'longrope'")
+    if kind == "yarn":
+        original = int(rs.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
+        factor = float(rs.get("factor") or cfg.get("max_position_embeddings", original) / original)
+        mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+        # As transformers: cos and sin scale by the ratio of the two mscales where both are given.
+        both = mscale and mscale_all_dim
+        default = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if both else None
+        return RopeScaling(
+            "yarn",
+            factor,
+            original_max_position_embeddings=original,
+            attention_factor=float(rs.get("attention_factor") or default or yarn_mscale(factor)),
+            beta_fast=float(rs.get("beta_fast") or 32),
+            beta_slow=float(rs.get("beta_slow") or 1),
+            mscale_all_dim=float(mscale_all_dim or 0.0),
+        )
+    raise UserError(f"unsupported rope scaling {kind!r}; genfast supports 'llama3', 'linear', 'longrope' and 'yarn'")

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from genfast.llm.model import families
 from genfast.llm.model.config import ModelArgs, rope_inverse_frequencies
-from genfast.llm.model.layers import WINDOW_SLACK, CacheRows, KVCache, WindowKVCache
+from genfast.llm.model.layers import CacheRows
 from genfast.nn import DtypeAttribute, Linear
 
 
@@ -59,18 +59,11 @@ class Transformer(nn.Module):
             raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
         dtype = self.cache_dtype or self.norm.weight.dtype  # norm: the compute dtype (linears may store bf16)
         current = self.layers[0].attention.kv_cache
-        if (batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len) and current.k.dtype == dtype:
+        if (batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len) and current.dtype == dtype:
             return
         device = self.norm.weight.device
-        for layer in self.layers:  # the layer's own kv heads: a tensor-parallel shard holds a slice
-            heads, window = layer.attention.n_kv_heads, layer.attention.sliding_window
-            if window is not None and window + WINDOW_SLACK < max_seq_len:  # a ring of the window
-                cache = WindowKVCache(
-                    batch_size, window + WINDOW_SLACK, heads, self.args.head_dim, window, max_seq_len, dtype, device
-                )
-            else:
-                cache = KVCache(batch_size, max_seq_len, heads, self.args.head_dim, dtype, device, window)
-            layer.attention.kv_cache = cache
+        for layer in self.layers:  # each layer's own kind of cache (layers.Attention.new_cache)
+            layer.attention.kv_cache = layer.attention.new_cache(batch_size, max_seq_len, dtype, device)
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
 
     def cache_rows(self) -> CacheRows:
@@ -90,9 +83,9 @@ class Transformer(nn.Module):
         angles = input_pos.to(torch.float32)[..., None] * inv_freq.float()
         if input_pos.dim() == 2:
             angles = angles[:, None]
-        if self.longrope:
-            scale = self.args.rope_scaling.attention_factor
-            return angles.cos() * scale, angles.sin() * scale
+        scaling = self.args.rope_scaling
+        if scaling is not None and scaling.kind in ("longrope", "yarn"):  # their cos and sin scale
+            return angles.cos() * scaling.attention_factor, angles.sin() * scaling.attention_factor
         return angles.cos(), angles.sin()
 
     def clear_caches(self) -> None:

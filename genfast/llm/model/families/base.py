@@ -52,6 +52,11 @@ class Family:
     gguf_fields: Callable[[dict[str, Any], str], dict[str, Any]] = lambda meta, arch: {}
     # A GGUF tensor as llama.cpp stores it -> as the model takes it (name: the GGUF tensor's).
     gguf_tensor: Callable[[str, Tensor], Tensor] = lambda name, tensor: tensor
+    # A parameter as assembled from its source tensors (either format) -> as the model takes it,
+    # given the model's args and the parameter's genfast name.
+    load_tensor: Callable[[ModelArgs, str, Tensor], Tensor] = lambda args, name, tensor: tensor
+    # Whether genfast.llm.tensor_parallel can shard the family's blocks.
+    tensor_parallel: bool = True
     # llama.cpp's converter interleaves the rotary halves of q/k rows for this architecture.
     gguf_rope_interleaved: bool = False
     # A config's `sliding_window` applies to every layer unless it says `use_sliding_window: false`
