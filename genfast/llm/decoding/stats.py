@@ -102,7 +102,8 @@ def format_stats(
         experts = f", of experts the {a.n_active_experts} of {a.n_experts} each token runs" if a.n_experts else ""
         lines.append(
             f"bytes/step {t.bytes_per_step / 1e6:.1f} MB (weights {t.weight_bytes / 1e6:.1f} MB{experts} + KV "
-            f"{t.kv_bytes / 1e6:.1f} MB) | {t.bytes_per_s / 1e9:.1f} GB/s | MBU {100 * t.mbu(peak_bw):.0f}% of "
+            f"{t.kv_bytes / 1e6:.1f} MB, {kv_bytes_per_slot(model) / 1e3:.1f} KB per token) | "
+            f"{t.bytes_per_s / 1e9:.1f} GB/s | MBU {100 * t.mbu(peak_bw):.0f}% of "
             f"{peak_bw / 1e9:.1f} GB/s measured"
         )
     lines.append(f"peak memory {peak_memory_bytes(device) / 1e9:.2f} GB")

@@ -62,7 +62,7 @@ class ModelArgs:
     qkv_bias: bool = False
     out_bias: bool = False  # Llama's `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not
     family: str = "llama"
-    # Mixture of experts (Mixtral, Qwen3-MoE; 0 experts: dense). Each token's router picks
+    # Mixture of experts (Mixtral, Qwen3-MoE, DeepSeek-V3; 0 experts: dense). Each token's router picks
     # `n_active_experts` of `n_experts` gated MLPs of width `expert_intermediate_size`; their
     # weights are the top-k softmax probabilities, renormalized to sum to 1 if
     # `normalize_expert_weights`. `dense_layers`: layers with the dense MLP instead (Qwen3-MoE's

@@ -9,6 +9,11 @@ Layout choices, all for decode speed:
   serves every length. One query per sequence (decode) attends through a native kernel on CPUs
   with one (genfast/kernels/decode_attention/), eager or compiled.
 - Rotary embeddings use the Hugging Face (rotate-half) layout, so HF weights load unpermuted.
+
+Every cache (KVCache, WindowKVCache, and DeepSeek's LatentKVCache) offers the same small interface
+to the code around the model: an attention's `new_cache` makes it; `dtype`, `slot_bytes` (one
+position of one row) and `slots_read` (positions a decode step reads) size it for the stats;
+`read_span`/`write_span` (positions on dim 2) copy rows for the serve engine's prefix cache.
 """
 
 from __future__ import annotations

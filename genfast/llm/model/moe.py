@@ -1,5 +1,7 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, DeepSeek-V3): a router picks each token's top-k experts,
-gated MLPs of the shared shape whose outputs are summed with the router's weights.
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, DeepSeek-V3): a router picks each token's
+top-k experts, gated MLPs of the shared shape whose outputs are summed with the router's weights
+(DeepSeek's router, `GroupLimitedRouter`, is a subclass; its shared experts are added by its
+family, genfast/llm/model/families/deepseek.py).
 
 The experts' weights are stacked per projection ([E, 2 * width, dim] and [E, dim, width]) in
 `ExpertLinear`s, which multiply each row by its own expert's weight only (genfast.nn.

@@ -16,7 +16,7 @@ from genfast.llm.checkpoints.weights import load_model
 from genfast.llm.decoding.drafters import LayerDrafter
 from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.speculative import SpeculativeGenerator
-from genfast.llm.decoding.stats import kv_bytes_per_slot, kv_bytes_read
+from genfast.llm.decoding.stats import format_stats, kv_bytes_per_slot, kv_bytes_read
 from genfast.llm.model.config import rope_inverse_frequencies
 from genfast.llm.model.layers import LatentKVCache
 from genfast.llm.model.moe import GroupLimitedRouter
@@ -83,6 +83,7 @@ def _interleaved_rope_rows(hf) -> dict:
 
 
 def test_the_cache_holds_the_latent_and_shared_key_per_position(deepseek):
+    """kv_lora_rank + qk_rope_head_dim values per position and layer, and the stats count that."""
     _, model, _ = deepseek
     own = model.args.family_args
     model.setup_caches(2, 64)
@@ -91,6 +92,8 @@ def test_the_cache_holds_the_latent_and_shared_key_per_position(deepseek):
     per_token = model.args.n_layers * (own.kv_lora_rank + own.qk_rope_head_dim) * 4  # fp32
     assert kv_bytes_per_slot(model) == per_token == 3 * 40 * 4
     assert kv_bytes_read(model, 10) == 10 * per_token
+    result = Generator(model, word_tokenizer(256), max_seq_len=64, compile=False).generate([[3, 4, 5]], 4)
+    assert ", 0.5 KB per token)" in format_stats(model, result, 1e10, None, torch.device("cpu"))
 
 
 def test_decode_through_the_latent_cache_equals_transformers(deepseek):
