@@ -21,10 +21,12 @@ def write_gguf_from_hf(
     qtype: str = "F32",
     vocab: list[str] | None = None,
     truncate_to: int | None = None,
+    split_kv_b: bool = True,
 ) -> Path:
     """A GGUF of `hf_model`'s weights; 2-D weights other than the embedding stored as `qtype`.
     DeepSeek (arch "deepseek2") in the layout of llama.cpp's recent converters: MQA over the
-    latent, kv_b_proj split into attn_k_b (transposed per head) and attn_v_b."""
+    latent, kv_b_proj split into attn_k_b (transposed per head) and attn_v_b; with `split_kv_b`
+    false, in the older one (per-head key/value lengths, one attn_kv_b tensor)."""
     import gguf
 
     cfg = hf_model.config
@@ -36,7 +38,7 @@ def write_gguf_from_hf(
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     deepseek = arch == "deepseek2"
-    w.add_head_count_kv(1 if deepseek else cfg.num_key_value_heads)
+    w.add_head_count_kv(1 if deepseek and split_kv_b else cfg.num_key_value_heads)
     rope = getattr(cfg, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
     w.add_rope_freq_base(float(rope["rope_theta"]) if "rope_theta" in rope else float(cfg.rope_theta))
@@ -52,10 +54,14 @@ def write_gguf_from_hf(
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if deepseek:
-        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        w.add_value_length(cfg.kv_lora_rank)
-        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-        w.add_value_length_mla(cfg.v_head_dim)
+        if split_kv_b:
+            w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            w.add_value_length(cfg.kv_lora_rank)
+            w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+            w.add_value_length_mla(cfg.v_head_dim)
+        else:
+            w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+            w.add_value_length(cfg.v_head_dim)
         w.add_kv_lora_rank(cfg.kv_lora_rank)
         if cfg.q_lora_rank:
             w.add_q_lora_rank(cfg.q_lora_rank)
@@ -140,6 +146,9 @@ def write_gguf_from_hf(
             continue
         if name.endswith("mlp.experts.down_proj"):
             _add(w, f"blk.{name.split('.')[2]}.ffn_down_exps.weight", tensor, qtype)
+            continue
+        if deepseek and name.endswith("kv_b_proj.weight") and not split_kv_b:
+            _add(w, f"blk.{name.split('.')[2]}.attn_kv_b.weight", tensor, qtype)
             continue
         if deepseek and name.endswith("kv_b_proj.weight"):  # split per head, the key half transposed
             kv_b = tensor.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)

@@ -120,12 +120,14 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
         layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
         layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
         expert_names = family.hf_expert_tensors
+        older_names = {}
     else:
         gguf = checkpoint.gguf
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
         layer_names = {**_GGUF_LAYER, **family.gguf_layer_tensors}
         layer_prefix, global_names = "blk.{i}.", _GGUF_GLOBAL
         expert_names = _GGUF_EXPERTS
+        older_names = family.gguf_older_layer_tensors
 
     def fill(module: torch.nn.Module, prefix: str) -> None:
         for local, param in module.named_parameters(remove_duplicate=False):
@@ -141,6 +143,9 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
             else:
                 sources, per_expert = [global_names[name]], None
             missing = [s for s in sources if s not in available]
+            if missing and name.startswith("layers.") and suffix in older_names:  # an older file's layout
+                sources = [layer_prefix.format(i=idx) + s for s in older_names[suffix]]
+                missing = [s for s in sources if s not in available]
             if missing:
                 raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
             tensor = family.load_tensor(args, name, _assemble([get(s) for s in sources], per_expert))

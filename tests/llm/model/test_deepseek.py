@@ -45,7 +45,8 @@ def _tokens(n: int, seed: int = 0) -> torch.Tensor:
 
 def test_lite_variant_from_safetensors_and_gguf_equals_transformers(tmp_path):
     """No q latent, rotate-half rotary rows, three experts of eight unscaled and not renormalized,
-    two shared experts, no groups: logits as transformers'."""
+    two shared experts, no groups: logits as transformers', from safetensors and from GGUFs in
+    both of llama.cpp's layouts."""
     hf = make_hf_model("deepseek_lite")
     tokens = _tokens(19, seed=3)
     with torch.no_grad():
@@ -58,8 +59,10 @@ def test_lite_variant_from_safetensors_and_gguf_equals_transformers(tmp_path):
         # written as interleaved pairs, which the reader assumes.
         interleaved = make_hf_model("deepseek_lite", rope_interleave=True)
         interleaved.load_state_dict(_interleaved_rope_rows(hf))
-        gguf = load_model(Checkpoint.open(write_gguf_from_hf(interleaved, tmp_path / "lite.gguf", arch="deepseek2")))
-        torch.testing.assert_close(gguf(tokens, torch.arange(19), all_logits=True), expected, atol=ATOL, rtol=0)
+        for split in (True, False):  # recent converters' attn_k_b/attn_v_b, older ones' attn_kv_b
+            path = write_gguf_from_hf(interleaved, tmp_path / f"lite-{split}.gguf", arch="deepseek2", split_kv_b=split)
+            gguf = load_model(Checkpoint.open(path))
+            torch.testing.assert_close(gguf(tokens, torch.arange(19), all_logits=True), expected, atol=ATOL, rtol=0)
 
 
 def _interleaved_rope_rows(hf) -> dict:
@@ -196,3 +199,9 @@ def test_speculative_decoding_and_the_serve_engine_give_the_greedy_tokens(deepse
 def test_tensor_parallelism_is_refused_in_one_sentence():
     with pytest.raises(UserError, match="--tp is not supported for deepseek_v3"):
         check_shardable(args_from_hf_config(TINY_CONFIGS["deepseek_v3"]), 2)
+
+
+def test_batch_invariant_mode_says_latent_attention_lacks_its_kernel(deepseek):
+    from genfast.llm.model.invariance import unavailable_reason
+
+    assert "latent attention" in unavailable_reason(deepseek[1])

@@ -44,6 +44,8 @@ class Family:
     # genfast parameter suffix in a block -> the family's own source tensors (HF, GGUF).
     hf_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
     gguf_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
+    # Sources that older GGUF files hold instead of gguf_layer_tensors' (genfast suffix -> names).
+    gguf_older_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
     # The same for a mixture-of-experts MLP in HF checkpoints, which store a tensor per expert
     # ("{e}"); GGUF files stack them under names shared by all families (genfast.llm.checkpoints.weights).
     hf_expert_tensors: dict[str, list[str]] = field(default_factory=dict)

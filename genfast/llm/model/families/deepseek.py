@@ -176,7 +176,8 @@ def _deinterleaved_rows(w: Tensor, rope: int, per: int) -> Tensor:
 
 def load_tensor(args: ModelArgs, name: str, tensor: Tensor) -> Tensor:
     """A parameter as assembled from the checkpoint -> as the model takes it: rotary rows of q and
-    of the shared key de-interleaved, kv_b_proj per head."""
+    of the shared key de-interleaved, kv_b_proj per head (from HF's or older GGUFs' 2-D tensor, or
+    the [H, nope + v, rank] that the split GGUF tensors assemble into)."""
     own = family_args(args, DeepseekArgs)
     if name.endswith("attention.wkv_b"):
         return tensor.reshape(args.n_heads, own.qk_nope_head_dim + own.v_head_dim, own.kv_lora_rank)
@@ -312,6 +313,7 @@ FAMILY = Family(
         "feed_forward.shared.w2.weight": ["ffn_down_shexp.weight"],
         "feed_forward.router.bias": ["exp_probs_b.bias"],
     },
+    gguf_older_layer_tensors={"attention.wkv_b": ["attn_kv_b.weight"]},  # kv_b whole, as HF's
     hf_expert_tensors={
         "feed_forward.router.weight": ["mlp.gate.weight"],
         "feed_forward.w13.weight": ["mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"],
