@@ -65,12 +65,6 @@ def write_gguf_from_hf(
         w.add_kv_lora_rank(cfg.kv_lora_rank)
         if cfg.q_lora_rank:
             w.add_q_lora_rank(cfg.q_lora_rank)
-        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
-        w.add_expert_shared_count(cfg.n_shared_experts)
-        w.add_expert_weights_scale(cfg.routed_scaling_factor)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        w.add_expert_group_count(cfg.n_group)
-        w.add_expert_group_used_count(cfg.topk_group)
     else:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -131,6 +125,15 @@ def write_gguf_from_hf(
         if hasattr(cfg, "norm_topk_prob"):
             w.add_expert_weights_norm(cfg.norm_topk_prob)
         per_layer["mlp.gate"] = "ffn_gate_inp"
+    if hasattr(cfg, "n_shared_experts"):  # DeepSeek's mixture (DeepSeek-V3, GLM-4.5)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    if arch == "glm4moe":  # llama.cpp's name for the norm before the MLP
+        per_layer["post_attention_layernorm"] = "post_attention_norm"
     if rope.get("rope_type") == "longrope":  # Phi-3: llama.cpp stores the factors as tensors
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))

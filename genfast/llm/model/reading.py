@@ -99,7 +99,8 @@ def args_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> Mod
         family=arch,
         **_gguf_expert_fields(meta, arch, tensor_names),
     )
-    return ModelArgs(**{**shared, **families.family(arch).gguf_fields(meta, arch)})  # a family's own reading wins
+    own = families.family(arch).gguf_fields(meta, arch, tensor_names)
+    return ModelArgs(**{**shared, **own})  # a family's own reading wins
 
 
 def args_from_dict(fields_: dict[str, Any]) -> ModelArgs:

@@ -205,3 +205,13 @@ def test_batch_invariant_mode_says_latent_attention_lacks_its_kernel(deepseek):
     from genfast.llm.model.invariance import unavailable_reason
 
     assert "latent attention" in unavailable_reason(deepseek[1])
+
+
+def test_glm_gguf_leaves_out_the_multi_token_prediction_layers():
+    """llama.cpp counts GLM-4.5's MTP layer in block_count; genfast builds the main layers only."""
+    from genfast.llm.model.families import glm4_moe
+
+    meta = {"glm4moe.block_count": 47, "glm4moe.nextn_predict_layers": 1, "glm4moe.expert_count": 128}
+    fields = glm4_moe.gguf_fields(meta, "glm4moe", {"blk.0.attn_q_norm.weight"})
+    assert fields["n_layers"] == 46 and fields["family_args"].qk_norm
+    assert not glm4_moe.gguf_fields(meta, "glm4moe", set())["family_args"].qk_norm

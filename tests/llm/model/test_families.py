@@ -41,6 +41,7 @@ FAMILIES = [
     ("mixtral", "llama"),  # llama.cpp writes Mixtral as "llama" with an expert count
     ("qwen3_moe", "qwen3moe"),
     ("deepseek_v3", "deepseek2"),  # its own pieces: test_deepseek.py
+    ("glm4_moe", "glm4moe"),
 ]
 # Budgets on the tiny random models: the mean KL divergence of the next-token distributions,
 # and the relative logit error ||quantized - fp32|| / ||fp32|| as a guard against gross breakage
@@ -111,6 +112,7 @@ COMPILED_LAYERS = {
     "gemma3": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]),
     "qwen3_moe": dict(num_hidden_layers=2),  # experts, dense (mlp_only_layers)
     "deepseek_v3": dict(num_hidden_layers=2),  # dense, experts
+    "glm4_moe": dict(num_hidden_layers=2),  # dense, experts
 }
 
 

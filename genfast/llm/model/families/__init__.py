@@ -9,13 +9,24 @@ tensors of its own in both formats. Adding a family is a module here plus its en
 from __future__ import annotations
 
 from genfast.errors import UserError
-from genfast.llm.model.families import deepseek, gemma2, gemma3, llama, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from genfast.llm.model.families import (
+    deepseek,
+    gemma2,
+    gemma3,
+    glm4_moe,
+    llama,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from genfast.llm.model.families.base import Family
 
 
 def _registry() -> dict[str, Family]:
     found: dict[str, Family] = {}
-    every = (llama, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3, deepseek)
+    every = (llama, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3, deepseek, glm4_moe)
     for fam in (module.FAMILY for module in every):
         for name in {fam.name, *fam.hf_model_types, *fam.gguf_architectures}:
             found[name] = fam

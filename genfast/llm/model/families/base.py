@@ -50,8 +50,8 @@ class Family:
     # ("{e}"); GGUF files stack them under names shared by all families (genfast.llm.checkpoints.weights).
     hf_expert_tensors: dict[str, list[str]] = field(default_factory=dict)
     # ModelArgs fields that the family reads from GGUF metadata (beyond the shared ones), given
-    # the metadata and its architecture.
-    gguf_fields: Callable[[dict[str, Any], str], dict[str, Any]] = lambda meta, arch: {}
+    # the metadata, its architecture and the file's tensor names.
+    gguf_fields: Callable[[dict[str, Any], str, set[str]], dict[str, Any]] = lambda meta, arch, names: {}
     # A GGUF tensor as llama.cpp stores it -> as the model takes it (name: the GGUF tensor's).
     gguf_tensor: Callable[[str, Tensor], Tensor] = lambda name, tensor: tensor
     # A parameter as assembled from its source tensors (either format) -> as the model takes it,

@@ -39,18 +39,24 @@ if TYPE_CHECKING:
 LATENT_NORM_EPS = 1e-6  # transformers' q_a/kv_a layernorms take their default eps, not the config's
 
 
-@dataclass(frozen=True)
-class DeepseekArgs(FamilyArgs):
+@dataclass(frozen=True, kw_only=True)
+class SharedExpertArgs(FamilyArgs):
+    """DeepSeek's mixture beyond the shared ModelArgs (also GLM-4.5's: families/glm4_moe.py)."""
+
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepseekArgs(SharedExpertArgs):
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None  # None: one q projection (DeepSeek-V2-Lite)
     attention_bias: bool = False  # on q_a/kv_a and the output projection
-    n_shared_experts: int = 0
-    routed_scaling_factor: float = 1.0
-    n_group: int = 1
-    topk_group: int = 1
     rope_interleave: bool = True  # the checkpoint's rotary rows in interleaved pairs
 
 
@@ -143,7 +149,7 @@ class SharedExpertMoE(MoEFeedForward):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args)
-        own = family_args(args, DeepseekArgs)
+        own = family_args(args, SharedExpertArgs)
         self.router = GroupLimitedRouter(
             args.dim,
             args.n_experts,
@@ -189,9 +195,29 @@ def load_tensor(args: ModelArgs, name: str, tensor: Tensor) -> Tensor:
     return tensor
 
 
+def hf_shared_expert_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture's ModelArgs fields and SharedExpertArgs values (as keyword arguments) of a
+    DeepSeek-style HF config."""
+    n_experts, n_layers = int(cfg.get("n_routed_experts") or 0), int(cfg["num_hidden_layers"])
+    fields = {
+        "n_experts": n_experts,
+        "n_active_experts": int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0,
+        "expert_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
+        "normalize_expert_weights": bool(cfg.get("norm_topk_prob", True)),
+        "dense_layers": tuple(range(min(int(cfg.get("first_k_dense_replace") or 0), n_layers))),
+    }
+    own = {
+        "n_shared_experts": int(cfg.get("n_shared_experts") or 0),
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+        "n_group": int(cfg.get("n_group") or 1),
+        "topk_group": int(cfg.get("topk_group") or 1),
+    }
+    return {**fields, "family_args": own}
+
+
 def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    rope, n_layers = int(cfg["qk_rope_head_dim"]), int(cfg["num_hidden_layers"])
-    n_experts = int(cfg.get("n_routed_experts") or 0)
+    rope = int(cfg["qk_rope_head_dim"])
+    fields = hf_shared_expert_fields(cfg)
     own = DeepseekArgs(
         kv_lora_rank=int(cfg["kv_lora_rank"]),
         qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
@@ -199,23 +225,16 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         v_head_dim=int(cfg["v_head_dim"]),
         q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
         attention_bias=bool(cfg.get("attention_bias", False)),
-        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        n_group=int(cfg.get("n_group") or 1),
-        topk_group=int(cfg.get("topk_group") or 1),
         rope_interleave=bool(cfg.get("rope_interleave", True)),
+        **fields["family_args"],
     )
     return {
+        **fields,
         "head_dim": rope,  # the rotary part: what the model's rope tables are built for
         "rotary_dim": rope,
         "n_kv_heads": int(cfg["num_attention_heads"]),
         "qkv_bias": False,
         "out_bias": own.attention_bias,
-        "n_experts": n_experts,
-        "n_active_experts": int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0,
-        "expert_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
-        "normalize_expert_weights": bool(cfg.get("norm_topk_prob", True)),
-        "dense_layers": tuple(range(min(int(cfg.get("first_k_dense_replace") or 0), n_layers))),
         "family_args": own,
     }
 
@@ -223,7 +242,23 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 
-def gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+def gguf_shared_expert_values(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """SharedExpertArgs values (as keyword arguments) from llama.cpp's keys; softmax routing refused."""
+    gating = int(meta.get(f"{arch}.expert_gating_func", SIGMOID_GATING))
+    if meta.get(f"{arch}.expert_count") and gating != SIGMOID_GATING:
+        raise UserError(
+            f"this {arch} GGUF routes its experts by softmax (as DeepSeek-V2); genfast loads sigmoid-routed "
+            "experts only (DeepSeek-V3's)"
+        )
+    return {
+        "n_shared_experts": int(meta.get(f"{arch}.expert_shared_count", 0) or 0),
+        "routed_scaling_factor": float(meta.get(f"{arch}.expert_weights_scale", 1.0) or 1.0),
+        "n_group": int(meta.get(f"{arch}.expert_group_count", 1) or 1),
+        "topk_group": int(meta.get(f"{arch}.expert_group_used_count", 1) or 1),
+    }
+
+
+def gguf_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
     """llama.cpp's deepseek2 keys. Files from recent converters store the attention as MQA over
     the latent (key_length = kv_lora_rank + rope, the per-head sizes in key/value_length_mla);
     older ones give the per-head sizes in key/value_length."""
@@ -234,12 +269,6 @@ def gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
             raise UserError(f"corrupt GGUF: metadata key {arch}.{name} is missing")
         return value
 
-    gating = int(meta.get(f"{arch}.expert_gating_func", SIGMOID_GATING))
-    if meta.get(f"{arch}.expert_count") and gating != SIGMOID_GATING:
-        raise UserError(
-            f"this {arch} GGUF routes its experts by softmax (DeepSeek-V2); genfast loads the sigmoid-routed "
-            "DeepSeek-V3 layout only"
-        )
     rope = int(key("rope.dimension_count"))
     key_length = int(meta.get(f"{arch}.attention.key_length_mla") or key("attention.key_length"))
     value_length = int(meta.get(f"{arch}.attention.value_length_mla") or key("attention.value_length"))
@@ -250,11 +279,8 @@ def gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
         qk_rope_head_dim=rope,
         v_head_dim=value_length,
         q_lora_rank=q_lora or None,
-        n_shared_experts=int(meta.get(f"{arch}.expert_shared_count", 0) or 0),
-        routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale", 1.0) or 1.0),
-        n_group=int(meta.get(f"{arch}.expert_group_count", 1) or 1),
-        topk_group=int(meta.get(f"{arch}.expert_group_used_count", 1) or 1),
         rope_interleave=True,  # llama.cpp rotates deepseek2's pairs in place (its NORM rope)
+        **gguf_shared_expert_values(meta, arch),
     )
     fields: dict[str, Any] = {
         "head_dim": rope,
@@ -281,6 +307,23 @@ def from_gguf(name: str, tensor: Tensor) -> Tensor:
     return tensor.transpose(1, 2) if name.endswith("attn_k_b.weight") else tensor
 
 
+# The mixture's tensors, shared with GLM-4.5 (genfast names -> the checkpoints').
+SHARED_EXPERT_HF_TENSORS = {
+    "feed_forward.shared.w13.weight": ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
+    "feed_forward.shared.w2.weight": ["mlp.shared_experts.down_proj.weight"],
+    "feed_forward.router.bias": ["mlp.gate.e_score_correction_bias"],
+}
+SHARED_EXPERT_GGUF_TENSORS = {
+    "feed_forward.shared.w13.weight": ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"],
+    "feed_forward.shared.w2.weight": ["ffn_down_shexp.weight"],
+    "feed_forward.router.bias": ["exp_probs_b.bias"],
+}
+EXPERT_HF_TENSORS = {
+    "feed_forward.router.weight": ["mlp.gate.weight"],
+    "feed_forward.w13.weight": ["mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"],
+    "feed_forward.w2.weight": ["mlp.experts.{e}.down_proj.weight"],
+}
+
 FAMILY = Family(
     "deepseek_v3",
     ("deepseek_v3",),
@@ -297,9 +340,7 @@ FAMILY = Family(
         "attention.wkv_a.bias": ["self_attn.kv_a_proj_with_mqa.bias"],
         "attention.kv_norm.weight": ["self_attn.kv_a_layernorm.weight"],
         "attention.wkv_b": ["self_attn.kv_b_proj.weight"],
-        "feed_forward.shared.w13.weight": ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
-        "feed_forward.shared.w2.weight": ["mlp.shared_experts.down_proj.weight"],
-        "feed_forward.router.bias": ["mlp.gate.e_score_correction_bias"],
+        **SHARED_EXPERT_HF_TENSORS,
     },
     gguf_layer_tensors={
         "attention.wq.weight": ["attn_q.weight"],
@@ -309,16 +350,10 @@ FAMILY = Family(
         "attention.wkv_a.weight": ["attn_kv_a_mqa.weight"],
         "attention.kv_norm.weight": ["attn_kv_a_norm.weight"],
         "attention.wkv_b": ["attn_k_b.weight", "attn_v_b.weight"],
-        "feed_forward.shared.w13.weight": ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"],
-        "feed_forward.shared.w2.weight": ["ffn_down_shexp.weight"],
-        "feed_forward.router.bias": ["exp_probs_b.bias"],
+        **SHARED_EXPERT_GGUF_TENSORS,
     },
     gguf_older_layer_tensors={"attention.wkv_b": ["attn_kv_b.weight"]},  # kv_b whole, as HF's
-    hf_expert_tensors={
-        "feed_forward.router.weight": ["mlp.gate.weight"],
-        "feed_forward.w13.weight": ["mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"],
-        "feed_forward.w2.weight": ["mlp.experts.{e}.down_proj.weight"],
-    },
+    hf_expert_tensors=EXPERT_HF_TENSORS,
     gguf_fields=gguf_fields,
     gguf_tensor=from_gguf,
     load_tensor=load_tensor,
