@@ -1,7 +1,8 @@
 """A decoder-only language model with a static KV cache: embedding, the blocks of its family
 (genfast/llm/model/families/: Llama 2/3/3.x, Mistral, Mixtral, SmolLM, TinyLlama, Qwen2, Qwen3,
-Qwen3-MoE, Phi-3/4, Gemma 2/3, DeepSeek-V3/R1 and Kimi K2, GLM-4.5/4.6), final norm and output head. The shared blocks are in
-genfast/llm/model/layers.py, the mixture-of-experts MLP in genfast/llm/model/moe.py.
+Qwen3-MoE, Phi-3/4, Gemma 2/3, DeepSeek-V3/R1 and Kimi K2, GLM-4.5/4.6), final norm and output
+head. The shared blocks are in genfast/llm/model/layers.py, the mixture-of-experts MLP in
+genfast/llm/model/moe.py.
 """
 
 from __future__ import annotations
