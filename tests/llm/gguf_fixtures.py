@@ -24,8 +24,12 @@ def write_gguf_from_hf(
     qtype: str = "F32",
     vocab: list[str] | None = None,
     truncate_to: int | None = None,
+    split_kv_b: bool = True,
 ) -> Path:
-    """A GGUF of `hf_model`'s weights; 2-D weights other than the embedding stored as `qtype`."""
+    """A GGUF of `hf_model`'s weights; 2-D weights other than the embedding stored as `qtype`.
+    DeepSeek (arch "deepseek2") in the layout of llama.cpp's recent converters: MQA over the
+    latent, kv_b_proj split into attn_k_b (transposed per head) and attn_v_b; with `split_kv_b`
+    false, in the older one (per-head key/value lengths, one attn_kv_b tensor)."""
     import gguf
 
     cfg = hf_model.config
@@ -36,7 +40,8 @@ def write_gguf_from_hf(
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    deepseek = arch == "deepseek2"
+    w.add_head_count_kv(1 if deepseek and split_kv_b else cfg.num_key_value_heads)
     rope = getattr(cfg, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
     theta = float(rope["rope_theta"]) if "rope_theta" in rope else float(cfg.rope_theta)
@@ -47,12 +52,30 @@ def write_gguf_from_hf(
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope.get("mscale_all_dim", 0.0))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0)
     w.add_rope_dimension_count(int(head_dim * partial))
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if deepseek:
+        if split_kv_b:
+            w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            w.add_value_length(cfg.kv_lora_rank)
+            w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+            w.add_value_length_mla(cfg.v_head_dim)
+        else:
+            w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+            w.add_value_length(cfg.v_head_dim)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+    else:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     tokens = vocab or [f"<t{i}>" for i in range(cfg.vocab_size)]
     w.add_tokenizer_model("gpt2")
@@ -82,6 +105,15 @@ def write_gguf_from_hf(
         "self_attn.key_layernorm": "attn_k_norm",
         "self_attn.qkv_proj": "attn_qkv",  # Phi-3: fused as llama.cpp keeps them
         "mlp.gate_up_proj": "ffn_up",
+        # DeepSeek's latent attention and shared experts
+        "self_attn.q_a_proj": "attn_q_a",
+        "self_attn.q_a_layernorm": "attn_q_a_norm",
+        "self_attn.q_b_proj": "attn_q_b",
+        "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+        "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+        "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_experts.up_proj": "ffn_up_shexp",
+        "mlp.shared_experts.down_proj": "ffn_down_shexp",
     }
     gemma = arch.startswith("gemma")
     if gemma:  # llama.cpp's Gemma names and conventions
@@ -116,6 +148,15 @@ def write_gguf_from_hf(
         if hasattr(cfg, "norm_topk_prob"):
             w.add_expert_weights_norm(cfg.norm_topk_prob)
         per_layer["mlp.gate"] = "ffn_gate_inp"
+    if hasattr(cfg, "n_shared_experts"):  # DeepSeek's mixture (DeepSeek-V3, GLM-4.5)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    if arch == "glm4moe":  # llama.cpp's name for the norm before the MLP
+        per_layer["post_attention_layernorm"] = "post_attention_norm"
     if rope.get("rope_type") == "longrope":  # Phi-3: llama.cpp stores the factors as tensors
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
@@ -131,6 +172,19 @@ def write_gguf_from_hf(
             continue
         if name.endswith("mlp.experts.down_proj"):
             _add(w, f"blk.{name.split('.')[2]}.ffn_down_exps.weight", tensor, qtype)
+            continue
+        if deepseek and name.endswith("kv_b_proj.weight") and not split_kv_b:
+            _add(w, f"blk.{name.split('.')[2]}.attn_kv_b.weight", tensor, qtype)
+            continue
+        if deepseek and name.endswith("kv_b_proj.weight"):  # split per head, the key half transposed
+            kv_b = tensor.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+            k_b, v_b = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+            prefix = f"blk.{name.split('.')[2]}."
+            _add(w, prefix + "attn_k_b.weight", k_b.transpose(1, 2).contiguous(), qtype)
+            _add(w, prefix + "attn_v_b.weight", v_b.contiguous(), qtype)
+            continue
+        if name.endswith("mlp.gate.e_score_correction_bias"):
+            _add(w, f"blk.{name.split('.')[2]}.exp_probs_b.bias", tensor, "F32")
             continue
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)

@@ -314,6 +314,109 @@ TINY_CONFIGS = {
     "ernie4_5": dict(
         SMALL, model_type="ernie4_5", architectures=["Ernie4_5ForCausalLM"], head_dim=16, rope_theta=500000.0
     ),
+    # DeepSeek-V3's shape in small: latent attention with a q latent, YaRN (mscale_all_dim: the
+    # softmax scale too), a dense first layer, then 2 of 8 routed experts in 4 groups (2 groups
+    # kept) plus a shared expert, renormalized and scaled weights.
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        num_mtp_layers=0,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    ),
+    # DeepSeek-V2-Lite's attention: no q latent (one q projection), plain rope, unscaled weights,
+    # no groups; rotary rows in rotate-half order (rope_interleave false).
+    "deepseek_lite": dict(
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=2,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_interleave=False,
+        tie_word_embeddings=False,
+        num_mtp_layers=0,
+        rope_theta=10000.0,
+    ),
+    # GLM-4.5: DeepSeek's mixture (2 of 8 experts in 2 groups, one kept; a shared expert; a dense
+    # first layer) under GQA with q/k/v biases, half-rotary heads and per-head q/k norms.
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        architectures=["Glm4MoeForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        num_mtp_layers=0,
+    ),
     # Linear rope scaling, MHA (no GQA), attention_bias.
     "llama2_linear": dict(
         model_type="llama",
@@ -357,6 +460,9 @@ def make_hf_model(name: str, seed: int = 0, **changes):
                 p.add_(torch.randn_like(p) * 0.1)
             if n.endswith("mlp.gate.weight"):  # routers: clear choices, so rounding never flips an expert
                 p.normal_(0, 1.0)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # DeepSeek's choice-only bias: make it matter
+                b.normal_(0, 0.3)
     return model.eval()
 
 

@@ -124,12 +124,14 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
         layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
         expert_names = family.hf_expert_tensors
         mxfp4_experts = _hf_mxfp4_experts(get, available, family.hf_tensor)
+        older_names: dict[str, list[str]] = {}
     else:
         gguf = checkpoint.gguf
         get, available = _gguf_getter(gguf, args), gguf.tensor_names
         layer_names = {**_GGUF_LAYER, **family.gguf_layer_tensors}
         layer_prefix, global_names = "blk.{i}.", _GGUF_GLOBAL
         expert_names = _GGUF_EXPERTS
+        older_names = family.gguf_older_layer_tensors
         mxfp4_experts = _gguf_mxfp4_experts(gguf)
 
     def keep_mxfp4_codes(module: torch.nn.Module, prefix: str) -> None:
@@ -167,9 +169,13 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
             else:
                 sources, per_expert = [global_names[name]], None
             missing = [s for s in sources if s not in available]
+            if missing and name.startswith("layers.") and suffix in older_names:  # an older file's layout
+                sources = [layer_prefix.format(i=idx) + s for s in older_names[suffix]]
+                missing = [s for s in sources if s not in available]
             if missing:
                 raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
-            tensor = to_model(suffix, _assemble([get(s) for s in sources], per_expert, bias=name.endswith("bias")))
+            tensor = _assemble([get(s) for s in sources], per_expert, bias=name.endswith("bias"))
+            tensor = family.load_tensor(args, name, to_model(suffix, tensor))
             if tensor.shape != param.shape:
                 raise UserError(
                     f"{path}: tensor {sources[0]} has shape {tuple(tensor.shape)} but the config implies "

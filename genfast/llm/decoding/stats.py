@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from genfast.llm.decoding.generate import GenerationResult
-from genfast.llm.model.layers import WindowKVCache
 from genfast.llm.model.transformer import Transformer
 from genfast.nn import ExpertLinear
 from genfast.platform.hardware import peak_memory_bytes
@@ -28,7 +27,7 @@ def weight_bytes_per_step(model: Transformer, batch_size: int = 1) -> int:
     for layer in model.layers:  # the KV caches are counted by kv_bytes_per_slot
         cache = layer.attention.kv_cache
         if cache is not None:
-            total -= cache.k.nbytes + cache.v.nbytes
+            total -= sum(b.nbytes for b in cache.buffers())
     emb = model.tok_embeddings.weight
     if emb is not getattr(model.output, "weight", None):  # untied, or the head is quantized
         total -= emb.numel() * emb.element_size()
@@ -41,11 +40,9 @@ def weight_bytes_per_step(model: Transformer, batch_size: int = 1) -> int:
 
 
 def kv_bytes_per_slot(model: Transformer) -> int:
-    """Bytes of keys and values one cache slot holds across all layers."""
-    a = model.args
-    attention = model.layers[0].attention  # its own kv heads: a tensor-parallel shard holds a slice
-    elem = attention.kv_cache.k.element_size() if attention.kv_cache is not None else model.norm.weight.element_size()
-    return 2 * a.n_layers * attention.n_kv_heads * a.head_dim * elem
+    """Bytes of keys and values one cache slot holds across all layers (with caches set up; a
+    latent cache's slot holds its latent and shared rotary key, not per-head keys and values)."""
+    return sum(layer.attention.kv_cache.slot_bytes for layer in model.layers)
 
 
 @dataclass(frozen=True)
@@ -74,8 +71,7 @@ def kv_bytes_read(model: Transformer, kv_len: float) -> float:
         cache = layer.attention.kv_cache
         if cache is None:
             continue
-        per_slot = 2 * cache.k.shape[1] * cache.k.shape[3] * cache.k.element_size()
-        total += per_slot * (min(kv_len, cache.size) if isinstance(cache, WindowKVCache) else kv_len)
+        total += cache.slot_bytes * cache.slots_read(kv_len)
     return total
 
 
@@ -106,7 +102,8 @@ def format_stats(
         experts = f", of experts the {a.n_active_experts} of {a.n_experts} each token runs" if a.n_experts else ""
         lines.append(
             f"bytes/step {t.bytes_per_step / 1e6:.1f} MB (weights {t.weight_bytes / 1e6:.1f} MB{experts} + KV "
-            f"{t.kv_bytes / 1e6:.1f} MB) | {t.bytes_per_s / 1e9:.1f} GB/s | MBU {100 * t.mbu(peak_bw):.0f}% of "
+            f"{t.kv_bytes / 1e6:.1f} MB, {kv_bytes_per_slot(model) / 1e3:.1f} KB per token) | "
+            f"{t.bytes_per_s / 1e9:.1f} GB/s | MBU {100 * t.mbu(peak_bw):.0f}% of "
             f"{peak_bw / 1e9:.1f} GB/s measured"
         )
     lines.append(f"peak memory {peak_memory_bytes(device) / 1e9:.2f} GB")

@@ -25,7 +25,7 @@ class RopeScaling:
     `attention_factor`), or YaRN ("yarn": frequencies blended between kept and divided by `factor`
     along a ramp over the dims that rotate between `beta_fast` and `beta_slow` times in the
     original context, its ends rounded outwards where `truncate`; cos and sin scaled by
-    `attention_factor`)."""
+    `attention_factor`; `mscale_all_dim` > 0 also scales DeepSeek's softmax, see `yarn_mscale`)."""
 
     kind: str  # "llama3" | "linear" | "longrope" | "yarn"
     factor: float
@@ -38,6 +38,7 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class ModelArgs:
     qkv_bias: bool = False
     out_bias: bool = False  # Llama's `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not
     family: str = "llama"
-    # Mixture of experts (Mixtral, Qwen3-MoE; 0 experts: dense). Each token's router picks
+    # Mixture of experts (Mixtral, Qwen3-MoE, DeepSeek-V3; 0 experts: dense). Each token's router picks
     # `n_active_experts` of `n_experts` gated MLPs of width `expert_intermediate_size`; their
     # weights are the top-k softmax probabilities, renormalized to sum to 1 if
     # `normalize_expert_weights`. `dense_layers`: layers with the dense MLP instead (Qwen3-MoE's
@@ -142,14 +143,17 @@ def longrope_attention_factor(factor: float, original_context: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_context))
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context grown by `factor`: 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def yarn_attention_factor(factor: float, mscale: float = 0.0, mscale_all_dim: float = 0.0) -> float:
-    """YaRN's default scale of cos and sin when the context grew by `factor` (0.1 ln(factor) + 1;
-    with DeepSeek's `mscale` and `mscale_all_dim`, the ratio of two such terms)."""
-
-    def term(m: float) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-    return term(mscale) / term(mscale_all_dim) if mscale and mscale_all_dim else term(1.0)
+    """YaRN's default scale of cos and sin when the context grew by `factor`: `yarn_mscale`; with
+    DeepSeek's `mscale` and `mscale_all_dim`, the ratio of the two corrections (as transformers)."""
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def yarn_inverse_frequencies(inv: list[float], rs: RopeScaling, rotary_dim: int, theta: float) -> list[float]:

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 def unavailable_reason(model: Transformer) -> str | None:
     """Why `model` cannot run batch-invariant here, or None when it can."""
     device = model.norm.weight.device
+    if not all(isinstance(layer.attention, Attention) for layer in model.layers):
+        return f"{model.args.family}'s attention (e.g. DeepSeek's latent attention) has no batch-invariant kernel yet"
     if device.type != "cpu":
         return f"batch-invariant kernels exist for CPUs only, not for {device.type} yet"
     why = linear_kernel.unavailable_reason() or attention_kernel.KERNEL.unavailable_reason()

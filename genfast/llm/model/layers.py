@@ -9,6 +9,11 @@ Layout choices, all for decode speed:
   serves every length. One query per sequence (decode) attends through a native kernel on CPUs
   with one (genfast/kernels/decode_attention/), eager or compiled.
 - Rotary embeddings use the Hugging Face (rotate-half) layout, so HF weights load unpermuted.
+
+Every cache (KVCache, WindowKVCache, and DeepSeek's LatentKVCache) offers the same small interface
+to the code around the model: an attention's `new_cache` makes it; `dtype`, `slot_bytes` (one
+position of one row) and `slots_read` (positions a decode step reads) size it for the stats;
+`read_span`/`write_span` (positions on dim 2) copy rows for the serve engine's prefix cache.
 """
 
 from __future__ import annotations
@@ -86,25 +91,28 @@ class KVCache(nn.Module):
         return keys, values, mask if self.window is None else window_mask(mask, input_pos, self.window)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
-        """Write k/v [B, kv_heads, S, D] at slots input_pos: [S] shared by all rows, or [B, S]
-        per row (continuous batching, where each sequence is at its own length). rows: [B], the
-        cache rows the batch rows write (default: all, in order)."""
-        if input_pos.dim() == 1 and rows is None:
-            self.k.index_copy_(2, input_pos, k)
-            self.v.index_copy_(2, input_pos, v)
-            return
-        if rows is None:
-            rows = torch.arange(k.shape[0], device=k.device)
-        pos = input_pos.expand(k.shape[0], k.shape[2])
-        # Advanced indices on dims 0 and 2 put the indexed dims first: the target is [B, S, H, D].
-        self.k[rows[:, None], :, pos] = k.transpose(1, 2)
-        self.v[rows[:, None], :, pos] = v.transpose(1, 2)
+        """Write k/v [B, kv_heads, S, D] at slots input_pos (see `write_slots`)."""
+        write_slots(self.k, input_pos, k, rows)
+        write_slots(self.v, input_pos, v, rows)
 
     def read(self, kv_len: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Keys and values of the first kv_len slots, of all rows or of `rows` [B] (a copy)."""
         if rows is None:
             return self.k[:, :, :kv_len], self.v[:, :, :kv_len]
         return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one position of one row holds."""
+        return 2 * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+
+    def slots_read(self, kv_len: float) -> float:
+        """How many positions of a row a decode step at cache length `kv_len` reads."""
+        return kv_len
 
     def read_span(self, row: int, start: int, end: int) -> Tensor:
         """Keys and values of positions start..end-1 of cache row `row`: [2, kv_heads, end - start, head_dim]."""
@@ -115,6 +123,60 @@ class KVCache(nn.Module):
         end = start + kv.shape[2]
         self.k[row, :, start:end] = kv[0]
         self.v[row, :, start:end] = kv[1]
+
+
+def write_slots(buffer: Tensor, input_pos: Tensor, x: Tensor, rows: Tensor | None = None) -> None:
+    """Write x [B, heads, S, D] into `buffer` [rows, heads, slots, D] at slots input_pos: [S]
+    shared by all rows, or [B, S] per row (continuous batching, where each sequence is at its own
+    length). rows: [B], the cache rows the batch rows write (default: all, in order)."""
+    if input_pos.dim() == 1 and rows is None:
+        buffer.index_copy_(2, input_pos, x)
+        return
+    if rows is None:
+        rows = torch.arange(x.shape[0], device=x.device)
+    pos = input_pos.expand(x.shape[0], x.shape[2])
+    # Advanced indices on dims 0 and 2 put the indexed dims first: the target is [B, S, H, D].
+    buffer[rows[:, None], :, pos] = x.transpose(1, 2)
+
+
+class LatentKVCache(nn.Module):
+    """The cache of multi-head latent attention (DeepSeek's MLA, genfast/llm/model/families/
+    deepseek.py): per position one vector of `width` shared by all heads (the normalized latent,
+    then the rotated shared key), in a buffer [batch, 1, max_len, width], slot = position. Its
+    spans have KVCache's layout (positions on dim 2) with one part and one head, so the serve
+    engine's prefix cache treats it like a full cache."""
+
+    def __init__(
+        self, batch: int, max_len: int, width: int, dtype: torch.dtype, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        latent = torch.zeros(batch, 1, max_len, width, dtype=dtype, device=device)
+        self.register_buffer("latent", latent, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.latent.dtype
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.latent.shape[3] * self.latent.element_size()
+
+    def slots_read(self, kv_len: float) -> float:
+        return kv_len
+
+    def attend_inputs(self, input_pos: Tensor, latent: Tensor, rows: Tensor | None, kv_len: int) -> Tensor:
+        """Store this call's latents [B, 1, S, width] and return the first kv_len slots' [B, 1, kv_len, width]
+        (of all rows, or of `rows`)."""
+        write_slots(self.latent, input_pos, latent.to(self.latent.dtype), rows)
+        return self.latent[:, :, :kv_len] if rows is None else self.latent[rows, :, :kv_len]
+
+    def read_span(self, row: int, start: int, end: int) -> Tensor:
+        """The latents of positions start..end-1 of row `row`: [1, 1, end - start, width]."""
+        return self.latent[row, :, start:end][None]
+
+    def write_span(self, row: int, start: int, kv: Tensor) -> None:
+        """Put latents [1, 1, n, width] (read_span's) at positions start.. of row `row`."""
+        self.latent[row, :, start : start + kv.shape[2]] = kv[0]
 
 
 class WindowKVCache(nn.Module):
@@ -179,6 +241,12 @@ class WindowKVCache(nn.Module):
         self.pos[rows[:, None], slots] = pos
         return keys, values, attended
 
+    dtype = KVCache.dtype
+    slot_bytes = KVCache.slot_bytes
+
+    def slots_read(self, kv_len: float) -> float:
+        return min(kv_len, self.size)
+
     def held_positions(self, row: int) -> set[int]:
         """The positions whose keys and values the ring of row `row` holds."""
         return {p for p in self.pos[row, : self.size].tolist() if p >= 0}
@@ -214,11 +282,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class CacheRows:
     """A model's KV caches seen as rows of positions (one row per sequence of the batch), split
-    into full caches and sliding-window rings (all of one shape per position: the same kv heads
-    and head dim in every layer). `Transformer.cache_rows()` makes one."""
+    into full caches (KVCache, LatentKVCache) and sliding-window rings (all of one shape per
+    position: the same kv heads and head dim in every layer). `Transformer.cache_rows()` makes one."""
 
-    def __init__(self, caches: Sequence[KVCache | WindowKVCache]) -> None:
-        self.full = [c for c in caches if isinstance(c, KVCache)]
+    def __init__(self, caches: Sequence[KVCache | WindowKVCache | LatentKVCache]) -> None:
+        self.full = [c for c in caches if not isinstance(c, WindowKVCache)]
         self.rings = [c for c in caches if isinstance(c, WindowKVCache)]
         # The positions before a kept prefix that the rings must hold: the longest window.
         self.window = max((ring.window for ring in self.rings), default=0)
@@ -272,6 +340,18 @@ class Attention(nn.Module):
         out = self.attend(q, keys, values, mask, input_pos)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim))
 
+    def new_cache(
+        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str | None
+    ) -> KVCache | WindowKVCache:
+        """The cache this layer attends through (`Transformer.setup_caches`): a ring of its window
+        where that is shorter than max_len, else a full cache; its own kv heads (a tensor-parallel
+        shard holds a slice)."""
+        window = self.sliding_window
+        if window is not None and window + WINDOW_SLACK < max_len:
+            ring = window + WINDOW_SLACK
+            return WindowKVCache(batch, ring, self.n_kv_heads, self.head_dim, window, max_len, dtype, device)
+        return KVCache(batch, max_len, self.n_kv_heads, self.head_dim, dtype, device, window)
+
     def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor) -> tuple[Tensor, Tensor]:
         """q and k with the rotary embedding applied (cos/sin: the model's, at input_pos)."""
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -322,12 +402,19 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm attention and MLP, each added to the residual stream; `attention`: the family's
-    attention class; `moe`: the MLP is a mixture of experts (genfast/llm/model/moe.py)."""
+    attention class; `moe`: the MLP is a mixture of experts (genfast/llm/model/moe.py), of
+    `moe_type` (a family's subclass, e.g. with shared experts)."""
 
-    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention, moe: bool = False) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        attention: type[nn.Module] = Attention,
+        moe: bool = False,
+        moe_type: type[MoEFeedForward] = MoEFeedForward,
+    ) -> None:
         super().__init__()
         self.attention = attention(args)
-        self.feed_forward = MoEFeedForward(args) if moe else FeedForward(args)
+        self.feed_forward = moe_type(args) if moe else FeedForward(args)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 

@@ -1,5 +1,7 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): a router picks each token's top-k experts,
-gated MLPs of the shared shape whose outputs are summed with the router's weights.
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3): a router picks each
+token's top-k experts, gated MLPs of the shared shape whose outputs are summed with the router's
+weights (DeepSeek's router, `GroupLimitedRouter`, is a subclass; its shared experts are added by
+its family, genfast/llm/model/families/deepseek.py).
 
 The experts' weights are stacked per projection ([E, 2 * width, dim] and [E, dim, width]) in
 `ExpertLinear`s, which multiply each row by its own expert's weight only (genfast.nn.
@@ -61,6 +63,35 @@ class Router(nn.Module):
         if self.weight.dtype != torch.bfloat16:
             logits = logits + torch.ops.genfast.linear_few_rows(x, (self.weight.float() - high.float()).bfloat16())
         return logits
+
+
+class GroupLimitedRouter(Router):
+    """DeepSeek-V3's routing: sigmoid scores; the experts are chosen by score plus a per-expert
+    correction `bias` (load balancing: it decides the choice only), among the `topk_group` of
+    `n_group` groups whose two best biased scores sum highest; their weights are the unbiased
+    scores, renormalized to sum to 1 if `normalize`, times `scale` (routed_scaling_factor)."""
+
+    def __init__(
+        self, dim: int, n_experts: int, n_active: int, normalize: bool, n_group: int, topk_group: int, scale: float
+    ) -> None:
+        super().__init__(dim, n_experts, n_active, normalize)
+        self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
+        self.bias = nn.Parameter(torch.zeros(n_experts))  # e_score_correction_bias
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        scores = self.logits(x).float().sigmoid()
+        choice = scores + self.bias.float()
+        if self.n_group > 1:
+            per_group = choice.shape[-1] // self.n_group
+            group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1).values.sum(dim=-1)
+            kept = group_scores.topk(self.topk_group, dim=-1).indices
+            in_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = choice.masked_fill(~in_kept.repeat_interleave(per_group, dim=1), float("-inf"))
+        experts = choice.topk(self.n_active, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.scale).to(x.dtype), experts
 
 
 class MoEFeedForward(nn.Module):

@@ -117,7 +117,7 @@ def args_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> Mod
         family=arch,
         **_gguf_expert_fields(meta, arch, tensor_names),
     )
-    values.update(families.family(arch).gguf_fields(meta, arch))  # the family's own reading wins
+    values.update(families.family(arch).gguf_fields(meta, arch, tensor_names))  # the family's own reading wins
     return ModelArgs(**values)
 
 
@@ -219,10 +219,11 @@ def _rope_scaling_from_hf(rs: dict[str, Any] | None, cfg: dict[str, Any]) -> Rop
     if kind == "linear":
         return RopeScaling("linear", float(rs["factor"]))
     if kind == "yarn":
-        original = int(rs.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+        original = int(rs.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
         # As transformers: the factor is the context's growth over the original one, unless given.
-        factor = float(rs.get("factor") or cfg["max_position_embeddings"] / original)
-        default = yarn_attention_factor(factor, float(rs.get("mscale") or 0), float(rs.get("mscale_all_dim") or 0))
+        factor = float(rs.get("factor") or cfg.get("max_position_embeddings", original) / original)
+        mscale_all_dim = float(rs.get("mscale_all_dim") or 0)
+        default = yarn_attention_factor(factor, float(rs.get("mscale") or 0), mscale_all_dim)
         return RopeScaling(
             "yarn",
             factor,
@@ -231,5 +232,6 @@ def _rope_scaling_from_hf(rs: dict[str, Any] | None, cfg: dict[str, Any]) -> Rop
             beta_fast=float(rs.get("beta_fast") or 32.0),
             beta_slow=float(rs.get("beta_slow") or 1.0),
             truncate=bool(rs.get("truncate", True)),
+            mscale_all_dim=mscale_all_dim,
         )
     raise UserError(f"unsupported rope scaling {kind!r}; genfast supports 'llama3', 'linear', 'longrope' and 'yarn'")

@@ -1,8 +1,9 @@
 """A decoder-only language model with a static KV cache: embedding, the blocks of its family
 (genfast/llm/model/families/: Llama 2/3/3.x, Mistral, Mixtral, SmolLM, SmolLM3, TinyLlama, Qwen2,
 Qwen3, Qwen3-MoE, Phi-3/4, Gemma 2/3, OLMo 2/3, EXAONE 4.0, Granite, Seed-OSS, ERNIE 4.5, GLM-4,
-Hunyuan dense, gpt-oss), final norm and output head. The shared blocks are in
-genfast/llm/model/layers.py, the mixture-of-experts MLP in genfast/llm/model/moe.py.
+Hunyuan dense, gpt-oss, DeepSeek-V3/R1 and Kimi K2, GLM-4.5/4.6), final norm and output head. The
+shared blocks are in genfast/llm/model/layers.py, the mixture-of-experts MLP in
+genfast/llm/model/moe.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 
 from genfast.llm.model import families
 from genfast.llm.model.config import ModelArgs, rope_inverse_frequencies
-from genfast.llm.model.layers import WINDOW_SLACK, CacheRows, KVCache, WindowKVCache
+from genfast.llm.model.layers import CacheRows
 from genfast.nn import DtypeAttribute, Linear
 
 
@@ -60,18 +61,11 @@ class Transformer(nn.Module):
             raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
         dtype = self.cache_dtype or self.norm.weight.dtype  # norm: the compute dtype (linears may store bf16)
         current = self.layers[0].attention.kv_cache
-        if (batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len) and current.k.dtype == dtype:
+        if (batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len) and current.dtype == dtype:
             return
         device = self.norm.weight.device
-        for layer in self.layers:  # the layer's own kv heads: a tensor-parallel shard holds a slice
-            heads, window = layer.attention.n_kv_heads, layer.attention.sliding_window
-            if window is not None and window + WINDOW_SLACK < max_seq_len:  # a ring of the window
-                cache = WindowKVCache(
-                    batch_size, window + WINDOW_SLACK, heads, self.args.head_dim, window, max_seq_len, dtype, device
-                )
-            else:
-                cache = KVCache(batch_size, max_seq_len, heads, self.args.head_dim, dtype, device, window)
-            layer.attention.kv_cache = cache
+        for layer in self.layers:  # each layer's own kind of cache (layers.Attention.new_cache)
+            layer.attention.kv_cache = layer.attention.new_cache(batch_size, max_seq_len, dtype, device)
         self.max_batch_size, self.max_seq_len = batch_size, max_seq_len
 
     def cache_rows(self) -> CacheRows:
@@ -91,9 +85,9 @@ class Transformer(nn.Module):
         angles = input_pos.to(torch.float32)[..., None] * inv_freq.float()
         if input_pos.dim() == 2:
             angles = angles[:, None]
-        if self.longrope:
-            scale = self.args.rope_scaling.attention_factor
-            return angles.cos() * scale, angles.sin() * scale
+        scaling = self.args.rope_scaling
+        if scaling is not None and scaling.kind in ("longrope", "yarn"):  # their cos and sin scale
+            return angles.cos() * scaling.attention_factor, angles.sin() * scaling.attention_factor
         return angles.cos(), angles.sin()
 
     def clear_caches(self) -> None:

@@ -50,6 +50,8 @@ FAMILIES = [
     ("exaone4", "exaone4"),
     ("glm4", "glm4"),
     ("hunyuan_dense", "hunyuan-dense"),
+    ("deepseek_v3", "deepseek2"),  # its own pieces: test_deepseek.py
+    ("glm4_moe", "glm4moe"),
 ]
 # Budgets on the tiny random models: the mean KL divergence of the next-token distributions,
 # and the relative logit error ||quantized - fp32|| / ||fp32|| as a guard against gross breakage
@@ -122,6 +124,8 @@ COMPILED_LAYERS = {
     "gemma2": dict(num_hidden_layers=2),  # local, global
     "gemma3": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]),
     "qwen3_moe": dict(num_hidden_layers=2),  # experts, dense (mlp_only_layers)
+    "deepseek_v3": dict(num_hidden_layers=2),  # dense, experts
+    "glm4_moe": dict(num_hidden_layers=2),  # dense, experts
     "smollm3": dict(num_hidden_layers=2, no_rope_layer_interval=2),  # rotary, NoPE
     "exaone4": EXAONE4_HYBRID,  # local and rotary, global and NoPE
 }

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from genfast.errors import UserError
 from genfast.llm.model.families import (
+    deepseek,
     ernie4_5,
     exaone4,
     gemma2,
     gemma3,
     glm4,
+    glm4_moe,
     gpt_oss,
     granite,
     hunyuan_dense,
@@ -57,6 +59,8 @@ def _registry() -> dict[str, Family]:
         glm4,
         hunyuan_dense,
         gpt_oss,
+        deepseek,
+        glm4_moe,
     )
     for fam in (module.FAMILY for module in every):
         for name in {fam.name, *fam.hf_model_types, *fam.gguf_architectures}:

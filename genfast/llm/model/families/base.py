@@ -44,6 +44,8 @@ class Family:
     # genfast parameter suffix in a block -> the family's own source tensors (HF, GGUF).
     hf_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
     gguf_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
+    # Sources that older GGUF files hold instead of gguf_layer_tensors' (genfast suffix -> names).
+    gguf_older_layer_tensors: dict[str, list[str]] = field(default_factory=dict)
     # The same for a mixture-of-experts MLP in HF checkpoints, which store a tensor per expert
     # ("{e}"); GGUF files stack them under names shared by all families (genfast.llm.checkpoints.weights).
     hf_expert_tensors: dict[str, list[str]] = field(default_factory=dict)
@@ -51,10 +53,13 @@ class Family:
     # parameter suffix it fills (after fused parts are joined; gpt-oss's transposed expert stacks).
     hf_tensor: Callable[[str, Tensor], Tensor] = lambda suffix, tensor: tensor
     # ModelArgs fields that the family reads from GGUF metadata (beyond the shared ones), given
-    # the metadata and its architecture.
-    gguf_fields: Callable[[dict[str, Any], str], dict[str, Any]] = lambda meta, arch: {}
+    # the metadata, its architecture and the file's tensor names.
+    gguf_fields: Callable[[dict[str, Any], str, set[str]], dict[str, Any]] = lambda meta, arch, names: {}
     # A GGUF tensor as llama.cpp stores it -> as the model takes it (name: the GGUF tensor's).
     gguf_tensor: Callable[[str, Tensor], Tensor] = lambda name, tensor: tensor
+    # A parameter as assembled from its source tensors (either format) -> as the model takes it,
+    # given the model's args and the parameter's genfast name (DeepSeek's kv_b split per head).
+    load_tensor: Callable[[ModelArgs, str, Tensor], Tensor] = lambda args, name, tensor: tensor
     # The q/k rows of a head are in interleaved rotary pairs, not halves: in GGUF files (llama.cpp's
     # converter permutes Llama's rows so; ERNIE's are so already), in HF checkpoints (ERNIE 4.5).
     gguf_rope_interleaved: bool = False

@@ -53,7 +53,7 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"qkv_bias": False, "out_bias": False, "family_args": _hybrid(n_layers, int(window), local)}
 
 
-def gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+def gguf_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
     n_layers = int(meta[f"{arch}.block_count"])
     if n_layers != HYBRID_GGUF_LAYERS:
         return {"family_args": Exaone4Args()}

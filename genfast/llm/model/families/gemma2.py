@@ -124,7 +124,12 @@ def hf_fields(cfg: dict[str, Any], every: int = 2, kind: type[GemmaArgs] = Gemma
 
 
 def gguf_fields(
-    meta: dict[str, Any], arch: str, every: int = 2, kind: type[GemmaArgs] = GemmaArgs, **own: Any
+    meta: dict[str, Any],
+    arch: str,
+    tensor_names: set[str],
+    every: int = 2,
+    kind: type[GemmaArgs] = GemmaArgs,
+    **own: Any,
 ) -> dict[str, Any]:
     """GGUF stores no query_pre_attn_scalar; as llama.cpp does, queries scale by head_dim
     (key_length, Gemma 2 2B and 9B) except for the 46-layer 27B, which uses dim / heads."""

@@ -65,14 +65,14 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return gemma2.hf_fields(cfg, every=every, kind=Gemma3Args, local_rope_theta=theta)
 
 
-def gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+def gguf_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
     """As llama.cpp reads Gemma 3: queries scale by head_dim except in the 62-layer 27B (dim / heads).
     GGUF files store no local rope base: the default (LOCAL_ROPE_THETA), as llama.cpp assumes."""
     own = {}
     if int(meta[f"{arch}.block_count"]) == 62:
         dim, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
         own["query_pre_attn_scalar"] = dim // heads
-    return gemma2.gguf_fields(meta, arch, every=PATTERN, kind=Gemma3Args, **own)
+    return gemma2.gguf_fields(meta, arch, tensor_names, every=PATTERN, kind=Gemma3Args, **own)
 
 
 def block(args: ModelArgs, i: int) -> GemmaBlock:

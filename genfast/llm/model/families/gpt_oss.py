@@ -79,14 +79,6 @@ class GptOssAttention(Attention):
         super().__init__(args)
         self.sinks = nn.Parameter(torch.empty(args.n_heads))
         self.sliding_window = family_args(args, GptOssArgs).sliding_window if sliding else None
-        # YaRN scales cos and sin (so q and k, each rotated over all its dims) by this factor.
-        rs = args.rope_scaling
-        self.rope_scale = rs.attention_factor if rs is not None and rs.kind == "yarn" else 1.0
-
-    def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor) -> tuple[Tensor, Tensor]:
-        if self.rope_scale != 1.0:
-            cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        return super().rotate(q, k, cos, sin, input_pos)
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
         return attention_with_sinks(q, keys, values, mask, self.sinks, self.head_dim**-0.5)
@@ -160,7 +152,7 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+def gguf_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
     """GGUF stores neither the layer pattern nor YaRN's ramp settings: llama.cpp's pattern
     (alternating, sliding first) and the published config's YaRN (beta 32 and 1, the ramp's ends
     not rounded; llama.cpp rounds them for every model, genfast computes as transformers does)."""

@@ -54,7 +54,7 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**attention_bias_fields(cfg), "family_args": own}
 
 
-def gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+def gguf_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
     """A scale the file lacks (or gives as 0) is the default, as llama.cpp reads them."""
 
     def scale(key: str) -> float | None:

@@ -77,7 +77,7 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**attention_bias_fields(cfg), **sliding_layer_fields(cfg)}
 
 
-def gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+def gguf_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
     """llama.cpp's converter writes a window and a per-layer pattern (True: local) for OLMo 3."""
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
     window = meta.get(f"{arch}.attention.sliding_window")

@@ -47,7 +47,7 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**attention_bias_fields(cfg), "family_args": NoPEArgs(nope)}
 
 
-def gguf_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+def gguf_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
     return {"family_args": NoPEArgs(every_nth_layer(int(meta[f"{arch}.block_count"]), NOPE_INTERVAL))}
 
 
