@@ -19,6 +19,7 @@ What differs from the shared blocks (genfast/llm/model/layers.py, moe.py):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 
 from genfast.llm.model.config import FamilyArgs, RopeScaling, yarn_attention_factor
 from genfast.llm.model.families.base import Family, family_args
-from genfast.llm.model.layers import Attention, RMSNorm
+from genfast.llm.model.layers import Attention, TransformerBlock
 from genfast.llm.model.moe import MoEFeedForward
 
 if TYPE_CHECKING:
@@ -104,21 +105,10 @@ class GptOssExperts(MoEFeedForward):
         return self.w2(hidden, per_row) + self.w2_bias[per_row].to(rows.dtype)
 
 
-class GptOssBlock(nn.Module):
-    """Pre-norm attention and mixture, the shared block's attribute names (so quantization applies)."""
-
-    def __init__(self, args: ModelArgs, layer: int) -> None:
-        super().__init__()
-        self.attention = GptOssAttention(args, sliding=layer in family_args(args, GptOssArgs).sliding_layers)
-        self.feed_forward = GptOssExperts(args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor, cache_rows: Tensor | None = None
-    ) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask, cache_rows)
-        return h + self.feed_forward(self.ffn_norm(h))
+def block(args: ModelArgs, layer: int) -> TransformerBlock:
+    """The shared pre-norm block with gpt-oss's attention (sliding or full) and experts in every layer."""
+    sliding = layer in family_args(args, GptOssArgs).sliding_layers
+    return TransformerBlock(args, partial(GptOssAttention, sliding=sliding), moe=True, moe_type=GptOssExperts)
 
 
 def alternating_sliding_layers(n_layers: int) -> tuple[int, ...]:
@@ -189,7 +179,7 @@ FAMILY = Family(
     ("gpt_oss",),
     ("gpt-oss",),
     hf_fields,
-    block=GptOssBlock,
+    block=block,
     hf_layer_tensors={
         "attention.sinks": ["self_attn.sinks"],
         "feed_forward.router.bias": ["mlp.router.bias"],
