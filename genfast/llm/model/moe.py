@@ -79,7 +79,8 @@ class GroupLimitedRouter(Router):
         self.bias = nn.Parameter(torch.zeros(n_experts))  # e_score_correction_bias
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        scores = self.logits(x).float().sigmoid()
+        # Its `bias` takes part in the choice only, never in the scores (Router.logits would add it).
+        scores = self.unbiased_logits(x).float().sigmoid()
         choice = scores + self.bias.float()
         if self.n_group > 1:
             per_group = choice.shape[-1] // self.n_group
