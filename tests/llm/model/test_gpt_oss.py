@@ -17,7 +17,6 @@ import torch
 from genfast import cli
 from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.quantize import quantize_loaded
-from genfast.llm.checkpoints.tokenizer import load_tokenizer
 from genfast.llm.checkpoints.weights import load_model
 from genfast.llm.decoding.drafters import LayerDrafter
 from genfast.llm.decoding.generate import Generator
@@ -29,7 +28,7 @@ from genfast.quant.mxfp4 import MXFP4ExpertLinear
 from genfast.serve.engine import Engine, GenerationRequest
 from tests.llm.decoding.test_generate import check_compiled_matches_eager
 from tests.llm.hf_fixtures import hf_model_from_config, save_hf_model, word_tokenizer
-from tests.llm.model.test_families import BUDGET, greedy_per_transformers
+from tests.llm.model.test_families import BUDGET, check_cli_greedy_equals_transformers, greedy_per_transformers
 from tests.serve.test_engine import run_concurrently
 
 ATOL = 1e-4
@@ -326,13 +325,7 @@ def test_expert_activation_equals_transformers(tmp_path):
 def test_greedy_text_through_the_cli_equals_transformers(gpt_oss, capsys):
     hf, directory = gpt_oss
     prompt = _tokens(12, seed=1)[0].tolist()  # the generation runs well past the window
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                       pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()  # fmt: skip
-    tokenizer = load_tokenizer(Checkpoint.open(directory))
-    text = " ".join(f"w{i}" for i in prompt)
-    argv = ["generate", text, "--model", str(directory), "--dtype", "float32", "-n", "16", "--no-compile", "--quiet"]
-    assert cli.main(argv) == 0
-    assert capsys.readouterr().out.strip() == tokenizer.decode(want).strip()
+    check_cli_greedy_equals_transformers(hf, directory, prompt, 16, capsys)
 
 
 def test_the_ring_batches_and_speculative_decoding_give_transformers_tokens(gpt_oss):
