@@ -123,10 +123,7 @@ class Segmenter:
                 check_prompt_inside(prompt, *image.shape[:2])
             except UserError as e:
                 raise UserError(f"image {index}: {e}") from e
-        results: list[Segmentation] = []
-        for start in range(0, len(arrays), self.batch_size):
-            results += segment_prompts(self.model, arrays[start : start + self.batch_size], prompt, multimask)
-        return results
+        return self._in_batches(arrays, prompt, multimask)
 
     def segment_everything(self, images: ImageInput | Sequence[ImageInput]) -> list[Segmentation]:
         """Every object of each image (the automatic mask generator), masks by decreasing area."""
@@ -169,12 +166,7 @@ class Segmenter:
                 continue
             good.append(index)
             arrays.append(image)
-        if everything:
-            results = self.segment_everything(arrays)
-        else:
-            results = []
-            for start in range(0, len(arrays), self.batch_size):
-                results += segment_prompts(self.model, arrays[start : start + self.batch_size], prompt, multimask)
+        results = self.segment_everything(arrays) if everything else self._in_batches(arrays, prompt, multimask)
         for index, result in zip(good, results, strict=True):
             masks[index] = masks_json(result)
         return {
@@ -183,6 +175,13 @@ class Segmenter:
             "num_masks": np.array([0 if m is None else len(json.loads(m)) for m in masks]),
             "error": np.array(errors, dtype=object),
         }
+
+    def _in_batches(self, arrays: list[np.ndarray], prompt: Prompt, multimask: bool) -> list[Segmentation]:
+        """The prompt's masks on each image, `batch_size` images per encoder call."""
+        results: list[Segmentation] = []
+        for start in range(0, len(arrays), self.batch_size):
+            results += segment_prompts(self.model, arrays[start : start + self.batch_size], prompt, multimask)
+        return results
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self._arguments)
