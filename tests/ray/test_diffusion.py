@@ -1,6 +1,6 @@
 """genfast.ray.diffusion on a two-node Ray cluster: `genfast imagine --prompts --ray` writes the
 PNGs the single-process run writes (the same names, pixels and metadata), skips those already
-there and names bad items.
+there, names bad items, and loses no image when a worker is killed midway (its rows are drawn again).
 
 Pixel for pixel, not byte for byte: the PNG's compressed bytes are zlib's, which may differ from
 node to node, and the image is what the run promises. One prompt a pipeline call (--batch-size 1)
@@ -15,9 +15,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from genfast import cli
+from genfast.diffusion.generator import ImageGenerator
+from tests.ray.workers import kill_a_worker_midway
 
 SMOKE = ["--model", "tiny-sd15", "--random-weights", "--size", "32x32", "--denoising-steps", "2", "--seed", "5"]
 
@@ -54,3 +57,31 @@ def test_the_pngs_are_the_single_process_runs(ray_cluster, tmp_path, capsys):
         assert np.array_equal(got[name][0], image), name
         assert got[name][1] == text, name
     assert got["p2.png"][1]["genfast:seed"] == "123" and got["p3.png"][1]["genfast:negative"] == "green"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds Ray's worker processes in /proc")
+def test_a_killed_worker_loses_no_image(ray_cluster, tmp_path):
+    n = 24
+    source = tmp_path / "prompts.txt"
+    source.write_text("".join(f"shape {i}\n" for i in range(n)))
+    outdir = tmp_path / "ray"
+    slow = [*SMOKE[:-4], "--denoising-steps", "12", "--seed", "5"]  # each image long enough to kill midway
+    command = [sys.executable, "-m", "genfast", "imagine", "--prompts", str(source), "-o", str(outdir), *slow,
+               "--ray", ray_cluster, "--actors", "2"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        kill_a_worker_midway(process, "ImageGenerator", lambda: any(outdir.glob("*.png")))
+        written_before = len(list(outdir.glob("*.png")))
+        _, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    assert written_before < n  # the kill came before the end
+    assert f"done {n}, skipped 0" in err
+    assert sorted(p.name for p in outdir.iterdir()) == [f"{i:05d}.png" for i in range(1, n + 1)]  # no temporaries
+    generator = ImageGenerator("tiny-sd15", random_weights=True, size="32x32", steps=12, threads=1)
+    for i in (0, n // 2, n - 1):
+        [want] = generator.generate(f"shape {i}", seed=5 + i)
+        with Image.open(outdir / f"{i + 1:05d}.png") as got:
+            assert np.array_equal(np.asarray(got), np.asarray(want)), i

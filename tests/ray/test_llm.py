@@ -5,17 +5,15 @@ killed mid-run loses nothing (its rows run again)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from genfast.serve.offline import LLM
 from tests.llm.hf_fixtures import save_tiny_chat_model
+from tests.ray.workers import kill_a_worker_midway
 
 FLAGS = ["--no-compile", "--dtype", "float32", "--device", "cpu", "--max-batch", "2"]
 
@@ -59,19 +57,6 @@ def test_rows_equal_the_single_process_answers(model_dir, ray_cluster, tmp_path)
     assert got[0]["prompt"] == records[0]["prompt"]  # input columns come out again
 
 
-def _map_workers() -> list[int]:
-    """The pids of Ray Data's actor processes for genfast.LLM on this machine."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if b"MapWorker(MapBatches(LLM))" in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds Ray's worker processes in /proc")
 def test_a_killed_worker_loses_nothing(model_dir, ray_cluster, tmp_path):
     n = 64
@@ -79,14 +64,7 @@ def test_a_killed_worker_loses_nothing(model_dir, ray_cluster, tmp_path):
     source.write_text("".join(json.dumps({"id": i, "prompt": f"w{i + 1} w{i + 5}"}) + "\n" for i in range(n)))
     process = on_ray(model_dir, source, tmp_path / "out", ray_cluster, "-n", "40")
     try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "out").is_dir() or not any((tmp_path / "out").glob("*.json")):
-            assert process.poll() is None, process.stderr.read()
-            assert time.monotonic() < deadline, "no answers within four minutes"
-            time.sleep(0.1)
-        workers = _map_workers()
-        assert workers, "no Ray Data worker running genfast.LLM was found"
-        os.kill(workers[0], signal.SIGKILL)  # mid-run: answers have started coming out
+        kill_a_worker_midway(process, "LLM", lambda: any((tmp_path / "out").glob("*.json")))
         written_before = len(rows_of(tmp_path / "out"))
         _, err = process.communicate(timeout=300)
     finally:
