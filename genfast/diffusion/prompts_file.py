@@ -10,7 +10,8 @@ stop, draws the same images.
 
 Each image is written the moment it is drawn, atomically (a temporary file renamed into place:
 Ctrl-C or a killed process leaves only whole PNGs), with its settings as PNG metadata. A re-run
-skips the items whose PNG is there (--force draws them again). A bad item (an empty prompt, a line
+skips the items whose PNG is there (--force draws them again) and removes the hidden temporary
+files a killed run may have left. A bad item (an empty prompt, a line
 that is not JSON, a bad seed, an id that is not a plain file name, an id used twice) is named by
 its line and left out, and the rest run; the exit status is then 1. A prompt longer than a text
 encoder reads is drawn from the part it reads, as diffusers does, with a warning naming the item.
@@ -143,8 +144,11 @@ def items_to_draw(
 ) -> list[PromptItem]:
     """The file's good items whose PNG is not in `outdir` yet (all of them with `force`)."""
     items = read_prompts(source, base_seed, summary, stream)
+    from genfast.interface import images
+
     todo = [item for item in items if force or not (outdir / item.file_name).exists()]
     summary.skipped = len(items) - len(todo)
+    images.remove_stale_staging(outdir / item.file_name for item in todo)
     return todo
 
 

@@ -8,10 +8,11 @@ existing file is never replaced without `force`.
 
 from __future__ import annotations
 
+import glob
 import io
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,19 @@ def check_png_names(paths: Sequence[Path]) -> None:
             raise UserError(f"{path}: genfast writes images as PNG; name it {path.with_suffix('.png')}")
 
 
+def _staging_pattern(path: Path) -> str:
+    # mkstemp's names: the prefix, eight random characters, the suffix (see write_files).
+    return f".{glob.escape(path.name)}.{'?' * 8}.tmp"
+
+
+def remove_stale_staging(paths: Iterable[Path]) -> None:
+    """Remove the temp files a killed run (SIGKILL, power loss) left beside these outputs: a batch
+    command calls this for the outputs it is about to write again, so a resumed run leaves none."""
+    for path in paths:
+        for stale in path.parent.glob(_staging_pattern(path)):
+            stale.unlink(missing_ok=True)
+
+
 def write_files(files: Mapping[Path, bytes], force: bool) -> None:
     """Write every file atomically, all or nothing: each goes to a temp file beside its target,
     and only when all are staged are they renamed into place. Should a rename fail, the files
@@ -83,7 +97,7 @@ def write_files(files: Mapping[Path, bytes], force: bool) -> None:
     created: list[Path] = []
     try:
         for path, data in files.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # _staging_pattern
             staged.append((tmp, path))
             make_public(tmp)
             with os.fdopen(fd, "wb") as f:

@@ -131,6 +131,7 @@ def segment_images_command(args: argparse.Namespace) -> int:
         present = [f for f in files if f.exists()]
         if args.force or not present:
             todo.append(path)
+            image_files.remove_stale_staging(files)  # a killed run's temp files beside them
         elif len(present) == len(files):
             summary.skipped += 1
         else:

@@ -82,7 +82,9 @@ def test_a_glob_auto_and_a_rerun_that_skips_what_is_done(files, tmp_path, capsys
     assert sorted(p.name for p in out.iterdir()) == ["photo-1.json", "photo-1.png", "photo-3.json", "photo-3.png"]
     assert "done 2, skipped 0" in capsys.readouterr().err
     (out / "photo-3.png").unlink()  # one output of one image gone: that image is not redone without --force
+    (out / ".photo-0.png.k3_x9abz.tmp").write_bytes(b"cut")  # what a run killed while writing leaves
     assert segment(str(files["photos"] / "*"), files["sam"], *args) == 1
+    assert not (out / ".photo-0.png.k3_x9abz.tmp").exists()  # photo-0 was written again: its leftover is gone
     err = capsys.readouterr().err
     assert "photo-3.png: some of its outputs exist (photo-3.json): remove them or pass --force" in err
     assert "done 3, skipped 1 (already in the output), failed 1" in err
