@@ -135,7 +135,8 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     counts = {"llm": LLM_PROMPTS, "sam": SAM_IMAGES, "diffusion": DIFFUSION_PROMPTS}
     rows = []
-    print(describe_machine())
+    machine = machine_info("cpu")
+    print(describe_machine(machine))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         inputs = _inputs(folder)
@@ -158,7 +159,7 @@ def main() -> None:
                 )
         ray.shutdown()
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 
 prompts.jsonl: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} a line. answers/
 receives JSONL files whose rows are the input rows with text, finish_reason, prompt_tokens,
-completion_tokens and error. The same as `genfast generate --input prompts.jsonl --output answers/
---ray`, written out for those who build their own Ray Data pipeline around genfast.LLM.
+completion_tokens and error. genfast.ray.llm.generate_jsonl does the same from Python; `genfast
+generate --input prompts.jsonl --output answers.jsonl --ray` writes one answers file instead.
 """
 
 import argparse

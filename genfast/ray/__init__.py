@@ -7,8 +7,9 @@ itself. A killed actor is restarted and its batches run again (Ray Data's defaul
 pools). Ray is an optional extra: `pip install 'genfast[ray]'`; genfast/ray/cluster.py joins a
 cluster.
 
-- `genfast.ray.llm.generate_jsonl`: a JSONL file of prompts (what `genfast generate --input`
-  reads) -> a folder of JSONL answers, through `genfast.LLM`.
+- `genfast.ray.llm.generate_file`: a JSONL file of prompts (what `genfast generate --input`
+  reads) -> the answers file the single-machine command writes, resumed by a re-run, through
+  `genfast.LLM`; `generate_jsonl`: the same prompts -> Ray Data's folder of JSONL rows.
 - `genfast.ray.sam.segment_images`: image files -> a folder of JSONL masks, through
   `genfast.Segmenter`.
 - `genfast.ray.diffusion.imagine_folder`: a file of prompts (what `genfast imagine --prompts`

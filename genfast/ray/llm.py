@@ -1,20 +1,25 @@
-"""Many prompts on a Ray cluster: JSONL in, a folder of JSONL answers out, through `genfast.LLM`.
+"""Many prompts on a Ray cluster, through `genfast.LLM` actors.
 
-Input rows are what `genfast generate --input` reads (`prompt` or `messages`, optional sampling
-fields; genfast/serve/batch_file.py); every input column comes out again with `text`,
-`finish_reason`, `prompt_tokens`, `completion_tokens` and `error` (the reason a row could not
-run; its text is then null). Ray Data writes the answers as one JSONL file per block into the
-output folder, in no particular order: join on your own id column.
+`generate_file` is `genfast generate --input F --output F --ray`: the answers file a single
+machine writes (genfast/serve/batch_file.py), written by this process as answers arrive, resumed
+by a re-run. `generate_jsonl` is the plain Ray Data pipeline for clusters whose output goes to
+shared storage: input rows are what `--input` reads (`prompt` or `messages`, optional sampling
+fields); every input column comes out again with `text`, `finish_reason`, `prompt_tokens`,
+`completion_tokens` and `error` (the reason a row could not run; its text is then null), written
+by Ray Data as one JSONL file per block into the output folder, in no particular order: join on
+your own id column.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from genfast.errors import UserError
+from genfast.interface.batch import Summary
 from genfast.ray.cluster import connect, map_to_jsonl
 
 
@@ -48,8 +53,74 @@ def generate_jsonl(
     )  # fmt: skip
 
 
+def generate_file(
+    input_path: str | Path,
+    output_path: str | Path,
+    llm: dict[str, Any],
+    *,
+    sampling: dict[str, Any],
+    address: str | None = None,
+    concurrency: int = 1,
+    batch_size: int = 16,
+    cpus_per_actor: float = 1,
+    stream: TextIO | None = None,
+) -> Summary:
+    """`genfast generate --input --output` on the cluster: the same output file as on one machine.
+
+    The input is read here, with the single-process reader (the same bad lines), and the items not
+    yet in `output_path` go to `concurrency` actors of `genfast.LLM(**llm)` as rows; the answers
+    come back to this process, which appends each to `output_path` as its batch arrives. A stop
+    leaves only whole lines, which a re-run skips; a killed actor is restarted and its rows run
+    again (Ray Data's defaults for actor pools). `sampling`: the options of items that set none."""
+    from genfast.interface.progress import Progress
+    from genfast.serve.batch_file import AnswerWriter, answer_record, completed_ids, item_row, read_items
+    from genfast.serve.offline import LLM
+
+    stream = stream if stream is not None else sys.stderr
+    source, target = Path(input_path).expanduser(), Path(output_path).expanduser()
+    summary = Summary()
+    items = read_items(source, summary, stream)
+    answered = completed_ids(target)
+    todo = [item for item in items if json.dumps(item.id) not in answered]
+    summary.skipped = len(items) - len(todo)
+    if not todo:
+        return summary
+    ray = connect(address)
+    answers = ray.data.from_items([item_row(item) for item in todo]).map_batches(
+        LLM,
+        fn_constructor_kwargs=llm,
+        fn_kwargs=sampling,
+        compute=ray.data.ActorPoolStrategy(size=concurrency),
+        batch_size=batch_size,
+        batch_format="numpy",
+        num_cpus=cpus_per_actor,
+    )
+    by_line = {item.line: item for item in todo}
+    writer = AnswerWriter(target)
+    progress = Progress(len(todo), "answers", stream)
+    try:
+        for batch in answers.iter_batches(batch_size=None, batch_format="numpy"):
+            for index, line in enumerate(batch["line"]):
+                item = by_line[int(line)]
+                error = batch["error"][index]
+                if isinstance(error, str):
+                    summary.fail(f"line {item.line}: id {json.dumps(item.id)}: {error}", stream)
+                else:
+                    writer.write(answer_record(
+                        item, batch["text"][index], batch["finish_reason"][index],
+                        int(batch["prompt_tokens"][index]), int(batch["completion_tokens"][index]),
+                    ))  # fmt: skip
+                    summary.done += 1
+                progress.advance()
+    finally:
+        writer.close()
+        progress.finish()
+    return summary
+
+
 def generate_command(args: argparse.Namespace) -> int:
-    """`genfast generate --input F --output DIR --ray [ADDRESS]`: the file on the cluster."""
+    """`genfast generate --input F --output F --ray [ADDRESS]`: the file on the cluster. Exit
+    status 1 when an item was left out."""
     from genfast.serve.batch_file import check_file_flags
 
     source, target, defaults = check_file_flags(args)
@@ -58,9 +129,9 @@ def generate_command(args: argparse.Namespace) -> int:
         threads=args.threads or args.cpus_per_actor, compile=args.compile, batch_invariant=args.batch_invariant,
         max_batch=args.max_batch, max_seq_len=args.max_seq_len,
     )  # fmt: skip
-    rows = generate_jsonl(
+    summary = generate_file(
         source, target, llm, sampling=defaults, address=args.ray, concurrency=args.actors,
         batch_size=2 * args.max_batch, cpus_per_actor=args.cpus_per_actor,
     )  # fmt: skip
-    print(f"genfast: {rows} rows answered on Ray; answers in {target}/ (rows with an error say why)", file=sys.stderr)
-    return 0
+    print(f"genfast: {summary.line()} on Ray; answers in {target}", file=sys.stderr, flush=True)
+    return 1 if summary.failed else 0

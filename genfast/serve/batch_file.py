@@ -203,7 +203,8 @@ def run_batch_file(
             if finished.error is not None:
                 summary.fail(f"line {item.line}: id {json.dumps(item.id)}: {finished.error}", stream)
             else:
-                writer.write(_answer(item, finished))
+                text, finish = finished.text, finished.finish_reason
+                writer.write(answer_record(item, text, finish, finished.prompt_tokens, finished.completion_tokens))
                 summary.done += 1
             progress.advance()
     finally:
@@ -258,13 +259,23 @@ def request_for(engine: Engine, item: Item, ids: list[int], defaults: dict[str, 
     return request
 
 
-def _answer(item: Item, finished: Finished) -> dict[str, Any]:
+def answer_record(
+    item: Item, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    """An output line: what the file holds for one answered item."""
     return {
         "id": item.id,
-        "text": finished.text,
-        "finish_reason": finished.finish_reason,
-        "usage": {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens},
+        "text": text,
+        "finish_reason": finish_reason,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
     }
+
+
+def item_row(item: Item) -> dict[str, Any]:
+    """An item as a row for `genfast.LLM` on Ray: its line (to find the item again), the prompt or
+    conversation and its options. The id stays with the caller: ids of mixed kinds (text and
+    numbers) would not share one column."""
+    return {"line": item.line, "prompt": item.prompt, "messages": item.messages, **item.options}
 
 
 def check_file_flags(args: argparse.Namespace) -> tuple[Path, Path, dict[str, Any]]:

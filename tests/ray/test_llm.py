@@ -1,6 +1,6 @@
-"""genfast.ray.llm on a two-node Ray cluster: `genfast generate --input --ray` answers each row as
-the single-process `genfast.LLM` does, rows that cannot run carry their reason, and a worker
-killed mid-run loses nothing (its rows run again)."""
+"""genfast.ray.llm on a two-node Ray cluster: `genfast generate --input --output --ray` writes the
+answers file the single-process command writes (the same answers, bad items named, answered ids
+skipped), and a worker killed mid-run loses nothing (its rows run again)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from genfast import cli
 from genfast.serve.offline import LLM
 from tests.llm.hf_fixtures import save_tiny_chat_model
 from tests.ray.workers import kill_a_worker_midway
@@ -23,10 +24,10 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-ray"), 256)
 
 
-def rows_of(folder: Path) -> dict:
-    rows = [json.loads(line) for path in folder.glob("*.json") for line in path.read_text().splitlines() if line]
+def answers_in(path: Path) -> dict:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     ids = [r["id"] for r in rows]
-    assert len(ids) == len(set(ids)), "a row was written twice"
+    assert len(ids) == len(set(ids)), "an answer was written twice"
     return {r["id"]: r for r in rows}
 
 
@@ -36,45 +37,71 @@ def on_ray(model_dir: Path, source: Path, target: Path, address: str, *extra: st
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def test_rows_equal_the_single_process_answers(model_dir, ray_cluster, tmp_path):
+def test_the_answers_file_is_the_single_process_one(model_dir, ray_cluster, tmp_path, capsys):
     records = [{"id": i, "prompt": f"w{i + 1} w{i + 2} w{i + 3}"} for i in range(10)]
     records += [
-        {"id": 10, "messages": [{"role": "user", "content": "w5 w6"}], "max_new_tokens": 3},
+        {"id": "chat", "messages": [{"role": "user", "content": "w5 w6"}], "max_new_tokens": 3},
         {"id": 11, "prompt": "w3 " * 300},  # longer than the context
+        {"id": 12, "prompt": "w4 w9", "temperature": 0.8, "seed": 3, "stop": ["w7"]},
     ]
     source = tmp_path / "in.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in records))
-    process = on_ray(model_dir, source, tmp_path / "out", ray_cluster, "-n", "6")
+    source.write_text("".join(json.dumps(r) + "\n" for r in records) + "not json\n")
+    alone, on_cluster = tmp_path / "alone.jsonl", tmp_path / "ray.jsonl"
+    argv = ["generate", "--model", str(model_dir), "--input", str(source), "--output", str(alone), *FLAGS, "-n", "6"]
+    assert cli.main(argv) == 1  # the bad items
+    capsys.readouterr()
+    first = alone.read_text().splitlines()[0]
+    on_cluster.write_text(first + "\n")  # answered before: skipped
+    process = on_ray(model_dir, source, on_cluster, ray_cluster, "-n", "6")
     _, err = process.communicate(timeout=300)
-    assert process.returncode == 0, err
-    got = rows_of(tmp_path / "out")
-    with LLM(str(model_dir), compile=False, dtype="float32", device="cpu", max_batch=2) as llm:
-        want = llm.generate([r["prompt"] for r in records[:10]], max_new_tokens=6)
-        [reply] = llm.chat(records[10]["messages"], max_new_tokens=3)
-    assert [got[i]["text"] for i in range(10)] == [w.text for w in want]
-    assert got[10]["text"] == reply.text and got[10]["completion_tokens"] == 3
-    assert got[11]["text"] is None and "context holds 256 tokens" in got[11]["error"]
-    assert got[0]["prompt"] == records[0]["prompt"]  # input columns come out again
+    assert process.returncode == 1, err
+    assert "line 14: not JSON" in err and "line 12: id 11:" in err and "context holds 256 tokens" in err
+    assert "done 11, skipped 1 (already in the output), failed 2 on Ray" in err
+    got, want = answers_in(on_cluster), answers_in(alone)
+    assert got == want and len(got) == 12
+    assert got["chat"]["usage"]["completion_tokens"] == 3
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds Ray's worker processes in /proc")
 def test_a_killed_worker_loses_nothing(model_dir, ray_cluster, tmp_path):
     n = 64
-    source = tmp_path / "in.jsonl"
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps({"id": i, "prompt": f"w{i + 1} w{i + 5}"}) + "\n" for i in range(n)))
-    process = on_ray(model_dir, source, tmp_path / "out", ray_cluster, "-n", "40")
+    process = on_ray(model_dir, source, target, ray_cluster, "-n", "40")
     try:
-        kill_a_worker_midway(process, "LLM", lambda: any((tmp_path / "out").glob("*.json")))
-        written_before = len(rows_of(tmp_path / "out"))
+        kill_a_worker_midway(process, "LLM", lambda: target.exists() and target.stat().st_size > 0)
+        written_before = len(answers_in(target))
         _, err = process.communicate(timeout=300)
     finally:
         if process.poll() is None:
             process.kill()
     assert process.returncode == 0, err
-    got = rows_of(tmp_path / "out")
+    got = answers_in(target)
     assert written_before < n  # the kill came before the end
     assert sorted(got) == list(range(n))
-    assert all(r["completion_tokens"] == 40 and r["error"] is None for r in got.values())
+    assert all(r["usage"]["completion_tokens"] == 40 for r in got.values())
     with LLM(str(model_dir), compile=False, dtype="float32", device="cpu", max_batch=2) as llm:
         want = llm.generate([f"w{i + 1} w{i + 5}" for i in range(0, n, 9)], max_new_tokens=40)
     assert [got[i]["text"] for i in range(0, n, 9)] == [w.text for w in want]
+
+
+def test_the_ray_data_pipeline_writes_the_input_rows_with_their_answers(model_dir, ray_cluster, tmp_path):
+    source, folder, alone = tmp_path / "in.jsonl", tmp_path / "rows", tmp_path / "alone.jsonl"
+    source.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"w{i + 2} w{i + 4}"}) + "\n" for i in range(6)))
+    llm = {"model": str(model_dir), "compile": False, "dtype": "float32", "device": "cpu", "max_batch": 2}
+    script = (
+        "import sys; from genfast.ray.llm import generate_jsonl; "
+        f"print(generate_jsonl({str(source)!r}, {str(folder)!r}, {llm!r}, sampling={{'max_new_tokens': 5}}, "
+        f"address={ray_cluster!r}, concurrency=2))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "6"
+    rows = [json.loads(line) for path in folder.glob("*.json") for line in path.read_text().splitlines() if line]
+    argv = ["generate", "--model", str(model_dir), "--input", str(source), "--output", str(alone), *FLAGS, "-n", "5"]
+    assert cli.main(argv) == 0
+    want = answers_in(alone)
+    assert sorted(r["id"] for r in rows) == sorted(want)
+    for row in rows:
+        assert row["text"] == want[row["id"]]["text"] and row["error"] is None
+        assert row["prompt"] == f"w{int(row['id'][1:]) + 2} w{int(row['id'][1:]) + 4}"  # input columns come out
