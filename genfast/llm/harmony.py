@@ -6,10 +6,14 @@ thinks in the `analysis` channel and answers in `final`.
 A harmony tokenizer (genfast.llm.checkpoints.tokenizer.Tokenizer.harmony) keeps these markers in
 the text it decodes, so that the text carries the structure; `HarmonyStream` splits streamed text
 into (channel, text) pieces for a front end to show the final answer and set the analysis apart.
+`parse_messages` reads a whole reply's messages with their recipients: a message addressed
+`to=functions.NAME` (in the commentary channel, ended by `<|call|>`) is a call of tool NAME with
+the message as its JSON arguments.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -118,6 +122,39 @@ def split_reply(text: str) -> dict[str, str]:
     for channel, piece in stream.messages:
         channels[channel] = channels.get(channel, "") + piece
     return channels
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of a reply: its channel, its recipient (None: the user; `functions.NAME`: a
+    tool) and its text."""
+
+    channel: str
+    recipient: str | None
+    text: str
+
+
+# The recipient stands in the header, before or after the channel: "<|start|>assistant
+# to=functions.f<|channel|>commentary json" or "<|channel|>commentary to=functions.f <|constrain|>json".
+_RECIPIENT = re.compile(r"to=(\S+?)(?=\s|<\||$)")
+_ENDS = re.compile("|".join(re.escape(m) for m in (END, RETURN, CALL)))
+
+
+def parse_messages(text: str) -> list[Message]:
+    """A whole reply's messages, in order. As in HarmonyStream, text before any header is a final
+    message, and text after a reply's last end marker that opens no message is dropped."""
+    messages = []
+    for index, segment in enumerate(_ENDS.split(text)):
+        header, found, body = segment.partition(MESSAGE)
+        if not found:
+            if index == 0 and segment and START not in segment and CHANNEL not in segment:
+                messages.append(Message(FINAL, None, segment))
+            continue
+        _, named, channel_part = header.partition(CHANNEL)
+        words = channel_part.split()
+        recipient = _RECIPIENT.search(header)
+        messages.append(Message(words[0] if named and words else FINAL, recipient and recipient.group(1), body))
+    return messages
 
 
 class ReplyPrinter:

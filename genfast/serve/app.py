@@ -157,6 +157,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)], response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
         messages, tools = body.conversation(), None
+        if tokenizer.harmony and body.forced_call:
+            # The forced call's grammar is a bare JSON object; a harmony reply must open with a header.
+            raise APIError(
+                400, "tool_choice 'required' or a named function is not supported for harmony models (gpt-oss): "
+                "use 'auto'", param="tool_choice",
+            )  # fmt: skip
         if body.tools_active:  # the template's own tool rendering, or genfast's instructions
             tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
             if not tokenizer.template_takes_tools:

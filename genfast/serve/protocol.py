@@ -17,10 +17,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from genfast.errors import UserError
-from genfast.llm.harmony import ANALYSIS, FINAL, HarmonyStream, split_reply
+from genfast.llm.harmony import ANALYSIS, FINAL, HarmonyStream, parse_messages, split_reply
 from genfast.serve.constraints import json_schema_grammar, response_format_grammar
 from genfast.serve.engine import MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, Finished, TokenLogprob
-from genfast.serve.tools import ToolCall, call_grammar, parse_tool_calls
+from genfast.serve.tools import ToolCall, call_grammar, harmony_tool_calls, parse_tool_calls
 
 # What genfast reports for "the request was cut short by the server" (OpenAI has no such reason).
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
@@ -389,8 +389,11 @@ class ResponseHeader:
         return self._object("chat.completion", [choice], Usage.of(finished))
 
     def _calls(self, finished: Finished) -> tuple[str | None, list[ToolCall]]:
-        if self._harmony is not None:  # harmony's tool calls (its commentary channel) are not parsed yet
-            return split_reply(finished.text).get(FINAL, ""), []
+        if self._harmony is not None:
+            messages = parse_messages(finished.text)
+            content = "".join(m.text for m in messages if m.channel == FINAL and m.recipient is None)
+            calls = harmony_tool_calls(messages, self.tool_names or set()) if finished.finish_reason == "stop" else []
+            return (content or None, calls) if calls else (content, [])
         if not self.tool_names or finished.finish_reason != "stop":
             return finished.text, []
         return parse_tool_calls(finished.text, self.tool_names)
@@ -401,11 +404,15 @@ class ResponseHeader:
         content, calls = self._calls(finished)
         if calls:
             delta: dict[str, Any] = {"tool_calls": [c.as_openai(index=i) for i, c in enumerate(calls)]}
+            if self._harmony is not None and ANALYSIS in (channels := split_reply(finished.text)):
+                delta["reasoning_content"] = channels[ANALYSIS]
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
             last = self.chunk(None, finished.finish_reason)
             last["choices"][0]["finish_reason"] = "tool_calls"
             return [self._object("chat.completion.chunk", [choice], None), last]
-        return [self.chunk(content, logprobs=logprobs), self.chunk(None, finished.finish_reason)]
+        # A harmony reply goes through its stream parser whole: content and reasoning apart.
+        text = finished.text if self._harmony is not None else content
+        return [self.chunk(text, logprobs=logprobs), self.chunk(None, finished.finish_reason)]
 
     def chunk(
         self,

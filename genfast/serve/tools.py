@@ -7,7 +7,9 @@ the calling convention below go into the system message.
 
 The reply: a call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes form
 Qwen and SmolLM3 are trained on; several in one reply are several calls) or a reply that is
-nothing but such a JSON object (Llama 3.1's form, "parameters" for "arguments"). With
+nothing but such a JSON object (Llama 3.1's form, "parameters" for "arguments"). A harmony model
+(gpt-oss) addresses a message `to=functions.NAME` instead, its text the arguments
+(`harmony_tool_calls`). With
 `tool_choice` "required" or a named function the reply is constrained to that JSON object (one
 call; `arguments` following the function's parameter schema), so it always parses.
 """
@@ -20,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from genfast.llm.harmony import Message
 from genfast.serve.constraints import json_schema_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -92,19 +95,41 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolC
     return (None, [whole]) if whole is not None else (text, [])
 
 
+def harmony_tool_calls(messages: list[Message], names: set[str]) -> list[ToolCall] | None:
+    """The calls of a harmony reply's messages: those addressed `to=functions.NAME` of a known
+    function, with a JSON object as their text. None where such a message is malformed (an
+    unknown function, arguments that are not a JSON object): the reply is then left as text."""
+    calls = []
+    for message in messages:
+        if message.recipient is None or not message.recipient.startswith("functions."):
+            continue
+        call = _known_call(message.recipient.removeprefix("functions."), message.text, names)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
 def _call(candidate: str, names: set[str]) -> ToolCall | None:
     try:
         value = json.loads(candidate)
     except json.JSONDecodeError:
         return None
-    if not isinstance(value, dict) or value.get("name") not in names:
+    if not isinstance(value, dict):
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+    return _known_call(value.get("name"), value.get("arguments", value.get("parameters", {})), names)
+
+
+def _known_call(name: Any, arguments: Any, names: set[str]) -> ToolCall | None:
+    """A call of function `name` (one of `names`) with `arguments`: a dict, or its JSON text (some
+    models write the arguments as a JSON string)."""
+    if name not in names:
+        return None
+    if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")

@@ -16,7 +16,7 @@ from genfast import cli
 from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.tokenizer import Tokenizer, load_tokenizer
 from genfast.llm.decoding.generate import Completions, Generator
-from genfast.llm.harmony import HarmonyStream, split_reply
+from genfast.llm.harmony import HarmonyStream, Message, parse_messages, split_reply
 from tests.llm.hf_fixtures import save_hf_model
 from tests.llm.model.test_gpt_oss import make_gpt_oss
 
@@ -127,6 +127,60 @@ def test_the_server_answers_with_the_final_channel_and_the_analysis_as_reasoning
     assert "".join(d.get("content", "") for d in deltas) == "Hi <b>!"
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "We think <|x|> hard."
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+# A call as gpt-oss writes it: the analysis, then a commentary message addressed to the function,
+# the recipient before or after the channel (both occur); `<|call|>` itself is a stop text, cut.
+CALLS = [
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions.get_weather"
+    '<|channel|>commentary json<|message|>{"city": "Paris"}',
+]
+
+
+@pytest.mark.parametrize("reply", CALLS)
+def test_a_message_to_a_function_is_a_tool_call(reply):
+    from genfast.serve.engine import Finished
+    from genfast.serve.protocol import ResponseHeader
+
+    [analysis, call] = parse_messages(reply)
+    assert analysis == Message("analysis", None, "Need the weather.")
+    assert call == Message("commentary", "functions.get_weather", '{"city": "Paris"}')
+    finished = Finished(reply, [1, 2, 3], "stop", 5)
+    [choice] = ResponseHeader("chat", "m", {"get_weather"}, harmony=True).response(finished)["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] is None and message["reasoning_content"] == "Need the weather."
+    [tool_call] = message["tool_calls"]
+    assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    chunks = ResponseHeader("chat", "m", {"get_weather"}, harmony=True).held_reply_chunks(finished, None)
+    delta = chunks[0]["choices"][0]["delta"]
+    assert delta["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert delta["reasoning_content"] == "Need the weather."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_call_of_an_unknown_function_or_with_bad_arguments_stays_text():
+    from genfast.serve.engine import Finished
+    from genfast.serve.protocol import ResponseHeader
+
+    for names, reply in (({"get_time"}, CALLS[0]), ({"get_weather"}, CALLS[0].replace('{"city"', '["city"'))):
+        finished = Finished(reply, [1, 2, 3], "stop", 5)
+        [choice] = ResponseHeader("chat", "m", names, harmony=True).response(finished)["choices"]
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+        assert choice["message"]["content"] == ""  # no final channel: nothing for the user
+    # Held back while streaming (tools offered), a reply without calls still sets its analysis apart.
+    finished = Finished(REPLY, [1, 2, 3], "stop", 5)
+    chunks = ResponseHeader("chat", "m", {"get_weather"}, harmony=True).held_reply_chunks(finished, None)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content", "") for d in deltas) == "Hi <b>!"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "We think <|x|> hard."
+
+
+def test_text_before_any_header_is_final_and_text_after_the_end_is_dropped():
+    assert parse_messages("Hello") == [Message("final", None, "Hello")]
+    assert parse_messages("<|channel|>final<|message|>w9<|return|> w10") == [Message("final", None, "w9")]
 
 
 def test_a_gpt_oss_gguf_vocabulary_pre_tokenizes_as_o200k_and_is_harmony():

@@ -113,6 +113,15 @@ def test_bad_tool_requests_are_400s_naming_the_field(serve, kwargs, message):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1"}], **kwargs)
 
 
+def test_a_forced_call_is_refused_for_a_harmony_model(serve):
+    server = serve(max_batch=1)
+    server.engine.tokenizer.harmony = True  # what a gpt-oss vocabulary sets (tests/llm/test_harmony.py)
+    with pytest.raises(openai.BadRequestError, match="not supported for harmony models"):
+        server.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "w1"}], tools=[WEATHER], tool_choice="required"
+        )
+
+
 def test_tool_messages_need_the_call_they_answer(serve):
     client = serve(max_batch=1).client()
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
