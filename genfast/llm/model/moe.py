@@ -118,6 +118,12 @@ class MoEFeedForward(nn.Module):
         out = self.experts(rows, experts.reshape(-1)).view(-1, k, shape[-1])
         return (out * weights[..., None]).sum(dim=1).view(shape)
 
+    def expert_tensors(self) -> list[Tensor]:
+        """The weights stacked per expert, leading dim n_experts, in whatever format they are stored
+        (parameters, or a quantized stack's buffers): a token uses k of E of them."""
+        stacks = (self.w13, self.w2)
+        return [t for stack in stacks for t in (*stack.parameters(), *stack.buffers())]
+
     def experts(self, rows: Tensor, per_row: Tensor) -> Tensor:
         """Each row [R, dim] through its own expert's gated MLP (per_row [R]): [R, dim]."""
         gate, up = self.w13(rows, per_row).split(self.intermediate_size, dim=-1)

@@ -96,6 +96,9 @@ class GptOssExperts(MoEFeedForward):
         self.w13_bias = nn.Parameter(torch.empty(args.n_experts, 2 * args.expert_intermediate_size))  # gate ‖ up
         self.w2_bias = nn.Parameter(torch.empty(args.n_experts, args.dim))
 
+    def expert_tensors(self) -> list[Tensor]:
+        return [*super().expert_tensors(), self.w13_bias, self.w2_bias]
+
     def experts(self, rows: Tensor, per_row: Tensor) -> Tensor:
         gate_up = self.w13(rows, per_row) + self.w13_bias[per_row].to(rows.dtype)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
