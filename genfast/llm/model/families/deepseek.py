@@ -311,12 +311,12 @@ def from_gguf(name: str, tensor: Tensor) -> Tensor:
 SHARED_EXPERT_HF_TENSORS = {
     "feed_forward.shared.w13.weight": ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
     "feed_forward.shared.w2.weight": ["mlp.shared_experts.down_proj.weight"],
-    "feed_forward.router.bias": ["mlp.gate.e_score_correction_bias"],
+    "feed_forward.router.correction_bias": ["mlp.gate.e_score_correction_bias"],
 }
 SHARED_EXPERT_GGUF_TENSORS = {
     "feed_forward.shared.w13.weight": ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"],
     "feed_forward.shared.w2.weight": ["ffn_down_shexp.weight"],
-    "feed_forward.router.bias": ["exp_probs_b.bias"],
+    "feed_forward.router.correction_bias": ["exp_probs_b.bias"],
 }
 EXPERT_HF_TENSORS = {
     "feed_forward.router.weight": ["mlp.gate.weight"],
