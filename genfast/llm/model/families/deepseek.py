@@ -94,7 +94,14 @@ class LatentAttention(nn.Module):
         self.wkv_a = Linear(args.dim, self.rank + self.rope, bias=own.attention_bias)  # latent ‖ shared rope key
         self.kv_norm = RMSNorm(self.rank, LATENT_NORM_EPS)
         # kv_b_proj per head: key (nope) rows, then value rows. A plain tensor, not a Linear: the
-        # absorbed decode multiplies by its halves directly (and quantization leaves it whole).
+        # absorbed decode multiplies by its halves directly. int8/int4 leave it in float, for
+        # three reasons. Its key half is contracted over nope in the absorbed decode (the query
+        # into the latent) but over the rank in the expanded prefill, and a per-output-channel
+        # quantized layout serves one contraction only. genfast's quantized kernels are linears
+        # over one weight; these are H per-head products per half (as expert stacks: a kernel
+        # call per head, 2 * H per layer and token). And it is small: 1.0B of DeepSeek-V3's 37.6B
+        # active parameters; in bf16 it adds ~3% to the bytes an int8 decode step reads, ~8% at
+        # int4. The stats' bytes per token count it as stored.
         self.wkv_b = nn.Parameter(torch.empty(args.n_heads, self.nope + self.v_dim, self.rank))
         self.wo = Linear(args.n_heads * self.v_dim, args.dim, bias=own.attention_bias)
         self.scale = softmax_scale(args)
