@@ -187,10 +187,10 @@ def _deinterleaved_rows(w: Tensor, rope: int, per: int) -> Tensor:
     return groups[:, order].reshape(w.shape)
 
 
-def load_tensor(args: ModelArgs, name: str, tensor: Tensor) -> Tensor:
-    """A parameter as assembled from the checkpoint -> as the model takes it: rotary rows of q and
-    of the shared key de-interleaved, kv_b_proj per head (from HF's or older GGUFs' 2-D tensor, or
-    the [H, nope + v, rank] that the split GGUF tensors assemble into)."""
+def load_tensor(args: ModelArgs, fmt: str, name: str, tensor: Tensor) -> Tensor:
+    """A parameter as assembled from the checkpoint (either format) -> as the model takes it:
+    rotary rows of q and of the shared key de-interleaved, kv_b_proj per head (from HF's or older
+    GGUFs' 2-D tensor, or the [H, nope + v, rank] that the split GGUF tensors assemble into)."""
     own = family_args(args, DeepseekArgs)
     if name.endswith("attention.wkv_b"):
         return tensor.reshape(args.n_heads, own.qk_nope_head_dim + own.v_head_dim, own.kv_lora_rank)
