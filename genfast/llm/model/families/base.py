@@ -73,7 +73,9 @@ class Family:
     # the fp32 logits after the output head (as the model returns them).
     scale_embeddings: Callable[[ModelArgs, Tensor], Tensor] = _unchanged
     final_logits: Callable[[ModelArgs, Tensor], Tensor] = _unchanged
-    # Why the family's blocks cannot be sharded by genfast.llm.tensor_parallel (None: they can).
+    # Why the family's blocks cannot be sharded by genfast.llm.tensor_parallel (None: they can):
+    # the one place a family refuses --tp (check_shardable says it before any rank starts; heads
+    # and widths that do not divide by the ranks are checked per model there too).
     not_shardable: str | None = None
 
 
