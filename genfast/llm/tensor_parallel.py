@@ -351,11 +351,6 @@ def _check_block_split(block: TransformerBlock, world_size: int, prefix: str) ->
     attn, ff = block.attention, block.feed_forward
     if isinstance(attn.wo, RowParallelLinear):
         raise ValueError(f"{prefix}: block is already sharded")
-    if not attn.heads_independent:
-        raise UserError(
-            f"{type(attn).__name__} normalizes q and k over all heads together, which a rank holding some "
-            "of the heads cannot do; run this model without --tp"
-        )
     _check_column_split(attn.wo, attn.n_heads * attn.head_dim // world_size, f"{prefix}attention.wo")
     _check_column_split(ff.w2, ff.intermediate_size // world_size, f"{prefix}feed_forward.w2")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +137,9 @@ class GGUFFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self._map = np.memmap(path, dtype=np.uint8, mode="r")
+            with open(path, "rb") as f:  # the map keeps its own handle
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._map = np.frombuffer(self._mmap, dtype=np.uint8)
             header = _Header(memoryview(self._map))
         except (ValueError, OSError, IndexError, KeyError, struct.error, UnicodeDecodeError) as e:
             raise UserError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
@@ -158,6 +161,17 @@ class GGUFFile:
         """The tensor's bytes, one row (output feature) per row."""
         return self._map[t.offset : t.offset + t.nbytes].reshape(t.shape[0], -1)
 
+    def _copy(self, t: _TensorInfo) -> np.ndarray:
+        """`_blocks` as a writable copy, the map's pages it read released after (MADV_DONTNEED):
+        the copy is what the model keeps, and the read-only map's pages would otherwise stay in
+        the process's resident memory until the file is closed (6.8 GiB of gpt-oss-20b's GGUF)."""
+        out = np.array(self._blocks(t))
+        advice = getattr(mmap, "MADV_DONTNEED", None)  # Linux and most Unixes
+        if advice is not None:
+            start = t.offset - t.offset % mmap.PAGESIZE
+            self._mmap.madvise(advice, start, t.offset + t.nbytes - start)
+        return out
+
     def quantized(self, name: str) -> QuantizedWeight | None:
         """The tensor's own blocks as genfast codes when its type maps exactly onto a genfast grid
         (Q8_0 -> int8, Q4_0 / Q4_1 -> int4, 32 columns per group), else None. Stacked experts
@@ -167,7 +181,7 @@ class GGUFFile:
         if kind not in _BLOCK_BYTES:
             return None
         rows, cols = math.prod(t.shape[:-1]), t.shape[-1]
-        blocks = torch.from_numpy(np.array(self._blocks(t)).reshape(rows, cols // 32, _BLOCK_BYTES[kind]))
+        blocks = torch.from_numpy(self._copy(t).reshape(rows, cols // 32, _BLOCK_BYTES[kind]))
         scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
         if kind == "Q8_0":  # d, 32 x int8: w = q * d
             codes = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
@@ -185,7 +199,7 @@ class GGUFFile:
         """The tensor's blocks as stored, uint8 [*leading dims, bytes per row] (e.g. MXFP4 codes
         kept as they are), a copy."""
         t = self._tensors[name]
-        return torch.from_numpy(np.array(self._blocks(t))).reshape(*t.shape[:-1], -1)
+        return torch.from_numpy(self._copy(t)).reshape(*t.shape[:-1], -1)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor in its logical shape (rows = output features), as float32."""
@@ -199,7 +213,7 @@ class GGUFFile:
             qw = self.quantized(name)
             assert qw is not None
             return qw.dequantize(torch.float32).reshape(t.shape)
-        raw = np.array(self._blocks(t))  # a writable copy: the map is read-only
+        raw = self._copy(t)  # writable: the map is read-only
         if kind in ("F32", "F16", "BF16"):
             dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind]
             return torch.from_numpy(raw).view(dtype).reshape(t.shape).float()

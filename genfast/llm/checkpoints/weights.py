@@ -12,6 +12,7 @@ run code when loaded.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -117,13 +118,12 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
     Face or GGUF checkpoint, tensor by tensor."""
     args, path = checkpoint.args, checkpoint.path
     family = families.family(args.family)
-    to_model = family.hf_tensor if checkpoint.format == "hf" else lambda suffix, tensor: tensor
     if checkpoint.format == "hf":
         get, available = _hf_source(path, args if family.hf_rope_interleaved else None)
         layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
         layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
         expert_names = family.hf_expert_tensors
-        mxfp4_experts = _hf_mxfp4_experts(get, available, family.hf_tensor)
+        mxfp4_experts = _hf_mxfp4_experts(get, available, partial(family.load_tensor, args, "hf"))
         older_names: dict[str, list[str]] = {}
     else:
         gguf = checkpoint.gguf
@@ -143,7 +143,7 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
                 continue
             _, idx, suffix = name.split(".", 2)
             sources = [layer_prefix.format(i=idx) + s for s in expert_names.get(suffix + ".weight", ())]
-            layer = mxfp4_experts(suffix + ".weight", sources) if sources else None
+            layer = mxfp4_experts(name + ".weight", sources) if sources else None
             if layer is None:
                 continue
             if (layer.n_experts, layer.out_features, layer.in_features) != child.weight.shape:
@@ -175,7 +175,7 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
             if missing:
                 raise UserError(f"{path}: checkpoint lacks tensor {missing[0]} (needed for {name})")
             tensor = _assemble([get(s) for s in sources], per_expert, bias=name.endswith("bias"))
-            tensor = family.load_tensor(args, name, to_model(suffix, tensor))
+            tensor = family.load_tensor(args, checkpoint.format, name, tensor)
             if tensor.shape != param.shape:
                 raise UserError(
                     f"{path}: tensor {sources[0]} has shape {tuple(tensor.shape)} but the config implies "
@@ -194,16 +194,17 @@ def _hf_mxfp4_experts(
     get: Callable[[str], torch.Tensor], available: set[str], to_model: Callable[[str, torch.Tensor], torch.Tensor]
 ) -> MXFP4Experts:
     """For a Hugging Face checkpoint: the MXFP4ExpertLinear of an expert stack stored as one
-    tensor's `_blocks` and `_scales`, its rows put in genfast's order (None: not stored so)."""
+    tensor's `_blocks` and `_scales`, its rows put in genfast's order (None: not stored so).
+    `to_model(name, tensor)`: the family's load_tensor for HF tensors."""
 
-    def experts(suffix: str, sources: list[str]) -> MXFP4ExpertLinear | None:
+    def experts(name: str, sources: list[str]) -> MXFP4ExpertLinear | None:
         if len(sources) != 1 or sources[0] + "_blocks" not in available:
             return None
         blocks, scales = get(sources[0] + "_blocks"), get(sources[0] + "_scales")
         # The family's reordering of output rows (gpt-oss: gate and up de-interleaved), read off
         # what it does to a tensor of row numbers in the unquantized layout [E, in, out].
         rows = torch.arange(blocks.shape[1], dtype=torch.float32).view(1, 1, -1)
-        order = to_model(suffix, rows)[0, :, 0].long()
+        order = to_model(name, rows)[0, :, 0].long()
         return MXFP4ExpertLinear.from_hf(blocks[:, order].contiguous(), scales[:, order].contiguous())
 
     return experts
@@ -213,7 +214,7 @@ def _gguf_mxfp4_experts(gguf: GGUFFile) -> MXFP4Experts:
     """For a GGUF: the MXFP4ExpertLinear of an expert stack whose parts (gate and up, or down)
     are all of type MXFP4, joined along the output rows (None: not stored so)."""
 
-    def experts(suffix: str, sources: list[str]) -> MXFP4ExpertLinear | None:
+    def experts(name: str, sources: list[str]) -> MXFP4ExpertLinear | None:
         if not all(s in gguf.tensor_names and gguf.tensor_type(s) == "MXFP4" for s in sources):
             return None
         return MXFP4ExpertLinear.from_gguf(torch.cat([gguf.raw_blocks(s) for s in sources], dim=1))

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from genfast.llm.decoding.generate import GenerationResult
+from genfast.llm.model.moe import MoEFeedForward
 from genfast.llm.model.transformer import Transformer
-from genfast.nn import ExpertLinear
 from genfast.platform.hardware import peak_memory_bytes
-from genfast.quant.linear import QuantExpertLinear
 
 
 def weight_bytes_per_step(model: Transformer, batch_size: int = 1) -> int:
@@ -31,11 +30,12 @@ def weight_bytes_per_step(model: Transformer, batch_size: int = 1) -> int:
     emb = model.tok_embeddings.weight
     if emb is not getattr(model.output, "weight", None):  # untied, or the head is quantized
         total -= emb.numel() * emb.element_size()
-    active = min(model.args.n_experts, model.args.n_active_experts * batch_size)
+    n_experts = model.args.n_experts
+    active = min(n_experts, model.args.n_active_experts * batch_size)
     for module in model.modules():
-        if isinstance(module, (ExpertLinear, QuantExpertLinear)):
-            stacked = sum(t.nbytes for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
-            total -= stacked - stacked * active // module.n_experts
+        if isinstance(module, MoEFeedForward):
+            stacked = sum(t.nbytes for t in module.expert_tensors())
+            total -= stacked - stacked * active // n_experts
     return total
 
 

@@ -100,29 +100,19 @@ class ModelArgs:
 
     @property
     def n_params(self) -> int:
-        """Parameter count (embedding and output head counted once when tied; every expert)."""
-        qkv = self.dim * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        out = self.n_heads * self.head_dim * self.dim
-        per_layer = qkv + out + 2 * self.dim
-        if self.qkv_bias:
-            per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        if self.out_bias:
-            per_layer += self.dim
-        mlps = 0
-        for layer in range(self.n_layers):
-            if self.is_moe_layer(layer):  # the router and every expert's gated MLP
-                mlps += self.n_experts * (self.dim + 3 * self.dim * self.expert_intermediate_size)
-            else:
-                mlps += 3 * self.dim * self.intermediate_size
-        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.n_layers * per_layer + mlps + self.dim + head
+        """Values the model's weights hold: every tensor a checkpoint stores for it (embedding and
+        output head counted once when tied; every expert; a family's own norms, biases, sinks and
+        latent projections), as counted on the model built from these args (`parameter_counts`)."""
+        from genfast.llm.model.transformer import parameter_counts  # the model is built from this module
+
+        return parameter_counts(self)[0]
 
     @property
     def n_active_params(self) -> int:
-        """Parameters a token uses: all but the experts it is not routed to."""
-        moe_layers = sum(self.is_moe_layer(i) for i in range(self.n_layers))
-        idle = moe_layers * (self.n_experts - self.n_active_experts) * 3 * self.dim * self.expert_intermediate_size
-        return self.n_params - idle
+        """Parameters a token uses: all but the experts it is not routed to (embedding included)."""
+        from genfast.llm.model.transformer import parameter_counts
+
+        return parameter_counts(self)[1]
 
     def describe_size(self) -> str:
         """E.g. '135M parameters', or for a mixture '30.5B parameters, 3.3B active (8 of 128 experts)'."""

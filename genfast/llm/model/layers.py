@@ -309,9 +309,6 @@ class Attention(nn.Module):
     # Every query through the native kernel, whose result for a query does not depend on the other
     # queries, rows or cache length of the call (set by genfast.llm.model.invariance).
     batch_invariant = False
-    # Each head's q, k and v depend on its own rows of wqkv alone, so tensor parallelism may split
-    # the heads over ranks (not so where a norm spans all heads: OLMo 2).
-    heads_independent = True
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()

@@ -50,24 +50,21 @@ class Router(nn.Module):
         return weights.to(x.dtype), experts
 
     def logits(self, x: Tensor) -> Tensor:
-        logits = self.unbiased_logits(x)
-        return logits if self.bias is None else logits + self.bias.to(logits.dtype)
-
-    def unbiased_logits(self, x: Tensor) -> Tensor:
         if not self.batch_invariant:
-            return F.linear(x, self.weight.to(x.dtype))
-        # The kernel takes bf16 weights: a wider router goes in as two bf16 parts, its leading bits
-        # and the rest (16 of fp32's 24 mantissa bits), each summed in fp32.
-        high = self.weight.to(torch.bfloat16)
-        logits = torch.ops.genfast.linear_few_rows(x, high)
-        if self.weight.dtype != torch.bfloat16:
-            logits = logits + torch.ops.genfast.linear_few_rows(x, (self.weight.float() - high.float()).bfloat16())
-        return logits
+            logits = F.linear(x, self.weight.to(x.dtype))
+        else:
+            # The kernel takes bf16 weights: a wider router goes in as two bf16 parts, its leading
+            # bits and the rest (16 of fp32's 24 mantissa bits), each summed in fp32.
+            high = self.weight.to(torch.bfloat16)
+            logits = torch.ops.genfast.linear_few_rows(x, high)
+            if self.weight.dtype != torch.bfloat16:
+                logits = logits + torch.ops.genfast.linear_few_rows(x, (self.weight.float() - high.float()).bfloat16())
+        return logits if self.bias is None else logits + self.bias.to(logits.dtype)
 
 
 class GroupLimitedRouter(Router):
     """DeepSeek-V3's routing: sigmoid scores; the experts are chosen by score plus a per-expert
-    correction `bias` (load balancing: it decides the choice only), among the `topk_group` of
+    `correction_bias` (load balancing: it decides the choice only), among the `topk_group` of
     `n_group` groups whose two best biased scores sum highest; their weights are the unbiased
     scores, renormalized to sum to 1 if `normalize`, times `scale` (routed_scaling_factor)."""
 
@@ -76,12 +73,11 @@ class GroupLimitedRouter(Router):
     ) -> None:
         super().__init__(dim, n_experts, n_active, normalize)
         self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
-        self.bias = nn.Parameter(torch.zeros(n_experts))  # e_score_correction_bias
+        self.correction_bias = nn.Parameter(torch.zeros(n_experts))  # e_score_correction_bias
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        # Its `bias` takes part in the choice only, never in the scores (Router.logits would add it).
-        scores = self.unbiased_logits(x).float().sigmoid()
-        choice = scores + self.bias.float()
+        scores = self.logits(x).float().sigmoid()
+        choice = scores + self.correction_bias.float()
         if self.n_group > 1:
             per_group = choice.shape[-1] // self.n_group
             group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1).values.sum(dim=-1)
@@ -117,6 +113,12 @@ class MoEFeedForward(nn.Module):
         rows = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
         out = self.experts(rows, experts.reshape(-1)).view(-1, k, shape[-1])
         return (out * weights[..., None]).sum(dim=1).view(shape)
+
+    def expert_tensors(self) -> list[Tensor]:
+        """The weights stacked per expert, leading dim n_experts, in whatever format they are stored
+        (parameters, or a quantized stack's buffers): a token uses k of E of them."""
+        stacks = (self.w13, self.w2)
+        return [t for stack in stacks for t in (*stack.parameters(), *stack.buffers())]
 
     def experts(self, rows: Tensor, per_row: Tensor) -> Tensor:
         """Each row [R, dim] through its own expert's gated MLP (per_row [R]): [R, dim]."""

@@ -8,12 +8,15 @@ genfast/llm/model/moe.py.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
 from genfast.llm.model import families
 from genfast.llm.model.config import ModelArgs, rope_inverse_frequencies
 from genfast.llm.model.layers import CacheRows
+from genfast.llm.model.moe import MoEFeedForward
 from genfast.nn import DtypeAttribute, Linear
 
 
@@ -128,6 +131,22 @@ class Transformer(nn.Module):
         if not all_logits:
             x = x[:, -1]
         return self.family.final_logits(self.args, self.output(self.norm(x)).float())
+
+
+@functools.lru_cache(maxsize=16)
+def parameter_counts(args: ModelArgs) -> tuple[int, int]:
+    """(all parameters, those a token uses) of the model `args` describe, counted on the model
+    built on the meta device: every family's own tensors are in without a formula of its shapes
+    to keep in step (a tied head counted once; a token uses k of each mixture's E experts)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    total = sum(p.numel() for p in model.parameters())
+    idle = 0
+    for module in model.modules():
+        if isinstance(module, MoEFeedForward):
+            stacked = sum(t.numel() for t in module.expert_tensors())
+            idle += stacked * (args.n_experts - args.n_active_experts) // args.n_experts
+    return total, total - idle
 
 
 def attention_mask(input_pos: Tensor, kv_len: int, pad_start: Tensor | None = None) -> Tensor:

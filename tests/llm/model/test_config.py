@@ -114,3 +114,66 @@ def test_biases_genfast_does_not_read_are_refused(name, changes):
     """MLP biases would be left unread (and the logits wrong): such configs are refused."""
     with pytest.raises(UserError, match="not supported"):
         args_from_hf_config({**TINY_CONFIGS[name], **changes})
+
+
+def _checkpoint_numel(hf: torch.nn.Module) -> int:
+    """Values of the tensors a transformers checkpoint stores: the parameters (a tied head once) and
+    persistent buffers (DeepSeek's e_score_correction_bias)."""
+    persistent = hf.state_dict().keys()
+    return sum(p.numel() for p in hf.parameters()) + sum(
+        b.numel() for name, b in hf.named_buffers() if name in persistent
+    )
+
+
+def _hf_on_meta(config: dict) -> torch.nn.Module:
+    import transformers
+
+    cfg = {k: v for k, v in config.items() if k != "architectures"}
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+
+
+@pytest.mark.parametrize("name", [*sorted(TINY_CONFIGS), "gpt_oss"])
+def test_parameter_count_is_what_transformers_checkpoint_holds(name):
+    from tests.llm.model.test_gpt_oss import CONFIG as GPT_OSS
+
+    config = GPT_OSS if name == "gpt_oss" else TINY_CONFIGS[name]
+    assert args_from_hf_config(config).n_params == _checkpoint_numel(_hf_on_meta(config))
+
+
+# Published config.json values (DeepSeek-V3's without its multi-token-prediction layer, which
+# neither transformers nor genfast builds).
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+    n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+    first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, attention_bias=False, rope_theta=10000.0,
+    rope_scaling=dict(type="yarn", factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+                      original_max_position_embeddings=4096),
+)  # fmt: skip
+GPT_OSS_20B = dict(
+    model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+    sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    attention_bias=True, layer_types=["sliding_attention", "full_attention"] * 12,
+    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                      original_max_position_embeddings=4096), rope_theta=150000.0,
+)  # fmt: skip
+
+
+def test_deepseek_v3_has_its_published_671b_and_37b_active():
+    args = args_from_hf_config(DEEPSEEK_V3)
+    assert args.n_params == _checkpoint_numel(_hf_on_meta(DEEPSEEK_V3))
+    assert args.n_params == pytest.approx(671e9, rel=0.001)
+    assert args.n_active_params == pytest.approx(37e9, rel=0.02)
+    assert args.describe_size() == f"671.0B parameters, {args.n_active_params / 1e9:.1f}B active (8 of 256 experts)"
+
+
+def test_gpt_oss_20b_has_its_published_20_91b_and_3_61b_active():
+    args = args_from_hf_config(GPT_OSS_20B)
+    assert args.n_params == _checkpoint_numel(_hf_on_meta(GPT_OSS_20B))
+    assert args.n_params == pytest.approx(20.91e9, abs=0.005e9)
+    # OpenAI's model card counts the output head but not the looked-up embedding as active.
+    assert args.n_active_params - args.vocab_size * args.dim == pytest.approx(3.61e9, abs=0.005e9)

@@ -120,6 +120,49 @@ def test_decode_through_the_latent_cache_equals_transformers(deepseek):
             lengths = lengths + 1
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_decode_keeps_kv_b_in_float_within_budget_and_counts_its_bytes(deepseek, bits):
+    """int8/int4 leave kv_b_proj in float (LatentAttention's comment says why): the absorbed decode
+    steps stay within the quantization budget of the unquantized model's (the prefill's expanded
+    form: test_families.py; measured relative error 0.010 int8, 0.088 int4), and the decode bytes
+    count kv_b as stored."""
+    from genfast.llm.checkpoints.quantize import quantize_loaded
+    from genfast.llm.decoding.stats import weight_bytes_per_step
+    from tests.llm.model.test_families import BUDGET
+
+    _, reference, directory = deepseek
+    checkpoint = Checkpoint.open(directory)
+    model = load_model(checkpoint)
+    quantize_loaded(checkpoint, model, bits, None)
+    tokens = _tokens(20, seed=7)
+    steps = []
+    with torch.no_grad():
+        for m in (reference, model):
+            m.setup_caches(1, 32)
+            pos = torch.arange(12)
+            m(tokens[:, :12], pos, attention_mask(pos, 12))
+            steps.append(
+                torch.cat(
+                    [
+                        m(tokens[:, i : i + 1], torch.tensor([i]), attention_mask(torch.tensor([i]), i + 1))
+                        for i in range(12, 20)
+                    ]
+                )
+            )
+    reference.clear_caches()  # the module's model, as the other tests expect it
+    want, got = steps
+    max_error, max_kl = BUDGET[f"int{bits}"]
+    assert float((got - want).norm() / want.norm()) <= max_error
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
+    assert float(kl.sum(-1).mean()) <= max_kl
+    kv_b = [layer.attention.wkv_b for layer in model.layers]
+    assert all(w.dtype == torch.float32 for w in kv_b)
+    with_kv_b = weight_bytes_per_step(model)
+    for layer in model.layers:
+        layer.attention.wkv_b = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    assert with_kv_b - weight_bytes_per_step(model) == sum(w.nbytes for w in kv_b)
+
+
 def test_absorbed_and_expanded_attention_agree(deepseek):
     _, model, _ = deepseek
     attention = model.layers[1].attention
@@ -141,7 +184,7 @@ def test_router_equals_transformers(deepseek):
     hf, model, _ = deepseek
     theirs = hf.model.layers[1].mlp.gate
     ours = model.layers[1].feed_forward.router
-    assert isinstance(ours, GroupLimitedRouter) and ours.bias.abs().sum() > 0
+    assert isinstance(ours, GroupLimitedRouter) and ours.correction_bias.abs().sum() > 0
     x = torch.randn(200, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         _, their_weights, their_experts = theirs(x)

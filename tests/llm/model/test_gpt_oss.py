@@ -21,6 +21,7 @@ from genfast.llm.checkpoints.weights import load_model
 from genfast.llm.decoding.drafters import LayerDrafter
 from genfast.llm.decoding.generate import Generator
 from genfast.llm.decoding.speculative import MAX_K, SpeculativeGenerator
+from genfast.llm.decoding.stats import weight_bytes_per_step
 from genfast.llm.model import families
 from genfast.llm.model.families.gpt_oss import GptOssExperts, attention_with_sinks
 from genfast.llm.model.layers import WINDOW_SLACK, KVCache, WindowKVCache
@@ -237,6 +238,14 @@ def test_logits_from_safetensors_and_gguf_equal_transformers(gpt_oss, tmp_path):
         for layer in model.layers:
             layer.feed_forward.limit = float("inf")
         assert (model(tokens, torch.arange(23), all_logits=True) - expected).abs().max() > 1e-2
+
+
+def test_a_decode_step_reads_k_of_e_experts_with_their_biases(gpt_oss):
+    model = load_model(Checkpoint.open(gpt_oss[1]))
+    ffns = [layer.feed_forward for layer in model.layers]
+    stacked = sum(f.w13.weight.nbytes + f.w2.weight.nbytes + f.w13_bias.nbytes + f.w2_bias.nbytes for f in ffns)
+    # A batch of 8 runs 32 of the 32 experts: all of them; one sequence 4.
+    assert weight_bytes_per_step(model, batch_size=8) - weight_bytes_per_step(model) == stacked * 28 // 32
 
 
 def check_mxfp4_model(model, hf, tokens: torch.Tensor) -> None:

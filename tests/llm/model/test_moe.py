@@ -104,9 +104,8 @@ def test_decode_bytes_count_only_the_active_experts(moe_dirs):
     assert weight_bytes_per_step(model, 3) - weight_bytes_per_step(model) == stacked - stacked * 3 // 8
 
 
-def test_parameter_count_includes_every_expert(moe_dirs):
-    model = load_model(Checkpoint.open(moe_dirs["mixtral"]))
-    assert model.args.n_params == sum(p.numel() for p in model.parameters())
+def test_parameter_count_includes_every_expert():
+    # (Every family's count against transformers' checkpoint: tests/llm/model/test_config.py.)
     # Qwen3-30B-A3B's config.json; its model card says 30.5B parameters (29.9B without the
     # embedding and the head) and "3.3B activated": 3.35B, embedding and head included.
     qwen3_30b_a3b = ModelArgs(

@@ -49,17 +49,16 @@ class Family:
     # The same for a mixture-of-experts MLP in HF checkpoints, which store a tensor per expert
     # ("{e}"); GGUF files stack them under names shared by all families (genfast.llm.checkpoints.weights).
     hf_expert_tensors: dict[str, list[str]] = field(default_factory=dict)
-    # A Hugging Face tensor as the checkpoint stores it -> as the model takes it, given the genfast
-    # parameter suffix it fills (after fused parts are joined; gpt-oss's transposed expert stacks).
-    hf_tensor: Callable[[str, Tensor], Tensor] = lambda suffix, tensor: tensor
     # ModelArgs fields that the family reads from GGUF metadata (beyond the shared ones), given
     # the metadata, its architecture and the file's tensor names.
     gguf_fields: Callable[[dict[str, Any], str, set[str]], dict[str, Any]] = lambda meta, arch, names: {}
     # A GGUF tensor as llama.cpp stores it -> as the model takes it (name: the GGUF tensor's).
     gguf_tensor: Callable[[str, Tensor], Tensor] = lambda name, tensor: tensor
-    # A parameter as assembled from its source tensors (either format) -> as the model takes it,
-    # given the model's args and the parameter's genfast name (DeepSeek's kv_b split per head).
-    load_tensor: Callable[[ModelArgs, str, Tensor], Tensor] = lambda args, name, tensor: tensor
+    # A parameter as assembled from its source tensors (fused parts joined) -> as the model takes
+    # it, given the model's args, the checkpoint's format ("hf" or "gguf") and the parameter's
+    # genfast name (DeepSeek's kv_b split per head; gpt-oss's transposed HF expert stacks). Also
+    # applied to a tensor of row numbers, to put an HF MXFP4 stack's rows in the model's order.
+    load_tensor: Callable[[ModelArgs, str, str, Tensor], Tensor] = lambda args, fmt, name, tensor: tensor
     # The q/k rows of a head are in interleaved rotary pairs, not halves: in GGUF files (llama.cpp's
     # converter permutes Llama's rows so; ERNIE's are so already), in HF checkpoints (ERNIE 4.5).
     gguf_rope_interleaved: bool = False
@@ -74,7 +73,9 @@ class Family:
     # the fp32 logits after the output head (as the model returns them).
     scale_embeddings: Callable[[ModelArgs, Tensor], Tensor] = _unchanged
     final_logits: Callable[[ModelArgs, Tensor], Tensor] = _unchanged
-    # Why the family's blocks cannot be sharded by genfast.llm.tensor_parallel (None: they can).
+    # Why the family's blocks cannot be sharded by genfast.llm.tensor_parallel (None: they can):
+    # the one place a family refuses --tp (check_shardable says it before any rank starts; heads
+    # and widths that do not divide by the ranks are checked per model there too).
     not_shardable: str | None = None
 
 

@@ -94,7 +94,14 @@ class LatentAttention(nn.Module):
         self.wkv_a = Linear(args.dim, self.rank + self.rope, bias=own.attention_bias)  # latent ‖ shared rope key
         self.kv_norm = RMSNorm(self.rank, LATENT_NORM_EPS)
         # kv_b_proj per head: key (nope) rows, then value rows. A plain tensor, not a Linear: the
-        # absorbed decode multiplies by its halves directly (and quantization leaves it whole).
+        # absorbed decode multiplies by its halves directly. int8/int4 leave it in float, for
+        # three reasons. Its key half is contracted over nope in the absorbed decode (the query
+        # into the latent) but over the rank in the expanded prefill, and a per-output-channel
+        # quantized layout serves one contraction only. genfast's quantized kernels are linears
+        # over one weight; these are H per-head products per half (as expert stacks: a kernel
+        # call per head, 2 * H per layer and token). And it is small: 1.0B of DeepSeek-V3's 37.6B
+        # active parameters; in bf16 it adds ~3% to the bytes an int8 decode step reads, ~8% at
+        # int4. The stats' bytes per token count it as stored.
         self.wkv_b = nn.Parameter(torch.empty(args.n_heads, self.nope + self.v_dim, self.rank))
         self.wo = Linear(args.n_heads * self.v_dim, args.dim, bias=own.attention_bias)
         self.scale = softmax_scale(args)
@@ -180,10 +187,10 @@ def _deinterleaved_rows(w: Tensor, rope: int, per: int) -> Tensor:
     return groups[:, order].reshape(w.shape)
 
 
-def load_tensor(args: ModelArgs, name: str, tensor: Tensor) -> Tensor:
-    """A parameter as assembled from the checkpoint -> as the model takes it: rotary rows of q and
-    of the shared key de-interleaved, kv_b_proj per head (from HF's or older GGUFs' 2-D tensor, or
-    the [H, nope + v, rank] that the split GGUF tensors assemble into)."""
+def load_tensor(args: ModelArgs, fmt: str, name: str, tensor: Tensor) -> Tensor:
+    """A parameter as assembled from the checkpoint (either format) -> as the model takes it:
+    rotary rows of q and of the shared key de-interleaved, kv_b_proj per head (from HF's or older
+    GGUFs' 2-D tensor, or the [H, nope + v, rank] that the split GGUF tensors assemble into)."""
     own = family_args(args, DeepseekArgs)
     if name.endswith("attention.wkv_b"):
         return tensor.reshape(args.n_heads, own.qk_nope_head_dim + own.v_head_dim, own.kv_lora_rank)
@@ -311,12 +318,12 @@ def from_gguf(name: str, tensor: Tensor) -> Tensor:
 SHARED_EXPERT_HF_TENSORS = {
     "feed_forward.shared.w13.weight": ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
     "feed_forward.shared.w2.weight": ["mlp.shared_experts.down_proj.weight"],
-    "feed_forward.router.bias": ["mlp.gate.e_score_correction_bias"],
+    "feed_forward.router.correction_bias": ["mlp.gate.e_score_correction_bias"],
 }
 SHARED_EXPERT_GGUF_TENSORS = {
     "feed_forward.shared.w13.weight": ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"],
     "feed_forward.shared.w2.weight": ["ffn_down_shexp.weight"],
-    "feed_forward.router.bias": ["exp_probs_b.bias"],
+    "feed_forward.router.correction_bias": ["exp_probs_b.bias"],
 }
 EXPERT_HF_TENSORS = {
     "feed_forward.router.weight": ["mlp.gate.weight"],

@@ -96,6 +96,9 @@ class GptOssExperts(MoEFeedForward):
         self.w13_bias = nn.Parameter(torch.empty(args.n_experts, 2 * args.expert_intermediate_size))  # gate ‖ up
         self.w2_bias = nn.Parameter(torch.empty(args.n_experts, args.dim))
 
+    def expert_tensors(self) -> list[Tensor]:
+        return [*super().expert_tensors(), self.w13_bias, self.w2_bias]
+
     def experts(self, rows: Tensor, per_row: Tensor) -> Tensor:
         gate_up = self.w13(rows, per_row) + self.w13_bias[per_row].to(rows.dtype)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -164,12 +167,14 @@ def gguf_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict
     return fields
 
 
-def from_hf_layout(suffix: str, tensor: Tensor) -> Tensor:
+def load_tensor(args: ModelArgs, fmt: str, name: str, tensor: Tensor) -> Tensor:
     """transformers' expert stacks ([E, in, out], gate and up interleaved) in genfast's layout
-    ([E, out, in], gate ‖ up); `suffix`: the genfast parameter the tensor fills."""
-    if suffix in ("feed_forward.w13.weight", "feed_forward.w2.weight"):
+    ([E, out, in], gate ‖ up); GGUF's are so already."""
+    if fmt != "hf":
+        return tensor
+    if name.endswith(("feed_forward.w13.weight", "feed_forward.w2.weight")):
         tensor = tensor.transpose(-1, -2)
-    if suffix in ("feed_forward.w13.weight", "feed_forward.w13_bias"):  # [E, 2I, ...]: gate ‖ up
+    if name.endswith(("feed_forward.w13.weight", "feed_forward.w13_bias")):  # [E, 2I, ...]: gate ‖ up
         return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
     return tensor
 
@@ -192,7 +197,7 @@ FAMILY = Family(
         "feed_forward.w13.weight": ["mlp.experts.gate_up_proj"],
         "feed_forward.w2.weight": ["mlp.experts.down_proj"],
     },
-    hf_tensor=from_hf_layout,
+    load_tensor=load_tensor,
     gguf_layer_tensors={
         "attention.sinks": ["attn_sinks.weight"],
         "ffn_norm.weight": ["post_attention_norm.weight"],

@@ -28,9 +28,8 @@ class SlidingLayersArgs(FamilyArgs):
 
 
 class WideQKNormAttention(Attention):
-    # Its norms span every head: a tensor-parallel shard, holding some heads, cannot apply them
-    # alone (genfast.llm.tensor_parallel refuses it).
-    heads_independent = False
+    """q and k normalized over all heads together (the family's not_shardable says what that
+    means for tensor parallelism)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args)
@@ -115,4 +114,5 @@ FAMILY = Family(
     gguf_layer_tensors={**POST_NORM_GGUF_TENSORS, **QK_NORM_GGUF_TENSORS},
     gguf_fields=gguf_fields,
     args_type=SlidingLayersArgs,
+    not_shardable="their q and k norms span all heads together, which a rank holding some of the heads cannot apply",
 )
