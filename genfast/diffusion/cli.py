@@ -36,7 +36,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "-m",
         required=True,
         help="a diffusers pipeline directory (with model_index.json) or a hub id (downloaded when "
-        "online); with --random-weights: tiny-sd15, tiny-sdxl, tiny-pixart, tiny-flux or tiny-sd3",
+        "online); with --random-weights: tiny-sd15, tiny-sdxl, tiny-pixart, tiny-flux, tiny-sd3, or at the real "
+        "size sd15, sdxl, flux-schnell, flux-dev, sd35-medium, sd35-large",
     )
     p.add_argument(
         "--output", "-o", default=None, metavar="OUT.png", help="the image file (PNG); with --prompts, a folder"
@@ -64,13 +65,24 @@ def register(commands: argparse._SubParsersAction) -> None:
         "guidance: 1 or less turns it off; FLUX.1-dev: the distilled guidance the model takes as input",
     )
     p.add_argument("--negative", default=None, metavar="TEXT", help="negative prompt")
+    p.add_argument(
+        "--quant",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: load a transformer pipeline (FLUX.1, SD 3/3.5; a local directory or --random-weights) "
+        "in int8 to fit in less memory: the text encoders' linears weight-only int8, then the transformer read "
+        "block by block, each block's linears quantized as the dynamic-int8 recipe step does as soon as it is "
+        "read (its whole bf16 weights never exist; FLUX.1-schnell at 512x512 peaked at 19.4 GiB). Before loading, a "
+        "pipeline that would not fit in the available memory is refused with the GiB it needs (default none)",
+    )
     add_recipe(p, RECIPE, DEFAULT_STEP)
     add_device(p)
     add_threads(p, beside_other_work=True)
     p.add_argument(
         "--random-weights",
         action="store_true",
-        help="a tiny random pipeline (smoke tests and timing only; labelled in every output)",
+        help="random weights: a tiny pipeline, or a real architecture's size (smoke tests and timing only; "
+        "labelled in every output)",
     )
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     g = p.add_argument_group("many prompts from a file (genfast/diffusion/prompts_file.py)")

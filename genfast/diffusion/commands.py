@@ -31,7 +31,7 @@ def generator_arguments(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, recipe=args.recipe, device=args.device, dtype=args.dtype, threads=args.threads,
         random_weights=args.random_weights, size=size, steps=args.denoising_steps, guidance=args.guidance,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size, quant=args.quant,
     )  # fmt: skip
 
 

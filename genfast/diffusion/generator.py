@@ -42,6 +42,7 @@ RANDOM_ARCHS = {
 RANDOM_WEIGHTS_WARNING = "random weights (--random-weights): for smoke tests and timing only; the image is noise"
 MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
 MAX_SIDE = 4096
+DEFAULT_PIXELS = 1024 * 1024  # the memory check's image size where none is given: the largest native one
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -71,21 +72,109 @@ def declared_denoiser(model: str) -> str | None:
     return None
 
 
-def load(model: str, random_weights: bool, dtype: torch.dtype, device: torch.device) -> tuple[Any, str]:
-    """The pipeline and how to describe it: a tiny random one (`random_weights`), else a
-    diffusers directory or hub id."""
-    from genfast.diffusion.pipelines import load_pipeline, tiny_pipeline
+def load(
+    model: str, random_weights: bool, dtype: torch.dtype, device: torch.device, quant: str = "none",
+    min_features: int = 320, seed: int = 0,
+) -> tuple[Any, str]:  # fmt: skip
+    """The pipeline and how to describe it: a random one (`random_weights`: a tiny one, or
+    FLUX.1 / SD 3.5 / SD 1.5 / SDXL at the real size), else a diffusers directory or hub id.
+    `quant` "int8": the text encoders are loaded and quantized first, then the transformer is
+    loaded (or drawn) in parts, each quantized as the dynamic-int8 step does with `min_features`
+    (genfast/diffusion/loading.py): its whole float weights never exist."""
+    from genfast.diffusion.loading import QUANTS, int8_prepare, quantize_text_encoders
+    from genfast.diffusion.pipelines import DIT_ARCHS, REAL_ARCHS, load_pipeline, random_pipeline, tiny_pipeline
+    from genfast.platform.heap import release_freed_memory
+
+    if quant not in QUANTS:
+        raise UserError(f"unknown --quant {quant!r}; use one of {', '.join(QUANTS)}")
+    int8 = quant == "int8"
+    if random_weights:
+        if model not in RANDOM_ARCHS and model not in REAL_ARCHS:
+            raise UserError(f"--random-weights builds one of {', '.join([*RANDOM_ARCHS, *REAL_ARCHS])}, not {model!r}")
+        description = f"{model} with RANDOM weights"
+        if model in RANDOM_ARCHS:  # tiny: built whole, then quantized as --quant would load it
+            pipe = tiny_pipeline(RANDOM_ARCHS[model], seed).to(device)
+            if int8:
+                _unet_refused(pipe)
+                quantize_text_encoders(pipe)
+                int8_prepare(min_features)("", pipe.transformer)
+            return pipe, description
+        if model not in DIT_ARCHS:
+            if int8:
+                raise UserError(UNET_QUANT)
+            return random_pipeline(model, seed, device, dtype=dtype), description
+        if not int8:
+            return random_pipeline(model, seed, device, dtype=dtype), description
+        from genfast.diffusion.loading import random_transformer
+        from genfast.diffusion.pipelines import _tiny_tokenizer
+        from genfast.diffusion.transformer_archs import build_pipeline, transformer_spec
+
+        pipe = build_pipeline(model, None, seed, device, dtype, tokenizer=_tiny_tokenizer(), transformer=False)
+        quantize_text_encoders(pipe)
+        release_freed_memory()  # the encoders' float weights, before the transformer's turn
+        cls, config = transformer_spec(model)
+        transformer = random_transformer(cls, config, dtype, device, seed, int8_prepare(min_features))
+        pipe.register_modules(transformer=transformer)
+        release_freed_memory()
+        return pipe, description
+    if model in RANDOM_ARCHS or model in REAL_ARCHS:
+        raise UserError(f"{model} exists only with random weights: add --random-weights")
+    if not int8:
+        return load_pipeline(model, dtype=dtype, device=device), model
+    directory = Path(model).expanduser()
+    if not (directory / "model_index.json").is_file():
+        raise UserError(
+            f"--quant int8 loads a local pipeline directory in parts; {model} is none (download a hub model "
+            "first, e.g. huggingface-cli download ID --local-dir DIR)"
+        )
+    if (directory / "unet").is_dir():
+        raise UserError(UNET_QUANT)
+    from genfast.diffusion.loading import load_transformer
+
+    pipe = load_pipeline(model, dtype=dtype, device=device, without=("transformer",))
+    quantize_text_encoders(pipe)
+    release_freed_memory()  # the encoders' float weights, before the transformer's turn
+    pipe.register_modules(transformer=load_transformer(directory, dtype, device, int8_prepare(min_features)))
+    release_freed_memory()
+    return pipe, model
+
+
+UNET_QUANT = (
+    "--quant int8 loads a transformer pipeline's transformer in parts (FLUX.1, SD 3/3.5); UNet "
+    "pipelines (SD 1.5, SDXL) fit in memory without it: use --recipe dynamic-int8 for their int8 linears"
+)
+
+
+def _unet_refused(pipe: Any) -> None:
+    if getattr(pipe, "transformer", None) is None:
+        raise UserError(UNET_QUANT)
+
+
+def check_memory(
+    model: str, random_weights: bool, dtype: torch.dtype, device: torch.device, quant: str, min_features: int,
+    pixels: int, available: int | None = None,
+) -> None:  # fmt: skip
+    """UserError before anything is loaded where the pipeline would not fit in the device's
+    available memory (`available`: bytes; None: what the device reports), with the number it
+    needs and what to try (genfast/diffusion/memory.py). Pipelines whose configs are not at hand
+    (hub ids, tiny random ones) are not checked."""
+    from genfast.diffusion.memory import check_fits, directory_models, estimate
+    from genfast.diffusion.pipelines import DIT_ARCHS
+    from genfast.platform.hardware import available_memory_bytes
 
     if random_weights:
-        if model not in RANDOM_ARCHS:
-            raise UserError(
-                f"--random-weights builds one of {', '.join(RANDOM_ARCHS)}, not {model!r} "
-                "(real-size random architectures come with `genfast bench diffusion`)"
-            )
-        return tiny_pipeline(RANDOM_ARCHS[model]).to(device), f"{model} with RANDOM weights"
-    if model in RANDOM_ARCHS:
-        raise UserError(f"{model} exists only with random weights: add --random-weights")
-    return load_pipeline(model, dtype=dtype, device=device), model
+        if model not in DIT_ARCHS:
+            return
+        from genfast.diffusion.transformer_archs import empty_models
+
+        models = empty_models(model)
+    else:
+        models = directory_models(Path(model).expanduser())
+        if models is None:
+            return
+    need = estimate(models, dtype, quant, min_features, pixels)
+    available = available_memory_bytes(device) if available is None else available
+    check_fits(need, available, model)
 
 
 def guidance_kwargs(pipe: Any, guidance: float | None, negative: Any) -> dict[str, Any]:
@@ -151,8 +240,8 @@ def random_seed() -> int:
 class ImageGenerator:
     """A loaded diffusion pipeline that draws lists of prompts.
 
-    `model`, `recipe`, `device`, `dtype`, `threads` and `random_weights` mean what `genfast
-    imagine`'s flags do; `size` ("WxH" or (width, height); None: the model's own), `steps` and
+    `model`, `recipe`, `device`, `dtype`, `threads`, `random_weights` and `quant` mean what
+    `genfast imagine`'s flags do; `size` ("WxH" or (width, height); None: the model's own), `steps` and
     `guidance` (None: the pipeline's default) fix every image; `batch_size` prompts go through the
     pipeline in one call (more is faster on a GPU; 1 draws exactly the image `genfast imagine` does)."""
 
@@ -169,6 +258,7 @@ class ImageGenerator:
         steps: int = 30,
         guidance: float | None = None,
         batch_size: int = 1,
+        quant: str = "none",
     ) -> None:
         from genfast.diffusion.pipelines import native_size
         from genfast.diffusion.recipe import DEFAULT_STEP, RECIPE, PipelineTarget, apply_recipe, pipeline_target
@@ -176,7 +266,7 @@ class ImageGenerator:
 
         self._arguments = dict(
             model=model, recipe=recipe, device=device, dtype=dtype, threads=threads, random_weights=random_weights,
-            size=size, steps=steps, guidance=guidance, batch_size=batch_size,
+            size=size, steps=steps, guidance=guidance, batch_size=batch_size, quant=quant,
         )  # fmt: skip
         if steps < 1 or batch_size < 1:
             raise UserError(f"steps and batch_size must be at least 1, not {steps} and {batch_size}")
@@ -191,9 +281,17 @@ class ImageGenerator:
         dtype = dtype_name(dtype)
         # Checked now, before the slow load, against what a local directory declares; planned again
         # (and reported) for the loaded pipeline.
-        planned = RECIPE.plan(self.recipe, PipelineTarget(self.device, dtype, declared_denoiser(model))).settings
-        self.pipe, self.description = load(model, random_weights, DTYPES[planned.dtype], self.device)
-        plan = RECIPE.plan(self.recipe, pipeline_target(self.pipe, dtype))
+        quantized = quant != "none"
+        target = PipelineTarget(self.device, dtype, declared_denoiser(model), quantized)
+        planned = RECIPE.plan(self.recipe, target).settings
+        self.quant = quant
+        pixels = requested[0] * requested[1] if requested else DEFAULT_PIXELS
+        load_dtype = DTYPES[planned.dtype]
+        check_memory(model, random_weights, load_dtype, self.device, quant, planned.int8_min_features, pixels)
+        self.pipe, self.description = load(
+            model, random_weights, load_dtype, self.device, quant, planned.int8_min_features
+        )
+        plan = RECIPE.plan(self.recipe, pipeline_target(self.pipe, dtype, quantized))
         self.settings = plan.settings
         self.messages = list(plan.messages())  # what the plan left out and why, for the caller to show
         self.width, self.height = requested or native_size(self.pipe)

@@ -61,9 +61,12 @@ def denoiser_name(pipe: Any) -> str:
     return "unet" if getattr(pipe, "unet", None) is not None else "transformer"
 
 
-def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Any:
+def load_pipeline(
+    model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", without: tuple[str, ...] = ()
+) -> Any:
     """A diffusers pipeline from a local directory (diffusers layout, with model_index.json) or a
-    hub id (downloaded by diffusers when the hub is reachable)."""
+    hub id (downloaded by diffusers when the hub is reachable). The components named in `without`
+    are left out (None), to be loaded otherwise (genfast/diffusion/loading.py)."""
     diffusers = _import_diffusers()
     path = Path(model).expanduser()
     looks_local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
@@ -79,7 +82,7 @@ def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: torch.
         source = model
     try:
         with _transformers_errors_only():
-            pipe = diffusers.DiffusionPipeline.from_pretrained(source, dtype=dtype)
+            pipe = diffusers.DiffusionPipeline.from_pretrained(source, dtype=dtype, **dict.fromkeys(without))
     except (OSError, ValueError) as e:
         where = "the directory's components" if looks_local else f"hub id {model!r} (is the hub reachable?)"
         raise UserError(f"could not load a diffusers pipeline from {where}: {str(e).splitlines()[0]}") from e

@@ -92,19 +92,21 @@ class PipelineTarget(Target):
     steps are assumed to apply."""
 
     denoiser: str | None = None
+    quantized: bool = False  # its linears were quantized as loaded (--quant int8)
 
 
 UNET = "UNet2DConditionModel"
 
 
-def pipeline_target(pipe: Any, dtype: str) -> PipelineTarget:
-    """Where `pipe` runs (its denoiser's device), with the user's --dtype and its denoiser class."""
+def pipeline_target(pipe: Any, dtype: str, quantized: bool = False) -> PipelineTarget:
+    """Where `pipe` runs (its denoiser's device), with the user's --dtype and its denoiser class;
+    `quantized`: loaded with --quant int8."""
     from genfast.diffusion.pipelines import DenoiserWrapper, denoiser_of
 
     denoiser = denoiser_of(pipe)
     while isinstance(denoiser, DenoiserWrapper):  # the class that decides is the wrapped one
         denoiser = denoiser.denoiser
-    return PipelineTarget(next(denoiser.parameters()).device, dtype, type(denoiser).__name__)
+    return PipelineTarget(next(denoiser.parameters()).device, dtype, type(denoiser).__name__, quantized)
 
 
 def _denoiser(target: Target) -> str | None:
@@ -119,6 +121,12 @@ def _feature_cache_unavailable(target: Target) -> str | None:
         f"the feature cache (DeepCache) reuses a {UNET}'s deep features; this pipeline's denoiser is "
         f"{denoiser}: choose an earlier --recipe step for it"
     )
+
+
+def _fused_qkv_declined(target: Target) -> str | None:
+    if getattr(target, "quantized", False):
+        return "the denoiser's linears were quantized as loaded (--quant int8): diffusers fuses float projections"
+    return None
 
 
 def _vae_only_note(target: Target) -> str | None:
@@ -259,6 +267,7 @@ RECIPE = Recipe(
             "diffusers' fuse_qkv_projections",
             EXACT,
             {"fuse_qkv": True},
+            declined=_fused_qkv_declined,
             transforms=(Transform(_fuse_qkv, MODELS, Stage.REWRITE),),
         ),
         Step(

@@ -284,10 +284,8 @@ def _builders(spec: DitArch, blocks: int | None) -> dict[str, Callable[[], torch
 
 
 def _transformer(spec: DitArch, depth: Depth) -> torch.nn.Module:
-    import diffusers
-
-    cls = diffusers.FluxTransformer2DModel if spec.family == "flux" else diffusers.SD3Transformer2DModel
-    return cls(**{**spec.transformer, **depth.transformer}).eval()
+    cls, config = transformer_spec(spec, depth.blocks)
+    return cls(**config).eval()
 
 
 def _vae(spec: DitArch) -> torch.nn.Module:
@@ -319,8 +317,24 @@ def parameter_counts(name: str | DitArch, blocks: int | None = None) -> dict[str
     """Elements of each model's weights as a checkpoint stores them (parameters, tied ones once,
     and persistent buffers: SD 3.5's position-embedding table is one), from the configs alone:
     built on the meta device, without memory."""
+    return {part: _elements(model) for part, model in empty_models(name, blocks).items()}
+
+
+def empty_models(name: str | DitArch, blocks: int | None = None) -> dict[str, torch.nn.Module]:
+    """Each of the architecture's models (by pipeline component name) on the meta device: their
+    shapes without memory (genfast/diffusion/memory.py counts their bytes)."""
     with torch.device("meta"):
-        return {part: _elements(build()) for part, build in _builders(arch(name), blocks).items()}
+        return {part: build() for part, build in _builders(arch(name), blocks).items()}
+
+
+def transformer_spec(name: str | DitArch, blocks: int | None = None) -> tuple[type, dict[str, Any]]:
+    """The transformer's diffusers class and config, as a directory's transformer/config.json
+    gives them (genfast/diffusion/loading.py builds it from them)."""
+    import diffusers
+
+    spec = arch(name)
+    cls = diffusers.FluxTransformer2DModel if spec.family == "flux" else diffusers.SD3Transformer2DModel
+    return cls, {**spec.transformer, **spec.depth(blocks).transformer}
 
 
 def _elements(module: torch.nn.Module) -> int:
@@ -336,10 +350,13 @@ def build_pipeline(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     tokenizer: Any = None,
+    transformer: bool = True,
 ) -> Any:
     """A FluxPipeline or StableDiffusion3Pipeline of architecture `name` with random weights drawn
     in `dtype` on `device`, the same ones for the same seed, device and dtype. `tokenizer` serves
-    every text encoder (pipelines._tiny_tokenizer)."""
+    every text encoder (pipelines._tiny_tokenizer). `transformer=False`: without its transformer
+    (None), which the caller draws otherwise (in parts, quantized: genfast/diffusion/loading.py)
+    from `seed`, the transformer's seed here."""
     import diffusers
 
     spec = arch(name)
@@ -350,11 +367,13 @@ def build_pipeline(
         # Each model from its own seed: the transformer's weights do not depend on how deep the
         # text encoders are built.
         for offset, (part, build) in enumerate(_builders(spec, blocks).items()):
+            if part == "transformer" and not transformer:
+                continue
             torch.manual_seed(seed + offset)
             models[part] = build()
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**spec.scheduler)
     tokenizers = {name.replace("text_encoder", "tokenizer"): tokenizer for name in spec.text_encoders}
     pipeline = diffusers.FluxPipeline if spec.family == "flux" else diffusers.StableDiffusion3Pipeline
-    pipe = pipeline(scheduler=scheduler, **models, **tokenizers)
+    pipe = pipeline(scheduler=scheduler, **{"transformer": None, **models}, **tokenizers)
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -48,3 +48,19 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     _kept = bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, THRESHOLD))
     return _kept
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc's malloc_trim), after a stage that
+    freed many blocks under the mmap threshold (which glibc raises up to 32 MB as large blocks
+    are freed): quantizing a model layer by layer leaves its float weights' pages in the
+    resident set otherwise, ~1 GiB of FLUX.1's (docs/notes.md). Not while GENFAST_KEEP_FREED_MEMORY
+    keeps them on purpose; off glibc it does nothing. Returns whether memory was released."""
+    if _kept or not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except AttributeError:  # not glibc
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return bool(trim(0))

@@ -475,13 +475,13 @@ def replace_linears(
     embedding table) is untied: the other module keeps its floating-point tensor.
     """
     targets = [
-        (name, m)
+        name
         for name, m in model.named_modules()
         if isinstance(m, (nn.Linear, ExpertLinear)) and not (keep and keep(name, m))
     ]
-    for name, linear in targets:
-        model.set_submodule(name, make(name, linear))
-    return [name for name, _ in targets]
+    for name in targets:  # by name: each replaced layer's weights are freed as it is replaced, not at the end
+        model.set_submodule(name, make(name, model.get_submodule(name)))
+    return targets
 
 
 def quantize_linears(

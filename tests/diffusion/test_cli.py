@@ -150,7 +150,7 @@ def test_imagine_says_the_dtype_its_recipe_computes_in(tmp_path, capsys):
     [
         (["--model", "tiny-sd15", "--random-weights", "--size", "32x"], "WIDTHxHEIGHT"),
         (["--model", "tiny-sd15", "--random-weights", "--size", "30x32"], "multiples of 8"),
-        (["--model", "sd15", "--random-weights"], "--random-weights builds one of"),
+        (["--model", "sd99", "--random-weights"], "--random-weights builds one of"),
         (["--model", "tiny-sd15"], "only with random weights"),
         (["--model", "./no/such/pipeline"], "is not a directory"),
     ],
