@@ -86,7 +86,7 @@ def test_feature_cache_on_the_gpu(arch):
     if arch == "pixart":
         pytest.skip("the feature cache is implemented for UNets")
     exact = settings("feature-cache", dtype="float32", dynamic_int8=False, int8_conv=False, group_norm_kernel=False)
-    uncached = generate(pipeline(arch, replace(exact, feature_cache_interval=0)), steps=8)
+    uncached = generate(pipeline(arch, replace(exact, feature_cache=False)), steps=8)
     cached = generate(pipeline(arch, exact), steps=8)
     assert psnr(cached, uncached) >= CACHE_PSNR
 
