@@ -15,12 +15,21 @@ are built with `--blocks` transformer blocks at the real width; every row says h
 steps on these transformers are new: a row whose step fails on one is reported with the reason in
 its note and the ladder goes on. Before any row is built, rows whose weights and attention would
 not fit in this machine's memory are refused with the GiB they need.
+
+On FLUX.1 and SD 3.5 the last row, `cache-dit`, is cache-dit's DBCache (the package's one-call
+`enable_cache`) on diffusers' own pipeline as the first row runs it, configured as genfast's block
+cache is (feature-cache: first block only, F1B0; the same threshold, warm-up and cached steps in a
+row): the peer of the feature-cache row. It is skipped, saying so, where cache-dit is not installed
+(scripts/setup.sh bench installs it). With random weights, how many steps a cache skips is not
+what a trained model's would be: both rows say how many they skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 import time
 import traceback
@@ -40,6 +49,7 @@ from genfast.recipe import Plan, Target
 TINY_ARCHS = ("tiny-sd15", "tiny-sdxl", "tiny-flux", "tiny-sd3")
 ARCHS = ("sd15", "sdxl", *DIT_ARCHS, *TINY_ARCHS)
 DIFFUSERS = "diffusers"  # the row of diffusers' own pipeline (bf16, eager, unmodified)
+CACHE_DIT = "cache-dit"  # cache-dit's DBCache on diffusers' own pipeline (FLUX.1 and SD 3.5 only)
 PROMPT = "a photograph of a lighthouse on a rocky coast at dusk"
 # Reference images and the row keys of the PSNR against them; both come from the baseline's process
 # (fp32-sdpa: the baseline pipeline switched to SDPA attention, the issue's quality reference).
@@ -111,7 +121,7 @@ def _row_dtype(step: str, target: Target) -> str:
     --dtype asks for it on CUDA), the baseline in fp32, later steps as the bf16 step says."""
     from genfast import steps
 
-    if step == DIFFUSERS:
+    if step in (DIFFUSERS, CACHE_DIT):
         return steps.low_precision_name(target) or "bfloat16"
     return "float32" if step == RECIPE.baseline else steps.low_precision_name(target) or "float32"
 
@@ -182,6 +192,8 @@ class DiffusionLadder(Ladder):
             raise UserError(f"--size {args.size}: must be a multiple of 8 between 8 and 4096")
         if args.arch in DIT_ARCHS and args.size % 16:  # the VAE's factor 8 times the transformers' 2x2 patches
             raise UserError(f"--size {args.size}: {args.arch} needs a multiple of 16")
+        if CACHE_DIT in (getattr(args, "steps", None) or "").split(",") and not _is_dit(args.arch):
+            raise UserError(f"the {CACHE_DIT} row caches transformer blocks: {args.arch}'s denoiser is a UNet")
         options = {
             **super().options(args),
             "arch": args.arch,
@@ -212,16 +224,20 @@ class DiffusionLadder(Ladder):
         return {"blocks": blocks, "depth": spec.depth(blocks).describe()}
 
     def steps(self, text: str | None) -> list[str]:
-        """The recipe's steps, after the `diffusers` row (first by default, or when named)."""
+        """The recipe's steps, between the `diffusers` row and the `cache-dit` row (both by
+        default, or when named; `rows` leaves cache-dit out on UNet pipelines)."""
         if not text:
-            return [DIFFUSERS, *self.recipe.names]
+            return [DIFFUSERS, *self.recipe.names, CACHE_DIT]
         names = text.split(",")
         first = [DIFFUSERS] if DIFFUSERS in names else []
-        return first + self.recipe.ordered(n for n in names if n != DIFFUSERS)
+        last = [CACHE_DIT] if CACHE_DIT in names else []
+        return first + self.recipe.ordered(n for n in names if n not in (DIFFUSERS, CACHE_DIT)) + last
 
     def rows(self, steps: list[str], options: Options) -> list[Row]:
         """The rows; refused before any is built when none would fit in memory (the others
         are skipped in their own process with the GiB they need)."""
+        if not _is_dit(options["arch"]):
+            steps = [step for step in steps if step != CACHE_DIT]
         if "parameters" in options:
             target = self._target(options)
             available = available_memory_bytes(target.device)
@@ -267,15 +283,18 @@ class DiffusionLadder(Ladder):
         return (
             f"s/image: prompt encoding + {options['denoising_steps']} denoising steps ({guidance}) + VAE decode, "
             f"median of {options['repeats']} after a warm-up. diffusers: its own pipeline in bf16, eager, "
-            "unmodified. speed-up: against the diffusers row (the baseline where it is not run). PSNR: same seed "
+            "unmodified. cache-dit: cache-dit's DBCache on that pipeline, configured as genfast's feature-cache row's "
+            "block cache. speed-up: against the diffusers row (the baseline where it is not run). PSNR: same seed "
             "and prompt, images in [0, 1]."
         )
 
     def skip_reason(self, row: Row, options: Options, target: Target) -> str | None:
-        if row.step != DIFFUSERS:  # as the recipe says for this pipeline (feature-cache needs a UNet)
+        if row.step in self.recipe.names:  # as the recipe says for this pipeline
             reason = self.recipe.unavailable(row.step, _pipeline_target(options, target))
             if reason:
                 return reason
+        if row.step == CACHE_DIT and importlib.util.find_spec("cache_dit") is None:
+            return "cache-dit is not installed (pip install cache-dit; scripts/setup.sh bench installs it)"
         if "parameters" not in options:
             return None
         need, available = memory_needed_bytes(options, row.step, target), available_memory_bytes(target.device)
@@ -317,6 +336,8 @@ class DiffusionLadder(Ladder):
         if plan is None:  # the diffusers row: its own pipeline in bf16, nothing else changed
             _cast_quietly(pipe, getattr(torch, _row_dtype(DIFFUSERS, target)))
             dynamic = False
+            if row.step == CACHE_DIT:
+                pipeline_notes.append(_enable_cache_dit(pipe))
         else:
             apply_recipe(pipe, plan.settings)
             dynamic = plan.settings.dynamic_shapes
@@ -389,7 +410,8 @@ class DiffusionLadder(Ladder):
         def notes() -> list[str]:
             from genfast.compilation.saved import compile_notes
 
-            return pipeline_notes + compile_notes(timer.denoiser) + compile_notes(pipe.vae)
+            cached = _cached_steps(pipe, timer.denoiser, steps)
+            return pipeline_notes + cached + compile_notes(timer.denoiser) + compile_notes(pipe.vae)
 
         return Case(run, measure, compiled=plan is not None and plan.settings.compile != "none", notes=notes)
 
@@ -409,6 +431,44 @@ class DiffusionLadder(Ladder):
         for row in rows:
             if row["step"] == DIFFUSERS and measured:
                 row.update(measured)
+
+
+def _enable_cache_dit(pipe: Any) -> str:
+    """cache-dit's DBCache on `pipe`, configured as genfast's block cache (the feature-cache step's
+    settings): the first block computed and compared (F1B0), the same threshold, warm-up steps and
+    cached steps in a row. Returns the row's note."""
+    from genfast.diffusion.recipe import DiffusionSettings
+
+    os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")  # read when it is imported: info logs every call
+    import cache_dit
+
+    settings = DiffusionSettings()
+    config = cache_dit.DBCacheConfig(
+        Fn_compute_blocks=1,
+        Bn_compute_blocks=0,
+        residual_diff_threshold=settings.block_cache_threshold,
+        max_warmup_steps=settings.block_cache_warmup,
+        max_continuous_cached_steps=settings.feature_cache_interval - 1,
+    )
+    cache_dit.enable_cache(pipe, cache_config=config)
+    return f"cache-dit {cache_dit.__version__} {config.strify()}"
+
+
+def _cached_steps(pipe: Any, denoiser: Any, steps: int) -> list[str]:
+    """How many of an image's denoising steps the row's cache skipped (genfast's block cache or
+    cache-dit's), for its note: random weights decide it differently from a trained model."""
+    from genfast.diffusion.block_cache import BlockCache
+
+    if isinstance(denoiser, BlockCache) and denoiser.calls:
+        skipped = round(denoiser.skipped * steps / denoiser.calls)
+    elif "cache_dit" in sys.modules:  # the cache-dit row (each row is a process of its own)
+        import cache_dit
+
+        stats = cache_dit.summary(pipe, logging=False)
+        skipped = len(stats[-1].cached_steps) if stats else 0
+    else:
+        return []
+    return [f"cached {skipped} of {steps} steps an image (random weights: a trained model's differ)"]
 
 
 def _diffusers_psnr(workdir: Path) -> dict[str, Any]:

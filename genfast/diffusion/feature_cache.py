@@ -7,9 +7,8 @@ the last up block on the cached deep features, and the output head. With interva
 of the denoiser's work is skipped on alternate steps. Quality cost: images drift from the uncached
 ones (measured as PSNR in tests/diffusion; it is not an accuracy-preserving step).
 
-A run starts when the pipeline calls `scheduler.set_timesteps` (every diffusers pipeline does,
-each call): the scheduler then holds a new `timesteps` tensor, which is noticed by identity, a
-host-side check that reads no device value. The first step of every run is full.
+A run starts when the pipeline calls `scheduler.set_timesteps` (DenoisingRuns, shared with the
+transformers' block cache, genfast/diffusion/block_cache.py). The first step of every run is full.
 """
 
 from __future__ import annotations
@@ -32,6 +31,24 @@ _UNSUPPORTED = (
 )
 
 
+class DenoisingRuns:
+    """Tells a cache across denoising steps when a new run (a pipeline call) begins: every diffusers
+    pipeline calls `scheduler.set_timesteps` once per call, and the scheduler then holds a new
+    `timesteps` tensor, noticed by identity (a host-side check that reads no device value)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self._scheduler = scheduler  # not a submodule: only its `timesteps` identity is read
+        self._timesteps: Tensor | None = None  # kept alive, so its identity is not reused
+
+    def new_run(self) -> bool:
+        """Whether this denoiser call is the first of a new run."""
+        timesteps = getattr(self._scheduler, "timesteps", None)
+        if timesteps is self._timesteps:
+            return False
+        self._timesteps = timesteps
+        return True
+
+
 class DeepCacheUNet(DenoiserWrapper):
     """Wraps a UNet2DConditionModel; a pipeline uses it in place of its `unet`."""
 
@@ -44,8 +61,7 @@ class DeepCacheUNet(DenoiserWrapper):
         if unet.config.addition_embed_type == "image_hint" or len(unet.up_blocks) < 2:
             raise ValueError("feature caching needs a UNet with >= 2 up blocks and no image-hint embedding")
         self.interval = interval
-        self._scheduler = scheduler  # not a submodule: only its `timesteps` identity is read
-        self._run: Tensor | None = None
+        self._runs = DenoisingRuns(scheduler)
         self._calls = 0
         self._deep: Tensor | None = None
         self._deep_key: tuple | None = None  # (input shape, dtype) the cached features belong to
@@ -99,9 +115,8 @@ class DeepCacheUNet(DenoiserWrapper):
         unknown = sorted(set(others) - set(_UNSUPPORTED))
         if used or unknown:
             raise ValueError(f"feature caching does not support the UNet inputs {', '.join(used + unknown)}")
-        timesteps = getattr(self._scheduler, "timesteps", None)
-        if timesteps is not self._run:  # a new run: set_timesteps made a new tensor
-            self._run, self._calls, self._deep = timesteps, 0, None
+        if self._runs.new_run():
+            self._calls, self._deep = 0, None
         unet = self.denoiser
         up_factor = 2**unet.num_upsamplers
         forward_upsample_size = any(dim % up_factor for dim in sample.shape[-2:])

@@ -3,7 +3,8 @@
 The steps, in ladder order, with what each changes and its accuracy budget against the fp32
 baseline image (tiny random pipelines, tests/diffusion), are the `RECIPE` below; `genfast bench
 diffusion --list-steps` prints them as a table with how each runs on this machine. bf16 covers
-the text encoders too; the feature cache reuses the UNet's deep features every other step.
+the text encoders too; the feature cache reuses a UNet's deep features every other step and
+skips a transformer's blocks after the first on steps where the first changed little.
 
 On a CPU without native bf16 arithmetic (no AVX512-BF16 or AMX: bf16 is emulated and slower than
 fp32) `--dtype auto` leaves the bf16 step out and every later step computes in fp32.
@@ -12,7 +13,8 @@ fp32) `--dtype auto` leaves the bf16 step out and every later step computes in f
 and schedulers keep step indices as Python ints and sigmas on the CPU, and nothing genfast puts
 in the denoiser reads a tensor's value on the host (tests/diffusion/test_syncs.py counts such
 reads, `aten::_local_scalar_dense`, inside the denoiser: zero for SD 1.5, SDXL and PixArt with
-every eager step; a fullgraph-compiled denoiser cannot contain one). Per image, the Euler
+every eager step; a fullgraph-compiled denoiser cannot contain one), but for the block cache of
+transformers: one per step past its warm-up (genfast/diffusion/block_cache.py says why). Per image, the Euler
 scheduler reads one device value (the first step's index). On CUDA, tests/cuda counts syncs with
 `torch.cuda.set_sync_debug_mode` inside the denoiser's calls: none in PixArt's regionally compiled
 dynamic-int8 loop on an H200 (torch 2.11); SD 1.5's and SDXL's checks have not run on a GPU yet.
@@ -29,7 +31,7 @@ instead of oneDNN, a size guard (bf16 always takes oneDNN).
 SD 1.5, SDXL, SSD-1B (UNets), PixArt-α, Stable Diffusion 3/3.5 and FLUX.1 (transformers) are
 tested on tiny random pipelines. A step that does not apply to it raises UserError saying why.
 Steps that cannot run on this machine (int8-conv without oneDNN, group-norm-kernel without its
-native kernel) or on this pipeline (feature-cache without a UNet) follow the recipe's one rule
+native kernel) or on this pipeline (feature-cache on a denoiser it does not know) follow the recipe's one rule
 (genfast/recipe.py): left out of a longer recipe with the reason, refused by name. The pipeline is
 part of the target (`pipeline_target`). On a transformer pipeline the convolution steps
 (channels-last, conv1x1-linear, int8-conv, group-norm-kernel) change the VAE only, the
@@ -61,6 +63,9 @@ INT8_MIN_FEATURES = 320
 # thresholds 512 / 256 / 128 took its decode from 3.74 s to 3.31 / 3.01 / 2.74 s:
 # `python benchmarks/diffusion_parts.py vae`).
 INT8_CONV_MIN_CHANNELS = 128
+# The block cache's relative change of the first block's residual under which the other blocks are
+# skipped: cache-dit's default (residual_diff_threshold) and ParaAttention's suggestion for FLUX.1.
+BLOCK_CACHE_THRESHOLD = 0.08
 
 
 @dataclass(frozen=True)
@@ -81,13 +86,21 @@ class DiffusionSettings(steps.StepSettings):
     int8_conv_min_channels: int = INT8_CONV_MIN_CHANNELS
     group_norm_kernel: bool = False
     dynamic_shapes: bool = False  # compile with symbolic sizes: a new resolution reuses the graphs
-    feature_cache_interval: int = 0  # 0: off; N: full UNet every N steps
+    # The feature-cache step. A UNet runs whole every feature_cache_interval steps (DeepCache); a
+    # transformer runs every block at least every feature_cache_interval steps, and skips all but
+    # its first block on the steps between when the first block's residual changed less than
+    # block_cache_threshold since the last full step (the block cache), never in its first
+    # block_cache_warmup steps.
+    feature_cache: bool = False
+    feature_cache_interval: int = 2
+    block_cache_threshold: float = BLOCK_CACHE_THRESHOLD
+    block_cache_warmup: int = 1
 
 
 @dataclass(frozen=True)
 class PipelineTarget(Target):
     """A Target that also knows the pipeline's denoiser class: the steps that depend on it (the
-    feature cache needs a UNet; the convolution steps change only the VAE of a transformer
+    feature cache needs a UNet or a known transformer; the convolution steps change only the VAE of a transformer
     pipeline) say so when a plan is made for it. Without it (before a pipeline is loaded) those
     steps are assumed to apply."""
 
@@ -114,12 +127,15 @@ def _denoiser(target: Target) -> str | None:
 
 
 def _feature_cache_unavailable(target: Target) -> str | None:
+    from genfast.diffusion.block_cache import TRANSFORMERS
+
     denoiser = _denoiser(target)
-    if denoiser is None or denoiser == UNET:
+    if denoiser is None or denoiser == UNET or denoiser in TRANSFORMERS:
         return None
     return (
-        f"the feature cache (DeepCache) reuses a {UNET}'s deep features; this pipeline's denoiser is "
-        f"{denoiser}: choose an earlier --recipe step for it"
+        f"the feature cache reuses a {UNET}'s deep features (DeepCache) or the blocks of "
+        f"{', '.join(TRANSFORMERS)} (the block cache); this pipeline's denoiser is {denoiser}: "
+        "choose an earlier --recipe step for it"
     )
 
 
@@ -226,10 +242,17 @@ def _compile_vae_decoder(vae: Any, settings: DiffusionSettings) -> None:
 
 
 def _cache_features(pipe: Any, settings: DiffusionSettings) -> None:
+    """DeepCache around a UNet, the block cache around a transformer."""
+    from genfast.diffusion.block_cache import BlockCache
     from genfast.diffusion.feature_cache import DeepCacheUNet
     from genfast.diffusion.pipelines import denoiser_name, denoiser_of
 
-    cached = DeepCacheUNet(denoiser_of(pipe), pipe.scheduler, settings.feature_cache_interval)
+    denoiser, interval = denoiser_of(pipe), settings.feature_cache_interval
+    if type(denoiser).__name__ == UNET:
+        cached = DeepCacheUNet(denoiser, pipe.scheduler, interval)
+    else:
+        threshold, warmup = settings.block_cache_threshold, settings.block_cache_warmup
+        cached = BlockCache(denoiser, pipe.scheduler, threshold, warmup, interval)
     setattr(pipe, denoiser_name(pipe), cached)
 
 
@@ -324,9 +347,12 @@ RECIPE = Recipe(
         ),
         Step(
             "feature-cache",
-            "DeepCache: UNet deep features reused every other step (UNet pipelines)",
-            "not accuracy-preserving: PSNR >= 30 dB vs the same recipe uncached on tiny models (measured ~50)",
-            {"feature_cache_interval": 2},
+            "UNets: DeepCache, deep features reused every other step; transformers (FLUX.1, SD3, PixArt): "
+            "first-block residual cache, the other blocks skipped at most every other step, when the first "
+            f"block's residual changed < {BLOCK_CACHE_THRESHOLD} since the last full step",
+            "not accuracy-preserving: PSNR >= 30 dB vs the same recipe uncached on tiny models (UNets: ~50; "
+            "transformers: see tests/diffusion/test_block_cache.py)",
+            {"feature_cache": True},
             needs=_feature_cache_unavailable,
             transforms=(Transform(_cache_features, ("pipe",), Stage.WRAP),),
         ),
@@ -338,14 +364,20 @@ def validate(settings: DiffusionSettings, pipe: Any = None) -> None:
     """Reject combinations that cannot run (on `pipe`, when given), before anything is changed."""
     if settings.compile not in COMPILE_MODES:
         raise UserError(f"unknown compile mode {settings.compile!r}; choose one of {', '.join(COMPILE_MODES)}")
-    if settings.feature_cache_interval and settings.compile == "full":
+    if settings.feature_cache and settings.compile == "full":
         raise UserError(
-            "the feature cache runs the UNet's blocks one by one: use regional compilation, not whole-denoiser compile"
+            "the feature cache runs the denoiser's blocks one by one: use regional compilation, not whole-denoiser "
+            "compile"
         )
     if settings.dynamic_shapes and settings.compile == "none":
         raise UserError("dynamic_shapes is a compile option: it needs compile 'full' or 'regional'")
-    if settings.feature_cache_interval < 0:
-        raise UserError(f"feature_cache_interval must be >= 0, got {settings.feature_cache_interval}")
+    if settings.feature_cache_interval < 1:
+        raise UserError(f"feature_cache_interval must be >= 1, got {settings.feature_cache_interval}")
+    if settings.block_cache_threshold < 0 or settings.block_cache_warmup < 1:
+        raise UserError(
+            f"block_cache_threshold must be >= 0 and block_cache_warmup >= 1, got {settings.block_cache_threshold} "
+            f"and {settings.block_cache_warmup}"
+        )
     if settings.fuse_qkv and settings.attention != "sdpa":
         raise UserError("fused QKV uses diffusers' FusedAttnProcessor2_0 (SDPA): it needs attention 'sdpa'")
     if pipe is None:
@@ -358,8 +390,8 @@ def apply_recipe(pipe: Any, settings: DiffusionSettings) -> Any:
     """Make a freshly loaded diffusers pipeline run as `settings` say, in place (and return it):
     the recipe's transforms (genfast/recipe.py), in their stages' order: processors before fusing,
     shape changes (fusing, conv->linear, int8) before compiling, the feature cache around the
-    (regionally compiled) UNet last. A step the pipeline cannot take (feature-cache without a
-    UNet) is refused before anything changes."""
+    (regionally compiled) denoiser last. A step the pipeline cannot take (feature-cache on a
+    denoiser it does not know) is refused before anything changes."""
     from genfast.diffusion.pipelines import denoiser_of
 
     validate(settings, pipe)

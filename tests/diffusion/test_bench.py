@@ -86,6 +86,7 @@ def test_bench_dynamic_shapes_row_reports_no_recompile_at_a_new_size(tmp_path):
         (["--arch", "sd3"], "unknown --arch"),
         (["--arch", "tiny-sd15", "--size", "30"], "multiple of 8"),
         (["--arch", "tiny-sd15", "--steps", "baseline,warp"], "unknown step"),
+        (["--arch", "tiny-sd15", "--steps", "cache-dit"], "caches transformer blocks: tiny-sd15's denoiser is a UNet"),
     ],
 )
 def test_bench_diffusion_user_errors(argv, message, capsys):
@@ -128,9 +129,13 @@ def test_the_default_ladder_starts_with_the_diffusers_row():
     from genfast.diffusion.recipe import RECIPE
 
     ladder = DiffusionLadder()
-    assert ladder.steps(None) == ["diffusers", *RECIPE.names]
+    assert ladder.steps(None) == ["diffusers", *RECIPE.names, "cache-dit"]
     assert ladder.steps("sdpa,diffusers,baseline") == ["diffusers", "baseline", "sdpa"]
     assert ladder.steps("bf16") == ["bf16"]
+    assert ladder.steps("cache-dit,feature-cache") == ["feature-cache", "cache-dit"]
+    # cache-dit caches transformer blocks: no row of it on a UNet pipeline, unless named (an error).
+    assert [row.step for row in ladder.rows(["diffusers", "cache-dit"], {"arch": "tiny-sd15"})] == ["diffusers"]
+    assert [row.step for row in ladder.rows(["cache-dit"], {"arch": "tiny-flux"})] == ["cache-dit"]
 
 
 def test_a_step_that_fails_on_a_dit_pipeline_is_a_row_with_the_reason(tmp_path, monkeypatch):
@@ -201,11 +206,45 @@ def test_bench_diffusion_blocks_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_steps_a_dit_pipeline_cannot_take_are_skipped_with_the_reason():
+def test_the_cache_rows_on_a_dit_pipeline(monkeypatch):
+    """feature-cache runs on FLUX.1 and SD 3.5 (their block cache); the cache-dit row is skipped,
+    with the reason, where cache-dit is not installed."""
+    import importlib.util
+
     from genfast.diffusion.bench import DiffusionLadder, Row
     from genfast.recipe import Target
 
     ladder, target = DiffusionLadder(), Target(torch.device("cpu"), "bfloat16")
-    reason = ladder.skip_reason(Row("feature-cache"), {"arch": "tiny-flux"}, target)
-    assert "FluxTransformer2DModel" in reason
-    assert ladder.skip_reason(Row("feature-cache"), {"arch": "tiny-sd15"}, target) is None
+    for arch in ("tiny-flux", "tiny-sd3", "tiny-sd15"):
+        assert ladder.skip_reason(Row("feature-cache"), {"arch": arch}, target) is None
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "cache_dit" else find_spec(name))
+    reason = ladder.skip_reason(Row("cache-dit"), {"arch": "tiny-flux"}, target)
+    assert reason.startswith("cache-dit is not installed")
+
+
+def test_the_cache_dit_row_says_when_cache_dit_is_missing(tmp_path):
+    """End to end where cache-dit is not installed (the test environment): a row that says so."""
+    import importlib.util
+
+    if importlib.util.find_spec("cache_dit") is not None:
+        pytest.skip("cache-dit is installed here: test_the_cache_dit_row measures it")
+    out = tmp_path / "rows.json"
+    argv = ["bench", "diffusion", "--arch", "tiny-flux", "--size", "32", "--denoising-steps", "1", "--repeats", "1"]
+    assert cli.main([*argv, "--steps", "cache-dit", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["step"] == "cache-dit" and row["note"].startswith("skipped: cache-dit is not installed")
+
+
+def test_the_cache_dit_row(tmp_path):
+    """Where cache-dit is installed: its DBCache on diffusers' own tiny FLUX.1 pipeline, timed like
+    the other rows, with its PSNR and its configuration (genfast's block cache's) in the note."""
+    pytest.importorskip("cache_dit")
+    out = tmp_path / "rows.json"
+    argv = ["bench", "diffusion", "--arch", "tiny-flux", "--size", "32", "--denoising-steps", "4", "--repeats", "1"]
+    assert cli.main([*argv, "--steps", "diffusers,baseline,cache-dit", "--json", str(out)]) == 0
+    rows = {row["step"]: row for row in json.loads(out.read_text())}
+    row = rows["cache-dit"]
+    assert row["s_per_image"] > 0 and 0 < row["s_per_denoiser_step"] < row["s_per_image"]
+    assert row["psnr_db"] >= 30 and row["speedup"] > 0
+    assert "DBCache_F1B0_W1I1M0MC1_R0.08" in row["note"] and "cached 0 of 4 steps" in row["note"]

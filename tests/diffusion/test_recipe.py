@@ -17,7 +17,7 @@ from genfast.diffusion.feature_cache import DeepCacheUNet
 from genfast.diffusion.group_norm import ChannelsLastGroupNorm
 from genfast.diffusion.pipelines import call_kwargs, denoiser_of, initial_latents, tiny_pipeline
 from genfast.diffusion.quality import psnr
-from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe
+from genfast.diffusion.recipe import RECIPE, DiffusionSettings, PipelineTarget, apply_recipe
 from genfast.errors import UserError
 from genfast.kernels.group_norm.ops import unavailable_reason as group_norm_unavailable
 from genfast.quant.conv import DynamicInt8Conv2d, fewer_channels_than
@@ -60,7 +60,7 @@ def arch(request):
 @pytest.fixture
 def unet_arch(arch):
     if arch == "pixart":
-        pytest.skip("the feature cache is implemented for UNets (test_feature_cache_needs_a_unet)")
+        pytest.skip("DeepCache is for UNets (a transformer's feature cache: test_block_cache.py)")
     return arch
 
 
@@ -72,6 +72,7 @@ def baseline(arch):
 def test_ladder_is_cumulative():
     assert settings_for("baseline") == DiffusionSettings()
     full = settings_for("feature-cache")
+    assert full.feature_cache and not settings_for("dynamic-shapes").feature_cache
     assert (full.dtype, full.attention, full.compile) == ("bfloat16", "sdpa", "regional")
     assert full.channels_last and full.fuse_qkv and full.conv1x1_linear and full.dynamic_int8
     assert full.dynamic_shapes and not settings_for("regional-compile").dynamic_shapes
@@ -166,9 +167,16 @@ def test_feature_cache(unet_arch, baseline):
     assert torch.equal(generate(pipe), cached)  # each pipeline call starts a new run (full first step)
 
 
-def test_feature_cache_needs_a_unet():
-    with pytest.raises(UserError, match="UNet2DConditionModel"):
-        apply_recipe(tiny_pipeline("pixart"), eager("feature-cache"))
+def test_feature_cache_needs_a_denoiser_it_knows():
+    """A UNet (DeepCache) or FLUX.1's, SD3's or PixArt's transformer (the block cache); another
+    denoiser is refused by name, with the reason, and the step left out of a longer recipe."""
+    target = PipelineTarget(torch.device("cpu"), "bfloat16", "SanaTransformer2DModel")
+    with pytest.raises(UserError, match="this pipeline's denoiser is SanaTransformer2DModel"):
+        RECIPE.plan("feature-cache", target)
+    assert "left out: the feature cache" in RECIPE.describe(target)
+    for denoiser in ("UNet2DConditionModel", "FluxTransformer2DModel", "PixArtTransformer2DModel"):
+        target = PipelineTarget(torch.device("cpu"), "bfloat16", denoiser)
+        assert RECIPE.plan("feature-cache", target).settings.feature_cache
 
 
 def test_feature_cache_interval_1_is_the_unet(unet_arch):
@@ -228,7 +236,7 @@ def test_conv1x1_swap_exact_and_reversible():
 def test_invalid_recipes_raise():
     pipe = tiny_pipeline("sd15")
     with pytest.raises(UserError, match="regional"):
-        apply_recipe(pipe, DiffusionSettings(compile="full", feature_cache_interval=2))
+        apply_recipe(pipe, DiffusionSettings(compile="full", feature_cache=True))
     with pytest.raises(UserError, match="fused QKV"):
         apply_recipe(pipe, DiffusionSettings(fuse_qkv=True))
     with pytest.raises(UserError, match="dynamic_shapes"):

@@ -1,5 +1,7 @@
 """No host-device synchronization inside the denoiser: nothing genfast puts in the loop (SDPA,
-fused QKV, 1x1-conv linears, dynamic int8, the feature cache) reads a tensor's value on the host.
+fused QKV, 1x1-conv linears, dynamic int8, the UNets' feature cache) reads a tensor's value on the
+host, but the transformers' block cache, which reads one per step past its warm-up (its decision
+which blocks run: genfast/diffusion/block_cache.py says why).
 
 Such a read is `aten::_local_scalar_dense` (`.item()`, `bool(t)`, `float(t)`), a sync on CUDA;
 on the CPU the same op shows where one would be, so the count is checked here on every
@@ -71,3 +73,22 @@ def test_no_host_reads_inside_the_denoiser(arch, step):
     assert watched.calls == 4
     assert reads.total > 0  # the counter sees the scheduler's and text encoder's reads
     assert reads.inside == 0
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_the_block_cache_reads_one_value_a_step_past_its_warmup(arch):
+    recipe = replace(
+        RECIPE.plan("feature-cache", Target(torch.device("cpu"), "bfloat16")).settings,
+        compile="none",
+        dynamic_shapes=False,
+    )
+    pipe = apply_recipe(tiny_pipeline(arch), recipe)
+    cache = denoiser_of(pipe)
+    reads = ScalarReads()
+    watched = Watched(cache, reads)
+    setattr(pipe, denoiser_name(pipe), watched)
+    with reads:
+        pipe("a red cat", num_inference_steps=4, height=32, width=32, max_sequence_length=32, output_type="pt")
+    # The tiny models' first-block residual changes by more than the default threshold a step:
+    # nothing is cached, and steps 1-3 each read their one value (the warm-up step 0 none).
+    assert cache.skipped == 0 and reads.inside == 3

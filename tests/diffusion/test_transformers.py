@@ -1,7 +1,7 @@
 """The diffusion recipe on the transformer pipelines, FLUX.1 (FluxPipeline) and Stable Diffusion 3.5
 (StableDiffusion3Pipeline), tiny and random: genfast's baseline against diffusers' own pipeline,
 each step of the ladder against the fp32 baseline within the budgets of genfast/diffusion/recipe.py,
-compiled forms (slow), the feature cache's refusal and `genfast imagine` on a saved tiny Flux."""
+compiled forms (slow) and `genfast imagine` on a saved tiny Flux (the feature cache: test_block_cache.py)."""
 
 from __future__ import annotations
 
@@ -161,22 +161,6 @@ def test_convolution_steps_say_they_change_the_vae_only(arch):
     assert not RECIPE.plan("group-norm-kernel", pipeline_target(tiny_pipeline("sd15"), "bfloat16")).notes
 
 
-def test_feature_cache_is_refused_on_transformer_pipelines(arch):
-    """DeepCache needs a UNet: asked for by name it is a UserError naming the pipeline's denoiser;
-    the pipeline-aware target reports why it does not run (a bench row says so)."""
-    pipe = tiny_pipeline(arch)
-    target = pipeline_target(pipe, "bfloat16")
-    denoiser = type(pipe.transformer).__name__
-    with pytest.raises(
-        UserError, match=f"UNet2DConditionModel's deep features; this pipeline's denoiser is {denoiser}"
-    ):
-        RECIPE.plan("feature-cache", target)
-    assert "left out: the feature cache" in RECIPE.describe(target)
-    with pytest.raises(UserError, match="step feature-cache cannot run here"):
-        apply_recipe(pipe, eager("feature-cache", dtype="float32", dynamic_int8=False, int8_conv=False))
-    assert RECIPE.plan("feature-cache", pipeline_target(tiny_pipeline("sd15"), "bfloat16")).step == "feature-cache"
-
-
 def test_sizes_and_latents(arch):
     """Flux: latents packed as FluxPipeline packs them (2x2 patches of latents, flattened), sizes
     in whole patches of latents, the default size the pipeline's own; SD3: its patch size."""
@@ -259,10 +243,7 @@ def test_imagine_on_a_saved_flux_pipeline(tmp_path, capsys):
     with Image.open(out) as img:
         assert img.size == (48, 32) and img.text["genfast:guidance"] == "3.5"
         assert np.array_equal(np.asarray(img), np.asarray(expected))
-    for argv, message in (
-        (["--recipe", "feature-cache"], "this pipeline's denoiser is FluxTransformer2DModel"),
-        (["--negative", "blurry"], "takes no --negative prompt"),
-    ):
+    for argv, message in ((["--negative", "blurry"], "takes no --negative prompt"),):
         assert cli.main(["imagine", "x", *common, *argv, "-o", str(tmp_path / "bad.png")]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and not (tmp_path / "bad.png").exists()
