@@ -41,32 +41,35 @@ def _llm(threads: int) -> dict[str, Any]:
 
 
 def _segmenter(threads: int) -> dict[str, Any]:
-    return {"model": "sam-vit-b", "random_weights": True, "threads": threads, "batch_size": 4}
+    return {"model": "sam-vit-b", "random_weights": True, "dtype": "bfloat16", "threads": threads, "batch_size": 4}
 
 
 def _generator(threads: int, folder: Path) -> dict[str, Any]:
     return {"model": str(folder / "sd15"), "size": "256x256", "steps": 4, "threads": threads}
 
 
-def _inputs(folder: Path) -> dict[str, Any]:
-    from PIL import Image
+def _inputs(folder: Path, workloads: list[str]) -> dict[str, Any]:
+    """The chosen workloads' inputs, written into `folder`."""
+    inputs: dict[str, Any] = {"folder": folder}
+    if "llm" in workloads:
+        inputs["prompts"] = folder / "prompts.jsonl"
+        lines = [json.dumps({"id": i, "prompt": f"Tell me about the number {i}."}) for i in range(LLM_PROMPTS)]
+        inputs["prompts"].write_text("".join(line + "\n" for line in lines))
+    if "sam" in workloads:
+        from PIL import Image
 
-    prompts = folder / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"id": i, "prompt": f"Tell me about the number {i}."}) + "\n" for i in range(LLM_PROMPTS))
-    )
-    photos = []
-    rng = np.random.default_rng(0)
-    for i in range(SAM_IMAGES):
-        photos.append(folder / f"photo-{i:02d}.png")
-        Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(photos[-1])
-    from genfast.diffusion.pipelines import random_pipeline
+        rng = np.random.default_rng(0)
+        inputs["photos"] = [folder / f"photo-{i:02d}.png" for i in range(SAM_IMAGES)]
+        for path in inputs["photos"]:
+            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path)
+    if "diffusion" in workloads:
+        from genfast.diffusion.pipelines import random_pipeline
 
-    # SD 1.5 at its real size with random weights, saved as a diffusers directory for the actors to load.
-    random_pipeline("sd15", dtype=torch.bfloat16).save_pretrained(folder / "sd15")
-    drawings = folder / "drawings.txt"
-    drawings.write_text("".join(f"a lighthouse at dusk, study {i}\n" for i in range(DIFFUSION_PROMPTS)))
-    return {"prompts": prompts, "photos": photos, "drawings": drawings}
+        # SD 1.5 at its real size with random weights, saved as a diffusers directory for the actors.
+        random_pipeline("sd15", dtype=torch.bfloat16).save_pretrained(folder / "sd15")
+        inputs["drawings"] = folder / "drawings.txt"
+        inputs["drawings"].write_text("".join(f"a lighthouse at dusk, study {i}\n" for i in range(DIFFUSION_PROMPTS)))
+    return inputs
 
 
 def _alone(workload: str, inputs: dict[str, Any], threads: int) -> tuple[float, float]:
@@ -89,7 +92,7 @@ def _alone(workload: str, inputs: dict[str, Any], threads: int) -> tuple[float, 
     else:
         from genfast.diffusion.generator import ImageGenerator
 
-        model = ImageGenerator(**_generator(threads, inputs["drawings"].parent))
+        model = ImageGenerator(**_generator(threads, inputs["folder"]))
         loaded = time.perf_counter()
         model.generate(inputs["drawings"].read_text().splitlines(), seed=0)
     return loaded - start, time.perf_counter() - loaded
@@ -114,7 +117,7 @@ def _on_ray(workload: str, inputs: dict[str, Any], out: Path, actors: int, cpus:
     else:
         from genfast.ray.diffusion import imagine_folder
 
-        generator = _generator(per_actor, inputs["drawings"].parent)
+        generator = _generator(per_actor, inputs["folder"])
         imagine_folder(inputs["drawings"], out, generator, concurrency=actors, cpus_per_actor=per_actor)
 
 
@@ -122,6 +125,21 @@ def _timed(run: Callable[[], None]) -> float:
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
+
+
+def _rows(workload: str, inputs: dict[str, Any], folder: Path, cpus: int) -> list[dict[str, Any]]:
+    n = {"llm": LLM_PROMPTS, "sam": SAM_IMAGES, "diffusion": DIFFUSION_PROMPTS}[workload]
+    load_s, work_s = _alone(workload, inputs, cpus)
+    rows = [{"workload": workload, "run": "one process", "items": n, "load_s": load_s,
+             "items_s": n / (load_s + work_s), "items_s_loaded": n / work_s}]  # fmt: skip
+    for actors in (1, 2):
+        wall = _timed(lambda a=actors: _on_ray(workload, inputs, folder / f"{workload}-{a}", a, cpus))
+        rows.append({"workload": workload, "run": f"Ray, {actors} actor{'s' * (actors > 1)}", "items": n,
+                     "items_s": n / wall})  # fmt: skip
+    for row in rows:
+        once = f"  {row['items_s_loaded']:.3f} once loaded ({row['load_s']:.1f} s load)" if "load_s" in row else ""
+        print(f"{workload:10s} {row['run']:16s} {n:4d} items {row['items_s']:8.3f} items/s{once}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -133,31 +151,19 @@ def main() -> None:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    counts = {"llm": LLM_PROMPTS, "sam": SAM_IMAGES, "diffusion": DIFFUSION_PROMPTS}
     rows = []
     machine = machine_info("cpu")
     print(describe_machine(machine))
+    workloads = args.workloads.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        inputs = _inputs(folder)
+        inputs = _inputs(folder, workloads)
         ray.init(num_cpus=args.cpus, log_to_driver=False, configure_logging=False, include_dashboard=False)
-        for workload in args.workloads.split(","):
-            n = counts[workload]
-            load_s, work_s = _alone(workload, inputs, args.cpus)
-            rows.append({"workload": workload, "run": "one process", "items": n, "load_s": load_s,
-                         "items_s": n / (load_s + work_s), "items_s_loaded": n / work_s})  # fmt: skip
-            for actors in (1, 2):
-                wall = _timed(lambda a=actors: _on_ray(workload, inputs, folder / f"{workload}-{a}", a, args.cpus))
-                rows.append({"workload": workload, "run": f"Ray, {actors} actor{'s' * (actors > 1)}", "items": n,
-                             "items_s": n / wall})  # fmt: skip
-            for row in rows[-3:]:
-                loaded = (
-                    f"{row['items_s_loaded']:.2f} once loaded ({row['load_s']:.1f} s load)" if "load_s" in row else ""
-                )
-                print(
-                    f"{workload:10s} {row['run']:16s} {n:4d} items {row['items_s']:8.3f} items/s  {loaded}", flush=True
-                )
-        ray.shutdown()
+        try:
+            for workload in workloads:
+                rows += _rows(workload, inputs, folder, args.cpus)
+        finally:
+            ray.shutdown()
     if args.json:
         args.json.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
 
