@@ -32,6 +32,30 @@ def connect(address: str | None) -> Any:
     return ray
 
 
+def map_through(
+    ray: Any,
+    rows: Any,
+    model_class: type,
+    model_kwargs: dict[str, Any],
+    call_kwargs: dict[str, Any],
+    concurrency: int,
+    batch_size: int,
+    cpus_per_actor: float,
+) -> Any:
+    """The Dataset `rows` mapped through `concurrency` actors of `model_class(**model_kwargs)` (a
+    genfast Ray Data callable class; `call_kwargs`: its `__call__`'s keywords), each reserving
+    `cpus_per_actor` CPUs, `batch_size` rows a call (lazily: nothing runs until it is read)."""
+    return rows.map_batches(
+        model_class,
+        fn_constructor_kwargs=model_kwargs,
+        fn_kwargs=call_kwargs,
+        compute=ray.data.ActorPoolStrategy(size=concurrency),
+        batch_size=batch_size,
+        batch_format="numpy",
+        num_cpus=cpus_per_actor,
+    )
+
+
 def map_to_jsonl(
     ray: Any,
     rows: Any,
@@ -44,19 +68,9 @@ def map_to_jsonl(
     batch_size: int,
     cpus_per_actor: float,
 ) -> int:
-    """Map the Dataset `rows` through `concurrency` actors of `model_class(**model_kwargs)` (a
-    genfast Ray Data callable class; `call_kwargs`: its `__call__`'s keywords), each reserving
-    `cpus_per_actor` CPUs, and write the mapped rows as JSONL files into the folder `target`.
-    Returns the rows written."""
-    mapped = rows.map_batches(
-        model_class,
-        fn_constructor_kwargs=model_kwargs,
-        fn_kwargs=call_kwargs,
-        compute=ray.data.ActorPoolStrategy(size=concurrency),
-        batch_size=batch_size,
-        batch_format="numpy",
-        num_cpus=cpus_per_actor,
-    )
+    """`map_through`, the mapped rows written as JSONL files into the folder `target`. Returns the
+    rows written."""
+    mapped = map_through(ray, rows, model_class, model_kwargs, call_kwargs, concurrency, batch_size, cpus_per_actor)
     # Writing takes no CPU of its own: the actors hold the CPUs (with every CPU of the cluster in
     # an actor, a writer that wanted one would wait for ever).
     mapped.write_json(str(target.resolve()), ray_remote_args={"num_cpus": 0})

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from genfast.diffusion.prompts_file import PromptItem, check_file_flags, items_to_draw
 from genfast.errors import UserError
 from genfast.interface.batch import Summary
-from genfast.ray.cluster import connect
+from genfast.ray.cluster import connect, map_through
 
 
 def imagine_folder(
@@ -52,14 +52,8 @@ def imagine_folder(
         return summary
     ray = connect(address)
     rows = ray.data.from_items([item.row() for item in todo])
-    drawn = rows.map_batches(
-        ImageGenerator,
-        fn_constructor_kwargs=generator,
-        compute=ray.data.ActorPoolStrategy(size=concurrency),
-        batch_size=generator.get("batch_size", 1),
-        batch_format="numpy",
-        num_cpus=cpus_per_actor,
-    )
+    drawn = map_through(ray, rows, ImageGenerator, generator, {}, concurrency, generator.get("batch_size", 1),
+                        cpus_per_actor)  # fmt: skip
     outdir.mkdir(parents=True, exist_ok=True)
     by_line = {item.line: item for item in todo}
     progress = Progress(len(todo), "images", stream)

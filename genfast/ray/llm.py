@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from genfast.errors import UserError
 from genfast.interface.batch import Summary
-from genfast.ray.cluster import connect, map_to_jsonl
+from genfast.ray.cluster import connect, map_through, map_to_jsonl
 
 
 def generate_jsonl(
@@ -72,8 +72,7 @@ def generate_file(
     come back to this process, which appends each to `output_path` as its batch arrives. A stop
     leaves only whole lines, which a re-run skips; a killed actor is restarted and its rows run
     again (Ray Data's defaults for actor pools). `sampling`: the options of items that set none."""
-    from genfast.interface.progress import Progress
-    from genfast.serve.batch_file import AnswerWriter, answer_record, completed_ids, item_row, read_items
+    from genfast.serve.batch_file import AnswerFile, completed_ids, item_row, read_items
     from genfast.serve.offline import LLM
 
     stream = stream if stream is not None else sys.stderr
@@ -86,35 +85,18 @@ def generate_file(
     if not todo:
         return summary
     ray = connect(address)
-    answers = ray.data.from_items([item_row(item) for item in todo]).map_batches(
-        LLM,
-        fn_constructor_kwargs=llm,
-        fn_kwargs=sampling,
-        compute=ray.data.ActorPoolStrategy(size=concurrency),
-        batch_size=batch_size,
-        batch_format="numpy",
-        num_cpus=cpus_per_actor,
-    )
+    rows = ray.data.from_items([item_row(item) for item in todo])
+    answers = map_through(ray, rows, LLM, llm, sampling, concurrency, batch_size, cpus_per_actor)
     by_line = {item.line: item for item in todo}
-    writer = AnswerWriter(target)
-    progress = Progress(len(todo), "answers", stream)
-    try:
+    with AnswerFile(target, summary, len(todo), stream) as out:
         for batch in answers.iter_batches(batch_size=None, batch_format="numpy"):
             for index, line in enumerate(batch["line"]):
-                item = by_line[int(line)]
                 error = batch["error"][index]
-                if isinstance(error, str):
-                    summary.fail(f"line {item.line}: id {json.dumps(item.id)}: {error}", stream)
-                else:
-                    writer.write(answer_record(
-                        item, batch["text"][index], batch["finish_reason"][index],
-                        int(batch["prompt_tokens"][index]), int(batch["completion_tokens"][index]),
-                    ))  # fmt: skip
-                    summary.done += 1
-                progress.advance()
-    finally:
-        writer.close()
-        progress.finish()
+                out.add(
+                    by_line[int(line)], error if isinstance(error, str) else None, batch["text"][index],
+                    batch["finish_reason"][index], int(batch["prompt_tokens"][index]),
+                    int(batch["completion_tokens"][index]),
+                )  # fmt: skip
     return summary
 
 

@@ -170,6 +170,36 @@ class AnswerWriter:
         os.close(self.fd)
 
 
+class AnswerFile:
+    """A batch's output as it runs: each answer appended (AnswerWriter), each failure named and
+    counted in `summary`, the progress shown."""
+
+    def __init__(self, path: Path, summary: Summary, total: int, stream: Any) -> None:
+        from genfast.interface.progress import Progress
+
+        self.summary, self.stream = summary, stream
+        self.writer = AnswerWriter(path)
+        self.progress = Progress(total, "answers", stream)
+
+    def add(
+        self, item: Item, error: str | None, text: str, finish: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """The outcome of one item: its error, or its answer."""
+        if error is not None:
+            self.summary.fail(f"line {item.line}: id {json.dumps(item.id)}: {error}", self.stream)
+        else:
+            self.writer.write(answer_record(item, text, finish, prompt_tokens, completion_tokens))
+            self.summary.done += 1
+        self.progress.advance()
+
+    def __enter__(self) -> AnswerFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.writer.close()
+        self.progress.finish()
+
+
 def run_batch_file(
     engine: Engine,
     input_path: Path,
@@ -180,7 +210,6 @@ def run_batch_file(
     """Answer every item of `input_path` not yet in `output_path` on the started `engine`;
     `defaults`: the options an item does not set
     (max_new_tokens, temperature, top_k, top_p, seed, stop)."""
-    from genfast.interface.progress import Progress
 
     stream = stream if stream is not None else sys.stderr
     summary = Summary()
@@ -195,21 +224,10 @@ def run_batch_file(
             runnable.append(item)
         except UserError as e:
             summary.fail(f"line {item.line}: id {json.dumps(item.id)}: {e}", stream)
-    writer = AnswerWriter(output_path)
-    progress = Progress(len(runnable), "answers", stream)
-    try:
+    with AnswerFile(output_path, summary, len(runnable), stream) as answers:
         for index, finished in as_they_finish(engine, requests):
-            item = runnable[index]
-            if finished.error is not None:
-                summary.fail(f"line {item.line}: id {json.dumps(item.id)}: {finished.error}", stream)
-            else:
-                text, finish = finished.text, finished.finish_reason
-                writer.write(answer_record(item, text, finish, finished.prompt_tokens, finished.completion_tokens))
-                summary.done += 1
-            progress.advance()
-    finally:
-        writer.close()
-        progress.finish()
+            f = finished
+            answers.add(runnable[index], f.error, f.text, f.finish_reason, f.prompt_tokens, f.completion_tokens)
     return summary
 
 

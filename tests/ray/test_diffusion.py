@@ -20,7 +20,7 @@ from PIL import Image
 
 from genfast import cli
 from genfast.diffusion.generator import ImageGenerator
-from tests.ray.workers import kill_a_worker_midway
+from tests.ray.workers import run_killing_a_worker
 
 SMOKE = ["--model", "tiny-sd15", "--random-weights", "--size", "32x32", "--denoising-steps", "2", "--seed", "5"]
 
@@ -68,15 +68,11 @@ def test_a_killed_worker_loses_no_image(ray_cluster, tmp_path):
     slow = [*SMOKE[:-4], "--denoising-steps", "12", "--seed", "5"]  # each image long enough to kill midway
     command = [sys.executable, "-m", "genfast", "imagine", "--prompts", str(source), "-o", str(outdir), *slow,
                "--ray", ray_cluster, "--actors", "2"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        kill_a_worker_midway(process, "ImageGenerator", lambda: any(outdir.glob("*.png")))
-        written_before = len(list(outdir.glob("*.png")))
-        _, err = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, err
+    pngs = lambda: list(outdir.glob("*.png"))  # noqa: E731
+    status, err, written_before = run_killing_a_worker(
+        command, "ImageGenerator", lambda: bool(pngs()), lambda: len(pngs())
+    )
+    assert status == 0, err
     assert written_before < n  # the kill came before the end
     assert f"done {n}, skipped 0" in err
     assert sorted(p.name for p in outdir.iterdir()) == [f"{i:05d}.png" for i in range(1, n + 1)]  # no temporaries

@@ -14,7 +14,7 @@ import pytest
 from genfast import cli
 from genfast.serve.offline import LLM
 from tests.llm.hf_fixtures import save_tiny_chat_model
-from tests.ray.workers import kill_a_worker_midway
+from tests.ray.workers import run_killing_a_worker
 
 FLAGS = ["--no-compile", "--dtype", "float32", "--device", "cpu", "--max-batch", "2"]
 
@@ -31,10 +31,9 @@ def answers_in(path: Path) -> dict:
     return {r["id"]: r for r in rows}
 
 
-def on_ray(model_dir: Path, source: Path, target: Path, address: str, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "genfast", "generate", "--model", str(model_dir), "--input", str(source),
-               "--output", str(target), "--ray", address, "--actors", "2", *FLAGS, *extra]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def on_ray_command(model_dir: Path, source: Path, target: Path, address: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "genfast", "generate", "--model", str(model_dir), "--input", str(source),
+            "--output", str(target), "--ray", address, "--actors", "2", *FLAGS, *extra]  # fmt: skip
 
 
 def test_the_answers_file_is_the_single_process_one(model_dir, ray_cluster, tmp_path, capsys):
@@ -52,9 +51,10 @@ def test_the_answers_file_is_the_single_process_one(model_dir, ray_cluster, tmp_
     capsys.readouterr()
     first = alone.read_text().splitlines()[0]
     on_cluster.write_text(first + "\n")  # answered before: skipped
-    process = on_ray(model_dir, source, on_cluster, ray_cluster, "-n", "6")
-    _, err = process.communicate(timeout=300)
-    assert process.returncode == 1, err
+    done = subprocess.run(on_ray_command(model_dir, source, on_cluster, ray_cluster, "-n", "6"), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    err = done.stderr
     assert "line 14: not JSON" in err and "line 12: id 11:" in err and "context holds 256 tokens" in err
     assert "done 11, skipped 1 (already in the output), failed 2 on Ray" in err
     got, want = answers_in(on_cluster), answers_in(alone)
@@ -67,15 +67,11 @@ def test_a_killed_worker_loses_nothing(model_dir, ray_cluster, tmp_path):
     n = 64
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps({"id": i, "prompt": f"w{i + 1} w{i + 5}"}) + "\n" for i in range(n)))
-    process = on_ray(model_dir, source, target, ray_cluster, "-n", "40")
-    try:
-        kill_a_worker_midway(process, "LLM", lambda: target.exists() and target.stat().st_size > 0)
-        written_before = len(answers_in(target))
-        _, err = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, err
+    status, err, written_before = run_killing_a_worker(
+        on_ray_command(model_dir, source, target, ray_cluster, "-n", "40"), "LLM",
+        lambda: target.exists() and target.stat().st_size > 0, lambda: len(answers_in(target)),
+    )  # fmt: skip
+    assert status == 0, err
     got = answers_in(target)
     assert written_before < n  # the kill came before the end
     assert sorted(got) == list(range(n))

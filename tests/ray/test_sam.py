@@ -17,7 +17,7 @@ from PIL import Image
 
 from genfast.sam.build import build_sam
 from genfast.sam.segmenter import Segmenter, masks_json
-from tests.ray.workers import kill_a_worker_midway
+from tests.ray.workers import run_killing_a_worker
 from tests.sam.oracle import randomize_
 from tests.sam.test_batch_command import SIZES, picture
 from tests.sam.test_modeling import TINY
@@ -80,15 +80,10 @@ def test_a_killed_worker_loses_no_image(ray_cluster, tmp_path):
     command = [sys.executable, "-m", "genfast", "segment", str(photos), "--checkpoint", str(checkpoint),
                "--point", "20,25", "-o", str(out), "--ray", ray_cluster, "--actors", "2",
                "--batch-size", "2"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        kill_a_worker_midway(process, "Segmenter", lambda: any(out.glob("*.json")))
-        written_before = len(rows_of(out))
-        _, err = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, err
+    status, err, written_before = run_killing_a_worker(
+        command, "Segmenter", lambda: any(out.glob("*.json")), lambda: len(rows_of(out))
+    )
+    assert status == 0, err
     assert written_before < n  # the kill came before the end
     by_name = rows_of(out)
     assert sorted(by_name) == [f"photo-{i:02d}.png" for i in range(n)]

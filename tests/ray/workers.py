@@ -35,3 +35,19 @@ def kill_a_worker_midway(process: subprocess.Popen, callable_class: str, started
     workers = map_workers(callable_class)
     assert workers, f"no Ray Data worker running {callable_class} was found"
     os.kill(workers[0], signal.SIGKILL)
+
+
+def run_killing_a_worker(
+    command: list[str], callable_class: str, started: Callable[[], bool], written: Callable[[], int]
+) -> tuple[int, str, int]:
+    """Run the batch `command`, SIGKILL one of its workers running `callable_class` once `started()`,
+    and let it finish: (exit status, stderr, outputs `written()` by the time of the kill)."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        kill_a_worker_midway(process, callable_class, started)
+        written_before = written()
+        _, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, err, written_before
