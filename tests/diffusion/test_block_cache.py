@@ -30,7 +30,7 @@ STEPS = 8
 FP32 = DiffusionSettings(dtype="float32", attention="sdpa")
 
 
-def generate(pipe, steps: int = STEPS) -> torch.Tensor:
+def generate(pipe, steps: int = STEPS, **options) -> torch.Tensor:
     text = {} if call_kwargs(pipe) else {"max_sequence_length": 32}  # T5's length (PixArt's is fixed)
     return pipe(
         "a red cat",
@@ -42,6 +42,7 @@ def generate(pipe, steps: int = STEPS) -> torch.Tensor:
         output_type="pt",
         **call_kwargs(pipe),
         **text,
+        **options,
     ).images.float()
 
 
@@ -134,26 +135,12 @@ def test_true_cfg_contexts_keep_a_cache_each():
     cache_context("cond") and ("uncond"): each keeps its own cache (2 calls a step, each context
     skipping as a run of its own), and threshold 0 is still the uncached pipeline."""
     kwargs = {"negative_prompt": "blue", "true_cfg_scale": 2.0}
-    reference = generate_with(apply_recipe(tiny_pipeline("flux"), FP32), **kwargs)
-    assert torch.equal(generate_with(cached("flux", 0.0), **kwargs), reference)
+    reference = generate(apply_recipe(tiny_pipeline("flux"), FP32), **kwargs)
+    assert torch.equal(generate(cached("flux", 0.0), **kwargs), reference)
     pipe = cached("flux", ALWAYS)
-    image = generate_with(pipe, **kwargs)
+    image = generate(pipe, **kwargs)
     assert pipe.transformer.calls == 2 * STEPS and pipe.transformer.skipped == STEPS  # each context: 1, 3, 5, 7
     assert psnr(image, reference) >= CACHE_PSNR
-
-
-def generate_with(pipe, **kwargs) -> torch.Tensor:
-    return pipe(
-        "a red cat",
-        num_inference_steps=STEPS,
-        height=32,
-        width=32,
-        latents=initial_latents(pipe, 32, 32, seed=0),
-        generator=torch.Generator().manual_seed(0),
-        max_sequence_length=32,
-        output_type="pt",
-        **kwargs,
-    ).images.float()
 
 
 @pytest.mark.slow
