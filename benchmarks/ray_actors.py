@@ -9,8 +9,8 @@ rate is items over the wall time of the whole call, the actors' start and model 
 a user waits for); the load alone is measured in the one-process row and printed beside it.
 
 Workloads (real architectures; the SAM and diffusion weights are random, which changes no timing):
-X
-  where the CPU has native bf16, eager (each actor would compile its own graphs), 16 rows per engine call.
+- llm: SmolLM2-135M-Instruct (genfast's demo model), 64 prompts, up to 64 greedy tokens each, bf16
+  where the CPU has native bf16, eager (each actor would compile its own graphs), 16 rows a call.
 - sam: SAM ViT-B, 24 photos-sized images (640x480), one point each, bf16, 4 images per encoder call.
 - diffusion: SD 1.5, 8 prompts at 256x256, 4 denoising steps, the default recipe.
 """
