@@ -264,6 +264,8 @@ def test_objects_batched_equal_each_on_its_own(video, num_objects: int) -> None:
     finally:
         del ours.model.memory_attention.forward
     assert ours.objects_per_batch >= 3 and max(seen) == num_objects
+    with pytest.raises(UserError, match="objects_per_batch must be at least 1"):
+        SAM2VideoPredictor(ours.model, objects_per_batch=0)
     assert num_objects < 3 or 1 in seen  # object 3's memories were shorter than the others' at first
     assert set(batches[len(seen) :]) == {1}
     _check_results(batched, each)
