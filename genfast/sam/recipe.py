@@ -112,20 +112,6 @@ def _compile_encoder(model: Sam, settings: SamSettings) -> None:
         )
     if hasattr(model, "grid_decoder_compiler"):  # SAM 2: its automatic generator's decoder too
         model.grid_decoder_compiler = partial(_compile_grid_decoder, device=model.device, settings=settings)
-    if hasattr(model, "memory_attention"):  # SAM 2's video tracking
-        _compile_memory_attention(model.memory_attention, model.device, settings)
-
-
-def _compile_memory_attention(module: torch.nn.Module, device: torch.device, settings: SamSettings) -> None:
-    """SAM 2's memory attention, compiled in place on its first call. Its memory grows by a frame's
-    tokens or an object pointer's on each of a clip's first frames, so static shapes would compile
-    a graph per frame there (past torch's limit of 8); automatic dynamic shapes compile the first
-    call's graph and then one for every memory length (docs/notes.md). Eagerly, RoPE over the
-    keys in fp32 and its casts are a quarter of its time; compiled they are one pass."""
-    from genfast.compilation.inductor import inductor_options
-
-    options = inductor_options(device, decode=False, max_autotune=settings.max_autotune)
-    module.compile(fullgraph=True, dynamic=None, options=options)
 
 
 def _compile_grid_decoder(decoder: torch.nn.Module, device: torch.device, settings: SamSettings) -> Callable:
@@ -160,8 +146,7 @@ RECIPE = Recipe(
         ),
         steps.compile_step(
             "torch.compile of the image encoder (and of SAM 2's automatic generator's batched decoder; fullgraph, "
-            "static shapes), saved for later runs; SAM 2's memory attention compiled in-process (dynamic in the "
-            "memory's length)",
+            "static shapes), saved for later runs",
             "as bf16",
             {"compile": True},
             [Transform(_compile_encoder, ("model",), Stage.COMPILE)],

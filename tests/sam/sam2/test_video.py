@@ -6,7 +6,6 @@ state that does not grow with the video, bf16."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 
@@ -426,38 +425,6 @@ def test_bf16_model(video) -> None:
         inter = ((a[2] > 0) & (b[2] > 0)).sum((1, 2, 3))
         union = ((a[2] > 0) | (b[2] > 0)).sum((1, 2, 3))
         assert (inter / union >= 0.9).all()
-
-
-@pytest.mark.slow
-def test_compile_step_tracks_as_eager_with_two_memory_attention_graphs(video) -> None:
-    """The recipe's compile step (bf16) tracks two objects through the clip within the bf16
-    budget of the same model eager, and its memory attention compiles two graphs for the clip
-    (the first call's, then one dynamic in the memory's length), not one per frame. (~1 min on
-    two cores.)"""
-    from genfast.recipe import Target
-    from genfast.sam.recipe import RECIPE, apply_recipe
-
-    settings = RECIPE.plan("compile", Target(torch.device("cpu"), "bfloat16")).settings
-    results, graphs = [], []
-    for compiled in (False, True):
-        model = Sam2(_twins(FOUND)[0].config).eval()
-        model.load_state_dict(_twins(FOUND)[0].state_dict())
-        model = apply_recipe(model, dataclasses.replace(settings, compile=compiled))
-        predictor = SAM2VideoPredictor(model, fill_hole_area=0)
-        state = predictor.init_state(video)
-        clicks = _two_objects_by_clicks(predictor, state)
-        torch._dynamo.utils.counters.clear()
-        results.append(clicks + list(predictor.propagate_in_video(state)))
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    assert graphs == [0, 2]
-    for eager, compiled in zip(*results):
-        assert eager[0] == compiled[0]
-        present = eager[2] > NO_OBJECT_SCORE / 2
-        scale = eager[2][present].abs().max().item()
-        assert (compiled[2] - eager[2]).abs().max().item() <= 0.05 * scale
-        inter = ((eager[2] > 0) & (compiled[2] > 0)).sum((1, 2, 3))
-        union = ((eager[2] > 0) | (compiled[2] > 0)).sum((1, 2, 3))
-        assert (inter / union.clamp(min=1) >= 0.95).all()
 
 
 @pytest.mark.parametrize(
