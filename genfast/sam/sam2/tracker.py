@@ -17,6 +17,7 @@ Every tensor is batched over B objects of the same frame.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -145,6 +146,52 @@ class Sam2Tracker:
         num_points = 0 if point_inputs is None else point_inputs[1].shape[1]
         return num_points <= MULTIMASK_MAX_POINTS
 
+    def track_objects(
+        self,
+        frame_idx: int,
+        features: list[Tensor],
+        positions: list[Tensor],
+        output_dicts: list[dict[str, dict[int, FrameOutput]]],
+        num_frames: int,
+        track_in_reverse: bool = False,
+    ) -> list[FrameOutput]:
+        """Several objects tracked on a frame without prompts, each from its own memory
+        (output_dicts: one per object, batch of one): what track_step returns for each object on
+        its own, computed as one batch through the decoder and the memory encoder, and one batch
+        through memory attention per group of objects whose memories are equally long. (The
+        objects' memories differ, so batching saves no arithmetic; it saves calls, and lets the
+        small operations of one object fill both cores.)
+
+        features, positions: the frame's three levels, batch of one (shared by the objects).
+        """
+        model, count = self.model, len(output_dicts)
+        if self.num_maskmem == 0:
+            raise ValueError("tracking without prompts needs a memory (num_maskmem > 0)")
+        feat = features[2].expand(count, -1, -1, -1)
+        banks = [self.memory_bank(frame_idx, d, num_frames, track_in_reverse, features[2]) for d in output_dicts]
+        pix_feat = self.attend_to_memories(feat, positions[2].expand(count, -1, -1, -1), banks)
+        high_res = tuple(f.expand(count, -1, -1, -1) for f in features[:2])
+        sam = model.forward_sam_heads(pix_feat, None, None, high_res, self.use_multimask(False, None))
+        memory, memory_pos = self.encode_new_memory(
+            feat, sam["masks_high_res"], sam["object_score_logits"], is_mask_from_pts=False
+        )
+        outs = []
+        for i in range(count):
+            # Copies: a view would keep the whole batch alive as long as any one object's output.
+            outs.append(
+                {
+                    "point_inputs": None,
+                    "mask_inputs": None,
+                    "pred_masks": sam["masks"][i : i + 1].clone(),
+                    "pred_masks_high_res": sam["masks_high_res"][i : i + 1],
+                    "obj_ptr": sam["obj_ptr"][i : i + 1].clone(),
+                    "object_score_logits": sam["object_score_logits"][i : i + 1].clone(),
+                    "maskmem_features": memory[i : i + 1].clone(),
+                    "maskmem_pos_enc": [p[i : i + 1] for p in memory_pos],
+                }
+            )
+        return outs
+
     def memory_conditioned_features(
         self,
         frame_idx: int,
@@ -157,13 +204,25 @@ class Sam2Tracker:
     ) -> Tensor:
         """The frame's lowest-resolution features [B, C, h, w] (and positions) conditioned on the
         remembered frames and object pointers, [B, C, h, w]."""
-        model = self.model
-        b, c, h, w = feat.shape
         if self.num_maskmem == 0:
             return feat
         if is_init_cond_frame:  # nothing remembered yet: a learned embedding says so
-            return feat + model.no_mem_embed.view(1, c, 1, 1)
+            return feat + self.model.no_mem_embed.view(1, -1, 1, 1)
+        bank = self.memory_bank(frame_idx, output_dict, num_frames, track_in_reverse, feat)
+        return self.attend_to_memories(feat, pos, [bank])
 
+    def memory_bank(
+        self,
+        frame_idx: int,
+        output_dict: dict[str, dict[int, FrameOutput]],
+        num_frames: int,
+        track_in_reverse: bool,
+        feat: Tensor,
+    ) -> tuple[Tensor, Tensor, int]:
+        """What the objects of output_dict (a batch of B) remember for this frame, as memory
+        attention reads it: (memory [M, B, mem_dim], its positions [M, B, mem_dim], how many of
+        the M tokens are object pointers, last). feat: the frame's features [B, C, h, w]."""
+        model = self.model
         sign = -1 if track_in_reverse else 1
         cond_outputs = output_dict["cond_frame_outputs"]
         if not cond_outputs:
@@ -183,19 +242,45 @@ class Sam2Tracker:
             memory_positions.append(spatial + model.maskmem_tpos_enc[self.num_maskmem - t_pos - 1])
 
         pointers, pointer_positions = self._object_pointers(
-            frame_idx, selected, unselected, output_dict, num_frames, track_in_reverse, b, feat
+            frame_idx, selected, unselected, output_dict, num_frames, track_in_reverse, feat.shape[0], feat
         )
-        memory = torch.cat(memories + pointers, dim=0)
-        memory_pos = torch.cat(memory_positions + pointer_positions, dim=0)
         num_pointer_tokens = pointers[0].shape[0] if pointers else 0
-        conditioned = model.memory_attention(
-            curr=feat.flatten(2).permute(2, 0, 1),
-            curr_pos=pos.flatten(2).permute(2, 0, 1),
-            memory=memory,
-            memory_pos=memory_pos,
-            num_obj_ptr_tokens=num_pointer_tokens,
+        return (
+            torch.cat(memories + pointers, dim=0),
+            torch.cat(memory_positions + pointer_positions, dim=0),
+            num_pointer_tokens,
         )
-        return conditioned.permute(1, 2, 0).reshape(b, c, h, w)
+
+    def attend_to_memories(self, feat: Tensor, pos: Tensor, banks: list[tuple[Tensor, Tensor, int]]) -> Tensor:
+        """Memory attention of the frame's features [B, C, h, w] (and positions) to the banks'
+        memories (memory_bank's, batches that add up to B, in feat's order) -> [B, C, h, w].
+        Banks of equal length (and pointer count) go through one call."""
+        b, c, h, w = feat.shape
+        sizes = [memory.shape[1] for memory, _, _ in banks]
+        starts = list(itertools.accumulate(sizes, initial=0))
+        if starts[-1] != b:
+            raise ValueError(f"the memories are of {starts[-1]} objects, the features of {b}")
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (memory, _, num_pointers) in enumerate(banks):
+            groups.setdefault((memory.shape[0], num_pointers), []).append(i)
+        curr, curr_pos = feat.flatten(2).permute(2, 0, 1), pos.flatten(2).permute(2, 0, 1)  # [hw, B, C]
+        conditioned: list[Tensor] = [curr] * len(banks)
+        for (_, num_pointers), members in groups.items():
+            group_curr, group_pos = curr, curr_pos
+            if len(members) < len(banks):
+                rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members]).to(feat.device)
+                group_curr, group_pos = curr.index_select(1, rows), curr_pos.index_select(1, rows)
+            out = self.model.memory_attention(
+                curr=group_curr,
+                curr_pos=group_pos,
+                memory=torch.cat([banks[i][0] for i in members], dim=1),
+                memory_pos=torch.cat([banks[i][1] for i in members], dim=1),
+                num_obj_ptr_tokens=num_pointers,
+            )
+            for i, part in zip(members, out.split([sizes[i] for i in members], dim=1)):
+                conditioned[i] = part
+        joined = conditioned[0] if len(conditioned) == 1 else torch.cat(conditioned, dim=1)
+        return joined.permute(1, 2, 0).reshape(b, c, h, w)
 
     def _memory_frame(
         self,

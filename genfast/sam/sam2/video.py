@@ -34,6 +34,9 @@ Where genfast differs:
   interactive calls (add_new_points_or_box, add_new_mask, clear_all_prompts_in_frame,
   remove_object) show other objects whose output on that frame was dropped as absent
   (NO_OBJECT_SCORE, as the official shows an object without output there).
+- The objects tracked on a frame go through the model together (objects_per_batch at a time,
+  memory attention once per group of objects whose memories are equally long): the same masks as
+  tracking each on its own, as the official does, in fewer and larger calls.
 - Small holes are filled (fill_hole_area, default 8 as build_sam2_video_predictor sets it) on
   every device; the official does it only with its CUDA extension and silently skips it otherwise.
 - Mistakes raise genfast.errors.UserError with one sentence saying what to fix: a frame index
@@ -69,6 +72,9 @@ MEMORY_DTYPE = torch.bfloat16  # memories are stored in bf16, as the official st
 PREV_LOGITS_BOUND = 32.0  # an earlier answer's logits are clamped so before being decoded again
 HOLE_FILL_LOGIT = 0.1  # a filled hole becomes (barely) foreground, as the official fills it
 DEFAULT_FILL_HOLE_AREA = 8  # build_sam2_video_predictor's
+# Objects tracked together on a frame. Each adds its memories' keys and values (~60 MB in bf16 at
+# 1024 pixels with seven memories) to what one batch holds.
+DEFAULT_OBJECTS_PER_BATCH = 8
 
 
 def preprocess_frame(frame: np.ndarray, image_size: int) -> Tensor:
@@ -160,7 +166,9 @@ def _no_outputs() -> dict[str, dict[int, FrameOutput]]:
 
 class SAM2VideoPredictor:
     """The official video predictor's API on a genfast Sam2 model. The options are the official
-    predictor's, with the defaults build_sam2_video_predictor gives them."""
+    predictor's, with the defaults build_sam2_video_predictor gives them, and objects_per_batch:
+    how many objects are tracked through one batch of the model on a frame (1: each on its own,
+    as the official; more take more memory at once, the memory attention's keys of each)."""
 
     def __init__(
         self,
@@ -169,8 +177,12 @@ class SAM2VideoPredictor:
         non_overlap_masks: bool = False,
         clear_non_cond_mem_around_input: bool = False,
         add_all_frames_to_correct_as_cond: bool = False,
+        objects_per_batch: int = DEFAULT_OBJECTS_PER_BATCH,
     ) -> None:
+        if objects_per_batch < 1:
+            raise UserError(f"objects_per_batch must be at least 1, got {objects_per_batch}")
         self.model = model
+        self.objects_per_batch = objects_per_batch
         self.tracker = _StreamingTracker(model)
         self.fill_hole_area = fill_hole_area
         self.non_overlap_masks = non_overlap_masks
@@ -510,32 +522,41 @@ class SAM2VideoPredictor:
             self._restore(state, tracked, start_frame_idx, reverse, include_frame=False)
 
         for frame_idx in order:
-            masks = []
+            masks: dict[int, Tensor] = {}
             for obj_idx in range(num_objects):
                 cond_out = outputs[obj_idx]["cond_frame_outputs"].get(frame_idx)
                 if cond_out is not None:
-                    pred_masks = cond_out["pred_masks"].to(state["device"])
+                    masks[obj_idx] = cond_out["pred_masks"].to(state["device"])
                     if self.clear_non_cond_mem_around_input:
                         self._clear_non_cond_mem_around_input(state, obj_idx, frame_idx)
                     state["last_tracked_per_obj"][obj_idx] = frame_idx
-                else:
-                    pred_masks = self._track_frame(state, obj_idx, frame_idx, reverse)
+            tracked = [i for i in range(num_objects) if i not in masks]
+            masks.update(zip(tracked, self._track_frames(state, tracked, frame_idx, reverse)))
+            for obj_idx in range(num_objects):
                 state["frame_log_per_obj"][obj_idx].set_tracked(frame_idx, reverse)
                 self._retain(state, obj_idx)
-                masks.append(pred_masks)
-            yield frame_idx, obj_ids, self._video_res(state, torch.cat(masks, dim=0))
+            yield frame_idx, obj_ids, self._video_res(state, torch.cat([masks[i] for i in range(num_objects)]))
 
-    def _track_frame(self, state: InferenceState, obj_idx: int, frame_idx: int, reverse: bool) -> Tensor:
-        """Track one object on a frame from its memory and remember it (a non-conditioning
-        output); returns its low-res mask logits on the device."""
-        output_dict = state["output_dict_per_obj"][obj_idx]
-        out, pred_masks = self._run_frame(
-            state, output_dict, frame_idx, False, None, None, reverse, run_mem_encoder=True
-        )
-        output_dict["non_cond_frame_outputs"][frame_idx] = out
-        state["frame_log_per_obj"][obj_idx].set_output(frame_idx, True)
-        state["last_tracked_per_obj"][obj_idx] = frame_idx
-        return pred_masks
+    def _track_frames(
+        self, state: InferenceState, obj_indices: list[int], frame_idx: int, reverse: bool
+    ) -> list[Tensor]:
+        """Track objects on a frame from their memories (objects_per_batch at a time) and
+        remember them (non-conditioning outputs); returns their low-res mask logits on the device."""
+        masks = []
+        for first in range(0, len(obj_indices), self.objects_per_batch):
+            batch = obj_indices[first : first + self.objects_per_batch]
+            output_dicts = [state["output_dict_per_obj"][i] for i in batch]
+            features, positions = self._frame_features(state, frame_idx)
+            outs = self.tracker.track_objects(
+                frame_idx, features, positions, output_dicts, state["num_frames"], track_in_reverse=reverse
+            )
+            for obj_idx, output_dict, out in zip(batch, output_dicts, outs):
+                kept, pred_masks = self._kept_output(state, out)
+                output_dict["non_cond_frame_outputs"][frame_idx] = kept
+                state["frame_log_per_obj"][obj_idx].set_output(frame_idx, True)
+                state["last_tracked_per_obj"][obj_idx] = frame_idx
+                masks.append(pred_masks)
+        return masks
 
     def _run_frame(
         self,
@@ -566,6 +587,11 @@ class SAM2VideoPredictor:
             run_mem_encoder=run_mem_encoder,
             prev_sam_mask_logits=prev_sam_mask_logits,
         )
+        return self._kept_output(state, out)
+
+    def _kept_output(self, state: InferenceState, out: FrameOutput) -> tuple[FrameOutput, Tensor]:
+        """What is kept of a tracking step's output, and its low-res mask logits on the device,
+        holes filled."""
         pred_masks = out["pred_masks"]
         if self.fill_hole_area > 0:
             pred_masks = fill_holes(pred_masks, self.fill_hole_area)
@@ -671,12 +697,16 @@ class SAM2VideoPredictor:
         first = min(starts.values(), key=lambda t: t * step)
         stop = frame_idx + step if include_frame else frame_idx
         for t in range(first + step, stop, step):
-            for obj_idx, start in starts.items():
-                log = state["frame_log_per_obj"][obj_idx]
-                cond = state["output_dict_per_obj"][obj_idx]["cond_frame_outputs"]
-                if (t - start) * step > 0 and t not in cond and log.has_output(t):
-                    self._track_frame(state, obj_idx, t, reverse)
-                    self._retain(state, obj_idx)
+            due = [
+                obj_idx
+                for obj_idx, start in starts.items()
+                if (t - start) * step > 0
+                and t not in state["output_dict_per_obj"][obj_idx]["cond_frame_outputs"]
+                and state["frame_log_per_obj"][obj_idx].has_output(t)
+            ]
+            self._track_frames(state, due, t, reverse)
+            for obj_idx in due:
+                self._retain(state, obj_idx)
 
     def _clear_non_cond_mem_around_input(self, state: InferenceState, obj_idx: int, frame_idx: int) -> None:
         """Forget the object's tracked frames around a prompted one, not the prompted frame itself

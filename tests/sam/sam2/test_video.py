@@ -220,6 +220,57 @@ def test_clear_remove_and_reset(video) -> None:
     _check_results(ours, official)
 
 
+def _objects_script(num_objects: int):
+    """Objects 1 and 2 clicked on frame 0 (as many as num_objects), propagated; then object 3
+    (with three) clicked on frame 6 and everything propagated forwards and backwards, object 1
+    removed and the rest propagated again."""
+
+    def script(p, state):
+        clicks = [(1, [[25, 35]], [1]), (2, [[100, 70], [20, 20]], [1, 0])][:num_objects]
+        results = [p.add_new_points_or_box(state, 0, obj, points=pts, labels=lbl) for obj, pts, lbl in clicks]
+        results += list(p.propagate_in_video(state, max_frame_num_to_track=5))
+        if num_objects == 3:  # added after tracking started, on a later frame
+            results.append(p.add_new_points_or_box(state, 6, 3, points=[[60, 40]], labels=[1]))
+        results += list(p.propagate_in_video(state))
+        results += list(p.propagate_in_video(state, start_frame_idx=FRAMES - 1, reverse=True))
+        if num_objects > 1:
+            obj_ids, updated = p.remove_object(state, 1)
+            results += [(frame, obj_ids, masks) for frame, masks in updated]
+            results += list(p.propagate_in_video(state, start_frame_idx=2))
+        return [(frame, list(ids), masks) for frame, ids, masks in results]
+
+    return script
+
+
+@pytest.mark.parametrize("num_objects", [1, 2, 3])
+def test_objects_batched_equal_each_on_its_own(video, num_objects: int) -> None:
+    """The objects of a frame tracked as one batch (objects_per_batch, the default) give the
+    masks of tracking each on its own (objects_per_batch=1, the official's way) and the
+    official's; objects whose memories differ in length (object 3, prompted later) go through
+    memory attention in a call of their own."""
+    ours, official = _predictors()
+    batches: list[int] = []
+    attend = ours.model.memory_attention.forward
+    ours.model.memory_attention.forward = lambda *args, curr, **kwargs: (
+        batches.append(curr.shape[1]) or attend(*args, curr=curr, **kwargs)
+    )
+    script = _objects_script(num_objects)
+    try:
+        batched = script(ours, ours.init_state(video))
+        seen = list(batches)
+        one_by_one = SAM2VideoPredictor(ours.model, fill_hole_area=0, objects_per_batch=1)
+        each = script(one_by_one, one_by_one.init_state(video))
+    finally:
+        del ours.model.memory_attention.forward
+    assert ours.objects_per_batch >= 3 and max(seen) == num_objects
+    with pytest.raises(UserError, match="objects_per_batch must be at least 1"):
+        SAM2VideoPredictor(ours.model, objects_per_batch=0)
+    assert num_objects < 3 or 1 in seen  # object 3's memories were shorter than the others' at first
+    assert set(batches[len(seen) :]) == {1}
+    _check_results(batched, each)
+    _check_results(batched, script(official, official.init_state(video)))
+
+
 def test_hole_filling_matches_official(video, monkeypatch) -> None:
     """fill_hole_area=8 on both sides, the official's CUDA connected components stood in for by
     scipy's (8-connectivity): holes are filled where the official fills them (the answers kept,
@@ -272,9 +323,9 @@ def test_dropped_memories_are_re_tracked(tmp_path) -> None:
     small = dict(num_maskmem=3, max_obj_ptrs_in_encoder=4)
     ours, official = _predictors(**small)
     re_tracked = []
-    track_frame = ours._track_frame
-    ours._track_frame = lambda state, obj, frame, reverse: (
-        re_tracked.append(frame) or track_frame(state, obj, frame, reverse)
+    track_frames = ours._track_frames
+    ours._track_frames = lambda state, objs, frame, reverse: (
+        re_tracked.extend([frame] * len(objs)) or track_frames(state, objs, frame, reverse)
     )
 
     def script(p, state):
