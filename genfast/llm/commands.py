@@ -25,6 +25,7 @@ from genfast.llm.decoding.stats import format_stats
 from genfast.llm.harmony import ReplyPrinter
 from genfast.llm.loading import LoadedModel, load
 from genfast.llm.model import invariance
+from genfast.llm.model.transformer import describe_size
 from genfast.llm.recipe import RECIPE, LlmSettings, genfast_chooses_threads, load_for_command, make_generator, plan
 from genfast.llm.tensor_parallel import check_same_tokens, from_main_rank, is_main_rank
 from genfast.platform.hardware import DTYPES
@@ -112,7 +113,7 @@ def load_announced(args: argparse.Namespace) -> tuple[LoadedModel, LlmSettings]:
     ranks = "" if loaded.tp == 1 else f" | tensor parallel over {loaded.tp} ranks"
     invariant = " | batch-invariant" if loaded.batch_invariant else ""
     _log(
-        f"genfast: {loaded.path} | {loaded.model.args.describe_size()} | {dtype}{quant} on {loaded.device}"
+        f"genfast: {loaded.path} | {describe_size(loaded.model.args)} | {dtype}{quant} on {loaded.device}"
         f"{ranks}{invariant}"
     )
     notes = [note for step, note in recipe.notes if step not in ("int8", "int4")]
@@ -337,7 +338,7 @@ def quantize_command(args: argparse.Namespace) -> int:
     checkpoint = resolve_checkpoint(args.model)
     if checkpoint.format == "genfast":
         raise UserError(f"{checkpoint.path} is already quantized; quantize the original model instead")
-    _log(f"genfast: quantizing {checkpoint.path} ({checkpoint.args.describe_size()}) to {args.mode}")
+    _log(f"genfast: quantizing {checkpoint.path} ({describe_size(checkpoint.args)}) to {args.mode}")
     # Quantization arithmetic runs in fp32; unquantized tensors are stored in --dtype.
     calibration = None
     if calibration_input is not None:  # GPTQ calibrates on the whole float model

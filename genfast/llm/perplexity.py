@@ -166,6 +166,7 @@ def _log(message: str, end: str = "\n") -> None:
 
 def eval_ppl_command(args: argparse.Namespace) -> int:
     """`genfast eval ppl`: one summary line on stdout, optional JSON (never over a file unasked)."""
+    from genfast.llm.model.transformer import describe_size
     from genfast.llm.recipe import load_for_command, plan
     from genfast.storage.files import check_outputs, write_json_atomic
 
@@ -176,7 +177,7 @@ def eval_ppl_command(args: argparse.Namespace) -> int:
     loaded = load_for_command(args, settings, _log)
     dtype = loaded.dtype_label()
     _log(
-        f"genfast: {loaded.path} | {loaded.model.args.describe_size()} | "
+        f"genfast: {loaded.path} | {describe_size(loaded.model.args)} | "
         f"{dtype}{'' if loaded.quant == 'none' else ', ' + loaded.quant + ' weights'} on {loaded.device}"
     )
     ids = evaluation_token_ids(loaded.tokenizer)

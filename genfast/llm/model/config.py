@@ -98,35 +98,6 @@ class ModelArgs:
         """JSON-ready fields (genfast's own checkpoints store the config this way)."""
         return asdict(self)
 
-    @property
-    def n_params(self) -> int:
-        """Values the model's weights hold: every tensor a checkpoint stores for it (embedding and
-        output head counted once when tied; every expert; a family's own norms, biases, sinks and
-        latent projections), as counted on the model built from these args (`parameter_counts`)."""
-        from genfast.llm.model.transformer import parameter_counts  # the model is built from this module
-
-        return parameter_counts(self)[0]
-
-    @property
-    def n_active_params(self) -> int:
-        """Parameters a token uses: all but the experts it is not routed to (embedding included)."""
-        from genfast.llm.model.transformer import parameter_counts
-
-        return parameter_counts(self)[1]
-
-    def describe_size(self) -> str:
-        """E.g. '135M parameters', or for a mixture '30.5B parameters, 3.3B active (8 of 128 experts)'."""
-
-        def count(n: int) -> str:
-            return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
-
-        if not self.n_experts:
-            return f"{count(self.n_params)} parameters"
-        return (
-            f"{count(self.n_params)} parameters, {count(self.n_active_params)} active "
-            f"({self.n_active_experts} of {self.n_experts} experts)"
-        )
-
 
 def longrope_attention_factor(factor: float, original_context: int) -> float:
     """LongRoPE's scale of cos and sin when the context grew by `factor` (Phi-3's default)."""

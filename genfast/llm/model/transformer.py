@@ -135,9 +135,11 @@ class Transformer(nn.Module):
 
 @functools.lru_cache(maxsize=16)
 def parameter_counts(args: ModelArgs) -> tuple[int, int]:
-    """(all parameters, those a token uses) of the model `args` describe, counted on the model
-    built on the meta device: every family's own tensors are in without a formula of its shapes
-    to keep in step (a tied head counted once; a token uses k of each mixture's E experts)."""
+    """(all parameters, those a token uses) of the model `args` describe: the values a checkpoint
+    stores for it (embedding and output head counted once when tied; every expert; a family's own
+    norms, biases, sinks and latent projections), counted on the model built on the meta device,
+    so no formula of each family's shapes has to be kept in step; a token uses k of each
+    mixture's E experts, and the rest of the model."""
     with torch.device("meta"):
         model = Transformer(args)
     total = sum(p.numel() for p in model.parameters())
@@ -147,6 +149,18 @@ def parameter_counts(args: ModelArgs) -> tuple[int, int]:
             stacked = sum(t.numel() for t in module.expert_tensors())
             idle += stacked * (args.n_experts - args.n_active_experts) // args.n_experts
     return total, total - idle
+
+
+def describe_size(args: ModelArgs) -> str:
+    """E.g. '135M parameters', or for a mixture '30.5B parameters, 3.3B active (8 of 128 experts)'."""
+
+    def count(n: int) -> str:
+        return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+    total, active = parameter_counts(args)
+    if not args.n_experts:
+        return f"{count(total)} parameters"
+    return f"{count(total)} parameters, {count(active)} active ({args.n_active_experts} of {args.n_experts} experts)"
 
 
 def attention_mask(input_pos: Tensor, kv_len: int, pad_start: Tensor | None = None) -> Tensor:

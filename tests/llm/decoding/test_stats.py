@@ -3,19 +3,20 @@
 import torch
 
 from genfast.llm.decoding.stats import kv_bytes_per_slot, kv_bytes_read, weight_bytes_per_step
+from genfast.llm.model.transformer import parameter_counts
 from tests.llm.hf_fixtures import tiny_genfast_model
 
 
 def test_tied_model_reads_every_parameter_once(tmp_path):
     _, model = tiny_genfast_model("smollm", tmp_path)
     model.setup_caches(1, 16)  # caches are not weights
-    assert weight_bytes_per_step(model) == model.args.n_params * 4
+    assert weight_bytes_per_step(model) == parameter_counts(model.args)[0] * 4
 
 
 def test_untied_input_embedding_is_not_read_per_step(tmp_path):
     _, model = tiny_genfast_model("llama3", tmp_path)
     a = model.args
-    assert weight_bytes_per_step(model) == (a.n_params - a.vocab_size * a.dim) * 4
+    assert weight_bytes_per_step(model) == (parameter_counts(a)[0] - a.vocab_size * a.dim) * 4
     model.setup_caches(1, 16)
     assert kv_bytes_per_slot(model) == 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4
 

@@ -15,6 +15,7 @@ from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.families.gemma2 import GemmaArgs
 from genfast.llm.model.families.gemma3 import Gemma3Args
 from genfast.llm.model.reading import LEGACY_EXTRA, args_from_dict, args_from_hf_config
+from genfast.llm.model.transformer import describe_size, parameter_counts
 from tests.llm.hf_fixtures import TINY_CONFIGS
 
 
@@ -138,7 +139,7 @@ def test_parameter_count_is_what_transformers_checkpoint_holds(name):
     from tests.llm.model.test_gpt_oss import CONFIG as GPT_OSS
 
     config = GPT_OSS if name == "gpt_oss" else TINY_CONFIGS[name]
-    assert args_from_hf_config(config).n_params == _checkpoint_numel(_hf_on_meta(config))
+    assert parameter_counts(args_from_hf_config(config))[0] == _checkpoint_numel(_hf_on_meta(config))
 
 
 # Published config.json values (DeepSeek-V3's without its multi-token-prediction layer, which
@@ -165,15 +166,15 @@ GPT_OSS_20B = dict(
 
 def test_deepseek_v3_has_its_published_671b_and_37b_active():
     args = args_from_hf_config(DEEPSEEK_V3)
-    assert args.n_params == _checkpoint_numel(_hf_on_meta(DEEPSEEK_V3))
-    assert args.n_params == pytest.approx(671e9, rel=0.001)
-    assert args.n_active_params == pytest.approx(37e9, rel=0.02)
-    assert args.describe_size() == f"671.0B parameters, {args.n_active_params / 1e9:.1f}B active (8 of 256 experts)"
+    assert parameter_counts(args)[0] == _checkpoint_numel(_hf_on_meta(DEEPSEEK_V3))
+    assert parameter_counts(args)[0] == pytest.approx(671e9, rel=0.001)
+    assert parameter_counts(args)[1] == pytest.approx(37e9, rel=0.02)
+    assert describe_size(args) == f"671.0B parameters, {parameter_counts(args)[1] / 1e9:.1f}B active (8 of 256 experts)"
 
 
 def test_gpt_oss_20b_has_its_published_20_91b_and_3_61b_active():
     args = args_from_hf_config(GPT_OSS_20B)
-    assert args.n_params == _checkpoint_numel(_hf_on_meta(GPT_OSS_20B))
-    assert args.n_params == pytest.approx(20.91e9, abs=0.005e9)
+    assert parameter_counts(args)[0] == _checkpoint_numel(_hf_on_meta(GPT_OSS_20B))
+    assert parameter_counts(args)[0] == pytest.approx(20.91e9, abs=0.005e9)
     # OpenAI's model card counts the output head but not the looked-up embedding as active.
-    assert args.n_active_params - args.vocab_size * args.dim == pytest.approx(3.61e9, abs=0.005e9)
+    assert parameter_counts(args)[1] - args.vocab_size * args.dim == pytest.approx(3.61e9, abs=0.005e9)
