@@ -34,9 +34,10 @@ Where genfast differs:
   interactive calls (add_new_points_or_box, add_new_mask, clear_all_prompts_in_frame,
   remove_object) show other objects whose output on that frame was dropped as absent
   (NO_OBJECT_SCORE, as the official shows an object without output there).
-- The objects tracked on a frame go through the model together (objects_per_batch at a time,
+- The objects tracked on a frame can go through the model together (objects_per_batch at a time,
   memory attention once per group of objects whose memories are equally long): the same masks as
-  tracking each on its own, as the official does, in fewer and larger calls.
+  tracking each on its own, as the official does (the default, measured faster on a CPU), in fewer
+  and larger calls.
 - Small holes are filled (fill_hole_area, default 8 as build_sam2_video_predictor sets it) on
   every device; the official does it only with its CUDA extension and silently skips it otherwise.
 - Mistakes raise genfast.errors.UserError with one sentence saying what to fix: a frame index
@@ -73,8 +74,11 @@ PREV_LOGITS_BOUND = 32.0  # an earlier answer's logits are clamped so before bei
 HOLE_FILL_LOGIT = 0.1  # a filled hole becomes (barely) foreground, as the official fills it
 DEFAULT_FILL_HOLE_AREA = 8  # build_sam2_video_predictor's
 # Objects tracked together on a frame. Each adds its memories' keys and values (~60 MB in bf16 at
-# 1024 pixels with seven memories) to what one batch holds.
-DEFAULT_OBJECTS_PER_BATCH = 8
+# 1024 pixels with seven memories) to what one batch holds. One at a time by default: batching saves
+# no arithmetic (each object attends to its own memories) and on a quiet 2-core Zen 4 it was slower
+# (sam2.1-hiera-tiny, two objects, 8 frames, fused-attention: 0.545 and 0.560 frames/s batched
+# against 0.614 and 0.614 one at a time, alternating runs; docs/notes.md).
+DEFAULT_OBJECTS_PER_BATCH = 1
 
 
 def preprocess_frame(frame: np.ndarray, image_size: int) -> Tensor:

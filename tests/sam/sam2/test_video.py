@@ -244,11 +244,12 @@ def _objects_script(num_objects: int):
 
 @pytest.mark.parametrize("num_objects", [1, 2, 3])
 def test_objects_batched_equal_each_on_its_own(video, num_objects: int) -> None:
-    """The objects of a frame tracked as one batch (objects_per_batch, the default) give the
-    masks of tracking each on its own (objects_per_batch=1, the official's way) and the
+    """The objects of a frame tracked as one batch (objects_per_batch=8) give the masks of
+    tracking each on its own (objects_per_batch=1, the default and the official's way) and the
     official's; objects whose memories differ in length (object 3, prompted later) go through
     memory attention in a call of their own."""
-    ours, official = _predictors()
+    each_alone, official = _predictors()
+    ours = SAM2VideoPredictor(each_alone.model, fill_hole_area=0, objects_per_batch=8)
     batches: list[int] = []
     attend = ours.model.memory_attention.forward
     ours.model.memory_attention.forward = lambda *args, curr, **kwargs: (
@@ -258,8 +259,8 @@ def test_objects_batched_equal_each_on_its_own(video, num_objects: int) -> None:
     try:
         batched = script(ours, ours.init_state(video))
         seen = list(batches)
-        one_by_one = SAM2VideoPredictor(ours.model, fill_hole_area=0, objects_per_batch=1)
-        each = script(one_by_one, one_by_one.init_state(video))
+        assert each_alone.objects_per_batch == 1
+        each = script(each_alone, each_alone.init_state(video))
     finally:
         del ours.model.memory_attention.forward
     assert ours.objects_per_batch >= 3 and max(seen) == num_objects
