@@ -4,6 +4,7 @@ pipelines saved with their transformer in many safetensors shards."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -87,22 +88,28 @@ def test_int8_load_is_the_dynamic_int8_step_and_its_image(saved):
     assert psnr(generate(pipe), generate(reference)) >= QUANT_PSNR
 
 
-@pytest.mark.parametrize("quantize", [True, False])
-def test_at_most_one_block_of_float_weights_exists_while_loading(saved, quantize):
-    """The check can fail: loaded without quantizing, the float blocks pile up."""
-    _, directory = saved
+def float_bytes_spy(model: torch.nn.Module, quantize: bool) -> tuple[list[int], Callable[[str, torch.nn.Module], None]]:
+    """A `prepare` hook for load_in_parts that records the model's float block bytes after each
+    block is filled (and int8-quantizes the part, as the loader's own hook does, with `quantize`)."""
     seen: list[int] = []
-    holder: dict[str, torch.nn.Module] = {}
     int8 = loading.int8_prepare(1)
 
     def spy(prefix: str, part: torch.nn.Module) -> None:
         if prefix:
-            seen.append(float_block_bytes(holder["model"]))
+            seen.append(float_block_bytes(model))
         if quantize:
             int8(prefix, part)
 
+    return seen, spy
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_at_most_one_block_of_float_weights_exists_while_loading(saved, quantize):
+    """The check can fail: loaded without quantizing, the float blocks pile up."""
+    _, directory = saved
     cls, config = loading.transformer_spec(directory)
-    model = holder["model"] = loading.empty_model(cls, config, torch.float32)
+    model = loading.empty_model(cls, config, torch.float32)
+    seen, spy = float_bytes_spy(model, quantize)
     weights = loading.SafetensorsWeights(directory / "transformer")
     loading.load_in_parts(model, weights.fill, CPU, spy)
     weights.check_all_read()
@@ -123,17 +130,10 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused(saved, tmp_path)
 def test_random_weights_are_drawn_block_by_block_and_quantized_as_drawn(saved):
     _, directory = saved
     cls, config = loading.transformer_spec(directory)
-    seen: list[int] = []
-    holder: dict[str, torch.nn.Module] = {}
     int8 = loading.int8_prepare(1)
-
-    def spy(prefix: str, part: torch.nn.Module) -> None:
-        if prefix:
-            seen.append(float_block_bytes(holder["model"]))
-        int8(prefix, part)
-
     # random_transformer's own path, with the model held for the spy
-    model = holder["model"] = loading.empty_model(cls, config, torch.float32)
+    model = loading.empty_model(cls, config, torch.float32)
+    seen, spy = float_bytes_spy(model, quantize=True)
     with torch.random.fork_rng():
         torch.manual_seed(3)
         loading.load_in_parts(model, loading.fill_random, CPU, spy)

@@ -546,11 +546,13 @@ class SAM2VideoPredictor:
     ) -> list[Tensor]:
         """Track objects on a frame from their memories (objects_per_batch at a time) and
         remember them (non-conditioning outputs); returns their low-res mask logits on the device."""
+        if not obj_indices:  # every object prompted on this frame: its features may never be needed
+            return []
         masks = []
+        features, positions = self._frame_features(state, frame_idx)
         for first in range(0, len(obj_indices), self.objects_per_batch):
             batch = obj_indices[first : first + self.objects_per_batch]
             output_dicts = [state["output_dict_per_obj"][i] for i in batch]
-            features, positions = self._frame_features(state, frame_idx)
             outs = self.tracker.track_objects(
                 frame_idx, features, positions, output_dicts, state["num_frames"], track_in_reverse=reverse
             )
