@@ -56,21 +56,9 @@ def map_through(
     )
 
 
-def map_to_jsonl(
-    ray: Any,
-    rows: Any,
-    model_class: type,
-    model_kwargs: dict[str, Any],
-    call_kwargs: dict[str, Any],
-    target: Path,
-    *,
-    concurrency: int,
-    batch_size: int,
-    cpus_per_actor: float,
-) -> int:
-    """`map_through`, the mapped rows written as JSONL files into the folder `target`. Returns the
-    rows written."""
-    mapped = map_through(ray, rows, model_class, model_kwargs, call_kwargs, concurrency, batch_size, cpus_per_actor)
+def write_jsonl(mapped: Any, target: Path) -> int:
+    """Run the Dataset `mapped` (`map_through`'s), its rows written as JSONL files into the folder
+    `target`. Returns the rows written."""
     # Writing takes no CPU of its own: the actors hold the CPUs (with every CPU of the cluster in
     # an actor, a writer that wanted one would wait for ever).
     mapped.write_json(str(target.resolve()), ray_remote_args={"num_cpus": 0})

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from genfast.errors import UserError
 from genfast.interface.batch import Summary
-from genfast.ray.cluster import connect, map_through, map_to_jsonl
+from genfast.ray.cluster import connect, map_through, write_jsonl
 
 
 def generate_jsonl(
@@ -45,12 +45,11 @@ def generate_jsonl(
     if target.exists() and any(target.iterdir()):
         raise UserError(f"{target} is not empty: give an empty or new folder for the answers")
     ray = connect(address)
-    # Reading takes no CPU either (see map_to_jsonl).
+    # Reading takes no CPU either (see write_jsonl).
     dataset = ray.data.read_json(str(source.resolve()), lines=True, num_cpus=0)
-    return map_to_jsonl(
-        ray, dataset, LLM, llm, sampling or {}, target, concurrency=concurrency, batch_size=batch_size,
-        cpus_per_actor=cpus_per_actor,
-    )  # fmt: skip
+    return write_jsonl(
+        map_through(ray, dataset, LLM, llm, sampling or {}, concurrency, batch_size, cpus_per_actor), target
+    )
 
 
 def generate_file(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from genfast.errors import UserError
-from genfast.ray.cluster import connect, map_to_jsonl
+from genfast.ray.cluster import connect, map_through, write_jsonl
 
 
 def segment_images(
@@ -44,10 +44,8 @@ def segment_images(
     ray = connect(address)
     # The rows are paths: the actors read the files.
     rows = ray.data.from_items([{"path": str(Path(p).expanduser().resolve())} for p in images])
-    return map_to_jsonl(
-        ray, rows, Segmenter, segmenter, prompt or {}, target, concurrency=concurrency, batch_size=batch_size,
-        cpus_per_actor=cpus_per_actor,
-    )  # fmt: skip
+    mapped = map_through(ray, rows, Segmenter, segmenter, prompt or {}, concurrency, batch_size, cpus_per_actor)
+    return write_jsonl(mapped, target)
 
 
 def segment_command(args: argparse.Namespace) -> int:
