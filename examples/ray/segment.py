@@ -6,7 +6,8 @@
 
 masks/ receives JSONL files, a row per image: its path, its masks as `genfast segment --json`
 writes them (records with uncompressed RLE), num_masks and error (why an image could not be
-segmented). genfast.ray.sam.segment_images does the same from Python.
+segmented). genfast.ray.sam.segment_images does the same from Python; `genfast segment photos/
+-o masks/ --ray` writes the single-machine command's PNGs and JSON files instead.
 """
 
 import argparse

@@ -10,8 +10,9 @@ cluster.
 - `genfast.ray.llm.generate_file`: a JSONL file of prompts (what `genfast generate --input`
   reads) -> the answers file the single-machine command writes, resumed by a re-run, through
   `genfast.LLM`; `generate_jsonl`: the same prompts -> Ray Data's folder of JSONL rows.
-- `genfast.ray.sam.segment_images`: image files -> a folder of JSONL masks, through
-  `genfast.Segmenter`.
+- `genfast.ray.sam.segment_folder`: a folder or glob of images (what `genfast segment -o OUTDIR`
+  reads) -> the mask PNGs and JSON files the single-machine command writes, resumed by a re-run;
+  `segment_images`: image files -> Ray Data's folder of JSONL masks, through `genfast.Segmenter`.
 - `genfast.ray.diffusion.imagine_folder`: a file of prompts (what `genfast imagine --prompts`
   reads) -> a PNG each in a folder of this machine, through `genfast.ImageGenerator`.
 """

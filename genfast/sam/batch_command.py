@@ -33,6 +33,7 @@ from genfast.interface import images as image_files
 from genfast.interface.batch import Summary
 from genfast.interface.progress import Progress
 from genfast.sam.commands import (
+    ModelSource,
     OutputPaths,
     Prompt,
     Segmentation,
@@ -84,8 +85,9 @@ def image_paths(source: str) -> list[Path]:
     return paths
 
 
-def _outputs(image: Path, outdir: Path, args: argparse.Namespace, multimask_outputs: int) -> OutputPaths:
+def _outputs(image: Path, outdir: Path, args: argparse.Namespace) -> OutputPaths:
     stem = image.stem
+    multimask_outputs = 3 if args.multimask else 1  # every SAM and SAM 2 model makes 3
     masks = [outdir / f"{stem}.png"] + [outdir / f"{stem}-{k}.png" for k in range(2, multimask_outputs + 1)]
     overlay = None if args.no_overlay else outdir / f"{stem}-overlay.png"
     return OutputPaths(masks, overlay, outdir / f"{stem}.json")
@@ -111,9 +113,11 @@ def _batches(items: list[Path], size: int) -> Iterator[list[Path]]:
         yield items[start : start + size]
 
 
-def segment_images_command(args: argparse.Namespace) -> int:
-    from genfast.platform.hardware import resolve_device
-
+def images_to_segment(args: argparse.Namespace, summary: Summary) -> tuple[Path, Prompt, list[Path]]:
+    """The batch's flags checked before the slow load: the output folder, the prompt and the
+    images to segment now. Those whose files are all there are counted as skipped, those with
+    only some of them left out (unless --force); a killed run's temp files beside the outputs
+    about to be written are removed."""
     outdir = _check_flags(args)
     prompt = parse_prompt(args)
     paths = image_paths(args.image)
@@ -122,12 +126,9 @@ def segment_images_command(args: argparse.Namespace) -> int:
         if path.stem in by_stem:
             raise UserError(f"{by_stem[path.stem]} and {path} would write the same OUTDIR/{path.stem}.png: rename one")
         by_stem[path.stem] = path
-    device = resolve_device(args.device)
-    multimask_outputs = 3 if args.multimask else 1
-    summary = Summary()
     todo = []
     for path in paths:
-        files = _outputs(path, outdir, args, multimask_outputs).files()
+        files = _outputs(path, outdir, args).files()
         present = [f for f in files if f.exists()]
         if args.force or not present:
             todo.append(path)
@@ -136,6 +137,29 @@ def segment_images_command(args: argparse.Namespace) -> int:
             summary.skipped += 1
         else:
             summary.fail(f"{path}: some of its outputs exist ({present[0].name}): remove them or pass --force")
+    return outdir, prompt, todo
+
+
+def write_outputs(
+    args: argparse.Namespace,
+    source: ModelSource,
+    outdir: Path,
+    path: Path,
+    image: np.ndarray,
+    prompt: Prompt,
+    result: Segmentation,
+) -> None:
+    """One image's files (masks, overlay, JSON) in OUTDIR, together and atomically."""
+    files, _ = output_files(args, source, path, image, prompt, result, _outputs(path, outdir, args))
+    image_files.write_files(files, force=True)  # only this image's files, checked by images_to_segment
+
+
+def segment_images_command(args: argparse.Namespace) -> int:
+    from genfast.platform.hardware import resolve_device
+
+    summary = Summary()
+    outdir, prompt, todo = images_to_segment(args, summary)
+    device = resolve_device(args.device)
     if not todo:
         _log(f"genfast: {summary.line()}")
         return 1 if summary.failed else 0
@@ -161,9 +185,7 @@ def segment_images_command(args: argparse.Namespace) -> int:
             continue
         results = _segment(loaded.model, [image for _, image in readable], prompt, args)
         for (path, image), result in zip(readable, results, strict=True):
-            outputs = _outputs(path, outdir, args, multimask_outputs)
-            files, _ = output_files(args, loaded, path, image, prompt, result, outputs)
-            image_files.write_files(files, force=True)  # only this image's files, checked above
+            write_outputs(args, loaded.source, outdir, path, image, prompt, result)
             summary.done += 1
             progress.advance()
     progress.finish()

@@ -143,8 +143,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     g.add_argument("--force", action="store_true", help="overwrite existing output files")
     add_ray(
         g,
-        "many images only: -o OUTDIR then receives JSONL files, a row per image with its path, its masks as "
-        "uncompressed RLE records (as --json writes them) and any error, not PNGs",
+        "many images only: the actors segment them, this process writes OUTDIR's files as without --ray",
     )
     g = p.add_argument_group("model")
     g.add_argument(

@@ -135,12 +135,27 @@ def check_prompt_inside(prompt: Prompt, height: int, width: int) -> None:
 # ---- model ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """What a result's files say about the model that made it (PNG metadata, JSON fields): all a
+    writer needs of the model, so one that is not the process holding the model (Ray's driver)
+    can write the same files."""
+
+    description: str  # e.g. "vit_b from /path/sam_vit_b_01ec64.pth"
+    checkpoint: Path | None  # None with random weights
+    random_weights: bool
+
+
 @dataclass
 class LoadedSam:
     model: Sam | Sam2
     description: str  # e.g. "vit_b from /path/sam_vit_b_01ec64.pth"
     checkpoint: Path | None  # None with random weights
     random_weights: bool
+
+    @property
+    def source(self) -> ModelSource:
+        return ModelSource(self.description, self.checkpoint, self.random_weights)
 
 
 def load_model(args: argparse.Namespace, device: torch.device) -> LoadedSam:
@@ -365,7 +380,7 @@ def segment_command(args: argparse.Namespace) -> int:
         result = segment_auto(loaded.model, image, args)
     else:
         [result] = segment_prompts(loaded.model, [image], prompt, args.multimask)
-    files, document = output_files(args, loaded, Path(args.image), image, prompt, result, paths)
+    files, document = output_files(args, loaded.source, Path(args.image), image, prompt, result, paths)
     image_files.write_files(files, args.force)
     if paths.json_stdout:
         sys.stdout.write(json.dumps(document, separators=(",", ":")) + "\n")
@@ -401,7 +416,7 @@ def prepare_model(args: argparse.Namespace, device: torch.device) -> LoadedSam:
 
 def output_files(
     args: argparse.Namespace,
-    loaded: LoadedSam,
+    source: ModelSource,
     image_path: Path,
     image: np.ndarray,
     prompt: Prompt,
@@ -421,33 +436,33 @@ def output_files(
         colours = [images.colour(i) for i in range(len(result.masks))][::-1]
         for record, path in zip(result.records, paths.masks):
             record["file"] = str(path)
-    text = _png_text(loaded, image_path)
+    text = _png_text(source, image_path)
     files: dict[Path, bytes] = {path: image_files.png_bytes(img, text) for path, img in zip(paths.masks, mask_images)}
     if paths.overlay:
         overlay = images.overlay_image(image, overlay_masks, colours, prompt.points, prompt.labels, prompt.box)
         files[paths.overlay] = image_files.png_bytes(overlay, text)
     wanted = paths.json is not None or paths.json_stdout
-    document = _json_document(args, loaded, image_path, prompt, result, size, paths) if wanted else None
+    document = _json_document(args, source, image_path, prompt, result, size, paths) if wanted else None
     if paths.json:
         files[paths.json] = (json.dumps(document, separators=(",", ":")) + "\n").encode()
     return files, document
 
 
-def _png_text(loaded: LoadedSam, image_path: Path) -> dict[str, str]:
+def _png_text(source: ModelSource, image_path: Path) -> dict[str, str]:
     text = {
         "Software": f"genfast {__version__}",
-        "genfast:model": loaded.description,
+        "genfast:model": source.description,
         "genfast:image": str(image_path),
-        "genfast:random-weights": str(loaded.random_weights).lower(),
+        "genfast:random-weights": str(source.random_weights).lower(),
     }
-    if loaded.random_weights:
+    if source.random_weights:
         text["Warning"] = RANDOM_WEIGHTS_WARNING
     return text
 
 
 def _json_document(
     args: argparse.Namespace,
-    loaded: LoadedSam,
+    source: ModelSource,
     image_path: Path,
     prompt: Prompt,
     result: Segmentation,
@@ -456,16 +471,16 @@ def _json_document(
 ) -> dict[str, Any]:
     document: dict[str, Any] = {
         "genfast_version": __version__,
-        "random_weights": loaded.random_weights,
+        "random_weights": source.random_weights,
     }
-    if loaded.random_weights:
+    if source.random_weights:
         document["warning"] = RANDOM_WEIGHTS_WARNING
     document.update(
         {
             "image": str(image_path),
             "image_size": list(size),  # [height, width]
-            "model": loaded.description,
-            "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None,
+            "model": source.description,
+            "checkpoint": str(source.checkpoint) if source.checkpoint else None,
             "mode": "auto" if args.auto else "prompt",
             "prompt": None if args.auto else prompt.as_json(),
             "mask_files": [str(p) for p in paths.masks],  # --auto: the label map

@@ -5,6 +5,11 @@ POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events 
 `data: [DONE]` when `stream` is true). Every error is an OpenAI error object. The engine runs on
 its own thread; each request's events cross into the event loop through a `_Bridge`. A client
 that disconnects cancels its request, which frees its slot at the next decode step.
+
+The app answers from before the model is loaded (genfast/serve/commands.py loads it meanwhile):
+until `serve_engine` hands it the engine, /health and /ready say "loading" with 503, the /v1
+routes answer 503 with Retry-After, and /metrics has its counters (at zero) without the
+engine's gauges. A probe then tells a loading server (503) from a dead one (no answer).
 """
 
 from __future__ import annotations
@@ -67,23 +72,35 @@ class _Bridge:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None, shutdown_timeout: float = 0.0) -> FastAPI:
+def create_app(
+    engine: Engine | None, model_name: str, api_key: str | None = None, shutdown_timeout: float = 0.0
+) -> FastAPI:
     """An app serving `engine` as `model_name`; with `api_key`, /v1/* needs `Authorization: Bearer KEY`.
 
-    The engine must be started (and warmed up) by the caller; the app shuts it down when the
-    server stops, letting in-flight requests finish for up to `shutdown_timeout` seconds.
+    The engine must be started (and warmed up) by the caller; None: it is still loading, and
+    `serve_engine` hands it over once it is. The app shuts it down when the server stops,
+    letting in-flight requests finish for up to `shutdown_timeout` seconds.
     """
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await asyncio.to_thread(engine.shutdown, shutdown_timeout)
+        if (served := app.state.engine) is not None:
+            await asyncio.to_thread(served.shutdown, shutdown_timeout)
 
     app = FastAPI(title="genfast", lifespan=lifespan)
     created = int(time.time())
-    tokenizer = engine.tokenizer
-    metrics = ServeMetrics(engine)
-    engine.observer = metrics
+    app.state.engine = None
+    app.state.metrics = ServeMetrics(lambda: app.state.engine)
+    if engine is not None:
+        serve_engine(app, engine)
+
+    def loaded() -> Engine:
+        """The engine; a 503 "loading" answer while there is none yet."""
+        served = app.state.engine
+        if served is None:
+            raise APIError(503, "the model is loading; retry later", "server_error", code="model_loading")
+        return served
 
     async def check_key(request: Request) -> None:
         if api_key is None:
@@ -114,6 +131,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        engine = app.state.engine
+        if engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
         stats = asdict(engine.stats())
         if engine.stopping:
             return JSONResponse({"status": "shutting_down", **stats}, status_code=503)
@@ -121,20 +141,23 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        # Readiness for a load balancer: 503 once shutting down (in-flight requests finishing: send
-        # no more). Before the model is loaded the port refuses connections (genfast/serve/commands.py),
-        # which probes count as not ready too.
+        # Readiness for a load balancer: 503 while the model loads, and once shutting down
+        # (in-flight requests finishing: send no more).
+        engine = app.state.engine
+        if engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
         if engine.stopping:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        body, content_type = metrics.render()
+        body, content_type = app.state.metrics.render()
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict[str, Any]:
+        engine = loaded()
         return {
             "object": "list",
             "data": [
@@ -150,12 +173,15 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)], response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+        engine = loaded()
         prompt = body.single_prompt()
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return await serve(body, ids, body.max_tokens or 16, ResponseHeader("completion", model_name), request)
+        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return await serve(engine, body, ids, body.max_tokens or 16, ResponseHeader("completion", model_name), request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)], response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+        engine = loaded()
+        tokenizer = engine.tokenizer
         messages, tools = body.conversation(), None
         if tokenizer.harmony and body.forced_call:
             # The forced call's grammar is a bare JSON object; a harmony reply must open with a header.
@@ -174,7 +200,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
         max_tokens = body.max_completion_tokens or body.max_tokens or max(engine.max_seq_len - len(ids), 1)
         tool_names = body.function_names() if body.tools_active else None
         header = ResponseHeader("chat", model_name, tool_names, harmony=tokenizer.harmony)
-        return await serve(body, ids, max_tokens, header, request)
+        return await serve(engine, body, ids, max_tokens, header, request)
 
     def check_model(body: GenerationBody) -> None:
         if body.model != model_name:
@@ -186,7 +212,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
             )
 
     async def serve(
-        body: GenerationBody, ids: list[int], max_tokens: int, header: ResponseHeader, request: Request
+        engine: Engine, body: GenerationBody, ids: list[int], max_tokens: int, header: ResponseHeader, request: Request
     ) -> JSONResponse | StreamingResponse:
         check_model(body)
         params = SamplingParams(body.temperature, top_p=body.top_p)
@@ -215,6 +241,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, shut
         return JSONResponse(header.response(finished))
 
     return app
+
+
+def serve_engine(app: FastAPI, engine: Engine) -> None:
+    """From now on `app` (`create_app`'s) serves `engine`, started and warmed up: the end of its
+    "loading" answers."""
+    engine.observer = app.state.metrics
+    app.state.engine = engine
 
 
 async def _wait(ticket: Ticket, bridge: _Bridge, request: Request) -> Finished:

@@ -17,7 +17,7 @@ replica behind them needs no metric-name flags (docs/serving.md, "Behind a gatew
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -38,7 +38,8 @@ DURATION_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.
 class ServeMetrics:
     """The engine's observer and the registry /metrics renders."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Callable[[], Engine | None]) -> None:
+        """`engine`: the engine served now, None while it loads (the gauges read from it are then left out)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("genfast_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
@@ -79,13 +80,16 @@ class ServeMetrics:
 
 
 class _EngineState(Collector):
-    """Gauges read from the engine at scrape time."""
+    """Gauges read from the engine at scrape time (none while it loads)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Callable[[], Engine | None]) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self.engine.stats()
+        engine = self.engine()
+        if engine is None:
+            return
+        stats = engine.stats()
         yield GaugeMetricFamily("genfast_requests_running", "Requests in a KV-cache slot", value=stats.active)
         yield GaugeMetricFamily("genfast_requests_waiting", "Requests queued for a slot", value=stats.queued)
         yield GaugeMetricFamily("genfast_slots", "KV-cache slots (the largest decode batch)", value=stats.slots)

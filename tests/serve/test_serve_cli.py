@@ -93,14 +93,14 @@ def test_a_taken_port_or_foreign_address_is_named_before_the_model_loads(tiny_di
     assert "cannot bind 192.0.2.1 port 8000" in capsys.readouterr().err
 
 
-def test_the_port_is_bound_early_but_refuses_connections_until_the_server_is_ready():
+def test_the_port_is_bound_first_and_listens_only_once_the_server_starts():
     from genfast.serve.commands import bind_address, url_of
 
     sock = bind_address("127.0.0.1", 0)
     try:
         port = sock.getsockname()[1]
         assert port > 0 and url_of(sock, "127.0.0.1") == f"http://127.0.0.1:{port}"
-        with pytest.raises(ConnectionRefusedError):  # not listening yet: clients are not left waiting
+        with pytest.raises(ConnectionRefusedError):  # not listening yet (tests/serve/test_loading.py: then 503)
             socket.create_connection(("127.0.0.1", port), timeout=5)
         with pytest.raises(UserError, match="in use"):
             sock.listen()  # once listening, a second server on the port is refused at once
