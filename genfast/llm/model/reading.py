@@ -16,10 +16,15 @@ from genfast.llm.model.config import (
     longrope_attention_factor,
     yarn_attention_factor,
 )
+from genfast.llm.model.families import multimodal
 
 
-def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
-    """From a Hugging Face config.json (transformers 4.x and 5.x spellings)."""
+def args_from_hf_config(cfg: dict[str, Any], tensor_names: set[str] | None = None) -> ModelArgs:
+    """From a Hugging Face config.json (transformers 4.x and 5.x spellings). A multimodal wrapper's
+    (Gemma 3 4B+, Mistral Small 3.1): its language model's (genfast/llm/model/families/multimodal.py),
+    whose tied embeddings are read off `tensor_names`, the checkpoint's, where given."""
+    if multimodal.is_wrapper(cfg):
+        cfg = multimodal.text_config(cfg, families.hf_model_types(), tensor_names)
     model_type = cfg.get("model_type")
     if model_type not in families.hf_model_types():
         raise UserError(

@@ -10,6 +10,9 @@ gemma3, smollm3 (NoPE layers), seed_oss, olmo2 (OLMo 2 and 3), granite, ernie4_5
 and hunyuan_dense (model_type hunyuan_v1_dense). Several are a few lines of data over the shared
 blocks (qwen2, phi3, seed_oss, ernie4_5); the others subclass the shared attention or block (or
 another family's) only where they differ.
+
+Multimodal checkpoints whose language model is one of these (Gemma 3 4B-27B, Mistral Small 3.1/3.2,
+LLaVA) load as that family, their text part only: multimodal.py says which, as data.
 """
 
 from __future__ import annotations
