@@ -56,7 +56,11 @@ def detect_format(path: Path) -> Format:
 
 
 def _gguf_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*.gguf") if is_gguf(p))
+    """The GGUF files in a directory, less a vision model's projector (llama.cpp names it
+    mmproj-*.gguf) beside its language model: a download of Gemma 3's GGUF holds both."""
+    found = sorted(p for p in directory.glob("*.gguf") if is_gguf(p))
+    models = [p for p in found if "mmproj" not in p.name.lower()]
+    return models if models else found
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,7 +87,14 @@ class Checkpoint:
     @cached_property
     def gguf(self) -> GGUFFile:
         """The GGUF file, parsed once for the config, weights and tokenizer read from it."""
-        return open_gguf(self.gguf_path)
+        gguf = open_gguf(self.gguf_path)
+        meta = gguf.metadata
+        if meta.get("general.architecture") == "clip" or meta.get("general.type") == "mmproj":
+            raise UserError(
+                f"{self.gguf_path} is a multimodal projector (mmproj: a vision model's image encoder), not a "
+                "language model; pass the model's own GGUF as --model (genfast loads the text part only)"
+            )
+        return gguf
 
     @cached_property
     def quantized(self) -> QuantizedCheckpoint:
