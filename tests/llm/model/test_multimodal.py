@@ -1,6 +1,7 @@
 """The text part of multimodal checkpoints (genfast/llm/model/families/multimodal.py) on tiny random
 transformers wrappers with tiny vision towers: Gemma3ForConditionalGeneration,
-Mistral3ForConditionalGeneration (untied, and tied as transformers 5 saves it by default),
+Mistral3ForConditionalGeneration (untied, and tied as transformers 5 saves it by default; Ministral
+3's text model),
 LlavaForConditionalGeneration (a Qwen2 text model) and LlavaNextForConditionalGeneration. Logits equal
 the wrapper's on text (fp32, 1e-4) in both tensor layouts (transformers 5's
 `model.language_model.*`, the hub's older `language_model.model.*`); greedy text through the CLI
@@ -23,6 +24,7 @@ from genfast.llm.checkpoints.weights import load_model
 from genfast.llm.model import families
 from genfast.llm.model.families import multimodal
 from genfast.llm.model.reading import args_from_hf_config
+from tests.llm.decoding.test_generate import check_compiled_matches_eager
 from tests.llm.gguf_fixtures import write_gguf_from_hf
 from tests.llm.hf_fixtures import TINY_CONFIGS, randomize_norms, save_hf_model, word_tokenizer
 from tests.llm.model.test_families import check_cli_greedy_equals_transformers
@@ -57,6 +59,15 @@ WRAPPED = {
     "mistral3_tied": ("Mistral3ForConditionalGeneration", "Mistral3Config", dict(
         text_config=_text("mistral_window", sliding_window=None),
         vision_config=dict(_SIGLIP, model_type="pixtral", head_dim=16), **IMAGE_TOKENS)),
+    # Ministral 3: YaRN and Llama 4's attention temperature, its steps every 8 positions here (the
+    # original context) so that the test's sequences take three.
+    "ministral3": ("Mistral3ForConditionalGeneration", "Mistral3Config", dict(
+        text_config=_text("mistral_window", model_type="ministral3", sliding_window=None, head_dim=16,
+                          tie_word_embeddings=True, rope_parameters=dict(
+                              type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=8,
+                              beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                              llama_4_scaling_beta=0.5)),
+        vision_config=dict(_SIGLIP, model_type="pixtral", head_dim=16), **IMAGE_TOKENS)),
     # LLaVA with a Qwen2 text model (q/k/v biases; tied in its text_config, as LLaVA-OneVision's).
     "llava_qwen2": ("LlavaForConditionalGeneration", "LlavaConfig", dict(
         text_config=_text("qwen2"), vision_config=_CLIP, **IMAGE_TOKENS)),
@@ -67,10 +78,12 @@ WRAPPED = {
 }  # fmt: skip
 
 
-def make_wrapper(name: str, seed: int = 0):
+def make_wrapper(name: str, seed: int = 0, **text_changes):
+    """One of WRAPPED with random weights (`text_changes`: text_config fields that differ)."""
     import transformers
 
     model_class, config_class, kwargs = WRAPPED[name]
+    kwargs = dict(kwargs, text_config={**kwargs["text_config"], **text_changes})
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(**kwargs)
     return randomize_norms(getattr(transformers, model_class)(config).float())
@@ -253,8 +266,6 @@ def test_text_defaults_are_transformers_defaults(text_type):
          "unsupported multimodal architecture 'idefics3'.*text part of model_type gemma3, llava"),
         ({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
           "text_config": {"model_type": "cohere"}}, "language model of this LlavaForConditionalGeneration .*'cohere'"),
-        ({"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
-          "text_config": {"model_type": "ministral3"}}, "'ministral3', which genfast does not load"),
     ],
 )  # fmt: skip
 def test_wrappers_of_other_text_models_are_refused_saying_why(cfg, match):
@@ -316,3 +327,27 @@ def test_gemma3_gguf_of_the_text_part_loads_and_an_mmproj_is_a_clear_error(tmp_p
 def test_known_text_model_types_include_the_wrappers_defaults():
     assert set(multimodal.WRAPPERS.values()) <= set(families.hf_model_types())
     assert not set(multimodal.WRAPPERS) & set(families.hf_model_types())
+
+
+def test_ministral3_scales_its_queries_past_the_original_context(tmp_path):
+    """Without the temperature (beta 0) the logits differ from the reference (by ~3e-3 on this
+    random model, 30x the tolerance) past position 8 only."""
+    hf, directory = saved_wrapper("ministral3", tmp_path / "m", "new")
+    checkpoint = Checkpoint.open(directory)
+    model = load_model(checkpoint)
+    for layer in model.layers:
+        layer.attention.beta = 0.0
+    tokens = _tokens(23)
+    with torch.no_grad():
+        got, want = model(tokens, torch.arange(23), all_logits=True), hf(input_ids=tokens).logits
+    torch.testing.assert_close(got[:, :8], want[:, :8], atol=ATOL, rtol=0)
+    assert (got[:, 8:] - want[:, 8:]).abs().max() > 10 * ATOL
+
+
+def test_ministral3_compiled_equals_eager_without_recompiling(tmp_path):
+    """Its attention is the one new module here: one layer, sequences past the original context (8)."""
+    directory = save_hf_model(make_wrapper("ministral3", num_hidden_layers=1), tmp_path / "m")
+    try:
+        check_compiled_matches_eager(load_model(Checkpoint.open(directory)), word_tokenizer(VOCAB))
+    finally:
+        torch._dynamo.reset()  # as test_families' fresh_dynamo: its graphs count towards dynamo's limits
