@@ -351,3 +351,21 @@ def test_ministral3_compiled_equals_eager_without_recompiling(tmp_path):
         check_compiled_matches_eager(load_model(Checkpoint.open(directory)), word_tokenizer(VOCAB))
     finally:
         torch._dynamo.reset()  # as test_families' fresh_dynamo: its graphs count towards dynamo's limits
+
+
+def test_chat_template_beside_processor_files_is_used(tmp_path, capsys):
+    """As Gemma 3's repositories: the template in chat_template.jinja (and the processor's
+    chat_template.json), processor configs beside it; `--chat` wraps the prompt in it."""
+    hf, directory = saved_wrapper("gemma3", tmp_path / "g", "legacy")
+    template = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
+    (directory / "chat_template.jinja").write_text(template)
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    (directory / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Gemma3ImageProcessor"}))
+    (directory / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor"}))
+    prompt = [3, 10, 11, 12, 4]  # the template around "w10 w11 w12"
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                       pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()  # fmt: skip
+    argv = ["generate", "w10 w11 w12", "--chat", "--model", str(directory), "--dtype", "float32", "-n", "6",
+            "--no-compile", "--quiet"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.split() == [f"w{i}" for i in want]
