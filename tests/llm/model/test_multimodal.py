@@ -285,8 +285,9 @@ def _text_model_of(hf):
     """The wrapper's language model as a text-only transformers model (what llama.cpp converts)."""
     import transformers
 
-    text = transformers.Gemma3ForCausalLM(hf.config.text_config).float().eval()
+    text = transformers.AutoModelForCausalLM.from_config(hf.config.text_config, dtype=torch.float32).eval()
     text.model.load_state_dict(hf.model.language_model.state_dict())
+    text.lm_head.load_state_dict(hf.lm_head.state_dict())
     return text
 
 
@@ -369,3 +370,22 @@ def test_chat_template_beside_processor_files_is_used(tmp_path, capsys):
             "--no-compile", "--quiet"]  # fmt: skip
     assert cli.main(argv) == 0
     assert capsys.readouterr().out.split() == [f"w{i}" for i in want]
+
+
+def test_mistral_small_gguf_of_architecture_mistral3_loads_and_ministral3s_is_refused(tmp_path):
+    """llama.cpp writes Mistral3ForConditionalGeneration's text part as architecture "mistral3" in
+    Llama's layout (q/k rows permuted): Mistral Small's loads as plain Mistral; Ministral 3's (YaRN,
+    a temperature) is refused, saying to use its Hugging Face checkpoint."""
+    hf = make_wrapper("mistral3")
+    path = write_gguf_from_hf(_text_model_of(hf), tmp_path / "mistral-small.gguf", arch="mistral3")
+    tokens = _tokens(23)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            load_model(Checkpoint.open(path))(tokens, torch.arange(23), all_logits=True),
+            hf(input_ids=tokens).logits,
+            atol=ATOL,
+            rtol=0,
+        )
+    ministral = write_gguf_from_hf(_text_model_of(make_wrapper("ministral3")), tmp_path / "m3.gguf", arch="mistral3")
+    with pytest.raises(UserError, match=r"Ministral 3 .*Hugging Face checkpoint only"):
+        _ = Checkpoint.open(ministral).args

@@ -2,8 +2,13 @@
 Mistral3ForConditionalGeneration): Mistral's blocks and YaRN, with Llama 4's attention
 temperature: past the original context, queries are scaled by 1 + beta * log(1 + floor(position /
 original context)), both from the config's rope parameters (`llama_4_scaling_beta`). Within the
-original context the scale is 1. Hugging Face checkpoints only: GGUF files of it (llama.cpp's
-architecture "mistral3") are not read yet."""
+original context the scale is 1.
+
+llama.cpp's converter writes Mistral3ForConditionalGeneration's text part as GGUF architecture
+"mistral3", Llama's layout: Mistral Small 3.1/3.2's files (no YaRN, no temperature) load here as
+plain Mistral. Ministral 3's (YaRN with `yarn_log_multiplier` and a temperature) are refused for
+now: how llama.cpp derives their YaRN and temperature constants from those keys is not checked
+here."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from genfast.errors import UserError
 from genfast.llm.model.config import FamilyArgs
 from genfast.llm.model.families.base import Family, family_args
 from genfast.llm.model.families.llama import attention_bias_fields
@@ -51,6 +57,15 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**attention_bias_fields(cfg), "family_args": TemperatureArgs(beta, original)}
 
 
+def gguf_fields(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    if meta.get(f"{arch}.attention.temperature_scale") or meta.get(f"{arch}.rope.scaling.type") == "yarn":
+        raise UserError(
+            "this GGUF is a Ministral 3 (YaRN with an attention temperature), which genfast reads from its "
+            "Hugging Face checkpoint only for now"
+        )
+    return {"family_args": TemperatureArgs()}
+
+
 def block(args: ModelArgs, i: int) -> TransformerBlock:
     return TransformerBlock(args, TemperatureAttention, moe=args.is_moe_layer(i))
 
@@ -58,9 +73,11 @@ def block(args: ModelArgs, i: int) -> TransformerBlock:
 FAMILY = Family(
     "ministral3",
     ("ministral3",),
-    (),
+    ("mistral3",),
     hf_fields,
     block=block,
+    gguf_fields=gguf_fields,
+    gguf_rope_interleaved=True,  # llama.cpp converts it as Llama, permuting q/k rows
     sliding_window_by_default=True,  # as Mistral: a config's window applies to every layer
     args_type=TemperatureArgs,
 )
