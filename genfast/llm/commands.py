@@ -117,6 +117,9 @@ def load_announced(args: argparse.Namespace) -> tuple[LoadedModel, LlmSettings]:
         f"{ranks}{invariant}"
     )
     notes = [note for step, note in recipe.notes if step not in ("int8", "int4")]
+    arch = loaded.checkpoint.multimodal_architecture
+    if arch is not None:
+        notes.insert(0, f"text only: {arch}'s language model is loaded, not its image encoder: images are unsupported")
     if loaded.quant != "none":  # quantized on load, or a quantized checkpoint
         notes.append(RECIPE.step("int8").fallback(Target(loaded.device, args.dtype)))
     if settings.batch_invariant is None and not loaded.batch_invariant:

@@ -42,6 +42,9 @@ KNOWN_MODELS = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # What a hub download fetches: configs, tokenizer, chat template, safetensors weights.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+# ... but not the copy of the weights in Mistral's own format that Mistral's repositories hold beside
+# the Hugging Face shards (consolidated.safetensors: the whole model again, which genfast does not read).
+HUB_IGNORED = ["consolidated*.safetensors"]
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ def download_from_hub(repo_id: str, target: Path) -> Path:
 
     staging = staging_dir(target)
     try:
-        snapshot_download(repo_id, local_dir=staging, allow_patterns=HUB_PATTERNS)
+        snapshot_download(repo_id, local_dir=staging, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORED)
     except (OSError, HfHubHTTPError, ValueError) as e:
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses).
-ROPE_PERMUTED = {"llama", "smollm3", "granite"}
+ROPE_PERMUTED = {"llama", "smollm3", "granite", "mistral3"}
 
 
 def permute_for_gguf(w: torch.Tensor, n_heads: int) -> torch.Tensor:

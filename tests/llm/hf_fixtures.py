@@ -453,8 +453,13 @@ def hf_model_from_config(config: dict, seed: int = 0):
 def make_hf_model(name: str, seed: int = 0, **changes):
     """A transformers model with random weights for one of TINY_CONFIGS (`changes`: config fields
     that differ)."""
-    model = hf_model_from_config({**TINY_CONFIGS[name], **changes}, seed)
-    with torch.no_grad():  # HF initializes norms to ones; randomize them so they are tested too
+    return randomize_norms(hf_model_from_config({**TINY_CONFIGS[name], **changes}, seed))
+
+
+def randomize_norms(model):
+    """`model` with its norms and biases moved off HF's initial values (ones, zeros), so that they
+    are tested too, its routers' and DeepSeek's choice-only biases made decisive."""
+    with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)

@@ -37,8 +37,8 @@ def test_hub_id_downloads_into_cache_atomically(tmp_path, monkeypatch, umask_022
     source = save_hf_model(make_hf_model("smollm"), tmp_path / "fixture")
     calls = []
 
-    def fake_snapshot_download(repo_id, local_dir, allow_patterns):
-        calls.append((repo_id, allow_patterns))
+    def fake_snapshot_download(repo_id, local_dir, allow_patterns, ignore_patterns):
+        calls.append((repo_id, allow_patterns, ignore_patterns))
         shutil.copytree(source, local_dir, dirs_exist_ok=True)
         return str(local_dir)
 
@@ -48,6 +48,7 @@ def test_hub_id_downloads_into_cache_atomically(tmp_path, monkeypatch, umask_022
     path = hub.resolve_model("someorg/tiny-llama")
     assert path == paths.models_dir() / "someorg--tiny-llama"
     assert calls[0][0] == "someorg/tiny-llama" and "*.safetensors" in calls[0][1]
+    assert "consolidated*.safetensors" in calls[0][2]  # Mistral's own-format copy of the weights
     load_model(Checkpoint.open(path))  # a complete checkpoint
     assert hub.resolve_model("someorg/tiny-llama") == path and len(calls) == 1  # cached now
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no staging left

@@ -22,6 +22,7 @@ from genfast.errors import UserError
 from genfast.llm.checkpoints import random_model
 from genfast.llm.checkpoints.gguf_file import GGUFFile, is_gguf, open_gguf
 from genfast.llm.model.config import ModelArgs, RopeScaling, longrope_attention_factor
+from genfast.llm.model.families import multimodal
 from genfast.llm.model.reading import args_from_dict, args_from_gguf_metadata, args_from_hf_config
 
 if TYPE_CHECKING:
@@ -55,7 +56,11 @@ def detect_format(path: Path) -> Format:
 
 
 def _gguf_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*.gguf") if is_gguf(p))
+    """The GGUF files in a directory, less a vision model's projector (llama.cpp names it
+    mmproj-*.gguf) beside its language model: a download of Gemma 3's GGUF holds both."""
+    found = sorted(p for p in directory.glob("*.gguf") if is_gguf(p))
+    models = [p for p in found if "mmproj" not in p.name.lower()]
+    return models if models else found
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +87,14 @@ class Checkpoint:
     @cached_property
     def gguf(self) -> GGUFFile:
         """The GGUF file, parsed once for the config, weights and tokenizer read from it."""
-        return open_gguf(self.gguf_path)
+        gguf = open_gguf(self.gguf_path)
+        meta = gguf.metadata
+        if meta.get("general.architecture") == "clip" or meta.get("general.type") == "mmproj":
+            raise UserError(
+                f"{self.gguf_path} is a multimodal projector (mmproj: a vision model's image encoder), not a "
+                "language model; pass the model's own GGUF as --model (genfast loads the text part only)"
+            )
+        return gguf
 
     @cached_property
     def quantized(self) -> QuantizedCheckpoint:
@@ -101,10 +113,48 @@ class Checkpoint:
         return read_json(self.path / "config.json")
 
     @cached_property
+    def hf_weight_map(self) -> dict[str, str]:
+        """A Hugging Face directory's tensor names -> the safetensors file holding each: from its
+        index, or else from the files' headers (no tensor is read)."""
+        from safetensors import SafetensorError, safe_open
+
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            return dict(read_json(index)["weight_map"])
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in self.path.glob("*.bin")] + [p.name for p in self.path.glob("*.pt*")]
+            hint = (
+                f" (found {pickles[0]}: pickle checkpoints are not loaded, as they can run code; "
+                "convert them to safetensors)"
+                if pickles
+                else ""
+            )
+            raise UserError(f"{self.path}: no .safetensors weights found{hint}")
+        weight_map = {}
+        for name in files:
+            try:
+                with safe_open(str(self.path / name), framework="pt") as f:
+                    weight_map.update(dict.fromkeys(f.keys(), name))
+            except (OSError, SafetensorError) as e:
+                raise UserError(f"cannot read {self.path / name} (missing, truncated or corrupt): {e}") from e
+        return weight_map
+
+    @property
+    def multimodal_architecture(self) -> str | None:
+        """The architecture of a multimodal checkpoint (e.g. Gemma3ForConditionalGeneration) whose
+        language model alone genfast loads; None for a text model."""
+        if self.format != "hf" or not multimodal.is_wrapper(self.hf_config):
+            return None
+        return multimodal.architecture(self.hf_config)
+
+    @cached_property
     def args(self) -> ModelArgs:
-        """The model's architecture, read without its weights."""
+        """The model's architecture, read without its weights (a multimodal checkpoint's tensor
+        names say whether its output head is tied)."""
         if self.format == "hf":
-            return args_from_hf_config(self.hf_config)
+            names = set(self.hf_weight_map) if self.multimodal_architecture else None
+            return args_from_hf_config(self.hf_config, names)
         if self.format == "random":
             return random_model.random_args(self.path)
         if self.format == "gguf":

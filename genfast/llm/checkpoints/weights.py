@@ -13,16 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
+from typing import Any
 
 import torch
 
 from genfast.errors import UserError
 from genfast.llm.checkpoints import random_model
-from genfast.llm.checkpoints.checkpoint import Checkpoint, read_json
+from genfast.llm.checkpoints.checkpoint import Checkpoint
 from genfast.llm.checkpoints.gguf_file import GGUFFile
 from genfast.llm.model import families
 from genfast.llm.model.config import ModelArgs
+from genfast.llm.model.families import multimodal
 from genfast.llm.model.layers import TransformerBlock
 from genfast.llm.model.transformer import Transformer
 from genfast.nn import ExpertLinear
@@ -43,10 +44,12 @@ _HF_LAYER = {
     "attention_norm.weight": ["input_layernorm.weight"],
     "ffn_norm.weight": ["post_attention_layernorm.weight"],
 }
+# genfast name -> the source tensor's name after the decoder's or the output head's prefix
+# (multimodal.text_prefixes: "model." and "" in a text model's checkpoint).
 _HF_GLOBAL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+    "tok_embeddings.weight": ("decoder", "embed_tokens.weight"),
+    "norm.weight": ("decoder", "norm.weight"),
+    "output.weight": ("head", "lm_head.weight"),
 }
 _GGUF_LAYER = {
     "attention.wqkv.weight": ["attn_q.weight", "attn_k.weight", "attn_v.weight"],
@@ -119,9 +122,13 @@ def _source_filler(checkpoint: Checkpoint) -> Filler:
     args, path = checkpoint.args, checkpoint.path
     family = families.family(args.family)
     if checkpoint.format == "hf":
-        get, available = _hf_source(path, args if family.hf_rope_interleaved else None)
+        get, available = _hf_source(checkpoint, args if family.hf_rope_interleaved else None)
         layer_names = {**_HF_LAYER, **family.hf_layer_tensors}
-        layer_prefix, global_names = "model.layers.{i}.", _HF_GLOBAL
+        # A multimodal checkpoint's language model lies under its own prefixes; the rest is not read.
+        wrapped = checkpoint.multimodal_architecture is not None
+        prefixes = dict(zip(("decoder", "head"), multimodal.text_prefixes(available, wrapped)))
+        layer_prefix = prefixes["decoder"] + "layers.{i}."
+        global_names = {name: prefixes[part] + source for name, (part, source) in _HF_GLOBAL.items()}
         expert_names = family.hf_expert_tensors
         mxfp4_experts = _hf_mxfp4_experts(get, available, partial(family.load_tensor, args, "hf"))
         older_names: dict[str, list[str]] = {}
@@ -314,42 +321,30 @@ def gguf_quantized_linears(
     return found
 
 
-def _hf_source(path: Path, interleaved: ModelArgs | None = None) -> tuple[Callable[[str], torch.Tensor], set[str]]:
+def _hf_source(
+    checkpoint: Checkpoint, interleaved: ModelArgs | None = None
+) -> tuple[Callable[[str], torch.Tensor], set[str]]:
     """A getter of the tensors of a HF directory, and their names; `interleaved`: the args of a model
-    whose q/k rows are in interleaved rotary pairs, reordered to halves here."""
+    whose q/k rows are in interleaved rotary pairs, reordered to halves here. A file is opened when
+    a tensor is first read from it: a shard holding only what the model does not use (a
+    multimodal checkpoint's image encoder) is never opened."""
     from safetensors import SafetensorError, safe_open
 
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = read_json(index)["weight_map"]
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-        if not files:
-            pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
-            hint = (
-                (
-                    f" (found {pickles[0]}: pickle checkpoints are not loaded, as they can run code; "
-                    "convert them to safetensors)"
-                )
-                if pickles
-                else ""
-            )
-            raise UserError(f"{path}: no .safetensors weights found{hint}")
-        weight_map = {}
+    weight_map = checkpoint.hf_weight_map
     handles = {}
-    for name in files:
-        try:
-            handles[name] = safe_open(str(path / name), framework="pt")
-        except (OSError, SafetensorError) as e:
-            raise UserError(f"cannot read {path / name} (missing, truncated or corrupt): {e}") from e
-        if not index.is_file():
-            weight_map.update(dict.fromkeys(handles[name].keys(), name))
+
+    def handle(name: str) -> Any:  # safetensors' handle type is not public
+        if name not in handles:
+            try:
+                handles[name] = safe_open(str(checkpoint.path / name), framework="pt")
+            except (OSError, SafetensorError) as e:
+                raise UserError(f"cannot read {checkpoint.path / name} (missing, truncated or corrupt): {e}") from e
+        return handles[name]
 
     heads = {} if interleaved is None else {"q_proj": interleaved.n_heads, "k_proj": interleaved.n_kv_heads}
 
     def get(name: str) -> torch.Tensor:
-        tensor = handles[weight_map[name]].get_tensor(name)
+        tensor = handle(weight_map[name]).get_tensor(name)
         kind = name.split(".")[-2]
         return unpermute_rope_rows(tensor, heads[kind], interleaved.rotary_dim) if kind in heads else tensor
 

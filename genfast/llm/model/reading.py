@@ -16,10 +16,26 @@ from genfast.llm.model.config import (
     longrope_attention_factor,
     yarn_attention_factor,
 )
+from genfast.llm.model.families import multimodal
+
+# The quantization_config methods whose tensors genfast reads: gpt-oss's MXFP4 experts
+# (genfast/llm/checkpoints/weights.py). FP8 (DeepSeek-V3's release, for one), GPTQ, AWQ and
+# bitsandbytes checkpoints are refused.
+READABLE_QUANT_METHODS = ("mxfp4",)
 
 
-def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
-    """From a Hugging Face config.json (transformers 4.x and 5.x spellings)."""
+def args_from_hf_config(cfg: dict[str, Any], tensor_names: set[str] | None = None) -> ModelArgs:
+    """From a Hugging Face config.json (transformers 4.x and 5.x spellings). A multimodal wrapper's
+    (Gemma 3 4B+, Mistral Small 3.1): its language model's (genfast/llm/model/families/multimodal.py),
+    whose tied embeddings are read off `tensor_names`, the checkpoint's, where given."""
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method is not None and method not in READABLE_QUANT_METHODS:  # its tensors would load as if unscaled
+        raise UserError(
+            f"this checkpoint's weights are quantized with {method!r} (its quantization_config), which genfast "
+            "does not read; use the model's bf16 release or a GGUF file (genfast quantizes with --quant)"
+        )
+    if multimodal.is_wrapper(cfg):
+        cfg = multimodal.text_config(cfg, families.hf_model_types(), tensor_names)
     model_type = cfg.get("model_type")
     if model_type not in families.hf_model_types():
         raise UserError(

@@ -178,3 +178,16 @@ def test_gpt_oss_20b_has_its_published_20_91b_and_3_61b_active():
     assert parameter_counts(args)[0] == pytest.approx(20.91e9, abs=0.005e9)
     # OpenAI's model card counts the output head but not the looked-up embedding as active.
     assert parameter_counts(args)[1] - args.vocab_size * args.dim == pytest.approx(3.61e9, abs=0.005e9)
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "awq", "bitsandbytes"])
+def test_checkpoints_quantized_in_formats_genfast_does_not_read_are_refused(method):
+    """Their tensors would otherwise load as if unscaled; a wrapper's top-level config says it too."""
+    quantized = dict(TINY_CONFIGS["llama3"], quantization_config={"quant_method": method})
+    with pytest.raises(UserError, match=f"quantized with '{method}'"):
+        args_from_hf_config(quantized)
+    text = {k: v for k, v in TINY_CONFIGS["mistral_window"].items() if k != "architectures"}
+    wrapper = {"model_type": "mistral3", "text_config": text, "quantization_config": {"quant_method": method}}
+    with pytest.raises(UserError, match=f"quantized with '{method}'"):
+        args_from_hf_config(wrapper)
+    assert args_from_hf_config(dict(TINY_CONFIGS["llama3"], quantization_config={"quant_method": "mxfp4"}))

@@ -94,9 +94,9 @@ def test_logits_from_safetensors_and_gguf_equal_transformers(family_model, tmp_p
             torch.testing.assert_close(model(tokens, torch.arange(23), all_logits=True), expected, atol=ATOL, rtol=0)
 
 
-def check_cli_greedy_equals_transformers(hf, directory: Path, prompt: list[int], new_tokens: int, capsys) -> None:
+def check_cli_greedy_equals_transformers(hf, directory: Path, prompt: list[int], new_tokens: int, capsys) -> str:
     """`genfast generate --dtype float32 --no-compile` on `prompt` (word-tokenizer text) prints the
-    text of transformers' greedy `new_tokens`."""
+    text of transformers' greedy `new_tokens`; returns what it wrote to stderr."""
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()  # fmt: skip
     tokenizer = load_tokenizer(Checkpoint.open(directory))
@@ -104,7 +104,9 @@ def check_cli_greedy_equals_transformers(hf, directory: Path, prompt: list[int],
     argv = ["generate", text, "--model", str(directory), "--dtype", "float32", "-n", str(new_tokens), "--no-compile",
             "--quiet"]  # fmt: skip
     assert cli.main(argv) == 0
-    assert capsys.readouterr().out.strip() == tokenizer.decode(want).strip()
+    out, err = capsys.readouterr()
+    assert out.strip() == tokenizer.decode(want).strip()
+    return err
 
 
 def test_greedy_text_through_the_cli_equals_transformers(family_model, capsys):

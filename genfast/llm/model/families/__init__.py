@@ -5,11 +5,14 @@ config differs from the shared reading (genfast.llm.model.config.ModelArgs), whi
 classes it builds (genfast/llm/model/layers.py, subclassed where it differs) and the names of any
 tensors of its own in both formats. Adding a family is a module here plus its entry in `_registry`.
 
-Registered: llama (Llama, Mistral, SmolLM/SmolLM2), mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2,
-gemma3, smollm3 (NoPE layers), seed_oss, olmo2 (OLMo 2 and 3), granite, ernie4_5, exaone4, glm4
-and hunyuan_dense (model_type hunyuan_v1_dense). Several are a few lines of data over the shared
-blocks (qwen2, phi3, seed_oss, ernie4_5); the others subclass the shared attention or block (or
-another family's) only where they differ.
+Registered: llama (Llama, Mistral, SmolLM/SmolLM2), ministral3 (Llama 4's attention temperature),
+mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3, smollm3 (NoPE layers), seed_oss, olmo2
+(OLMo 2 and 3), granite, ernie4_5, exaone4, glm4 and hunyuan_dense (model_type hunyuan_v1_dense).
+Several are a few lines of data over the shared blocks (qwen2, phi3, seed_oss, ernie4_5); the
+others subclass the shared attention or block (or another family's) only where they differ.
+
+Multimodal checkpoints whose language model is one of these (Gemma 3 4B-27B, Mistral Small 3.1/3.2,
+LLaVA) load as that family, their text part only: multimodal.py says which, as data.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from genfast.llm.model.families import (
     granite,
     hunyuan_dense,
     llama,
+    ministral3,
     mixtral,
     olmo2,
     phi3,
@@ -43,6 +47,7 @@ def _registry() -> dict[str, Family]:
     found: dict[str, Family] = {}
     every = (
         llama,
+        ministral3,
         mixtral,
         qwen2,
         qwen3,
