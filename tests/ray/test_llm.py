@@ -14,7 +14,7 @@ import pytest
 from genfast import cli
 from genfast.serve.offline import LLM
 from tests.llm.hf_fixtures import save_tiny_chat_model
-from tests.ray.workers import run_killing_a_worker
+from tests.ray.workers import run_driver, run_killing_a_worker
 
 FLAGS = ["--no-compile", "--dtype", "float32", "--device", "cpu", "--max-batch", "2"]
 
@@ -90,9 +90,7 @@ def test_the_ray_data_pipeline_writes_the_input_rows_with_their_answers(model_di
         f"print(generate_jsonl({str(source)!r}, {str(folder)!r}, {llm!r}, sampling={{'max_new_tokens': 5}}, "
         f"address={ray_cluster!r}, concurrency=2))"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-1] == "6"
+    assert run_driver(script) == "6"
     rows = [json.loads(line) for path in folder.glob("*.json") for line in path.read_text().splitlines() if line]
     argv = ["generate", "--model", str(model_dir), "--input", str(source), "--output", str(alone), *FLAGS, "-n", "5"]
     assert cli.main(argv) == 0

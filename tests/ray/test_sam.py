@@ -20,7 +20,7 @@ from PIL import Image
 from genfast import cli
 from genfast.sam.build import build_sam
 from genfast.sam.segmenter import Segmenter, masks_json
-from tests.ray.workers import run_killing_a_worker
+from tests.ray.workers import run_driver, run_killing_a_worker
 from tests.sam.oracle import randomize_
 from tests.sam.test_batch_command import SIZES, picture
 from tests.sam.test_modeling import TINY
@@ -117,9 +117,7 @@ def test_the_ray_data_pipeline_writes_a_row_per_image(ray_cluster, checkpoint, t
         f"print(segment_images(sorted(glob.glob({str(photos / '*')!r})), {str(out)!r}, {arguments!r}, "
         f"prompt={{'points': [[20, 25]]}}, address={ray_cluster!r}, concurrency=2, batch_size=2))"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-1] == str(len(SIZES) + 2)
+    assert run_driver(script) == str(len(SIZES) + 2)
     by_name = rows_of(out)
     assert len(by_name) == len(SIZES) + 2
     assert "outside the image" in by_name["small.png"]["error"] and by_name["small.png"]["masks"] is None

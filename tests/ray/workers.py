@@ -1,13 +1,22 @@
-"""Finding and killing the Ray Data actors of a batch run, to check that a lost worker loses no item."""
+"""Driver scripts on the test cluster, and finding and killing the Ray Data actors of a batch run,
+to check that a lost worker loses no item."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+
+def run_driver(script: str) -> str:
+    """Run `script` as a Python driver program; the last word it printed (what its pipeline returned)."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()[-1]
 
 
 def map_workers(callable_class: str) -> list[int]:
