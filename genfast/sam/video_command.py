@@ -19,13 +19,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from genfast.errors import UserError
+
+if TYPE_CHECKING:
+    from genfast.sam.modeling.sam import Sam
+    from genfast.sam.sam2.modeling.model import Sam2
+    from genfast.sam.video_io import VideoFrames
 
 VIDEO_SUFFIXES = (".mp4", ".mov", ".m4v", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts")
 DEFAULT_VIDEO_MODEL = "sam2.1-hiera-tiny"
@@ -124,6 +130,36 @@ def check_video_prompts(prompts: list[VideoPrompt], num_frames: int, height: int
                 raise UserError(f"{prompt.text} is outside the frame ({where})")
 
 
+def require_sam2(model: Sam | Sam2, description: str, hint: str) -> None:
+    """Refuse a SAM (1) model for a video: only SAM 2 has the memory that tracks objects."""
+    from genfast.sam.sam2.modeling.model import Sam2
+
+    if not isinstance(model, Sam2):
+        raise UserError(f"{description} is a SAM (1) model: videos need SAM 2 ({hint})")
+
+
+def track_objects(
+    model: Sam2, video: VideoFrames, prompts: list[VideoPrompt]
+) -> Iterator[tuple[int, dict[int, np.ndarray]]]:
+    """Each frame's masks (object id -> bool HxW) as SAM 2 tracks the prompted objects: forwards
+    from the earliest prompted frame to the end, then backwards to the first frame; every frame
+    once, as it is tracked (the caller decides what to keep: nothing here grows with the video)."""
+    from genfast.sam.sam2.video import SAM2VideoPredictor
+
+    predictor = SAM2VideoPredictor(model)
+    state = predictor.init_state(video)
+    for p in prompts:
+        predictor.add_new_points_or_box(
+            state, p.frame, p.object_id, points=p.points, labels=p.labels, box=p.box, normalize_coords=True
+        )
+    first = min(p.frame for p in prompts)
+    for reverse in [False] + ([True] if first > 0 else []):
+        for frame_idx, obj_ids, masks in predictor.propagate_in_video(state, start_frame_idx=first, reverse=reverse):
+            if reverse and frame_idx == first:
+                continue  # the forward pass gave it
+            yield frame_idx, {int(i): masks[k, 0].cpu().numpy() > 0 for k, i in enumerate(obj_ids)}
+
+
 def segment_video_command(args: argparse.Namespace) -> int:
     from genfast.interface.progress import Progress
     from genfast.platform.hardware import dtype_name, resolve_device
@@ -131,8 +167,6 @@ def segment_video_command(args: argparse.Namespace) -> int:
     from genfast.recipe import Target
     from genfast.sam.commands import RANDOM_WEIGHTS_WARNING, load_model
     from genfast.sam.recipe import RECIPE, apply_recipe
-    from genfast.sam.sam2.modeling.model import Sam2
-    from genfast.sam.sam2.video import SAM2VideoPredictor
     from genfast.sam.video_io import VideoOutputPaths, VideoResultWriter, open_video
 
     prompts = parse_video_prompts(args)
@@ -156,11 +190,7 @@ def segment_video_command(args: argparse.Namespace) -> int:
     if args.model is None and args.checkpoint is None:
         args.model = DEFAULT_VIDEO_MODEL
     loaded = load_model(args, device)
-    if not isinstance(loaded.model, Sam2):
-        raise UserError(
-            f"{loaded.description} is a SAM (1) model: videos need SAM 2 (--model sam2.1-hiera-tiny, or a "
-            "sam2.1_hiera_*.pt --checkpoint)"
-        )
+    require_sam2(loaded.model, loaded.description, "--model sam2.1-hiera-tiny, or a sam2.1_hiera_*.pt --checkpoint")
     apply_recipe(loaded.model, plan.settings)
     if loaded.random_weights:
         _log(f"genfast: WARNING: {RANDOM_WEIGHTS_WARNING}")
@@ -186,23 +216,12 @@ def segment_video_command(args: argparse.Namespace) -> int:
         for p in prompts
     ]
     png_text = {"genfast:model": loaded.description, "genfast:random-weights": str(loaded.random_weights).lower()}
-    predictor = SAM2VideoPredictor(loaded.model)
     start = time.perf_counter()
     with VideoResultWriter(video, paths, args.force, header, png_text) as writer:
-        state = predictor.init_state(video)
-        for p in prompts:
-            predictor.add_new_points_or_box(
-                state, p.frame, p.object_id, points=p.points, labels=p.labels, box=p.box, normalize_coords=True
-            )
-        first = min(p.frame for p in prompts)
         progress = Progress(video.num_frames, "frames")
-        for reverse in [False] + ([True] if first > 0 else []):
-            tracked = predictor.propagate_in_video(state, start_frame_idx=first, reverse=reverse)
-            for frame_idx, obj_ids, masks in tracked:
-                if reverse and frame_idx == first:
-                    continue  # the forward pass wrote it
-                writer.add(frame_idx, {int(i): masks[k, 0].cpu().numpy() > 0 for k, i in enumerate(obj_ids)})
-                progress.advance()
+        for frame_idx, masks in track_objects(loaded.model, video, prompts):
+            writer.add(frame_idx, masks)
+            progress.advance()
         progress.finish()
         tracked_s = time.perf_counter() - start
         _log("genfast: writing masks.json" + (" and the overlay video ..." if paths.overlay else ""))
