@@ -6,6 +6,8 @@ through the encoder together, `batch_size` at a time), `segment_everything(image
 (the automatic mask generator). Each image's result is a `Segmentation`: boolean masks, best
 first (by predicted IoU for prompts, by area for everything), and a record per mask (predicted
 IoU, area, XYWH box; the automatic generator's stability score and crop box too).
+`track(video, points=..., boxes=...)` follows objects through a video with SAM 2, as `genfast
+segment VIDEO` does: each frame's masks by object id.
 
 Its arguments mean what `genfast segment`'s flags do, and are checked by the same parser. A
 `Segmenter` pickles as those arguments and is rebuilt from them where it is unpickled, and it is
@@ -19,7 +21,7 @@ import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +39,9 @@ from genfast.sam.commands import (
     segment_prompts,
 )
 
+if TYPE_CHECKING:
+    from genfast.sam.video_io import VideoFrames
+
 ImageInput = np.ndarray | str | Path  # HxWx3 uint8 RGB, or an image file
 
 
@@ -53,7 +58,7 @@ def _parsed_flags(flags: list[str]) -> argparse.Namespace:
 
 
 class Segmenter:
-    """A loaded SAM or SAM 2 model that segments lists of images.
+    """A loaded SAM or SAM 2 model that segments lists of images (and, SAM 2, tracks objects in videos).
 
     `model`, `checkpoint`, `random_weights`, `recipe`, `dtype`, `device` and `threads` choose and
     run the model as `genfast segment --model ...` does (default sam-vit-b from the cache);
@@ -125,6 +130,48 @@ class Segmenter:
                 raise UserError(f"image {index}: {e}") from e
         return self._in_batches(arrays, prompt, multimask)
 
+    def track(
+        self,
+        video: str | Path | VideoFrames,
+        *,
+        points: Sequence[Sequence[float]] | None = None,
+        labels: Sequence[int] | None = None,
+        boxes: Sequence[Sequence[float]] | None = None,
+        object_id: int | Sequence[int] = 1,
+        frame: int | Sequence[int] = 0,
+    ) -> list[dict[int, np.ndarray]]:
+        """SAM 2 video tracking, as `genfast segment VIDEO` does it: each frame's masks, in frame
+        order, as {object id: bool HxW mask}. `video`: a video file, a folder of numbered frames or
+        an open `genfast.sam.video_io.VideoFrames`. Each of `points` [[x, y], ...] (with `labels`,
+        1 foreground, 0 background) and each of `boxes` [[x0, y0, x1, y1], ...] is one prompt;
+        `object_id` and `frame` say which object it marks and on which frame, once for all prompts
+        or once per prompt (the points, then the boxes): the command's --object and --frame. The
+        points of one object on one frame form one prompt. Every object is tracked forwards from
+        the earliest prompted frame, then backwards. The masks are kept in memory (a 1080p frame's
+        is 2 MB per object): for long videos, the command streams them to files. A SAM (1) model,
+        a missing or unreadable video, a frame out of range or a prompt outside the frames raise
+        UserError."""
+        from genfast.sam.video_command import check_video_prompts, parse_video_prompts, require_sam2, track_objects
+        from genfast.sam.video_io import open_video
+
+        require_sam2(self.model, self.loaded.description, "e.g. Segmenter('sam2.1-hiera-tiny')")
+        prompts = parse_video_prompts(
+            argparse.Namespace(
+                auto=False,
+                point=[_numbers_text(p) for p in points or ()],
+                label=[str(int(v)) for v in labels] if labels is not None else [],
+                box=[_numbers_text(b) for b in boxes or ()],
+                object=_per_prompt_text(object_id),
+                frame=_per_prompt_text(frame),
+            )
+        )
+        frames = open_video(video) if isinstance(video, (str, Path)) else video
+        check_video_prompts(prompts, frames.num_frames, frames.height, frames.width)
+        results: list[dict[int, np.ndarray]] = [{} for _ in range(frames.num_frames)]
+        for index, masks in track_objects(self.model, frames, prompts):
+            results[index] = masks
+        return results
+
     def segment_everything(self, images: ImageInput | Sequence[ImageInput]) -> list[Segmentation]:
         """Every object of each image (the automatic mask generator), masks by decreasing area."""
         return [segment_auto(self.model, image, self.args) for image in _images(images)]
@@ -194,15 +241,25 @@ def make_prompt(
     points: Sequence[Sequence[float]] | None, labels: Sequence[int] | None, box: Sequence[float] | None
 ) -> Prompt:
     """A prompt from Python values, checked as the command checks its flags."""
-    point_texts = [",".join(str(float(v)) for v in p) for p in points or ()]
+    point_texts = [_numbers_text(p) for p in points or ()]
     flags = argparse.Namespace(
         auto=False,
         multimask=False,
         point=point_texts,
         label=[str(int(v)) for v in labels] if labels is not None else [],
-        box=[",".join(str(float(v)) for v in box)] if box is not None else [],
+        box=[_numbers_text(box)] if box is not None else [],
     )
     return parse_prompt(flags)
+
+
+def _numbers_text(values: Sequence[float]) -> str:
+    return ",".join(str(float(v)) for v in values)
+
+
+def _per_prompt_text(value: int | Sequence[int]) -> list[str]:
+    """An `object_id` or `frame` argument as the command's repeated flag values."""
+    values = [value] if isinstance(value, (int, np.integer)) else list(value)
+    return [str(int(v)) if isinstance(v, (int, np.integer)) and v >= 0 else repr(v) for v in values]
 
 
 def masks_json(result: Segmentation) -> str:
