@@ -172,9 +172,17 @@ def _segmentation(masks: str) -> Segmentation:
 def segment_command(args: argparse.Namespace) -> int:
     """`genfast segment DIR_OR_GLOB -o OUTDIR --ray [ADDRESS]`: the images on the cluster. Exit
     status 1 when an image was left out."""
-    if args.video:
-        raise UserError("--video does not apply with --ray, which segments many images")
-    if Path(args.image).expanduser().is_file():
+    from genfast.sam.segment import input_kind
+
+    # Decided as without --ray, before the cluster is joined.
+    kind = input_kind(args)
+    if kind == "video":
+        raise UserError(
+            f"{args.image} is a video (a video file or a folder of numbered frames): SAM 2 tracks objects "
+            "frame after frame, in one process, so --ray does not apply; drop --ray (or pass --images to "
+            "segment the frames as separate images)"
+        )
+    if kind == "image":
         raise UserError(f"--ray is for many images (a folder or a glob pattern); {args.image} is one file")
     summary = segment_folder(args)
     print(f"genfast: {summary.line()} on Ray; outputs in {args.output}", file=sys.stderr, flush=True)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Literal
 
 
-def segment(args: argparse.Namespace) -> int:
+def input_kind(args: argparse.Namespace) -> Literal["image", "video", "images"]:
+    """What INPUT is: one image file; a video file or a folder of numbered frames (or any, with
+    --video); or many images (a glob pattern, another folder, or a folder with --images). The
+    --ray path asks too: it takes many images only."""
     from genfast.errors import UserError
-    from genfast.sam.batch_command import is_frame_folder, is_glob, segment_images_command
-    from genfast.sam.commands import segment_command
-    from genfast.sam.video_command import VIDEO_SUFFIXES, segment_video_command
+    from genfast.sam.batch_command import is_frame_folder, is_glob
+    from genfast.sam.video_command import VIDEO_SUFFIXES
 
     if args.images and args.video:
         raise UserError("give --images or --video, not both")
@@ -20,13 +23,18 @@ def segment(args: argparse.Namespace) -> int:
     if is_glob(args.image) and not source.exists():
         if args.video:
             raise UserError("--video takes a video file or a folder of frames, not a glob pattern")
-        return segment_images_command(args)
+        return "images"
     if source.is_dir():
-        if args.video or (not args.images and is_frame_folder(source)):
-            return segment_video_command(args)
-        return segment_images_command(args)
+        return "video" if args.video or (not args.images and is_frame_folder(source)) else "images"
     if args.images:
         raise UserError(f"--images is for a folder or a glob pattern; {args.image} is a file")
-    if args.video or source.suffix.lower() in VIDEO_SUFFIXES:
-        return segment_video_command(args)
-    return segment_command(args)
+    return "video" if args.video or source.suffix.lower() in VIDEO_SUFFIXES else "image"
+
+
+def segment(args: argparse.Namespace) -> int:
+    from genfast.sam.batch_command import segment_images_command
+    from genfast.sam.commands import segment_command
+    from genfast.sam.video_command import segment_video_command
+
+    command = {"image": segment_command, "video": segment_video_command, "images": segment_images_command}
+    return command[input_kind(args)](args)

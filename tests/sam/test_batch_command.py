@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from genfast.cli import main
+from genfast.errors import UserError
 from genfast.sam.batch_command import image_paths, is_frame_folder
 from genfast.sam.build import build_sam
 from genfast.sam.sam2.build import build_random_sam2, to_official_keys
@@ -140,3 +141,26 @@ def test_numbered_frames_are_a_video_unless_images_is_given(tmp_path):
         Image.fromarray(picture(16, 16, i)).save(photos / f"IMG_{i}.jpg")
     assert is_frame_folder(frames) and not is_frame_folder(photos)
     assert [p.name for p in image_paths(str(frames))] == ["00000.jpg", "00001.jpg", "00002.jpg"]
+
+
+def test_ray_refuses_a_video_before_joining_a_cluster(tmp_path, monkeypatch, capsys):
+    import genfast.ray.sam
+
+    def no_cluster(address):
+        raise UserError("the cluster was joined")
+
+    monkeypatch.setattr(genfast.ray.sam, "connect", no_cluster)
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for i in range(3):
+        Image.fromarray(picture(16, 16, i)).save(frames / f"{i:05d}.jpg")
+    (tmp_path / "clip.mp4").write_bytes(b"")
+    flags = ["--point", "1,1", "-o", str(tmp_path / "out"), "--ray"]
+    for source in (frames, tmp_path / "clip.mp4"):
+        assert main(["segment", str(source), *flags]) == 2
+        err = capsys.readouterr().err
+        assert "is a video" in err and "--ray does not apply; drop --ray" in err, err
+    # --images makes the frames separate images, which --ray takes: on to the (here refused) cluster.
+    assert main(["segment", str(frames), "--images", *flags]) == 2
+    assert "the cluster was joined" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
