@@ -57,6 +57,7 @@ constexpr int64_t kKeyChunk = 256;        // beyond, passes of this many keys
 constexpr int64_t kLongQueryBlock = 128;  // over this many query rows per task
 constexpr int kRows = 4;             // query rows per register tile
 constexpr int kKeyVectors = 4;       // 16-key vectors per register tile of S
+constexpr int64_t kRelayoutKeys = 1024;  // keys per task of the shared re-layout (a multiple of 16)
 constexpr int64_t kRowPad = 16;      // K's and the scores' rows are this much longer than N_pad
 
 // exp(x) for x <= 0 to the precision the probabilities keep (bf16): 2^n * p(r) with
@@ -217,19 +218,33 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   const bool shared = blocks > 1;
   const auto* k16 = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* v16 = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  auto relayout = [&](int64_t bh, uint32_t* kpb, uint32_t* vpb) {
-    for (int64_t j = 0; j < n; ++j) {
-      const auto* row = reinterpret_cast<const uint32_t*>(k16 + row_offset(k, bh, j));
-      for (int64_t c2 = 0; c2 < pairs; ++c2) kpb[c2 * k_ld + j] = row[c2];
+  // Keys [j_begin, j_end) of head bh (both even, j_end <= n_pad). K is transposed 16 keys at a
+  // time: each channel pair's 16 keys fill one cache line, read from 16 rows that stay in L1 (key
+  // by key, each key's row was scattered over `pairs` lines, a third of a 28.7K-key call's
+  // re-layout time on Zen 4).
+  auto relayout = [&](int64_t bh, uint32_t* kpb, uint32_t* vpb, int64_t j_begin, int64_t j_end) {
+    const int64_t real_end = std::min(j_end, n);
+    for (int64_t j = j_begin; j < real_end; j += 16) {
+      const int64_t len = std::min<int64_t>(16, real_end - j);
+      const uint32_t* rows[16];
+      for (int64_t jj = 0; jj < len; ++jj) rows[jj] = reinterpret_cast<const uint32_t*>(k16 + row_offset(k, bh, j + jj));
+      for (int64_t c2 = 0; c2 < pairs; ++c2) {
+        uint32_t* dst = kpb + c2 * k_ld + j;
+        for (int64_t jj = 0; jj < len; ++jj) dst[jj] = rows[jj][c2];
+      }
     }
     for (int64_t c2 = 0; c2 < pairs; ++c2)
-      for (int64_t j = n; j < n_pad; ++j) kpb[c2 * k_ld + j] = 0;
-    for (int64_t j2 = 0; j2 < key_pairs; ++j2) {
+      for (int64_t j = std::max(j_begin, n); j < j_end; ++j) kpb[c2 * k_ld + j] = 0;
+    for (int64_t j2 = j_begin / 2; j2 < j_end / 2; ++j2) {
       const int64_t j = 2 * j2;
       const uint16_t* even = j < n ? v16 + row_offset(v, bh, j) : nullptr;
       const uint16_t* odd = j + 1 < n ? v16 + row_offset(v, bh, j + 1) : nullptr;
-      for (int64_t ch = 0; ch < c; ++ch)
-        vpb[j2 * c + ch] = (even ? even[ch] : 0u) | (odd ? static_cast<uint32_t>(odd[ch]) << 16 : 0u);
+      uint32_t* dst = vpb + j2 * c;
+      if (even && odd) {
+        for (int64_t ch = 0; ch < c; ++ch) dst[ch] = even[ch] | static_cast<uint32_t>(odd[ch]) << 16;
+      } else {
+        for (int64_t ch = 0; ch < c; ++ch) dst[ch] = (even ? even[ch] : 0u) | (odd ? static_cast<uint32_t>(odd[ch]) << 16 : 0u);
+      }
     }
   };
   at::Tensor kp, vp;
@@ -238,8 +253,14 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     vp = at::empty({bh_count, key_pairs, c}, q.options().dtype(at::kInt));
     auto* kp32 = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
     auto* vp32 = reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>());
-    at::parallel_for(0, bh_count, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) relayout(bh, kp32 + bh * pairs * k_ld, vp32 + bh * key_pairs * c);
+    // In blocks of keys as well as heads: the memory attention has one head (a 28.7K-key call's
+    // re-layout took ~13 ms on one thread while the other waited).
+    const int64_t key_blocks = (n_pad + kRelayoutKeys - 1) / kRelayoutKeys;
+    at::parallel_for(0, bh_count * key_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t bh = t / key_blocks, j0 = (t % key_blocks) * kRelayoutKeys;
+        relayout(bh, kp32 + bh * pairs * k_ld, vp32 + bh * key_pairs * c, j0, std::min(j0 + kRelayoutKeys, n_pad));
+      }
     });
   }
 
@@ -273,7 +294,7 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
       const auto* qb = reinterpret_cast<const uint32_t*>(q16 + row_offset(q, bh, i0));
       const uint32_t* kpb = shared ? kp32 + bh * pairs * k_ld : own_k.data();
       const uint32_t* vpb = shared ? vp32 + bh * key_pairs * c : own_v.data();
-      if (!shared) relayout(bh, own_k.data(), own_v.data());
+      if (!shared) relayout(bh, own_k.data(), own_v.data(), 0, n_pad);
       std::fill(outputs.begin(), outputs.begin() + rows * c, 0.0f);
       std::fill(row_max.begin(), row_max.begin() + rows, -INFINITY);
       std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
