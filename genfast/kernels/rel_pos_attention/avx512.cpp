@@ -253,8 +253,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     vp = at::empty({bh_count, key_pairs, c}, q.options().dtype(at::kInt));
     auto* kp32 = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
     auto* vp32 = reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>());
-    // In blocks of keys as well as heads: the memory attention has one head (a 28.7K-key call's
-    // re-layout took ~13 ms on one thread while the other waited).
+    // In blocks of keys as well as heads: the memory attention has one head, whose re-layout of
+    // ~29K keys would otherwise run on one thread while the others wait.
     const int64_t key_blocks = (n_pad + kRelayoutKeys - 1) / kRelayoutKeys;
     at::parallel_for(0, bh_count * key_blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {

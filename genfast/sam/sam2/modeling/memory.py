@@ -54,7 +54,7 @@ def apply_rope(x: Tensor, rope: RopeTables) -> Tensor:
         rotated = torch.stack((x0 * rope.cos - x1 * rope.sin, x0 * rope.sin + x1 * rope.cos), dim=-1)
         return rotated.flatten(-2).flatten(-3, -2).to(x.dtype)
     # Eager: one vectorized complex product, where the real form's products of strided halves
-    # took ~5 passes (4096 x 256 bf16 on one Zen 4 thread: 5.3 -> 0.35 ms; 7 x 4096 keys 24 -> 5 ms).
+    # take ~5 passes over the keys (docs/notes.md has the timings).
     pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
     rotated = pairs.unflatten(-2, (-1, n)) * rope.rotations
     return torch.view_as_real(rotated).flatten(-2).flatten(-3, -2).to(x.dtype)
