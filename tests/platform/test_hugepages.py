@@ -53,9 +53,9 @@ def test_moves_large_tensors_into_one_advised_mapping_and_keeps_values_identity_
     small = model.up.bias
     assert small.nbytes < hugepages.MIN_BYTES and small.data_ptr() not in range(addresses[0], addresses[-1])
     total, advised, granted = hugepages.placement(model)
-    # Small tensors may sit in advised memory too: in the full suite some did (memory that other code,
-    # numpy for one, advised and the allocator later reused).
-    assert moved <= advised < total and 0 <= granted <= advised
+    # Small tensors may sit in advised memory too, all of them at times: in the full suite some did
+    # (memory that other code, numpy for one, advised and the allocator later reused).
+    assert moved <= advised <= total and 0 <= granted <= advised
     # The module still computes the same thing.
     x = torch.randn(3, 256).bfloat16()
     assert torch.equal(model.up(x), nn.functional.linear(x, before["up.weight"], before["up.bias"]))
