@@ -130,7 +130,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket | None) -> int:
     sock.listen(config.backlog)  # connections from here on wait for uvicorn's first accept
     url = url_of(sock, args.host)
     _log(f"genfast: answering on {url} while the model loads (/health: 503 until it is ready)")
-    loader = _Loader(load_ready_engine, args, default_threads, lambda engine: _start_serving(app, engine, url), server)
+    loader = _Loader(
+        lambda: load_ready_engine(args, default_threads), lambda engine: _start_serving(app, engine, url), server
+    )
     try:
         server.run(sockets=[sock])
     finally:  # also when uvicorn stops on an error: tensor-parallel followers must stop too
@@ -191,15 +193,13 @@ def _start_serving(app: FastAPI, engine: Engine, url: str) -> None:
 
 
 class _Loader:
-    """`load(args, default_threads)` (`load_ready_engine`) on a thread of its own, while the server
+    """`load()` (`load_ready_engine`) on a thread of its own, while the server
     answers "loading": the engine goes to `ready` once warmed up; a failure stops the `server`,
     and its caller raises it."""
 
     def __init__(
         self,
-        load: Callable[[argparse.Namespace, int], Engine],
-        args: argparse.Namespace,
-        default_threads: int,
+        load: Callable[[], Engine],
         ready: Callable[[Engine], None],
         server: uvicorn.Server,
     ) -> None:
@@ -207,16 +207,14 @@ class _Loader:
         self.engine: Engine | None = None
         self._stopped = False
         self._lock = threading.Lock()
-        self._args, self._default_threads, self._ready, self._server, self._load = (
-            args, default_threads, ready, server, load
-        )  # fmt: skip
+        self._load, self._ready, self._server = load, ready, server
         # A daemon: Ctrl-C during the load ends the process without waiting for it.
         self._thread = threading.Thread(target=self._run, name="genfast-load", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            engine = self._load(self._args, self._default_threads)
+            engine = self._load()
         except BaseException as e:  # re-raised on the main thread, as a load failing there would be
             self.failure = e
             self._server.should_exit = True
