@@ -75,6 +75,7 @@ class DiffusionSettings(steps.StepSettings):
     attention: str = "math"
     channels_last: bool = False
     fuse_qkv: bool = False
+    attention_kernel: bool = False  # FLUX.1's and SD3's attention by genfast's native CPU kernel
     conv1x1_linear: bool = False
     compile: str = "none"  # "none" | "full" (denoiser + VAE decoder) | "regional" (repeated blocks + VAE decoder)
     # CUDA: diffusion-fast's compile-time tuning (compiling.diffusion_inductor_options); the GPU
@@ -145,6 +146,23 @@ def _fused_qkv_declined(target: Target) -> str | None:
     return None
 
 
+def _attention_kernel_note(target: Target) -> str | None:
+    """How the fused-attention step runs here when not as the native kernel on FLUX.1's or SD3's
+    attention: SDPA on other denoisers, devices and dtypes."""
+    from genfast.diffusion.attention import KERNEL_DENOISERS
+
+    denoiser = _denoiser(target)
+    if denoiser is not None and denoiser not in KERNEL_DENOISERS:
+        return f"changes FLUX.1's and SD3's attention only ({denoiser}: SDPA)"
+    if target.device.type != "cpu":
+        return "the attention kernel is a CPU kernel: SDPA"
+    import torch
+
+    from genfast.kernels.rel_pos_attention.ops import cpu_fallback_note
+
+    return cpu_fallback_note(getattr(torch, steps.low_precision_name(target) or "float32"))
+
+
 def _vae_only_note(target: Target) -> str | None:
     """The convolution steps on a transformer pipeline: they run, on the VAE."""
     denoiser = _denoiser(target)
@@ -197,6 +215,12 @@ def _fuse_qkv(model: Any, settings: DiffusionSettings) -> None:
     from genfast.diffusion.attention import fuse_qkv
 
     fuse_qkv(model)
+
+
+def _use_attention_kernel(model: Any, settings: DiffusionSettings) -> None:
+    from genfast.diffusion.attention import use_attention_kernel
+
+    use_attention_kernel(model)
 
 
 def _conv1x1_to_linear(model: Any, settings: DiffusionSettings) -> None:
@@ -294,6 +318,15 @@ RECIPE = Recipe(
             transforms=(Transform(_fuse_qkv, MODELS, Stage.REWRITE),),
         ),
         Step(
+            "fused-attention",
+            "FLUX.1's and SD3's attention by genfast's native CPU kernel (AVX-512: bf16 dot products, "
+            "AVX2: fp32) instead of SDPA; other denoisers keep SDPA",
+            "as bf16 (fp32 on AVX-512: SDPA, exact)",
+            {"attention_kernel": True},
+            fallback=_attention_kernel_note,
+            transforms=(Transform(_use_attention_kernel, ("denoiser",), Stage.REWRITE),),
+        ),
+        Step(
             "conv1x1-linear",
             "every 1x1 Conv2d of denoiser and VAE runs as a Linear over channels",
             EXACT,
@@ -378,6 +411,8 @@ def validate(settings: DiffusionSettings, pipe: Any = None) -> None:
             f"block_cache_threshold must be >= 0 and block_cache_warmup >= 1, got {settings.block_cache_threshold} "
             f"and {settings.block_cache_warmup}"
         )
+    if settings.attention_kernel and settings.attention != "sdpa":
+        raise UserError("the attention kernel replaces SDPA: it needs attention 'sdpa'")
     if settings.fuse_qkv and settings.attention != "sdpa":
         raise UserError("fused QKV uses diffusers' FusedAttnProcessor2_0 (SDPA): it needs attention 'sdpa'")
     if pipe is None:

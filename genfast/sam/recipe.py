@@ -56,13 +56,7 @@ def _fused_attention_note(target: Target) -> str | None:
 
     from genfast.kernels.rel_pos_attention import ops as fused_attention
 
-    reason = fused_attention.unavailable_reason()
-    if reason:
-        return f"fused kernel unavailable ({reason}): SDPA"
-    dtype = getattr(torch, steps.low_precision_name(target) or "float32")
-    if not fused_attention.takes(dtype):
-        return f"the {fused_attention.loaded_isa()} kernel takes no {str(dtype).removeprefix('torch.')}: SDPA"
-    return None
+    return fused_attention.cpu_fallback_note(getattr(torch, steps.low_precision_name(target) or "float32"))
 
 
 def _sparse_2_4_unavailable(target: Target) -> str | None:

@@ -17,7 +17,7 @@ from PIL import Image
 from torch._dynamo.utils import counters
 
 from genfast import cli
-from genfast.diffusion.attention import FusedJointAttention, fuse_qkv, unfuse_qkv
+from genfast.diffusion.attention import JointAttention, fuse_qkv, unfuse_qkv
 from genfast.diffusion.conv1x1 import Conv1x1AsLinear
 from genfast.diffusion.generator import check_size
 from genfast.diffusion.group_norm import ChannelsLastGroupNorm
@@ -145,7 +145,7 @@ def test_fuse_unfuse_round_trip(arch):
     keys = transformer.state_dict().keys()
     assert any(k.endswith("to_qkv.weight") for k in keys) and any(k.endswith("to_added_qkv.weight") for k in keys)
     if arch == "sd3":
-        assert all(isinstance(p, FusedJointAttention) for p in transformer.attn_processors.values())
+        assert all(isinstance(p, JointAttention) for p in transformer.attn_processors.values())
     unfuse_qkv(transformer)
     after = transformer.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)

@@ -61,6 +61,17 @@ def takes(dtype: torch.dtype) -> bool:
     return dtype in DTYPES.get(loaded_isa(), ())
 
 
+def cpu_fallback_note(dtype: torch.dtype) -> str | None:
+    """Why attention on CPU inputs of `dtype` runs by SDPA here instead of this kernel (none is
+    loaded, or the loaded variant takes no `dtype`), for the recipes' notes; None when it runs."""
+    reason = unavailable_reason()
+    if reason:
+        return f"fused kernel unavailable ({reason}): SDPA"
+    if not takes(dtype):
+        return f"the {loaded_isa()} kernel takes no {str(dtype).removeprefix('torch.')}: SDPA"
+    return None
+
+
 def supports(q: Tensor) -> bool:
     """Whether the loaded kernel takes these queries ([..., N, C]): on a CPU, a dtype its variant
     computes in, C a multiple of 16 up to MAX_HEAD_DIM."""
@@ -107,6 +118,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     of a [B, Nq, heads, C] tensor."""
     q, k, v = (_readable(t) for t in (q, k, v))
     return torch.ops.genfast.attention(q, k, v, scale).transpose(1, 2)
+
+
+def attention_or_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C]: the native
+    kernel where it takes q (`supports`) and beats SDPA in the loaded variant (`attention_pays`),
+    else `F.scaled_dot_product_attention`. Returns [B, heads, Nq, C] (from the kernel, a view of
+    a [B, Nq, heads, C] tensor)."""
+    if supports(q) and attention_pays(k.shape[-2], q.shape[-1]):
+        return attention(q, k, v, q.shape[-1] ** -0.5)
+    return F.scaled_dot_product_attention(q, k, v)
 
 
 def materialized_bias(rel_h: Tensor, rel_w: Tensor) -> Tensor:

@@ -53,9 +53,8 @@ def sam2_attention(q: Tensor, k: Tensor, v: Tensor, impl: str) -> Tensor:
     softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C].
     "fused"/"auto": the native kernel where it takes q (CPU) and beats SDPA (the AVX2 variant on
     Hiera's global blocks only), else SDPA; "math" the explicit softmax; the rest SDPA."""
-    pays = rel_pos_kernel.supports(q) and rel_pos_kernel.attention_pays(k.shape[-2], q.shape[-1])
-    if impl in ("auto", "fused") and pays:
-        return rel_pos_kernel.attention(q, k, v, q.shape[-1] ** -0.5)
+    if impl in ("auto", "fused"):
+        return rel_pos_kernel.attention_or_sdpa(q, k, v)
     return attention(q, k, v, impl)
 
 
