@@ -16,6 +16,11 @@ decline (`Step.declined`, e.g. the bf16 step under --dtype float32):
 A step that runs in a lesser form here (`Step.fallback`, e.g. without its native kernel) runs, and
 its note goes into `Plan.notes` and the bench row.
 
+A step's parameters (`Step.tunes`: settings fields it reads but does not set, e.g. the feature
+cache's threshold) keep their dataclass defaults unless a plan is made with values for them
+(`Recipe.plan(..., tuned=)`, e.g. from a bench flag): then they change in the plans that apply
+their step only, and each change is a note of that step in `Plan.notes`.
+
 A step sets fields of the settings; what realizes them is the step's `transforms`: each a function
 of one model part and the settings, with the parts it applies to (`on`) and its `Stage`. One rule
 decides which run: a step's transforms run when the settings hold what the step sets (so settings
@@ -96,7 +101,8 @@ class Step:
     """One optimization and its contract. `sets`: the settings fields it sets (a mapping, or a
     function of the target); `needs`: why it cannot run on a target; `declined`: why the target's
     own choices leave it out; `fallback`: how it runs in a lesser form there; `replaces`: earlier
-    steps whose settings it takes back (e.g. 2:4 sparsity instead of dynamic int8)."""
+    steps whose settings it takes back (e.g. 2:4 sparsity instead of dynamic int8); `tunes`: the
+    settings fields that parameterize it without being what it sets (Recipe.plan's `tuned`)."""
 
     name: str
     changes: str
@@ -107,6 +113,7 @@ class Step:
     fallback: Requirement = _no_requirement
     replaces: tuple[str, ...] = ()
     transforms: tuple[Transform, ...] = ()
+    tunes: tuple[str, ...] = ()
 
     def settings_on(self, target: Target) -> Mapping[str, Any]:
         return self.sets(target) if callable(self.sets) else self.sets
@@ -149,6 +156,7 @@ class Recipe(Generic[Settings]):
         if len(set(names)) != len(names):
             raise ValueError(f"{workload} recipe: duplicate step names in {names}")
         known = {f.name for f in fields(settings)}  # type: ignore[arg-type]
+        set_by_steps = {name for step in steps if not callable(step.sets) for name in step.sets}
         for step in steps:
             if step.transforms and callable(step.sets):
                 raise ValueError(f"{workload} step {step.name} sets by target: its transforms could not be matched")
@@ -158,6 +166,8 @@ class Recipe(Generic[Settings]):
                 raise ValueError(f"{workload} step {step.name} sets unknown fields {set(step.sets) - known}")
             if any(r not in names[: names.index(step.name)] for r in step.replaces):
                 raise ValueError(f"{workload} step {step.name} replaces a step that does not come before it")
+            if set(step.tunes) - known or set(step.tunes) & set_by_steps:
+                raise ValueError(f"{workload} step {step.name} tunes {step.tunes}: unknown fields or set by a step")
         self.workload = workload
         self.settings_type = settings
         self.steps = tuple(steps)
@@ -182,9 +192,13 @@ class Recipe(Generic[Settings]):
         """Why step `name` cannot run on `target`, or None."""
         return self.step(name).unavailable(target)
 
-    def plan(self, name: str, target: Target) -> Plan[Settings]:
+    def plan(self, name: str, target: Target, tuned: Mapping[str, Any] | None = None) -> Plan[Settings]:
         """Every step up to and including `name`, cumulatively, on `target`. Raises UserError when
-        `name` itself cannot run there; earlier steps that cannot are left out (Plan.skipped)."""
+        `name` itself cannot run there; earlier steps that cannot are left out (Plan.skipped).
+        `tuned`: values for steps' parameters (Step.tunes), set where the plan applies their step."""
+        tuned = dict(tuned or {})
+        if unknown := set(tuned) - {key for step in self.steps for key in step.tunes}:
+            raise ValueError(f"no step of the {self.workload} recipe tunes {', '.join(sorted(unknown))}")
         last = self.step(name)
         reason = last.unavailable(target)
         if reason:
@@ -204,6 +218,14 @@ class Recipe(Generic[Settings]):
             note = step.fallback(target)
             if note:
                 notes.append((step.name, note))
+        for step in active:
+            changed = {
+                key: value for key, value in tuned.items() if key in step.tunes and getattr(settings, key) != value
+            }
+            if changed:
+                told = (f"{key} {value} (the recipe's: {getattr(settings, key)})" for key, value in changed.items())
+                notes.append((step.name, ", ".join(told)))
+                settings = replace(settings, **changed)  # type: ignore[type-var]
         return Plan(name, settings, tuple(s.name for s in active), tuple(skipped), tuple(notes), tuple(declined))
 
     def settings(self, name: str, on: Target | None = None) -> Settings:

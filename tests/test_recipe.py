@@ -87,6 +87,31 @@ def test_a_malformed_recipe_is_refused():
         Recipe("toy", Toy, [steps.baseline("a"), Step("x", "", "", replaces=("y",)), Step("y", "", "")])
 
 
+@dataclass(frozen=True)
+class Cached:
+    cache: bool = False
+    threshold: float = 0.1
+
+
+def test_a_steps_parameter_is_tuned_only_in_plans_that_apply_the_step():
+    """Step.tunes: a value given to the plan replaces the default where the step is applied and
+    says so in a note; elsewhere the settings stay the recipe's (e.g. a compiled row's key)."""
+    cache = Step("cache", "caches", "approximate", {"cache": True}, tunes=("threshold",))
+    recipe = Recipe("toy", Cached, [steps.baseline("plain"), cache])
+    plan = recipe.plan("cache", CPU, {"threshold": 0.5})
+    assert plan.settings == Cached(cache=True, threshold=0.5)
+    assert plan.notes == (("cache", "threshold 0.5 (the recipe's: 0.1)"),)
+    assert recipe.plan("baseline", CPU, {"threshold": 0.5}).settings == Cached()
+    assert recipe.plan("cache", CPU, {"threshold": 0.1}).notes == ()  # the recipe's own value: nothing to say
+    assert recipe.plan("cache", CPU).settings == recipe.plan("cache", CPU, {}).settings == Cached(cache=True)
+    with pytest.raises(ValueError, match="no step of the toy recipe tunes speed"):
+        recipe.plan("cache", CPU, {"speed": 1.0})
+    with pytest.raises(ValueError, match="tunes"):  # a field a step sets is not a parameter
+        Recipe("toy", Cached, [steps.baseline("plain"), replace(cache, tunes=("cache",))])
+    with pytest.raises(ValueError, match="tunes"):
+        Recipe("toy", Cached, [steps.baseline("plain"), replace(cache, tunes=("speed",))])
+
+
 def test_describe_says_how_each_step_runs_here():
     table = toy().describe(CPU).splitlines()
     assert table[0] == "| step | what changes | accuracy budget | here |"

@@ -46,6 +46,9 @@ PEAK_MEMORY: Column = ("peak_mem_gb", "peak mem GB", ".2f")
 COMPILE_TIME: Column = ("compile_s", "compile s", ".0f")
 NOTE: Column = ("note", "note", "")
 Options = dict[str, Any]  # a ladder's settings for one run, JSON-able (they travel to the child)
+# The Options key of {settings field: value} for the recipe steps' parameters a bench flag sets
+# (Step.tunes, e.g. the feature cache's threshold): every row's plan is made with them (Ladder.plan).
+TUNED = "tuned"
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,13 @@ class Ladder(ABC):
         return None
 
     # ---- in the child ----
+    def plan(self, row: Row, options: Options, target: Target) -> Plan | None:
+        """The recipe up to the row's step on `target`, with the steps' parameters the run's options
+        tune (options[TUNED]); None for a workload's extra row."""
+        if row.step not in self.recipe.names:
+            return None
+        return self.recipe.plan(row.step, target, options.get(TUNED))
+
     def skip_reason(self, row: Row, options: Options, target: Target) -> str | None:
         """Why `row` cannot run here: by default the recipe step's requirement."""
         return self.recipe.unavailable(row.step, target) if row.step in self.recipe.names else None
@@ -261,7 +271,7 @@ def measure_row(spec: dict[str, Any]) -> dict[str, Any]:
     if reason:
         result["note"] = f"skipped: {reason}"
         return result
-    plan = ladder.recipe.plan(row.step, target) if row.step in ladder.recipe.names else None
+    plan = ladder.plan(row, options, target)
     case = ladder.build(row, plan, options, target, workdir)
     started = since_launch()
     start = time.perf_counter()

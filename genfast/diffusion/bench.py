@@ -21,7 +21,10 @@ On FLUX.1 and SD 3.5 the last row, `cache-dit`, is cache-dit's DBCache (the pack
 cache is (feature-cache: first block only, F1B0; the same threshold, warm-up and cached steps in a
 row): the peer of the feature-cache row. It is skipped, saying so, where cache-dit is not installed
 (scripts/setup.sh bench installs it). With random weights, how many steps a cache skips is not
-what a trained model's would be: both rows say how many they skipped.
+what a trained model's would be: both rows say how many they skipped. `--cache-threshold` sets
+both rows' threshold (the feature-cache step's parameter, Step.tunes, which travels to every row's
+process in the options and changes only the plans that apply that step), so that random weights
+can show what a cached step costs.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -38,10 +42,10 @@ from typing import Any
 
 import torch
 
-from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, STEP, Case, Ladder, Options, Row
+from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, STEP, TUNED, Case, Ladder, Options, Row
 from genfast.bench.table import median
 from genfast.diffusion.pipelines import DIT_ARCHS, DenoiserWrapper
-from genfast.diffusion.recipe import RECIPE
+from genfast.diffusion.recipe import BLOCK_CACHE_THRESHOLD, RECIPE, DiffusionSettings
 from genfast.errors import UserError
 from genfast.platform.hardware import available_memory_bytes, synchronize
 from genfast.recipe import Plan, Target
@@ -50,6 +54,7 @@ TINY_ARCHS = ("tiny-sd15", "tiny-sdxl", "tiny-flux", "tiny-sd3")
 ARCHS = ("sd15", "sdxl", *DIT_ARCHS, *TINY_ARCHS)
 DIFFUSERS = "diffusers"  # the row of diffusers' own pipeline (bf16, eager, unmodified)
 CACHE_DIT = "cache-dit"  # cache-dit's DBCache on diffusers' own pipeline (FLUX.1 and SD 3.5 only)
+FEATURE_CACHE = "feature-cache"  # the recipe's step that cache-dit's row is configured as
 PROMPT = "a photograph of a lighthouse on a rocky coast at dusk"
 # Reference images and the row keys of the PSNR against them; both come from the baseline's process
 # (fp32-sdpa: the baseline pipeline switched to SDPA attention, the issue's quality reference).
@@ -200,10 +205,28 @@ class DiffusionLadder(Ladder):
             "size": args.size,
             "denoising_steps": args.denoising_steps,
             **self._depth(args.arch, getattr(args, "blocks", None)),
+            **self._cache_threshold(args.arch, getattr(args, "cache_threshold", None)),
         }
         if args.arch in DIT_ARCHS:
             options.update(_dit_sizes(args.arch, options["blocks"], args.size))
         return options
+
+    @staticmethod
+    def _cache_threshold(arch: str, threshold: float | None) -> Options:
+        """--cache-threshold as the feature-cache step's tuned threshold (none: the recipe's)."""
+        if threshold is None:
+            return {}
+        if not math.isfinite(threshold) or threshold < 0:
+            raise UserError(
+                f"--cache-threshold {threshold}: must be a finite number >= 0 (the first block's relative residual "
+                "change under which a cached step skips the other blocks; 0 caches none)"
+            )
+        if not _is_dit(arch):
+            raise UserError(
+                f"--cache-threshold sets the block cache's threshold of FLUX.1 and SD 3.5: {arch}'s feature cache is "
+                "DeepCache, which reuses a UNet's deep features at a fixed interval and has no threshold"
+            )
+        return {TUNED: {"block_cache_threshold": threshold}}
 
     @staticmethod
     def _depth(arch: str, blocks: int | None) -> Options:
@@ -261,11 +284,15 @@ class DiffusionLadder(Ladder):
 
         dtype = steps.low_precision_name(self._target(options)) or "float32"
         depth = f", {options['depth']}" if options["blocks"] is not None else ""
-        return (
+        header = (
             f"genfast bench diffusion: {options['arch']} with RANDOM weights (speed only){depth}, {options['size']}x"
             f"{options['size']}, {options['denoising_steps']} denoising steps, on {machine}; median of "
             f"{options['repeats']}; steps from bf16 on in {dtype}"
         )
+        threshold = options.get(TUNED, {}).get("block_cache_threshold", BLOCK_CACHE_THRESHOLD)
+        if threshold != BLOCK_CACHE_THRESHOLD:  # --cache-threshold
+            header += f"; both caches' threshold {threshold} (the recipe's: {BLOCK_CACHE_THRESHOLD})"
+        return header
 
     def model(self, options: Options) -> str:
         blocks = options.get("blocks")
@@ -336,8 +363,9 @@ class DiffusionLadder(Ladder):
         if plan is None:  # the diffusers row: its own pipeline in bf16, nothing else changed
             _cast_quietly(pipe, getattr(torch, _row_dtype(DIFFUSERS, target)))
             dynamic = False
-            if row.step == CACHE_DIT:
-                pipeline_notes.append(_enable_cache_dit(pipe))
+            if row.step == CACHE_DIT:  # as the feature-cache row's block cache, --cache-threshold included
+                cache = self.recipe.plan(FEATURE_CACHE, _pipeline_target(options, target), options.get(TUNED))
+                pipeline_notes.append(_enable_cache_dit(pipe, cache.settings))
         else:
             apply_recipe(pipe, plan.settings)
             dynamic = plan.settings.dynamic_shapes
@@ -433,16 +461,13 @@ class DiffusionLadder(Ladder):
                 row.update(measured)
 
 
-def _enable_cache_dit(pipe: Any) -> str:
-    """cache-dit's DBCache on `pipe`, configured as genfast's block cache (the feature-cache step's
-    settings): the first block computed and compared (F1B0), the same threshold, warm-up steps and
-    cached steps in a row. Returns the row's note."""
-    from genfast.diffusion.recipe import DiffusionSettings
-
+def _enable_cache_dit(pipe: Any, settings: DiffusionSettings) -> str:
+    """cache-dit's DBCache on `pipe`, configured as genfast's block cache with `settings` (the
+    feature-cache row's): the first block computed and compared (F1B0), the same threshold, warm-up
+    steps and cached steps in a row. Returns the row's note."""
     os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")  # read when it is imported: info logs every call
     import cache_dit
 
-    settings = DiffusionSettings()
     config = cache_dit.DBCacheConfig(
         Fn_compute_blocks=1,
         Bn_compute_blocks=0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from genfast.diffusion.recipe import DEFAULT_STEP, RECIPE
+from genfast.diffusion.recipe import BLOCK_CACHE_THRESHOLD, DEFAULT_STEP, RECIPE
 from genfast.interface.arguments import (
     add_bench_args,
     add_device,
@@ -129,6 +129,16 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
     g.add_argument("--size", type=positive_int, default=512, help="image side in pixels (default 512)")
     g.add_argument(
         "--denoising-steps", type=positive_int, default=4, metavar="N", help="denoising steps per image (default 4)"
+    )
+    g.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=None,
+        metavar="T",
+        help="FLUX.1 and SD 3.5: the threshold of both cache rows (feature-cache's block cache, cache-dit's "
+        "residual_diff_threshold): the first block's relative residual change under which a step skips the "
+        f"other blocks (default: the recipe's, {BLOCK_CACHE_THRESHOLD}, under which random weights at the real width "
+        "cache no step: a higher one shows what a cached step costs)",
     )
     add_bench_args(b, "diffusion", repeats=3)
     b.set_defaults(run=lazy("genfast.diffusion.bench", "bench_command"))

@@ -388,6 +388,7 @@ RECIPE = Recipe(
             {"feature_cache": True},
             needs=_feature_cache_unavailable,
             transforms=(Transform(_cache_features, ("pipe",), Stage.WRAP),),
+            tunes=("feature_cache_interval", "block_cache_threshold", "block_cache_warmup"),
         ),
     ],
 )

@@ -87,6 +87,11 @@ def test_bench_dynamic_shapes_row_reports_no_recompile_at_a_new_size(tmp_path):
         (["--arch", "tiny-sd15", "--size", "30"], "multiple of 8"),
         (["--arch", "tiny-sd15", "--steps", "baseline,warp"], "unknown step"),
         (["--arch", "tiny-sd15", "--steps", "cache-dit"], "caches transformer blocks: tiny-sd15's denoiser is a UNet"),
+        (["--arch", "tiny-flux", "--cache-threshold", "-0.5"], "--cache-threshold -0.5: must be a finite number >= 0"),
+        (["--arch", "tiny-sd3", "--cache-threshold", "nan"], "--cache-threshold nan: must be a finite number >= 0"),
+        (["--arch", "flux-dev", "--cache-threshold", "inf"], "--cache-threshold inf: must be a finite number >= 0"),
+        (["--arch", "sdxl", "--cache-threshold", "0.5"], "sdxl's feature cache is DeepCache"),
+        (["--arch", "tiny-sd15", "--cache-threshold", "0"], "tiny-sd15's feature cache is DeepCache"),
     ],
 )
 def test_bench_diffusion_user_errors(argv, message, capsys):
@@ -156,15 +161,14 @@ def test_a_step_that_fails_on_a_dit_pipeline_is_a_row_with_the_reason(tmp_path, 
     assert DiffusionLadder().launch(spec, {"arch": "tiny-sd15"}) is None  # UNets: as every ladder
 
 
-def _options(arch: str, blocks: int | None = None, size: int = 512) -> dict:
-    import argparse
-
+def _options(arch: str, blocks: int | None = None, size: int = 512, cache_threshold: float | None = None) -> dict:
+    from genfast.cli import build_parser
     from genfast.diffusion.bench import DiffusionLadder
 
-    args = argparse.Namespace(
-        arch=arch, size=size, denoising_steps=1, blocks=blocks, device="cpu", dtype="bfloat16", repeats=1, threads=None
-    )
-    return DiffusionLadder().options(args)
+    argv = ["bench", "diffusion", "--arch", arch, "--size", str(size), "--device", "cpu", "--dtype", "bfloat16"]
+    argv += ["--blocks", str(blocks)] if blocks is not None else []
+    argv += ["--cache-threshold", str(cache_threshold)] if cache_threshold is not None else []
+    return DiffusionLadder().options(build_parser().parse_args(argv))
 
 
 def test_real_dit_archs_are_estimated_from_their_parameter_counts():
@@ -248,3 +252,47 @@ def test_the_cache_dit_row(tmp_path):
     assert row["s_per_image"] > 0 and 0 < row["s_per_denoiser_step"] < row["s_per_image"]
     assert row["psnr_db"] >= 30 and row["speedup"] > 0
     assert "DBCache_F1B0_W1I1M0MC1_R0.08" in row["note"] and "cached 0 of 4 steps" in row["note"]
+
+
+def test_the_cache_threshold_reaches_the_cache_rows_only():
+    """--cache-threshold is the feature-cache step's tuned threshold: every row's process gets it in
+    the options, and only plans that apply the feature cache (and cache-dit's configuration, made
+    from that plan) change; without it every row's settings are the recipe's."""
+    from genfast.diffusion.bench import DiffusionLadder, Row
+    from genfast.diffusion.recipe import BLOCK_CACHE_THRESHOLD, RECIPE
+    from genfast.recipe import Target
+
+    ladder, target = DiffusionLadder(), Target(torch.device("cpu"), "bfloat16")
+    default, tuned = _options("tiny-flux"), _options("tiny-flux", cache_threshold=0.5)
+    for step in ("sdpa", "regional-compile", "feature-cache"):
+        assert ladder.plan(Row(step), default, target).settings == RECIPE.plan(step, target).settings
+    assert RECIPE.plan("feature-cache", target).settings.block_cache_threshold == BLOCK_CACHE_THRESHOLD == 0.08
+    assert ladder.plan(Row("diffusers"), tuned, target) is None
+    for step in ("sdpa", "regional-compile"):  # their compiled code's key stays the recipe's
+        assert ladder.plan(Row(step), tuned, target).settings == RECIPE.plan(step, target).settings
+    plan = ladder.plan(Row("feature-cache"), tuned, target)
+    assert plan.settings.block_cache_threshold == 0.5 and plan.settings.feature_cache
+    assert ("feature-cache", "block_cache_threshold 0.5 (the recipe's: 0.08)") in plan.notes
+    # The header says so, only when it differs from the recipe's.
+    assert "threshold" not in ladder.header(default, "a CPU")
+    assert "both caches' threshold 0.5 (the recipe's: 0.08)" in ladder.header(tuned, "a CPU")
+    assert "threshold" not in ladder.header(_options("tiny-flux", cache_threshold=0.08), "a CPU")
+
+
+@pytest.mark.slow
+def test_a_high_cache_threshold_caches_steps_in_both_cache_rows(tmp_path, capsys):
+    """Random weights change the first block's residual by more than the recipe's threshold; with
+    --cache-threshold 10 the block cache skips every step it may (warm-up 1, at most one in a row:
+    steps 2 and 4 of 4), and cache-dit, configured alike, the same ones (where it is installed)."""
+    out = tmp_path / "rows.json"
+    argv = ["bench", "diffusion", "--arch", "tiny-flux", "--size", "32", "--denoising-steps", "4", "--repeats", "1"]
+    assert cli.main([*argv, "--steps", "feature-cache,cache-dit", "--cache-threshold", "10", "--json", str(out)]) == 0
+    assert "both caches' threshold 10.0 (the recipe's: 0.08)" in capsys.readouterr().err
+    rows = {row["step"]: row for row in json.loads(out.read_text())}
+    feature_cache, cache_dit = rows["feature-cache"], rows["cache-dit"]
+    assert feature_cache["s_per_image"] > 0 and "cached 2 of 4 steps" in feature_cache["note"]
+    assert "block_cache_threshold 10.0 (the recipe's: 0.08)" in feature_cache["note"]
+    if cache_dit["note"].startswith("skipped: cache-dit is not installed"):
+        return
+    assert cache_dit["s_per_image"] > 0 and "cached 2 of 4 steps" in cache_dit["note"]
+    assert "DBCache_F1B0_W1I1M0MC1_R10.0" in cache_dit["note"]
