@@ -17,7 +17,7 @@ from PIL import Image
 from torch._dynamo.utils import counters
 
 from genfast import cli
-from genfast.diffusion.attention import JointAttention, fuse_qkv, unfuse_qkv
+from genfast.diffusion.attention import FluxAttention, JointAttention, fuse_qkv, unfuse_qkv
 from genfast.diffusion.conv1x1 import Conv1x1AsLinear
 from genfast.diffusion.generator import check_size
 from genfast.diffusion.group_norm import ChannelsLastGroupNorm
@@ -37,9 +37,10 @@ COMPILED_BF16_PSNR = 35.0  # dB, compiled vs eager with the same steps
 TEXT_TOKENS = 32  # T5 tokens of a prompt (the pipelines' defaults, 512 and 256, only make the tests slower)
 # The steps that run eagerly, in ladder order; compile, regional-compile and dynamic-shapes are
 # tested apart (slow).
-EAGER_STEPS = ["bf16", "sdpa", "channels-last", "fused-qkv", "conv1x1-linear", "dynamic-int8", "int8-conv",
-               "group-norm-kernel"]  # fmt: skip
-FP32_EXACT_STEPS = ["sdpa", "channels-last", "fused-qkv", "conv1x1-linear", "group-norm-kernel"]
+EAGER_STEPS = ["bf16", "sdpa", "channels-last", "fused-qkv", "fused-attention", "conv1x1-linear", "dynamic-int8",
+               "int8-conv", "group-norm-kernel"]  # fmt: skip
+# fused-attention in fp32: SDPA on these tiny sequences with either kernel (test_attention_kernel.py).
+FP32_EXACT_STEPS = ["sdpa", "channels-last", "fused-qkv", "fused-attention", "conv1x1-linear", "group-norm-kernel"]
 
 
 def generate(pipe, size: tuple[int, int] = (32, 32), steps: int = 3, seed: int = 0) -> torch.Tensor:
@@ -119,6 +120,9 @@ def test_each_step_within_its_budget(arch, baseline, step):
     transformer, vae = pipe.transformer, pipe.vae
     did = {
         "fused-qkv": lambda: any(k.endswith("to_added_qkv.weight") for k in transformer.state_dict()),
+        "fused-attention": lambda: all(
+            isinstance(p, FluxAttention) or getattr(p, "kernel", False) for p in transformer.attn_processors.values()
+        ),
         "channels-last": lambda: vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last),
         "conv1x1-linear": lambda: any(isinstance(m, Conv1x1AsLinear) for m in vae.modules()),
         "dynamic-int8": lambda: any(isinstance(m, QuantLinear) for m in transformer.modules()),
@@ -155,10 +159,11 @@ def test_fuse_unfuse_round_trip(arch):
 def test_convolution_steps_say_they_change_the_vae_only(arch):
     pipe = tiny_pipeline(arch)
     plan = RECIPE.plan("group-norm-kernel", pipeline_target(pipe, "bfloat16"))
-    noted = {step for step, _ in plan.notes}
-    assert {"channels-last", "conv1x1-linear"} <= noted
-    assert all("changes the VAE only" in note for _, note in plan.notes if note)
-    assert not RECIPE.plan("group-norm-kernel", pipeline_target(tiny_pipeline("sd15"), "bfloat16")).notes
+    convolution_notes = {step: note for step, note in plan.notes if step != "fused-attention"}
+    assert {"channels-last", "conv1x1-linear"} <= convolution_notes.keys()
+    assert all("changes the VAE only" in note for note in convolution_notes.values())
+    unet = RECIPE.plan("group-norm-kernel", pipeline_target(tiny_pipeline("sd15"), "bfloat16"))
+    assert [step for step, _ in unet.notes] == ["fused-attention"]  # (transformers only: test_attention_kernel.py)
 
 
 def test_sizes_and_latents(arch):
