@@ -19,7 +19,8 @@ its note goes into `Plan.notes` and the bench row.
 A step's parameters (`Step.tunes`: settings fields it reads but does not set, e.g. the feature
 cache's threshold) keep their dataclass defaults unless a plan is made with values for them
 (`Recipe.plan(..., tuned=)`, e.g. from a bench flag): then they change in the plans that apply
-their step only, and each change is a note of that step in `Plan.notes`.
+their step only, and each change is a note of that step in `Plan.notes`. A plan may also be
+made `without` some earlier steps (e.g. a bench's --without): they are declined, as the user chose.
 
 A step sets fields of the settings; what realizes them is the step's `transforms`: each a function
 of one model part and the settings, with the parts it applies to (`on`) and its `Stage`. One rule
@@ -192,21 +193,29 @@ class Recipe(Generic[Settings]):
         """Why step `name` cannot run on `target`, or None."""
         return self.step(name).unavailable(target)
 
-    def plan(self, name: str, target: Target, tuned: Mapping[str, Any] | None = None) -> Plan[Settings]:
+    def plan(
+        self, name: str, target: Target, tuned: Mapping[str, Any] | None = None, without: Iterable[str] = ()
+    ) -> Plan[Settings]:
         """Every step up to and including `name`, cumulatively, on `target`. Raises UserError when
         `name` itself cannot run there; earlier steps that cannot are left out (Plan.skipped).
-        `tuned`: values for steps' parameters (Step.tunes), set where the plan applies their step."""
+        `tuned`: values for steps' parameters (Step.tunes), set where the plan applies their step;
+        `without`: earlier steps left out (Plan.declined)."""
         tuned = dict(tuned or {})
         if unknown := set(tuned) - {key for step in self.steps for key in step.tunes}:
             raise ValueError(f"no step of the {self.workload} recipe tunes {', '.join(sorted(unknown))}")
+        without = set(self.ordered(without))
         last = self.step(name)
         reason = last.unavailable(target)
         if reason:
             raise UserError(f"the {self.workload} step {name} cannot run here: {reason}")
+        if name in without:
+            raise UserError(f"the {self.workload} step {name} cannot be both planned and left out")
         active: list[Step] = []
         skipped, declined, notes = [], [], []
         for step in self.steps[: self.names.index(name) + 1]:
-            if reason := step.declined(target):
+            if step.name in without:
+                declined.append((step.name, "left out as asked"))
+            elif reason := step.declined(target):
                 declined.append((step.name, reason))
             elif reason := step.needs(target):
                 skipped.append((step.name, reason))

@@ -112,6 +112,20 @@ def test_a_steps_parameter_is_tuned_only_in_plans_that_apply_the_step():
         Recipe("toy", Cached, [steps.baseline("plain"), replace(cache, tunes=("speed",))])
 
 
+def test_a_plan_without_steps_declines_them():
+    """`without`: the named earlier steps are left out as the user chose (Plan.declined); the
+    planned step itself cannot be, and an unknown name is refused."""
+    recipe = toy(needs_gpu=False)
+    plan = recipe.plan("fastest", CPU, without=["faster"])
+    assert "faster" not in plan.applied and ("faster", "left out as asked") in plan.declined
+    assert plan.settings == Toy(fastest=True)  # fast replaced by fastest, faster left out: level stays 0
+    assert recipe.plan("fastest", CPU, without=()) == recipe.plan("fastest", CPU)
+    with pytest.raises(UserError, match="both planned and left out"):
+        recipe.plan("fastest", CPU, without=["fastest"])
+    with pytest.raises(UserError, match="unknown step 'warp'"):
+        recipe.plan("fastest", CPU, without=["warp"])
+
+
 def test_describe_says_how_each_step_runs_here():
     table = toy().describe(CPU).splitlines()
     assert table[0] == "| step | what changes | accuracy budget | here |"

@@ -49,6 +49,7 @@ Options = dict[str, Any]  # a ladder's settings for one run, JSON-able (they tra
 # The Options key of {settings field: value} for the recipe steps' parameters a bench flag sets
 # (Step.tunes, e.g. the feature cache's threshold): every row's plan is made with them (Ladder.plan).
 TUNED = "tuned"
+WITHOUT = "without"  # the Options key of the steps --without leaves out of every row's plan
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,20 @@ class Ladder(ABC):
     # ---- in the parent ----
     def options(self, args: argparse.Namespace) -> Options:
         """The run's options from the command line, validated (before any slow work)."""
-        return {"device": args.device, "dtype": args.dtype, "repeats": args.repeats, "threads": args.threads}
+        options = {"device": args.device, "dtype": args.dtype, "repeats": args.repeats, "threads": args.threads}
+        without = getattr(args, "without", None)
+        return {**options, WITHOUT: self.recipe.ordered(without.split(","))} if without else options
 
     def steps(self, text: str | None) -> list[str]:
         """The --steps value as row steps in ladder order (default: the whole recipe)."""
         return self.recipe.ordered(text.split(",")) if text else list(self.recipe.names)
+
+    def kept(self, steps: list[str], options: Options) -> list[str]:
+        """The row steps without those --without leaves out (and an error when none is left)."""
+        kept = [step for step in steps if step not in options.get(WITHOUT, ())]
+        if not kept:
+            raise UserError("--without leaves out every row of --steps")
+        return kept
 
     def rows(self, steps: list[str], options: Options) -> list[Row]:
         return [Row(step) for step in steps]
@@ -138,7 +148,7 @@ class Ladder(ABC):
         tune (options[TUNED]); None for a workload's extra row."""
         if row.step not in self.recipe.names:
             return None
-        return self.recipe.plan(row.step, target, options.get(TUNED))
+        return self.recipe.plan(row.step, target, options.get(TUNED), options.get(WITHOUT, ()))
 
     def skip_reason(self, row: Row, options: Options, target: Target) -> str | None:
         """Why `row` cannot run here: by default the recipe step's requirement."""
@@ -178,9 +188,12 @@ def run(ladder: Ladder, args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)  # so the machine line matches the rows
     options = ladder.options(args)
-    rows = ladder.rows(steps, options)
+    rows = ladder.rows(ladder.kept(steps, options), options)
     info = machine_info(device)
-    print(ladder.header(options, describe_machine(info)), file=sys.stderr, flush=True)
+    header = ladder.header(options, describe_machine(info))
+    if options.get(WITHOUT):
+        header += f"; every row without {', '.join(options[WITHOUT])}"
+    print(header, file=sys.stderr, flush=True)
     results = []
     failed = []
     with tempfile.TemporaryDirectory(prefix=f"genfast-bench-{ladder.workload}-") as workdir:
@@ -267,6 +280,8 @@ def measure_row(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(options["threads"])
     target = Target(resolve_device(options["device"]), options["dtype"])
     result: dict[str, Any] = {"step": row.step, **row.group, "group": list(row.group)}
+    if options.get(WITHOUT):
+        result[WITHOUT] = options[WITHOUT]
     reason = ladder.skip_reason(row, options, target)
     if reason:
         result["note"] = f"skipped: {reason}"

@@ -132,6 +132,13 @@ def add_bench_args(p: argparse.ArgumentParser, workload: str, repeats: int) -> N
         help=f"comma-separated rows to measure, in ladder order (default: the whole {workload} ladder; "
         "--list-steps shows the steps)",
     )
+    g.add_argument(
+        "--without",
+        default=None,
+        metavar="STEP,STEP",
+        help="comma-separated steps left out of every row (e.g. a step that does not pay on this machine); "
+        "their own rows are not measured",
+    )
     g.add_argument("--list-steps", action="store_true", help="print the recipe's steps with their contracts and exit")
     g.add_argument("--repeats", type=positive_int, default=repeats, help=f"timed calls per row (default {repeats})")
     add_device(g)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from genfast.bench.ladder import NOTE, SPEEDUP, STEP, Case, Ladder, Options, Row, run, speedups
+from genfast.errors import UserError
 from genfast.recipe import Plan, Recipe, Step, Target
 from tests.busy import busy_loop
 
@@ -92,6 +93,30 @@ def test_every_row_runs_in_its_own_process(tmp_path, capsys):
     assert [r["same"] for r in measured if r["step"] == "half"] == [True, True]
     assert all(r["note"] == "skipped: needs a GPU" and "seconds" not in r for r in rows if r["step"] == "gpu")
     assert "| gpu |" in capsys.readouterr().out
+
+
+def test_without_leaves_a_step_out_of_every_row(tmp_path, capsys):
+    """--without half: no `half` rows, the other rows' plans leave it out (the toy's gpu step is
+    then planned from the baseline's settings) and every row and the header say so."""
+    out = tmp_path / "rows.json"
+    args = argparse.Namespace(list_steps=False, json_path=str(out), force=False, steps=None, device="cpu",
+                              dtype="auto", repeats=1, threads=None, without="half")  # fmt: skip
+    assert run(ToyLadder(), args) == 0
+    rows = json.loads(out.read_text())
+    assert [r["step"] for r in rows] == ["baseline", "gpu"] * 2
+    assert all(r["without"] == ["half"] for r in rows)
+    assert "every row without half" in capsys.readouterr().err
+    plan = ToyLadder().plan(Row("gpu"), {"without": ["half"]}, Target(torch_cuda(), "float32"))
+    assert plan.settings == ToySettings(work=4) and plan.declined == (("half", "left out as asked"),)
+    args.without, args.force = "baseline,half,gpu", True
+    with pytest.raises(UserError, match="leaves out every row"):
+        run(ToyLadder(), args)
+
+
+def torch_cuda():
+    import torch
+
+    return torch.device("cuda")  # planned only: the toy's gpu step needs one
 
 
 class FailingHalfLadder(ToyLadder):
