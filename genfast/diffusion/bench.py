@@ -371,7 +371,7 @@ class DiffusionLadder(Ladder):
             dynamic = plan.settings.dynamic_shapes
             # What the steps do on this pipeline (e.g. the convolution steps change only a DiT's
             # VAE): the child's plan was made before the pipeline existed.
-            planned = self.recipe.plan(row.step, _pipeline_target(options, target)).notes
+            planned = self.plan(row, options, _pipeline_target(options, target)).notes  # type: ignore[union-attr]
             pipeline_notes = [f"{step}: {note}" for step, note in planned if (step, note) not in plan.notes]
         # A smaller, non-square second size for dynamic-shape rows: cheaper than the timed one.
         sizes = [(size, size)] + ([(max(size - 64, 64), max(size - 128, 64))] if dynamic else [])

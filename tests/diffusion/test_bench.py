@@ -279,6 +279,18 @@ def test_the_cache_threshold_reaches_the_cache_rows_only():
     assert "threshold" not in ladder.header(_options("tiny-flux", cache_threshold=0.08), "a CPU")
 
 
+def test_a_step_left_out_by_without_is_neither_applied_nor_noted(tmp_path):
+    """--without channels-last on a DiT pipeline: the later row's plan leaves the step out, and the
+    row's note (made again once the pipeline is known) does not list it among the VAE-only steps."""
+    out = tmp_path / "rows.json"
+    argv = ["bench", "diffusion", "--arch", "tiny-flux", "--size", "32", "--denoising-steps", "1", "--repeats", "1"]
+    assert cli.main([*argv, "--steps", "fused-qkv", "--json", str(out)]) == 0
+    assert "channels-last: changes the VAE only" in json.loads(out.read_text())[0]["note"]
+    assert cli.main([*argv, "--steps", "fused-qkv", "--without", "channels-last", "--json", str(out), "--force"]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["without"] == ["channels-last"] and "channels-last" not in (row["note"] or "")
+
+
 @pytest.mark.slow
 def test_a_high_cache_threshold_caches_steps_in_both_cache_rows(tmp_path, capsys):
     """Random weights change the first block's residual by more than the recipe's threshold; with
