@@ -130,10 +130,13 @@ def test_a_failed_or_interrupted_load_ends_the_process(tiny_dir, stop):
         assert server.request("GET", "/health")[0] == 503
         if stop == "Ctrl-C":
             server.proc.send_signal(signal.SIGINT)  # the loader still waits for its cue: not waited for
+            # Waited for with stdin left open: closing it (communicate) would end the cue's read
+            # and fail the load, racing the interrupt.
+            server.proc.wait(timeout=60)
         else:
             server.cue("no weights here")
-        _, err = server.proc.communicate(timeout=60)
-        err = "".join(server.log) + err
+            server.proc.wait(timeout=60)
+        err = "".join(server.log) + server.proc.stderr.read()
         if stop == "Ctrl-C":
             assert server.proc.returncode == 130 and "genfast: interrupted" in err, err
         else:
