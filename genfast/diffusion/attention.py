@@ -253,21 +253,20 @@ class FluxAttention:
         if attention_mask is not None:
             raise ValueError("genfast's FLUX.1 attention takes no attention mask (FLUX.1 pipelines pass none)")
         joint = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
-        # (batch, tokens, heads, head_dim), the layout diffusers' rotary embedding takes.
-        query, key, value = (t.transpose(1, 2) for t in _projections(attn, hidden_states))
+        # (batch, heads, tokens, head_dim) throughout: the kernel's layout, and the rotary
+        # embedding's default (diffusers' processor rotates (batch, tokens, heads, head_dim)).
+        query, key, value = _projections(attn, hidden_states)
         query, key = attn.norm_q(query), attn.norm_k(key)
         if joint:
-            added = _projections(attn, encoder_hidden_states, text=True)
-            added_query, added_key, added_value = (t.transpose(1, 2) for t in added)
+            added_query, added_key, added_value = _projections(attn, encoder_hidden_states, text=True)
             added_query, added_key = attn.norm_added_q(added_query), attn.norm_added_k(added_key)
-            query = torch.cat([added_query, query], dim=1)
-            key = torch.cat([added_key, key], dim=1)
-            value = torch.cat([added_value, value], dim=1)
+            query = torch.cat([added_query, query], dim=2)
+            key = torch.cat([added_key, key], dim=2)
+            value = torch.cat([added_value, value], dim=2)
         if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        out = _kernel(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
-        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=2)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=2)
+        out = _kernel(query, key, value).transpose(1, 2).flatten(2, 3).to(query.dtype)
         if not joint:
             return out
         text_tokens = encoder_hidden_states.shape[1]
