@@ -36,6 +36,17 @@ def low_precision_name(target: Target) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
+def attention_kernel_cpu_note(target: Target) -> str | None:
+    """The fused-attention steps' note on a CPU `target` where genfast's attention kernel computes
+    by SDPA instead (none is loaded, or its variant takes no dtype the recipe computes in there);
+    None where the kernel runs."""
+    import torch
+
+    from genfast.kernels.rel_pos_attention.ops import cpu_fallback_note
+
+    return cpu_fallback_note(getattr(torch, low_precision_name(target) or "float32"))
+
+
 def _float32_asked(target: Target) -> str | None:
     return "--dtype float32 asks for fp32 throughout" if target.dtype == "float32" else None
 

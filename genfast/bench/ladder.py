@@ -145,7 +145,8 @@ class Ladder(ABC):
     # ---- in the child ----
     def plan(self, row: Row, options: Options, target: Target) -> Plan | None:
         """The recipe up to the row's step on `target`, with the steps' parameters the run's options
-        tune (options[TUNED]); None for a workload's extra row."""
+        tune (options[TUNED]) and without the steps they leave out (options[WITHOUT]); None for a
+        workload's extra row."""
         if row.step not in self.recipe.names:
             return None
         return self.recipe.plan(row.step, target, options.get(TUNED), options.get(WITHOUT, ()))

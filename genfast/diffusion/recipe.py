@@ -156,11 +156,7 @@ def _attention_kernel_note(target: Target) -> str | None:
         return f"changes FLUX.1's and SD3's attention only ({denoiser}: SDPA)"
     if target.device.type != "cpu":
         return "the attention kernel is a CPU kernel: SDPA"
-    import torch
-
-    from genfast.kernels.rel_pos_attention.ops import cpu_fallback_note
-
-    return cpu_fallback_note(getattr(torch, steps.low_precision_name(target) or "float32"))
+    return steps.attention_kernel_cpu_note(target)
 
 
 def _vae_only_note(target: Target) -> str | None:

@@ -50,13 +50,7 @@ class SamSettings(steps.StepSettings):
 
 def _fused_attention_note(target: Target) -> str | None:
     """How the fused-attention step runs here when not as its native CPU kernel (CUDA: the folded bias)."""
-    if target.device.type != "cpu":
-        return None
-    import torch
-
-    from genfast.kernels.rel_pos_attention import ops as fused_attention
-
-    return fused_attention.cpu_fallback_note(getattr(torch, steps.low_precision_name(target) or "float32"))
+    return steps.attention_kernel_cpu_note(target) if target.device.type == "cpu" else None
 
 
 def _sparse_2_4_unavailable(target: Target) -> str | None:
