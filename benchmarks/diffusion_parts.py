@@ -6,6 +6,8 @@
                                                                      # genfast's kernel
     python benchmarks/diffusion_parts.py attention [--dtype float32]  # the UNet's self-attention shapes:
                                                                     # SDPA and alternatives
+    python benchmarks/diffusion_parts.py dit-attention [--dtype float32]  # FLUX.1's and SD 3.5's at 512x512
+                                                                        # and 1024x1024: SDPA, genfast's kernel
 
 Random weights at the real size (`random_pipeline("sd15")`); bf16, channels-last, compiled as the
 recipe compiles them. PSNR of the VAE variants is against the bf16 decode of the same latents.
@@ -114,9 +116,37 @@ def attention(dtype: torch.dtype) -> None:
         print(f"| {b}, {h}, {n}, {d} | {ms[0]:.0f} ({tflops:.2f}) | {ms[1]:.0f} | {ms[2]:.0f} | {ms[3]:.0f} |")
 
 
+def dit_attention(dtype: torch.dtype) -> None:
+    """The fused-attention step's choice: FLUX.1's and SD 3.5's joint attention, SDPA against
+    genfast's native kernel (the variant loaded here), with the kernel's max error against SDPA."""
+    from genfast.kernels.rel_pos_attention import ops as kernels
+
+    print("| model, B x heads x tokens x head dim | SDPA ms | kernel ms (TFLOP/s) | max abs diff |\n|---|---|---|---|")
+    shapes = {
+        "FLUX.1 512x512": (1, 24, 1024 + 256, 128),
+        "SD 3.5 512x512 (CFG)": (2, 24, 1024 + 333, 64),
+        "FLUX.1 1024x1024": (1, 24, 4096 + 256, 128),
+    }
+    for name, (b, h, n, d) in shapes.items():
+        # (B, heads, tokens, head dim) views of (B, tokens, heads, head dim), as the projections give them
+        q, k, v = (torch.randn(b, n, h, d, dtype=dtype).transpose(1, 2) for _ in range(3))
+        if not kernels.supports(q):
+            print(f"| {name} | - | the loaded kernel does not take {dtype} x {d}: {kernels.unavailable_reason()} | - |")
+            continue
+        with torch.inference_mode():
+            sdpa, kernel = (
+                median_seconds(f, repeats=5) * 1e3
+                for f in (lambda: F.scaled_dot_product_attention(q, k, v), lambda: kernels.attention(q, k, v, d**-0.5))
+            )
+            reference = F.scaled_dot_product_attention(q, k, v).float()
+            error = (kernels.attention(q, k, v, d**-0.5).float() - reference).abs().max().item()
+        tflops = 4 * b * h * n * n * d / (kernel * 1e-3) / 1e12
+        print(f"| {name}, {b} x {h} x {n} x {d} | {sdpa:.1f} | {kernel:.1f} ({tflops:.2f}) | {error:.4f} |")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("vae", "group-norm", "attention"))
+    parser.add_argument("part", choices=("vae", "group-norm", "attention", "dit-attention"))
     parser.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="group-norm's and attention's dtype"
     )
@@ -127,5 +157,7 @@ if __name__ == "__main__":
         group_norm(getattr(torch, args.dtype))
     elif args.part == "attention":
         attention(getattr(torch, args.dtype))
+    elif args.part == "dit-attention":
+        dit_attention(getattr(torch, args.dtype))
     else:
         vae()
