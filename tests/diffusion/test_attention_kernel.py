@@ -22,6 +22,10 @@ from genfast.kernels.rel_pos_attention import ops as kernel
 # over the output's scale (measured ~0.4%).
 BF16_RELATIVE = 0.02
 FP32_EXACT = 1e-5  # fp32 on AVX-512: the kernel takes no fp32, so the processors run SDPA as diffusers does
+FP32_RELATIVE = 1e-4  # fp32 on AVX2, whose kernel computes in fp32: max abs difference over the scale (measured ~3e-7)
+# 32 x 32 image tokens (2x2 patches for SD3) and 8 text tokens: 1032 keys, long enough for the AVX2
+# variant, which runs only on 1024-4096 keys (ops.attention_pays), still tiny models.
+GRID, TEXT_TOKENS = 32, 8
 needs_kernel = pytest.mark.skipif(
     not kernel.takes(torch.bfloat16),
     reason=f"the native attention kernel does not run here: {kernel.unavailable_reason()}",
@@ -47,7 +51,7 @@ def tiny_sd3(dtype: torch.dtype):
     torch.manual_seed(0)
     return (
         SD3Transformer2DModel(
-            sample_size=8,
+            sample_size=GRID,
             patch_size=2,
             in_channels=4,
             num_layers=2,
@@ -57,7 +61,7 @@ def tiny_sd3(dtype: torch.dtype):
             caption_projection_dim=32,
             pooled_projection_dim=32,
             out_channels=4,
-            pos_embed_max_size=8,
+            pos_embed_max_size=GRID,
             dual_attention_layers=(0,),
             qk_norm="rms_norm",
         )
@@ -68,13 +72,14 @@ def tiny_sd3(dtype: torch.dtype):
 
 def flux_inputs(model, dtype: torch.dtype) -> dict:
     generator = torch.Generator().manual_seed(1)
-    tokens, text = 64, 8
+    tokens, text = GRID * GRID, TEXT_TOKENS
     config = model.config
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(8.0), torch.arange(8.0), indexing="ij"), -1)
+    axis = torch.arange(float(GRID))
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), axis, axis, indexing="ij"), -1)
     return {
         "hidden_states": randn(1, tokens, config.in_channels),
         "encoder_hidden_states": randn(1, text, config.joint_attention_dim),
@@ -91,8 +96,8 @@ def sd3_inputs(model, dtype: torch.dtype) -> dict:
     generator = torch.Generator().manual_seed(1)
     config = model.config
     return {
-        "hidden_states": torch.randn(2, config.in_channels, 16, 16, generator=generator).to(dtype),
-        "encoder_hidden_states": torch.randn(2, 8, config.joint_attention_dim, generator=generator).to(dtype),
+        "hidden_states": torch.randn(2, config.in_channels, 2 * GRID, 2 * GRID, generator=generator).to(dtype),
+        "encoder_hidden_states": torch.randn(2, TEXT_TOKENS, config.joint_attention_dim, generator=generator).to(dtype),
         "pooled_projections": torch.randn(2, config.pooled_projection_dim, generator=generator).to(dtype),
         "timestep": torch.tensor([500.0, 500.0]),
         "return_dict": False,
@@ -130,7 +135,7 @@ def test_kernel_attention_matches_diffusers(arch, fused):
 
 def test_fp32_runs_sdpa_exactly_where_the_kernel_takes_none(arch):
     """Where the loaded kernel takes no fp32 (AVX-512), the processors fall back to SDPA and match
-    diffusers' own; where it does (AVX2), only on long sequences, not on these tiny ones."""
+    diffusers' own exactly; where it does (AVX2), it runs in fp32, within fp32's difference."""
     build, inputs, _, modules = MODELS[arch]
     model = build(torch.float32)
     args = inputs(model, torch.float32)
@@ -138,8 +143,12 @@ def test_fp32_runs_sdpa_exactly_where_the_kernel_takes_none(arch):
         reference = model(**args)[0]
         assert use_attention_kernel(model) == modules
         out, calls = kernel_calls(lambda: model(**args)[0])
-    assert calls == 0
-    assert (out - reference).abs().max().item() <= FP32_EXACT
+    if kernel.takes(torch.float32):
+        assert calls == modules
+        assert (out - reference).abs().max().item() <= FP32_RELATIVE * reference.abs().max().item()
+    else:
+        assert calls == 0
+        assert (out - reference).abs().max().item() <= FP32_EXACT
 
 
 def test_models_without_flux_or_sd3_attention_are_left_alone():
