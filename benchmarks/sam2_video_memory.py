@@ -6,8 +6,9 @@ Writes an H.264 clip of --frames frames at --size (default 300 at 1920x1080) wit
 shapes, clicks two objects on frame 0 and propagates to the end with random weights at the real
 architecture (speed and memory do not depend on weight values), printing the resident set every
 --every frames and a table at the end: frames, seconds, resident GB, growth since the first
-report. The model runs the recipe's sdpa step in --dtype (default auto: bfloat16 where the CPU
-computes in it natively, else float32).
+report. The model runs the recipe up to --step (default fused-attention: eager, the native
+attention kernel where the CPU has one) in --dtype (default auto: bfloat16 where the CPU computes
+in it natively, else float32).
 
     python benchmarks/sam2_video_memory.py --model sam2.1-hiera-tiny --frames 300 --size 1920x1080
 """
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--size", default="1920x1080", help="WIDTHxHEIGHT")
     parser.add_argument("--every", type=int, default=25, help="report every N frames")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto")
+    parser.add_argument("--step", default="fused-attention", help="the SAM recipe's step to run up to")
     args = parser.parse_args()
     width, height = (int(v) for v in args.size.split("x"))
 
@@ -65,8 +67,7 @@ def main() -> None:
     from genfast.sam.sam2.build import build_random_sam2
     from genfast.sam.sam2.video import SAM2VideoPredictor
 
-    # bf16 where the CPU computes in it natively (--dtype auto), with SDPA: the recipe's "sdpa" step.
-    step = "sdpa"
+    step = args.step
     plan = RECIPE.plan(step, Target(torch.device("cpu"), dtype_name(args.dtype)))
     with tempfile.TemporaryDirectory(prefix="genfast-sam2-memory-") as tmp:
         clip = Path(tmp) / "clip.mp4"

@@ -80,6 +80,21 @@ def _quantize_dynamic_int8(encoder: torch.nn.Module, settings: SamSettings) -> N
     quantize_dynamic_int8(encoder, keep=narrower_than(INT8_MIN_FEATURES))
 
 
+def _quantize_memory_attention(model: Sam, settings: SamSettings) -> None:
+    """SAM 2's memory attention (video): its linears as the encoder's, and its attention's scores
+    q k^T on int8 codes of q and k where the native kernel has them (AVX-512), a scale per query
+    row and per key: half the kernel's products at twice the rate. SAM has none: nothing changes."""
+    from genfast.quant.linear import narrower_than, quantize_dynamic_int8
+
+    memory_attention = getattr(model, "memory_attention", None)
+    if memory_attention is None:
+        return
+    quantize_dynamic_int8(memory_attention, keep=narrower_than(INT8_MIN_FEATURES))
+    for module in memory_attention.modules():
+        if hasattr(module, "int8_scores"):
+            module.int8_scores = True
+
+
 def _sparsify_2_4(encoder: torch.nn.Module, settings: SamSettings) -> None:
     from genfast.quant.sparse import sparsify_2_4_
 
@@ -146,10 +161,14 @@ RECIPE = Recipe(
             {"batched_prompts": True},
         ),
         steps.dynamic_int8(
-            "int8 activations x int8 weights in the image encoder's linears",
+            "int8 activations x int8 weights in the image encoder's linears (SAM 2: and the memory "
+            "attention's, whose scores q k^T are computed on int8 codes where the CPU kernel has them)",
             "logit error <= 10%, IoU >= 0.9",
             {"dynamic_int8": True},
-            [Transform(_quantize_dynamic_int8, ("image_encoder",), Stage.QUANTIZE)],
+            [
+                Transform(_quantize_dynamic_int8, ("image_encoder",), Stage.QUANTIZE),
+                Transform(_quantize_memory_attention, ("model",), Stage.QUANTIZE),
+            ],
         ),
         # No kernel combines int8 and 2:4 sparsity: the sparse step replaces dynamic int8.
         Step(

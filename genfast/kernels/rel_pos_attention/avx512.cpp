@@ -28,7 +28,15 @@
 // block, one per channel pair, all fell in the same L1 sets (4K aliasing), which cost a quarter
 // of the global blocks' time (sam2.1-hiera-tiny, Zen 4).
 //
-// Compiled with -mavx512f/bw/bf16; the Python side calls it only when the CPU has them.
+// int8 scores (`attention` only): S = Q K^T on q and k quantized to int8, each query row and each
+// key with its own absmax scale, on `vpdpbusd` (16 lanes, each += four u8 x s8 products into
+// int32): twice vdpbf16ps's products per instruction, so S costs about half. K is re-laid out as
+// quads of channels [C/4][N_pad + 16] of s8 codes with a scale per key; each task quantizes its
+// query rows to u8 codes (the int8 code + 128), and the 128 * sum of each key's codes that this
+// adds to its dot products is taken back, with the two scales applied, as S leaves the registers.
+// P @ V stays in bf16.
+//
+// Compiled with -mavx512f/bw/bf16/vnni; the Python side calls it only when the CPU has them.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -43,11 +51,13 @@
 #include <cstring>
 #include <vector>
 
+#include "../common/avx512_vectors.h"
 #include "rel_pos_attention.h"
 
 namespace {
 
 using genfast_rel_pos_attention::Bias;
+using genfast_rel_pos_attention::kMaxHeadDim;
 
 constexpr int64_t kQueryBlock = 32;       // query rows per task
 constexpr int64_t kFewKeys = 256;         // up to this many (padded) keys, a task takes up to
@@ -55,8 +65,17 @@ constexpr int64_t kMaxQueryBlock = 256;   // this many query rows
 constexpr int64_t kOnePassKeys = 4096;    // up to this many (padded) keys, one pass over them all;
 constexpr int64_t kKeyChunk = 256;        // beyond, passes of this many keys
 constexpr int64_t kLongQueryBlock = 128;  // over this many query rows per task
-constexpr int kRows = 4;             // query rows per register tile
+constexpr int kRows = 4;             // query rows per register tile of S
 constexpr int kKeyVectors = 4;       // 16-key vectors per register tile of S
+// A register tile of O is output_rows_per_tile(CV) x CV accumulators: with the tile's CV vectors of
+// V and P's broadcast they fit the 32 vector registers, so each vector of V is loaded once per
+// tile. (4 rows x 8 vectors did not fit: V was re-loaded for every row, and P @ V ran bound by the
+// loads: 671 against 793 GFLOP/s for 4096 x 28,736 x 256 on two Zen 4 cores.) Heads of up to
+// kMaxChannelVectors vectors take one slice of channels (Hiera's 96), wider ones slices of
+// kWideSliceVectors.
+constexpr int output_rows_per_tile(int cv) { return cv >= 5 ? 4 : 4; }
+constexpr int kMaxChannelVectors = 6;
+constexpr int kWideSliceVectors = 4;
 constexpr int64_t kRelayoutKeys = 1024;  // keys per task of the shared re-layout (a multiple of 16)
 constexpr int64_t kRowPad = 16;      // K's and the scores' rows are this much longer than N_pad
 
@@ -79,6 +98,25 @@ inline __m512 exp_to_bf16(__m512 x) {
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
+// Runs tile.template operator()<R>(r) on rows r = 0, R, 2R, ... of `rows`, then the rows left
+// (fewer than R) as one smaller tile.
+template <int R, typename Tile>
+inline void last_tile(int64_t left, int64_t r, Tile& tile) {
+  if constexpr (R > 0) {
+    if (left == R)
+      tile.template operator()<R>(r);
+    else
+      last_tile<R - 1>(left, r, tile);
+  }
+}
+
+template <int R, typename Tile>
+inline void for_row_tiles(int64_t rows, Tile&& tile) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) tile.template operator()<R>(r);
+  last_tile<R - 1>(rows - r, r, tile);
+}
+
 // S[r, j0 + 16t + l] = q[r] . k[j0 + 16t + l] for R rows and KV vectors of 16 keys.
 // q: rows of C/2 channel pairs; kp: [C/2][k_ld] channel pairs.
 template <int R, int KV>
@@ -97,6 +135,59 @@ inline void scores_tile(const uint32_t* q, int64_t q_stride, const uint32_t* kp,
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < KV; ++t) _mm512_storeu_ps(s + r * s_stride + j0 + 16 * t, acc[r][t]);
+}
+
+// The int8 form of scores_tile: q rows of C/4 words of four u8 codes with their scales q_scale,
+// kq [C/4][k_ld] words of four s8 codes (lane = key) with k_scale and k_offset (128 * the sum of
+// the key's codes) per key.
+template <int R, int KV>
+inline void scores_tile_int8(const uint32_t* q, int64_t q_stride, const float* q_scale, const uint32_t* kq,
+                             int64_t k_ld, int64_t quads, int64_t j0, const float* k_scale, const int32_t* k_offset,
+                             float* s, int64_t s_stride) {
+  __m512i acc[R][KV];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < KV; ++t) acc[r][t] = _mm512_setzero_si512();
+  for (int64_t c4 = 0; c4 < quads; ++c4) {
+    __m512i keys[KV];
+    for (int t = 0; t < KV; ++t) keys[t] = _mm512_loadu_si512(kq + c4 * k_ld + j0 + 16 * t);
+    for (int r = 0; r < R; ++r) {
+      const __m512i query = _mm512_set1_epi32(static_cast<int>(q[r * q_stride + c4]));
+      for (int t = 0; t < KV; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], query, keys[t]);
+    }
+  }
+  for (int t = 0; t < KV; ++t) {
+    const __m512i offset = _mm512_loadu_si512(k_offset + j0 + 16 * t);
+    const __m512 key_scale = _mm512_loadu_ps(k_scale + j0 + 16 * t);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][t], offset));
+      _mm512_storeu_ps(s + r * s_stride + j0 + 16 * t, _mm512_mul_ps(dot, _mm512_mul_ps(key_scale, _mm512_set1_ps(q_scale[r]))));
+    }
+  }
+}
+
+// One row of c bf16 values (c a multiple of 16) as int8 codes round(x * 127 / max|x|), each plus
+// `bias` (128: u8 codes, 0: s8 codes), into `codes`; returns the scale max|x| / 127 (0 for a row of
+// zeros, whose codes are all `bias`) and the sum of the int8 codes in *code_sum.
+inline float quantize_row(const c10::BFloat16* x, int64_t c, int bias, uint8_t* codes, int32_t* code_sum) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t ch = 0; ch < c; ch += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(genfast_avx512::load16(x + ch)));
+  const float m = _mm512_reduce_max_ps(amax);
+  *code_sum = 0;
+  if (!(m > 0.0f)) {
+    std::memset(codes, bias, c);
+    return 0.0f;
+  }
+  const __m512 inv = _mm512_set1_ps(127.0f / m);
+  const __m512i shift = _mm512_set1_epi32(bias);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t ch = 0; ch < c; ch += 16) {
+    const __m512i code = _mm512_cvtps_epi32(_mm512_mul_ps(genfast_avx512::load16(x + ch), inv));
+    sum = _mm512_add_epi32(sum, code);
+    // Codes are in [-127, 127], so code + bias fits a byte as s8 (bias 0) or u8 (bias 128).
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + ch), _mm512_cvtepi32_epi8(_mm512_add_epi32(code, shift)));
+  }
+  *code_sum = _mm512_reduce_add_epi32(sum);
+  return m / 127.0f;
 }
 
 // O[r, :16 CV] += P[r] @ V[:, :16 CV] for R rows and CV vectors of 16 channels.
@@ -125,44 +216,33 @@ inline void output_tile(const uint32_t* p, int64_t p_stride, const uint32_t* vp,
 template <int CV>
 void output_rows(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t v_ld, int64_t key_pairs,
                  int64_t rows, float* o, int64_t o_ld) {
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows)
-    output_tile<kRows, CV>(p + r * p_stride, p_stride, vp, v_ld, key_pairs, o + r * o_ld, o_ld);
-  for (; r < rows; ++r) output_tile<1, CV>(p + r * p_stride, p_stride, vp, v_ld, key_pairs, o + r * o_ld, o_ld);
+  for_row_tiles<output_rows_per_tile(CV)>(rows, [&]<int R>(int64_t r) {
+    output_tile<R, CV>(p + r * p_stride, p_stride, vp, v_ld, key_pairs, o + r * o_ld, o_ld);
+  });
 }
 
 using OutputRowsFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*, int64_t);
-constexpr int kMaxChannelVectors = 8;  // per register tile of O: 4 x 8 accumulators
-constexpr OutputRowsFn kOutputRows[kMaxChannelVectors] = {
-    output_rows<1>, output_rows<2>, output_rows<3>, output_rows<4>,
-    output_rows<5>, output_rows<6>, output_rows<7>, output_rows<8>};
+constexpr OutputRowsFn kOutputRowsFns[kMaxChannelVectors] = {output_rows<1>, output_rows<2>, output_rows<3>,
+                                                             output_rows<4>, output_rows<5>, output_rows<6>};
 
-// O[r, :] += P[r] @ V for `rows` rows of c channels, in slices of up to 128 channels (a register tile's).
+// O[r, :] += P[r] @ V for `rows` rows of c channels, in slices of channels (a register tile's).
 void accumulate_output(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t key_pairs, int64_t rows,
                        int64_t c, float* o) {
-  for (int64_t ch = 0; ch < c; ch += 16 * kMaxChannelVectors) {
-    const int64_t vectors = std::min<int64_t>(kMaxChannelVectors, (c - ch) / 16);
-    kOutputRows[vectors - 1](p, p_stride, vp + ch, c, key_pairs, rows, o + ch, c);
+  const int64_t slice = c / 16 <= kMaxChannelVectors ? kMaxChannelVectors : kWideSliceVectors;
+  for (int64_t ch = 0; ch < c; ch += 16 * slice) {
+    const int64_t vectors = std::min<int64_t>(slice, (c - ch) / 16);
+    kOutputRowsFns[vectors - 1](p, p_stride, vp + ch, c, key_pairs, rows, o + ch, c);
   }
 }
 
-// S for `rows` query rows (q: rows of C/2 channel pairs) against all n_pad keys, into rows of
-// s_ld scores: key block by key block, every row tile reading the block from L1.
-template <int KV>
-void score_key_block(const uint32_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, int64_t k_ld,
-                     int64_t pairs, int64_t j0, float* s, int64_t s_ld) {
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows)
-    scores_tile<kRows, KV>(q + r * q_stride, q_stride, kp, k_ld, pairs, j0, s + r * s_ld, s_ld);
-  for (; r < rows; ++r) scores_tile<1, KV>(q + r * q_stride, q_stride, kp, k_ld, pairs, j0, s + r * s_ld, s_ld);
-}
-
-void score_rows(const uint32_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, int64_t k_ld, int64_t n_pad,
-                int64_t pairs, float* s, int64_t s_ld) {
+// S for `rows` query rows against keys [0, n_pad): key block by key block, every row tile reading
+// the block from L1. tile<R, KV>(r, j0) computes rows r .. r + R against keys j0 .. j0 + 16 KV.
+template <typename Tile>
+void score_rows(int64_t rows, int64_t n_pad, Tile&& tile) {
   int64_t j0 = 0;
   for (; j0 + 16 * kKeyVectors <= n_pad; j0 += 16 * kKeyVectors)
-    score_key_block<kKeyVectors>(q, q_stride, rows, kp, k_ld, pairs, j0, s, s_ld);
-  for (; j0 < n_pad; j0 += 16) score_key_block<1>(q, q_stride, rows, kp, k_ld, pairs, j0, s, s_ld);
+    for_row_tiles<kRows>(rows, [&]<int R>(int64_t r) { tile.template operator()<R, kKeyVectors>(r, j0); });
+  for (; j0 < n_pad; j0 += 16) for_row_tiles<kRows>(rows, [&]<int R>(int64_t r) { tile.template operator()<R, 1>(r, j0); });
 }
 
 // Scale and bias one row's scores for keys j0 .. j0 + len (bias: query row `row`'s terms; none
@@ -185,7 +265,8 @@ void add_bias(float* s, const Bias& bias, int64_t row, int64_t j0, int64_t len, 
 // out of the qkv projection: no copies). Returns [B, Nq, heads, C]: the layout the output
 // projection reads.
 at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
-                  double scale) {
+                  double scale, bool int8_scores) {
+  TORCH_CHECK(!(int8_scores && bias.h), op, ": int8 scores take no bias");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               op, ": q, k, v must be bfloat16");
   for (const at::Tensor* t : {&q, &k, &v})
@@ -193,8 +274,9 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                 ": q, k, v need unit channel stride and even strides");
   const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2), n = k.size(2), c = q.size(3);
   const int64_t bh_count = batch * heads;
-  const int64_t n_pad = (n + 15) / 16 * 16, pairs = c / 2, key_pairs = n_pad / 2;
+  const int64_t n_pad = (n + 15) / 16 * 16, pairs = c / 2, quads = c / 4, key_pairs = n_pad / 2;
   const int64_t k_ld = n_pad + kRowPad;  // the row stride of K
+  const int64_t k_rows = int8_scores ? quads : pairs;  // K's rows: channel quads of s8 codes, or pairs of bf16
   // Element offset of row `row` of head `bh` in a [B, heads, N, C] view.
   auto row_offset = [heads](const at::Tensor& t, int64_t bh, int64_t row) {
     return (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + row * t.stride(2);
@@ -222,19 +304,42 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   // time: each channel pair's 16 keys fill one cache line, read from 16 rows that stay in L1 (key
   // by key, each key's row was scattered over `pairs` lines, a third of a 28.7K-key call's
   // re-layout time on Zen 4).
-  auto relayout = [&](int64_t bh, uint32_t* kpb, uint32_t* vpb, int64_t j_begin, int64_t j_end) {
+  // Head bh's re-laid out K and V; with int8 scores, K's codes and each key's scale and offset.
+  struct HeadBuffers {
+    uint32_t* k;
+    uint32_t* v;
+    float* k_scale = nullptr;
+    int32_t* k_offset = nullptr;
+  };
+  auto relayout = [&](int64_t bh, const HeadBuffers& dst_head, int64_t j_begin, int64_t j_end) {
     const int64_t real_end = std::min(j_end, n);
+    uint32_t* kpb = dst_head.k;
     for (int64_t j = j_begin; j < real_end; j += 16) {
       const int64_t len = std::min<int64_t>(16, real_end - j);
+      alignas(64) uint8_t codes[16][kMaxHeadDim];
       const uint32_t* rows[16];
-      for (int64_t jj = 0; jj < len; ++jj) rows[jj] = reinterpret_cast<const uint32_t*>(k16 + row_offset(k, bh, j + jj));
-      for (int64_t c2 = 0; c2 < pairs; ++c2) {
-        uint32_t* dst = kpb + c2 * k_ld + j;
-        for (int64_t jj = 0; jj < len; ++jj) dst[jj] = rows[jj][c2];
+      for (int64_t jj = 0; jj < len; ++jj) {
+        const int64_t offset = row_offset(k, bh, j + jj);
+        if (int8_scores) {
+          int32_t code_sum;
+          dst_head.k_scale[j + jj] = quantize_row(reinterpret_cast<const c10::BFloat16*>(k16 + offset), c, 0,
+                                                  codes[jj], &code_sum);
+          dst_head.k_offset[j + jj] = 128 * code_sum;  // what the queries' u8 codes (+128) add
+          rows[jj] = reinterpret_cast<const uint32_t*>(codes[jj]);
+        } else {
+          rows[jj] = reinterpret_cast<const uint32_t*>(k16 + offset);
+        }
+      }
+      for (int64_t row = 0; row < k_rows; ++row) {
+        uint32_t* dst = kpb + row * k_ld + j;
+        for (int64_t jj = 0; jj < len; ++jj) dst[jj] = rows[jj][row];
       }
     }
-    for (int64_t c2 = 0; c2 < pairs; ++c2)
-      for (int64_t j = std::max(j_begin, n); j < j_end; ++j) kpb[c2 * k_ld + j] = 0;
+    for (int64_t j = std::max(j_begin, n); j < j_end; ++j) {
+      for (int64_t row = 0; row < k_rows; ++row) kpb[row * k_ld + j] = 0;
+      if (int8_scores) dst_head.k_scale[j] = 0.0f, dst_head.k_offset[j] = 0;
+    }
+    uint32_t* vpb = dst_head.v;
     for (int64_t j2 = j_begin / 2; j2 < j_end / 2; ++j2) {
       const int64_t j = 2 * j2;
       const uint16_t* even = j < n ? v16 + row_offset(v, bh, j) : nullptr;
@@ -247,27 +352,37 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
       }
     }
   };
-  at::Tensor kp, vp;
+  // Head bh's buffers in the shared tensors.
+  at::Tensor kp, vp, k_scales, k_offsets;
+  auto shared_head = [&](int64_t bh) {
+    HeadBuffers head{reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>()) + bh * k_rows * k_ld,
+                     reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>()) + bh * key_pairs * c};
+    if (int8_scores) {
+      head.k_scale = k_scales.data_ptr<float>() + bh * k_ld;
+      head.k_offset = k_offsets.data_ptr<int32_t>() + bh * k_ld;
+    }
+    return head;
+  };
   if (shared) {
-    kp = at::empty({bh_count, pairs, k_ld}, q.options().dtype(at::kInt));
+    kp = at::empty({bh_count, k_rows, k_ld}, q.options().dtype(at::kInt));
     vp = at::empty({bh_count, key_pairs, c}, q.options().dtype(at::kInt));
-    auto* kp32 = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
-    auto* vp32 = reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>());
+    if (int8_scores) {
+      k_scales = at::empty({bh_count, k_ld}, q.options().dtype(at::kFloat));
+      k_offsets = at::empty({bh_count, k_ld}, q.options().dtype(at::kInt));
+    }
     // In blocks of keys as well as heads: the memory attention has one head, whose re-layout of
     // ~29K keys would otherwise run on one thread while the others wait.
     const int64_t key_blocks = (n_pad + kRelayoutKeys - 1) / kRelayoutKeys;
     at::parallel_for(0, bh_count * key_blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t bh = t / key_blocks, j0 = (t % key_blocks) * kRelayoutKeys;
-        relayout(bh, kp32 + bh * pairs * k_ld, vp32 + bh * key_pairs * c, j0, std::min(j0 + kRelayoutKeys, n_pad));
+        relayout(bh, shared_head(bh), j0, std::min(j0 + kRelayoutKeys, n_pad));
       }
     });
   }
 
   at::Tensor out = at::empty({batch, nq, heads, c}, q.options());
   const auto* q16 = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const auto* kp32 = shared ? reinterpret_cast<const uint32_t*>(kp.data_ptr<int32_t>()) : nullptr;
-  const auto* vp32 = shared ? reinterpret_cast<const uint32_t*>(vp.data_ptr<int32_t>()) : nullptr;
   auto* out_ptr = out.data_ptr<at::BFloat16>();
   const float scale_f = static_cast<float>(scale);
   // Without a bias the scale goes into the exponent: exp(scale * (s - max)), scale > 0.
@@ -279,22 +394,42 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     thread_local std::vector<float> scores, outputs, row_max, row_sum;
     thread_local std::vector<at::BFloat16> probs;
     thread_local std::vector<uint32_t> own_k, own_v;  // the task's own re-layout (!shared)
+    thread_local std::vector<float> own_k_scale, q_scale;
+    thread_local std::vector<int32_t> own_k_offset;
+    thread_local std::vector<uint32_t> q_codes;  // int8 scores: the task's rows as u8 codes
     scores.resize(query_block * s_ld);
     probs.resize(query_block * s_ld);
     outputs.resize(query_block * c);
     row_max.resize(query_block);
     row_sum.resize(query_block);
     if (!shared) {
-      own_k.resize(pairs * k_ld);
+      own_k.resize(k_rows * k_ld);
       own_v.resize(key_pairs * c);
+      if (int8_scores) {
+        own_k_scale.resize(k_ld);
+        own_k_offset.resize(k_ld);
+      }
+    }
+    if (int8_scores) {
+      q_codes.resize(query_block * quads);
+      q_scale.resize(query_block);
     }
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, i0 = (task % blocks) * query_block;
       const int64_t rows = std::min(query_block, nq - i0);
       const auto* qb = reinterpret_cast<const uint32_t*>(q16 + row_offset(q, bh, i0));
-      const uint32_t* kpb = shared ? kp32 + bh * pairs * k_ld : own_k.data();
-      const uint32_t* vpb = shared ? vp32 + bh * key_pairs * c : own_v.data();
-      if (!shared) relayout(bh, own_k.data(), own_v.data(), 0, n_pad);
+      const HeadBuffers head = shared ? shared_head(bh)
+                                      : HeadBuffers{own_k.data(), own_v.data(), own_k_scale.data(), own_k_offset.data()};
+      if (!shared) relayout(bh, head, 0, n_pad);
+      const uint32_t* kpb = head.k;
+      const uint32_t* vpb = head.v;
+      if (int8_scores) {
+        for (int64_t r = 0; r < rows; ++r) {
+          int32_t unused;
+          q_scale[r] = quantize_row(reinterpret_cast<const c10::BFloat16*>(q16 + row_offset(q, bh, i0 + r)), c, 128,
+                                    reinterpret_cast<uint8_t*>(q_codes.data() + r * quads), &unused);
+        }
+      }
       std::fill(outputs.begin(), outputs.begin() + rows * c, 0.0f);
       std::fill(row_max.begin(), row_max.begin() + rows, -INFINITY);
       std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
@@ -305,7 +440,16 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
       for (int64_t j0 = 0; j0 < n_pad; j0 += chunk) {
         const int64_t len = std::min(chunk, n_pad - j0), real = std::min(len, n - j0);
         float* s = scores.data();
-        score_rows(qb, q_stride, rows, kpb + j0, k_ld, len, pairs, s, s_ld);
+        if (int8_scores) {
+          score_rows(rows, len, [&]<int R, int KV>(int64_t r, int64_t j) {
+            scores_tile_int8<R, KV>(q_codes.data() + r * quads, quads, q_scale.data() + r, kpb + j0, k_ld, quads, j,
+                                    head.k_scale + j0, head.k_offset + j0, s + r * s_ld, s_ld);
+          });
+        } else {
+          score_rows(rows, len, [&]<int R, int KV>(int64_t r, int64_t j) {
+            scores_tile<R, KV>(qb + r * q_stride, q_stride, kpb + j0, k_ld, pairs, j, s + r * s_ld, s_ld);
+          });
+        }
         for (int64_t r = 0; r < rows; ++r) {
           float* row = s + r * s_ld;
           add_bias(row, bias, bh * nq + i0 + r, j0, real, scale_f);

@@ -2,10 +2,12 @@
 // points. A variant supplies the attention itself as
 //
 //   at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-//                     const Bias& bias, double scale);
+//                     const Bias& bias, double scale, bool int8_scores);
 //
-// which checks what is its own (the dtypes it computes on, the strides it reads) and returns
-// [B, Nq, heads, C] in q's dtype.
+// which checks what is its own (the dtypes it computes on, the strides it reads, whether it has
+// int8 scores) and returns [B, Nq, heads, C] in q's dtype. int8_scores: q . k computed on q and k
+// quantized to int8 per row and per key (absmax scales), where the variant has an int8 dot product
+// (AVX512-VNNI); a variant without one refuses them. Never with a bias.
 
 #pragma once
 
@@ -26,7 +28,7 @@ struct Bias {
 };
 
 using Attend = at::Tensor (*)(const char*, const at::Tensor&, const at::Tensor&, const at::Tensor&, const Bias&,
-                              double);
+                              double, bool);
 
 inline void check_shapes(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          double scale) {
@@ -52,14 +54,14 @@ at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
   const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
   const Bias bias{bias_h.data_ptr<float>(), bias_w.data_ptr<float>(), rel_h.size(3), rel_w.size(3)};
-  return attend("rel_pos_attention", q, k, v, bias, scale);
+  return attend("rel_pos_attention", q, k, v, bias, scale, false);
 }
 
 // q [B, heads, Nq, C], k and v [B, heads, Nk, C]: softmax(scale * q k^T) v, as [B, Nq, heads, C].
 template <Attend attend>
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool int8_scores) {
   check_shapes("attention", q, k, v, scale);
-  return attend("attention", q, k, v, Bias{}, scale);
+  return attend("attention", q, k, v, Bias{}, scale, int8_scores);
 }
 
 }  // namespace genfast_rel_pos_attention

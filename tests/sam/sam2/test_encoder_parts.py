@@ -29,6 +29,8 @@ KERNEL_DTYPES = kernel.DTYPES.get(kernel.loaded_isa(), ()) if kernel.unavailable
         (3, 1, 49, 196, 16),
         (2, 3, 5, 7, 48),
         (1, 1, 130, 4500, 256),  # the memory attention's head dim; keys in chunks (more than 4096)
+        (1, 2, 37, 300, 112),  # heads wider than one register tile of the output: channel slices 4 + 3 vectors
+        (2, 1, 23, 90, 160),  # slices 4 + 4 + 2; rows not a multiple of any tile's
     ],
 )
 def test_attention_kernel_matches_sdpa(dtype, windows, heads, queries, keys, channels) -> None:
@@ -62,6 +64,45 @@ def test_attention_kernel_rescales_when_a_later_chunk_holds_the_maximum() -> Non
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.attention(q, k, v, 32**-0.5).float(), expected, atol=tolerance, rtol=tolerance)
+
+
+INT8_SCORES = KERNEL_DTYPES and kernel.has_int8_scores()
+
+
+@pytest.mark.skipif(not INT8_SCORES, reason="the loaded attention kernel has no int8 scores (AVX-512 only)")
+@pytest.mark.parametrize(
+    ("windows", "queries", "keys", "channels"),
+    [
+        (2, 5, 40, 32),  # one task per head: the task quantizes its own keys
+        (1, 130, 4500, 256),  # the memory attention's head dim, keys in chunks, keys shared by the tasks
+        (1, 70, 300, 112),  # heads of 7 vectors; rows not a multiple of a tile's
+    ],
+)
+def test_attention_kernel_int8_scores_match_sdpa(windows, queries, keys, channels) -> None:
+    """q k^T on int8 codes (a scale per query row and per key): the output within 4% of its norm of
+    fp32 SDPA on the same bf16 inputs (measured ~2%: each code rounds to 1/254 of its row's range;
+    bf16 scores are ~0.2%), scores sharp enough (std ~2) that their errors show. A query row and
+    a key of zeros (scale 0) take part."""
+    gen = torch.Generator().manual_seed(2)
+    q = (2 * torch.randn(windows, 1, queries, channels, generator=gen)).bfloat16()
+    k, v = (torch.randn(windows, 1, keys, channels, generator=gen).bfloat16() for _ in range(2))
+    q[:, :, 3] = 0
+    k[:, :, 5] = 0
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    actual = kernel.attention(q, k, v, channels**-0.5, int8_scores=True).float()
+    bf16_scores = kernel.attention(q, k, v, channels**-0.5).float()
+    error = ((actual - expected).norm() / expected.norm()).item()
+    assert error < 0.04 and not torch.equal(actual, bf16_scores), error
+    torch.testing.assert_close(actual[:, :, 3], expected[:, :, 3], atol=2e-2, rtol=2e-2)  # a uniform softmax
+
+
+@pytest.mark.skipif(not KERNEL_DTYPES or INT8_SCORES, reason="a kernel variant without int8 scores (AVX2)")
+def test_int8_scores_are_refused_where_the_kernel_has_none() -> None:
+    """The AVX2 variant refuses int8 scores; asked through attention_or_sdpa, it computes as without."""
+    q, k, v = (torch.randn(1, 1, n, 32, generator=torch.Generator().manual_seed(n)) for n in (8, 1100, 1100))
+    with pytest.raises(RuntimeError, match="int8 scores need the AVX-512 variant"):
+        torch.ops.genfast.attention(q, k, v, 32**-0.5, True)
+    assert torch.equal(kernel.attention_or_sdpa(q, k, v, int8_scores=True), kernel.attention_or_sdpa(q, k, v))
 
 
 @pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
