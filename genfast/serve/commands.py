@@ -139,6 +139,12 @@ def _serve(args: argparse.Namespace, sock: socket.socket | None) -> int:
         loader.stop()
     if loader.failure is not None:
         raise loader.failure  # reported as any failed load (cli.main); the exit status is not 0
+    if loader.engine is None:
+        # Stopped by a signal before the model was ready. uvicorn re-raises the signal it caught
+        # once it has shut down (SIGTERM then ends the process), but a Ctrl-C's re-raise was once
+        # lost on a loaded host (the process ended with status 0, not found why): end as an
+        # interrupted command does.
+        raise KeyboardInterrupt
     return 0
 
 
