@@ -69,15 +69,14 @@ constexpr int64_t kOnePassKeys = 4096;    // up to this many (padded) keys, one 
 constexpr int64_t kOnePassElements = 4096 * 128;  // (and up to this many elements of K);
 constexpr int64_t kKeyChunk = 256;        // beyond, passes of this many keys
 constexpr int64_t kLongQueryBlock = 128;  // over this many query rows per task
-constexpr int kRows = 4;             // query rows per register tile of S
+constexpr int kRows = 4;             // query rows per register tile of S and of O
 constexpr int kKeyVectors = 4;       // 16-key vectors per register tile of S
-// A register tile of O is output_rows_per_tile(CV) x CV accumulators: with the tile's CV vectors of
-// V and P's broadcast they fit the 32 vector registers, so each vector of V is loaded once per
+// A register tile of O is kRows x CV accumulators: with the tile's CV vectors of V and P's
+// broadcast they fit the 32 vector registers (CV <= 6), so each vector of V is loaded once per
 // tile. (4 rows x 8 vectors did not fit: V was re-loaded for every row, and P @ V ran bound by the
-// loads: 671 against 793 GFLOP/s for 4096 x 28,736 x 256 on two Zen 4 cores.) Heads of up to
-// kMaxChannelVectors vectors take one slice of channels (Hiera's 96), wider ones slices of
-// kWideSliceVectors.
-constexpr int output_rows_per_tile(int cv) { return cv >= 5 ? 4 : 4; }
+// loads: 671 against ~785 GFLOP/s for 4096 x 28,736 x 256 on two Zen 4 cores; 6 rows x 4 vectors
+// measured about the same as 4 x 4.) Heads of up to kMaxChannelVectors vectors take one slice of
+// channels (Hiera's 96), wider ones slices of kWideSliceVectors.
 constexpr int kMaxChannelVectors = 6;
 constexpr int kWideSliceVectors = 4;
 constexpr int64_t kRelayoutKeys = 1024;  // keys per task of the shared re-layout (a multiple of 16)
@@ -220,7 +219,7 @@ inline void output_tile(const uint32_t* p, int64_t p_stride, const uint32_t* vp,
 template <int CV>
 void output_rows(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t v_ld, int64_t key_pairs,
                  int64_t rows, float* o, int64_t o_ld) {
-  for_row_tiles<output_rows_per_tile(CV)>(rows, [&]<int R>(int64_t r) {
+  for_row_tiles<kRows>(rows, [&]<int R>(int64_t r) {
     output_tile<R, CV>(p + r * p_stride, p_stride, vp, v_ld, key_pairs, o + r * o_ld, o_ld);
   });
 }
