@@ -1,5 +1,16 @@
 import os
+import sys
+import warnings
 from pathlib import Path
+
+# Two workers of two threads each share CI's two cores. OpenMP's default lets a thread that waits
+# at the end of a parallel region spin for a while before sleeping: beside the other worker, the
+# spinning threads took the cores from the ones they waited for, and eager loops of small ops ran
+# several times slower than with waiting threads asleep. OpenMP reads the setting when torch loads
+# it, so it is set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "torch" in sys.modules:  # a plugin imported it: the suite is right, only slower on two workers
+    warnings.warn("torch was imported before tests/conftest.py: OMP_WAIT_POLICY=PASSIVE may not apply", stacklevel=1)
 
 import pytest
 import torch

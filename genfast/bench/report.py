@@ -43,8 +43,8 @@ PAGE_COLUMNS: dict[str, tuple[Column, ...]] = {
     "sam": (
         ("img_s", "img/s", ".3f"), ("frames_s", "frames/s", ".3f"), (SPEEDUP, "", ".2f"),
         ("peak_mem_gb", "peak mem GB", ".2f"), ("mem_growth_mb_per_frame", "MB/frame", ".1f"),
-        ("masks", "masks kept", ".0f"), ("mask_iou", "mask IoU", ".4f"), ("logit_rel_err", "logit rel err", ".1e"),
-        ("compile_s", "compile s", ".0f"),
+        ("masks_found", "masks found", ".0%"), ("masks", "masks kept", ".0f"), ("mask_iou", "mask IoU", ".4f"),
+        ("logit_rel_err", "logit rel err", ".1e"), ("compile_s", "compile s", ".0f"),
     ),
     "diffusion": (
         ("s_per_image", "s/image", ".2f"), (SPEEDUP, "", ".2f"), ("s_per_denoiser_step", "s/denoiser step", ".3f"),

@@ -164,10 +164,24 @@ def test_compiled_equals_eager_without_recompiling(compiled_family, fresh_dynamo
     check_compiled_matches_eager(load_model(Checkpoint.open(directory)), word_tokenizer(hf.config.vocab_size))
 
 
+# Saving and loading compiled steps depends on what the graphs hold (their caches, ops and
+# guards), not on a family's values: one family per kind of graph, beside Llama's modules
+# (tests/llm/decoding/test_precompiled.py). The others' graphs are checked compiled above.
+SAVED_STEPS_FAMILIES = {
+    "gemma2": "sliding-window ring caches beside full ones, soft-capped logits",
+    "exaone4": "NoPE layers among local rotary ones, post-norms",
+    "phi3_longrope": "LongRoPE's factors switched by the sequence length",
+    "qwen3_moe": "routed experts beside a dense layer",
+    "deepseek_v3": "multi-head latent attention's compressed cache, shared experts",
+}
+
+
 def test_saved_compiled_steps_load_and_give_the_eager_tokens(compiled_family, fresh_dynamo):
     """The steps `genfast generate` saves (aot_compile, genfast/llm/decoding/precompiled.py) for this family:
     compiled and saved by one generator, loaded by a fresh one, which then matches eager."""
-    directory = compiled_family[2]
+    name, _, directory = compiled_family
+    if name not in SAVED_STEPS_FAMILIES:
+        pytest.skip("its graphs hold what another family's saved steps hold (SAVED_STEPS_FAMILIES)")
     loaded = load(str(directory), "cpu", "float32")
     prompt = [3, 4, 5, 6]
     want = Generator(loaded.model, loaded.tokenizer, max_seq_len=64, compile=False).generate(
