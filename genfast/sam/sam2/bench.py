@@ -267,6 +267,17 @@ def bench_video(folder: Path, frames: int) -> Path:
     return folder
 
 
+def objects_always_present(model: Sam2) -> None:
+    """Set the object-score head to answer "present" on every frame. With random weights it may
+    score the clicked objects absent throughout (Hiera-small's did): every mask is then the
+    no-object fill in every row, which compares nothing. Both packages get these weights; the
+    work per frame is the same either way."""
+    last = model.sam_mask_decoder.pred_obj_score_head.layers[-1]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.fill_(10.0)
+
+
 def _resident_bytes() -> int:
     """The process's resident set now (Linux), else 0."""
     try:
@@ -340,16 +351,17 @@ class Sam2VideoLadder(Sam2Ladder):
             "frames/s: init_state + the clicks + propagation, frames / median seconds; MB/frame: how much the "
             "resident memory grew per frame over the second half of the clip (the official package decodes "
             "every frame up front and keeps every frame's memory; genfast streams frames and keeps what the "
-            "tracker can still read); masks found: the share of frames x objects with a non-empty mask (random "
-            "weights may find nothing); mask IoU: per frame and object against the first row, averaged over the "
-            "pairs where either row found a mask ('-' where neither did); logit rel err: of the mask logits over "
-            "the clip, against the first row's."
+            "tracker can still read); masks found: the share of frames x objects with a non-empty mask (the "
+            "random weights' object scores are set to 'present'); mask IoU: per frame and object against the "
+            "first row, averaged over the pairs where either row found a mask ('-' where neither did); logit rel "
+            "err: of the mask logits over the clip, against the first row's."
         )
 
     def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
         frames = options["frames"]
         folder = bench_video(workdir / f"clip-{frames}", frames)
         model = _random_sam2(self.config(options), target.device)
+        objects_always_present(model)
         h, w = VIDEO_SIZE
         clicks = [np.array([[fx * w, fy * h]], dtype=np.float32) for fx, fy in VIDEO_CLICKS]
         if plan is None:
