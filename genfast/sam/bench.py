@@ -128,12 +128,19 @@ def attention_scores_bytes(step: str, config: SamConfig, batch_size: int) -> int
     }.get(step, 0)
 
 
+def mask_iou(a: np.ndarray, b: np.ndarray) -> float | None:
+    """Intersection over union of two boolean masks; None when both are empty."""
+    union = np.logical_or(a, b).sum()
+    return float(np.logical_and(a, b).sum() / union) if union else None
+
+
 def agreement(outputs: list[tuple[np.ndarray, np.ndarray]], baseline: list[tuple[np.ndarray, np.ndarray]]) -> dict:
-    """Mean mask IoU and worst relative error of the low-res logits against the baseline's."""
+    """Mean mask IoU (two empty masks count as equal) and worst relative error of the low-res
+    logits against the baseline's."""
     ious, errors = [], []
     for (mask, logits), (base_mask, base_logits) in zip(outputs, baseline):
-        union = np.logical_or(mask, base_mask).sum()
-        ious.append(1.0 if union == 0 else float(np.logical_and(mask, base_mask).sum() / union))
+        iou = mask_iou(mask, base_mask)
+        ious.append(1.0 if iou is None else iou)
         logits, base_logits = np.asarray(logits, np.float64), np.asarray(base_logits, np.float64)
         errors.append(float(np.linalg.norm(logits - base_logits) / max(np.linalg.norm(base_logits), 1e-12)))
     return {"mask_iou": float(np.mean(ious)), "mask_iou_min": float(np.min(ious)), "logit_rel_err": max(errors)}

@@ -26,7 +26,7 @@ from genfast.bench.ladder import COMPILE_TIME, NOTE, PEAK_MEMORY, SPEEDUP, STEP,
 from genfast.compilation.saved import compile_notes
 from genfast.errors import UserError
 from genfast.recipe import Plan, Target
-from genfast.sam.bench import SamAutomaticLadder, SamLadder, _inference, bench_images, generator_case
+from genfast.sam.bench import SamAutomaticLadder, SamLadder, _inference, bench_images, generator_case, mask_iou
 from genfast.sam.sam2.config import Sam2Config
 from genfast.sam.sam2.modeling.model import Sam2
 
@@ -303,10 +303,7 @@ def video_agreement(frames: list[VideoFrame], reference: list[VideoFrame]) -> di
     ious, diff, norm = [], 0.0, 0.0
     for (packed, logits), (ref_packed, ref_logits) in zip(frames, reference):
         a, b = np.unpackbits(packed, axis=-1).astype(bool), np.unpackbits(ref_packed, axis=-1).astype(bool)
-        for k in range(len(a)):
-            union = (a[k] | b[k]).sum()
-            if union:
-                ious.append(float((a[k] & b[k]).sum() / union))
+        ious += [iou for k in range(len(a)) if (iou := mask_iou(a[k], b[k])) is not None]
         logits, ref_logits = np.asarray(logits, np.float64), np.asarray(ref_logits, np.float64)
         diff += float(np.square(logits - ref_logits).sum())
         norm += float(np.square(ref_logits).sum())
