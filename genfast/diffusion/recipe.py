@@ -49,7 +49,11 @@ from genfast.errors import UserError
 from genfast.recipe import Recipe, Stage, Step, Target, Transform, settings_key
 
 COMPILE_MODES = ("none", "full", "regional")
-DEFAULT_STEP = "sdpa"  # what `genfast imagine` runs unless told otherwise: no compile (minutes on a CPU)
+# What `genfast imagine` runs unless told otherwise: no compile (minutes on a CPU), and an image that
+# does not depend on the thread count, which genfast lowers beside busy work. The faster eager step on
+# a CPU, fused-attention, brings channels-last, whose bf16 oneDNN convolutions round differently with
+# the thread count (docs/diffusion.md).
+DEFAULT_STEP = "sdpa"
 # Linears with fewer input or output features gain little from int8 (the rescaling dominates) and
 # are where its error matters most. 320 is the narrowest width of SD 1.5/SDXL's UNets, so at the real
 # sizes this quantizes the attention and feed-forward linears and leaves the time/text embeddings.

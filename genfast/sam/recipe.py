@@ -75,24 +75,33 @@ def _set_attention(model: Sam, settings: SamSettings) -> None:
 
 
 def _quantize_dynamic_int8(encoder: torch.nn.Module, settings: SamSettings) -> None:
+    """The encoder's linears, and (SAM 2) its attention's scores where the model asks for them
+    (Hiera's global blocks: genfast/sam/sam2/modeling/hiera.py)."""
     from genfast.quant.linear import narrower_than, quantize_dynamic_int8
 
     quantize_dynamic_int8(encoder, keep=narrower_than(INT8_MIN_FEATURES))
+    _use_int8_scores(encoder)
+
+
+def _use_int8_scores(module: torch.nn.Module) -> None:
+    """Every attention under `module` that can compute its scores q k^T on int8 codes of q and k
+    does (`int8_scores`; where the native kernel has them: AVX-512), a scale per query row and
+    per key: half the kernel's products at twice the rate."""
+    for sub in module.modules():
+        if hasattr(sub, "int8_scores"):
+            sub.int8_scores = True
 
 
 def _quantize_memory_attention(model: Sam, settings: SamSettings) -> None:
     """SAM 2's memory attention (video): its linears as the encoder's, and its attention's scores
-    q k^T on int8 codes of q and k where the native kernel has them (AVX-512), a scale per query
-    row and per key: half the kernel's products at twice the rate. SAM has none: nothing changes."""
+    on int8 codes (`_use_int8_scores`). SAM has none: nothing changes."""
     from genfast.quant.linear import narrower_than, quantize_dynamic_int8
 
     memory_attention = getattr(model, "memory_attention", None)
     if memory_attention is None:
         return
     quantize_dynamic_int8(memory_attention, keep=narrower_than(INT8_MIN_FEATURES))
-    for module in memory_attention.modules():
-        if hasattr(module, "int8_scores"):
-            module.int8_scores = True
+    _use_int8_scores(memory_attention)
 
 
 def _sparsify_2_4(encoder: torch.nn.Module, settings: SamSettings) -> None:
@@ -162,7 +171,8 @@ RECIPE = Recipe(
         ),
         steps.dynamic_int8(
             "int8 activations x int8 weights in the image encoder's linears (SAM 2: and the memory "
-            "attention's, whose scores q k^T are computed on int8 codes where the CPU kernel has them)",
+            "attention's; Hiera's global attention and the memory attention compute their scores q k^T on "
+            "int8 codes where the CPU kernel has them)",
             "logit error <= 10%, IoU >= 0.9",
             {"dynamic_int8": True},
             [
