@@ -3,8 +3,11 @@
 A step function compiled ahead of time (`torch.compile(...).aot_compile`, torch 2.13) is saved as
 GENFAST_HOME/compiled/<key>/<name>.aot. The key is a hash of everything the compiled code depends
 on: what the caller passes (architecture, dtypes, quantization, shapes, sampling) and the
-environment (torch and genfast versions, the CPU's ISA level and which native-kernel variants it
-selects, the device type). The thread count is not part of it: the code reads it at run time
+environment (torch and genfast versions, a digest of genfast's Python sources, the CPU's ISA level
+and which native-kernel variants it selects, the device type). The digest is there because the
+compiled code is traced from genfast's modules: a checkout or install between two releases
+changes them under one version number, and an artifact traced from the old code would otherwise
+be loaded and run as if it were the new one. The thread count is not part of it: the code reads it at run time
 (inductor's `cpp.dynamic_threads`). An artifact that cannot be read or whose checks fail (a
 corrupt file, one written by another torch) is removed and rebuilt, and the user is told.
 
@@ -20,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +53,24 @@ def environment() -> dict[str, Any]:
         "format": FORMAT,
         "torch": torch.__version__,
         "genfast": __version__,
+        "genfast_sources": source_digest(),
         "python": list(sys.version_info[:2]),
         "isa": hardware.isa(),
         "code_target": hardware.code_target(),
         # The variant's build name: its ISA and a digest of its sources (a packed layout may change with them).
         "kernels": {k.name: native.chosen_build(k) for k in registry.KERNELS},
     }
+
+
+@cache
+def source_digest() -> str:
+    """A digest of the Python files of the installed genfast package (their paths and contents)."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def saved_guards(entries: Any) -> list[bool]:

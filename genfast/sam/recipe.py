@@ -151,7 +151,8 @@ RECIPE = Recipe(
         Step("sdpa", "scaled_dot_product_attention with the bias as a float mask", "as bf16", {"attention": "sdpa"}),
         Step(
             "fused-attention",
-            "relative-position bias inside the attention: a native kernel on CPU, folded into SDPA's product on CUDA",
+            "relative-position bias inside the attention: a native kernel on CPU, folded into SDPA's product on CUDA; "
+            "on CPU the mask decoder's attention (and SAM 2's) takes the same kernel without a bias",
             "as bf16",
             {"attention": "fused"},
             fallback=_fused_attention_note,

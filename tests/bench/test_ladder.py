@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,25 @@ def test_a_row_timed_beside_other_work_says_so(tmp_path):
         assert run(ToyLadder(), args) == 0
     rows = json.loads(out.read_text())
     assert all("CPUs busy while it was timed: slower than this machine runs it" in r["note"] for r in rows)
+
+
+class HeapLadder(ToyLadder):
+    """Each row reports whether its process keeps freed memory in malloc's heap."""
+
+    def build(self, row: Row, plan: Plan | None, options: Options, target: Target, workdir: Path) -> Case:
+        from genfast.platform import heap
+
+        return Case(lambda: None, lambda outputs, seconds: {"heap_kept": heap._kept})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_rows_keep_freed_memory_where_the_environment_asks(tmp_path, monkeypatch):
+    """GENFAST_KEEP_FREED_MEMORY=1 reaches every row's process, as it does the CLI's: the rows are
+    timed with the malloc setting a user's `genfast` command would have (each its own process)."""
+    monkeypatch.setenv("GENFAST_KEEP_FREED_MEMORY", "1")
+    out = tmp_path / "rows.json"
+    args = argparse.Namespace(list_steps=False, json_path=str(out), force=False, steps="baseline,half", device="cpu",
+                              dtype="auto", repeats=1, threads=None)  # fmt: skip
+    assert run(HeapLadder(), args) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and all(r["heap_kept"] is True for r in rows), rows

@@ -183,3 +183,38 @@ def test_fused_kernel_reads_strided_qkv_views():
     actual = rel_pos_attention(q, k, v, rel_h, rel_w, impl="fused")
     assert not q.is_contiguous() and actual.shape == expected.shape
     assert (actual.float() - expected).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("broadcast", ["none", "keys", "queries"])
+def test_decoder_attention_on_the_kernel_broadcasts_a_shared_image(broadcast: str, monkeypatch):
+    """The mask decoder's attention ("fused"): a batch of prompts against one image's tokens (keys
+    or queries with batch 1, as the automatic generator's first layer passes them) gives SDPA's
+    broadcast result, through the native kernel where it takes bf16 and beats SDPA (AVX-512: always;
+    AVX2: fp32 only, so bf16 there is SDPA's own)."""
+    from genfast.sam.modeling.attention import attention
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, image = 8, 4096
+    prompts = {"none": (3, 3), "keys": (3, 1), "queries": (1, 3)}[broadcast]
+    q_len, k_len = (tokens, image) if broadcast != "queries" else (image, tokens)
+    q = torch.randn(prompts[0], 8, q_len, 16, generator=gen).bfloat16()
+    k, v = (torch.randn(prompts[1], 8, k_len, 16, generator=gen).bfloat16() for _ in range(2))
+    calls = []
+    kernel_attention = kernels.attention
+    monkeypatch.setattr(kernels, "attention", lambda *args: calls.append(args) or kernel_attention(*args))
+    actual = attention(q, k, v, "fused").float()
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert actual.shape == expected.shape == (3, 8, q_len, 16)
+    assert (actual - expected).norm() / expected.norm() < 1e-2
+    runs_kernel = kernels.supports(q) and kernels.attention_pays(k_len, 16, queries=q_len)
+    assert len(calls) == runs_kernel
+
+
+def test_the_avx2_kernel_is_left_to_sdpa_for_a_few_queries(monkeypatch):
+    """The AVX2 variant loses to SDPA with a handful of query rows (the decoder's prompt tokens
+    against 4096 image tokens: ~8x slower, notes.md), so it is not chosen there; with 4096 queries
+    (Hiera's global blocks) it is."""
+    monkeypatch.setattr(kernels, "loaded_isa", lambda: "avx2")
+    assert not kernels.attention_pays(4096, 16, queries=8)
+    assert kernels.attention_pays(4096, 96, queries=4096)
+    assert kernels.attention_pays(4096, 96)  # query count unknown: by keys and head dim alone

@@ -86,17 +86,26 @@ def supports(q: Tensor) -> bool:
 # PyTorch's SDPA: on Hiera's global blocks (4096 keys, head dim 96), not on its windows (16-196
 # keys), nor on the memory attention's one head of 256 channels, at 4096 keys or at 7 frames'
 # 28.7K (where it holds all of a task's scores and re-reads K and V per 16 query rows, and SDPA's
-# flash kernel streams them in blocks). Measurements in docs/notes.md (SAM 2).
+# flash kernel streams them in blocks), nor with few queries (the mask decoder's 8 prompt tokens
+# against 4096 image tokens, head dim 16, where it re-lays out K and V for a handful of rows).
+# Measurements in docs/notes.md (SAM 2).
 AVX2_ATTENTION_MIN_KEYS = 1024
 AVX2_ATTENTION_MAX_KEYS = 4096
 AVX2_ATTENTION_MAX_HEAD_DIM = 128
+AVX2_ATTENTION_MIN_QUERIES = 1024
 
 
-def attention_pays(keys: int, head_dim: int) -> bool:
-    """Whether `attention` over `keys` keys of `head_dim` channels beats SDPA in the loaded variant (see above)."""
+def attention_pays(keys: int, head_dim: int, queries: int | None = None) -> bool:
+    """Whether `attention` over `keys` keys of `head_dim` channels (for `queries` query rows per
+    batch entry and head, where known) beats SDPA in the loaded variant (see above)."""
     if loaded_isa() != "avx2":
         return True
-    return AVX2_ATTENTION_MIN_KEYS <= keys <= AVX2_ATTENTION_MAX_KEYS and head_dim <= AVX2_ATTENTION_MAX_HEAD_DIM
+    enough_queries = queries is None or queries >= AVX2_ATTENTION_MIN_QUERIES
+    return (
+        enough_queries
+        and AVX2_ATTENTION_MIN_KEYS <= keys <= AVX2_ATTENTION_MAX_KEYS
+        and head_dim <= AVX2_ATTENTION_MAX_HEAD_DIM
+    )
 
 
 def _readable(t: Tensor) -> Tensor:
@@ -135,7 +144,7 @@ def attention_or_sdpa(q: Tensor, k: Tensor, v: Tensor, int8_scores: bool = False
     else `F.scaled_dot_product_attention`. Returns [B, heads, Nq, C] (from the kernel, a view of
     a [B, Nq, heads, C] tensor). int8_scores: ask the kernel for them where it has them
     (`has_int8_scores`); elsewhere the scores are as without."""
-    if supports(q) and attention_pays(k.shape[-2], q.shape[-1]):
+    if supports(q) and attention_pays(k.shape[-2], q.shape[-1], queries=q.shape[-2]):
         return attention(q, k, v, q.shape[-1] ** -0.5, int8_scores and has_int8_scores())
     return F.scaled_dot_product_attention(q, k, v)
 

@@ -6,11 +6,12 @@
   a materialized float mask;
 - "fused": for the encoder, the bias added inside the attention kernel, never materialized: on
   CPU the native kernel (genfast/kernels/rel_pos_attention/) where it applies (bf16 on AVX512-BF16,
-  fp32 or bf16 on AVX2; head dim a multiple of 16), on CUDA "folded"; SDPA everywhere else, and
-  always in the mask decoder, whose attention has no bias. SAM 2's encoder (Hiera), which has no
-  bias, and its memory attention take the same native kernel without one (`sam2_attention`):
-  PyTorch's CPU flash attention was 2-3x slower on Hiera's global blocks (bf16, 4096 keys, head
-  dim 96);
+  fp32 or bf16 on AVX2; head dim a multiple of 16), on CUDA "folded"; SDPA everywhere else. The
+  mask decoder's attention (no bias), SAM 2's encoder (Hiera) and its memory attention take the
+  same native kernel without a bias where it beats SDPA (`attention_or_sdpa`): PyTorch's CPU
+  flash attention was 2-3x slower on Hiera's global blocks (bf16, 4096 keys, head dim 96), and
+  slower on the decoder's cross-attentions of a batch of point prompts too (4096 image tokens, 8
+  prompt tokens, head dim 16; docs/notes.md);
 - "folded": for the encoder, one SDPA call with the bias folded into the scores' own product as
   extra dimensions (`folded_rel_pos_attention`): nothing of size N x N is materialized, and no
   score reads the bias tables on its own;
@@ -42,9 +43,16 @@ def check_attention_impl(impl: str) -> str:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, impl: str) -> Tensor:
-    """softmax(q k^T / sqrt(C)) v for [B, heads, N, C] inputs."""
+    """softmax(q k^T / sqrt(C)) v for [B, heads, N, C] inputs (the mask decoder's), where a batch
+    of 1 broadcasts (one image for a batch of prompts): "fused" and "auto" on the native CPU
+    kernel where it takes q and beats SDPA (`attention_or_sdpa`)."""
     if impl == "math":
         return ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+    if impl in ("auto", "fused"):
+        batch = max(q.shape[0], k.shape[0])
+        # The kernel reads its inputs through their strides: a broadcast batch is a view, not a copy.
+        q, k, v = (t.expand(batch, *t.shape[1:]) for t in (q, k, v))
+        return rel_pos_kernel.attention_or_sdpa(q, k, v)
     return F.scaled_dot_product_attention(q, k, v)
 
 
