@@ -7,8 +7,8 @@ environment (torch and genfast versions, a digest of genfast's Python sources, t
 and which native-kernel variants it selects, the device type). The digest is there because the
 compiled code is traced from genfast's modules: a checkout or install between two releases
 changes them under one version number, and an artifact traced from the old code would otherwise
-be loaded and run as if it were the new one. The thread count is not part of it: the code reads it at run time
-(inductor's `cpp.dynamic_threads`). An artifact that cannot be read or whose checks fail (a
+be loaded and run as if it were the new one. The thread count is not part of the key: the code
+reads it at run time (inductor's `cpp.dynamic_threads`). An artifact that cannot be read or whose checks fail (a
 corrupt file, one written by another torch) is removed and rebuilt, and the user is told.
 
 Saves are atomic (a temporary file renamed into place), so a reader never sees half an artifact;
