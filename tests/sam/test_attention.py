@@ -206,7 +206,7 @@ def test_decoder_attention_on_the_kernel_broadcasts_a_shared_image(broadcast: st
     expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
     assert actual.shape == expected.shape == (3, 8, q_len, 16)
     assert (actual - expected).norm() / expected.norm() < 1e-2
-    runs_kernel = kernels.supports(q) and kernels.attention_pays(k_len, 16, queries=q_len)
+    runs_kernel = kernels.supports(q) and kernels.attention_pays(q_len, k_len, 16)
     assert len(calls) == runs_kernel
 
 
@@ -215,6 +215,5 @@ def test_the_avx2_kernel_is_left_to_sdpa_for_a_few_queries(monkeypatch):
     against 4096 image tokens: ~8x slower, notes.md), so it is not chosen there; with 4096 queries
     (Hiera's global blocks) it is."""
     monkeypatch.setattr(kernels, "loaded_isa", lambda: "avx2")
-    assert not kernels.attention_pays(4096, 16, queries=8)
-    assert kernels.attention_pays(4096, 96, queries=4096)
-    assert kernels.attention_pays(4096, 96)  # query count unknown: by keys and head dim alone
+    assert not kernels.attention_pays(8, 4096, 16)
+    assert kernels.attention_pays(4096, 4096, 96)

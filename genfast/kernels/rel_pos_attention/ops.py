@@ -95,14 +95,13 @@ AVX2_ATTENTION_MAX_HEAD_DIM = 128
 AVX2_ATTENTION_MIN_QUERIES = 1024
 
 
-def attention_pays(keys: int, head_dim: int, queries: int | None = None) -> bool:
-    """Whether `attention` over `keys` keys of `head_dim` channels (for `queries` query rows per
-    batch entry and head, where known) beats SDPA in the loaded variant (see above)."""
+def attention_pays(queries: int, keys: int, head_dim: int) -> bool:
+    """Whether `attention` of `queries` query rows over `keys` keys (per batch entry and head) of
+    `head_dim` channels beats SDPA in the loaded variant (see above)."""
     if loaded_isa() != "avx2":
         return True
-    enough_queries = queries is None or queries >= AVX2_ATTENTION_MIN_QUERIES
     return (
-        enough_queries
+        queries >= AVX2_ATTENTION_MIN_QUERIES
         and AVX2_ATTENTION_MIN_KEYS <= keys <= AVX2_ATTENTION_MAX_KEYS
         and head_dim <= AVX2_ATTENTION_MAX_HEAD_DIM
     )
@@ -144,7 +143,7 @@ def attention_or_sdpa(q: Tensor, k: Tensor, v: Tensor, int8_scores: bool = False
     else `F.scaled_dot_product_attention`. Returns [B, heads, Nq, C] (from the kernel, a view of
     a [B, Nq, heads, C] tensor). int8_scores: ask the kernel for them where it has them
     (`has_int8_scores`); elsewhere the scores are as without."""
-    if supports(q) and attention_pays(k.shape[-2], q.shape[-1], queries=q.shape[-2]):
+    if supports(q) and attention_pays(q.shape[-2], k.shape[-2], q.shape[-1]):
         return attention(q, k, v, q.shape[-1] ** -0.5, int8_scores and has_int8_scores())
     return F.scaled_dot_product_attention(q, k, v)
 

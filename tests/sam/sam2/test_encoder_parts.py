@@ -115,8 +115,8 @@ def test_sam2_attention_takes_the_kernel_where_it_pays(monkeypatch) -> None:
     sam2_attention(q, k, v, "fused")
     assert len(calls) == (kernel.loaded_isa() != "avx2")
     avx2 = kernel.loaded_isa() == "avx2"
-    assert kernel.attention_pays(4096, 96) and kernel.attention_pays(16, 96) != avx2
-    assert kernel.attention_pays(7 * 4096 + 64, 256) != avx2 and kernel.attention_pays(4096, 256) != avx2
+    assert kernel.attention_pays(4096, 4096, 96) and kernel.attention_pays(16, 16, 96) != avx2
+    assert kernel.attention_pays(4096, 7 * 4096 + 64, 256) != avx2 and kernel.attention_pays(4096, 4096, 256) != avx2
 
 
 def test_sam2_attention_math_is_the_explicit_softmax() -> None:

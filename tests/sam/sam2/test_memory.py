@@ -130,7 +130,7 @@ def test_memory_attention_fused_takes_the_kernel_and_matches_sdpa(monkeypatch) -
     monkeypatch.setattr(kernel, "attention", lambda *args: calls.append(args[1].shape[-2]) or original(*args))
     actual = half(**inputs).float()
     key_counts = [8 * 8, 2 * 8 * 8 + 2 * (TINY.d_model // TINY.mem_dim)] * len(half.layers)
-    assert calls == [n for n in key_counts if kernel.attention_pays(n, TINY.d_model)]  # AVX2: none this short
+    assert calls == [n for n in key_counts if kernel.attention_pays(8 * 8, n, TINY.d_model)]  # AVX2: none this short
     _close(actual, expected, rel=0.03)
 
 
