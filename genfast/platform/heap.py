@@ -15,6 +15,10 @@ size can grow the heap instead of reusing it (measured: 64 MB more per iteration
 allocate-fill-free loop). Real models mix sizes and mostly reuse (compiled sam2.1-hiera-tiny
 set_image 8-10% faster, flat memory over a video), but a long-running process should measure
 its own pattern before turning it on. Off glibc it does nothing.
+
+The other way, which needs no setting: compute in pieces whose intermediates stay below the
+threshold (`in_pieces`), so that glibc serves and reuses them from its heap. genfast's SAM 2
+encoder and the automatic mask generators' decoders do.
 """
 
 from __future__ import annotations
@@ -22,13 +26,43 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
 
 ENV = "GENFAST_KEEP_FREED_MEMORY"
 M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (glibc's malloc.h)
 M_MMAP_THRESHOLD = -3
 THRESHOLD = 1 << 30  # bytes: blocks below come from the heap; up to this much free heap is kept
 
+# glibc raises its dynamic mmap threshold up to this as mapped blocks are freed; larger blocks
+# are always mapped afresh.
+MMAP_THRESHOLD_MAX = 32 << 20
+# What `items_per_piece` keeps a piece's largest intermediate below: half the ceiling, as the
+# trim threshold (twice the mmap threshold) must also hold the blocks alive beside it.
+PIECE_BYTES = MMAP_THRESHOLD_MAX // 2
+
 _kept = False
+
+
+def items_per_piece(bytes_per_item: int) -> int:
+    """How many items a piece holds when each adds `bytes_per_item` to its largest intermediate
+    (at least one)."""
+    return max(1, PIECE_BYTES // max(bytes_per_item, 1))
+
+
+def in_pieces(fn: Callable[[Tensor], Tensor | tuple[Tensor, ...]], x: Tensor, per_piece: int) -> Tensor | tuple:
+    """fn(x) for an fn that treats the entries of x's first dimension independently, computed on
+    pieces of `per_piece` entries and concatenated along the first dimension (each output of a
+    tuple). The same values as one call; the pieces' large intermediates are reused from the heap
+    instead of mapped and faulted in afresh (the module's docstring)."""
+    if x.shape[0] <= per_piece:
+        return fn(x)
+    parts = [fn(piece) for piece in x.split(per_piece)]
+    if isinstance(parts[0], Tensor):
+        return torch.cat(parts)
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
 
 
 def keep_freed_memory() -> bool:

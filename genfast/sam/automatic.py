@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from genfast.errors import UserError
+from genfast.platform.heap import in_pieces, items_per_piece
 from genfast.sam.masks import (
     RLE,
     area_from_rle,
@@ -186,6 +187,10 @@ class GridMaskGenerator:
         self.predictor = predictor
         self.mask_threshold = _number("mask_threshold", mask_threshold)
         self.points_per_batch = _integer("points_per_batch", points_per_batch, 1)
+        # A batch's points are decoded in pieces whose largest intermediates stay below malloc's
+        # mapping threshold (genfast/platform/heap.py): at 64 points they are hundreds of MB,
+        # faulted in afresh at every call otherwise. The masks are the same.
+        self.points_per_decode = min(self.points_per_batch, items_per_piece(predictor.decoder_bytes_per_prompt()))
         self.pred_iou_thresh = _number("pred_iou_thresh", pred_iou_thresh)
         self.stability_score_thresh = _number("stability_score_thresh", stability_score_thresh)
         self.stability_score_offset = _number("stability_score_offset", stability_score_offset, 0)
@@ -195,9 +200,13 @@ class GridMaskGenerator:
         self.min_mask_region_area = _integer("min_mask_region_area", min_mask_region_area, 0)
         self.output_mode = output_mode
 
-    def _decode(self, prompts: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """Low-res logits [B, M, h, w] and IoUs [B, M] for single-point prompts [B, 1, 2]."""
-        return self.predictor.predict_low_res_torch(prompts, labels, multimask_output=True)
+    def _decode_batch(self, prompts: Tensor) -> tuple[Tensor, Tensor]:
+        """`_decode` of a batch of points [B, 1, 2], in pieces of points_per_decode."""
+        return in_pieces(self._decode, prompts, self.points_per_decode)
+
+    def _decode(self, prompts: Tensor) -> tuple[Tensor, Tensor]:
+        """Low-res logits [B, M, h, w] and IoUs [B, M] for single foreground points [B, 1, 2]."""
+        return self.predictor.predict_low_res_torch(prompts, foreground_labels(prompts), multimask_output=True)
 
     def _check_point_grids(self, point_grids: Any) -> list[Tensor]:
         if not isinstance(point_grids, (list, tuple)) or len(point_grids) < self.crop_n_layers + 1:
@@ -317,8 +326,7 @@ class GridMaskGenerator:
         third. Compacting keeps work and memory to the masks that survive; nothing else waits for
         the device.
         """
-        labels = torch.ones(prompts.shape[0], 1, dtype=torch.int32, device=prompts.device)
-        low_res, iou_preds = self._decode(prompts[:, None, :], labels)
+        low_res, iou_preds = self._decode_batch(prompts[:, None, :])
         per_point = iou_preds.shape[1]
         low_res, iou_preds = low_res.flatten(0, 1), iou_preds.flatten(0, 1)
         rows = torch.arange(len(iou_preds), device=iou_preds.device)
@@ -368,6 +376,11 @@ class GridMaskGenerator:
         return MaskData(rles, data_boxes, data.iou_preds, data.stability_scores, data.points, data.crop_boxes).select(
             keep
         )
+
+
+def foreground_labels(prompts: Tensor) -> Tensor:
+    """The labels of point prompts [B, N, 2] that are all foreground: ones [B, N] (int32)."""
+    return torch.ones(prompts.shape[:2], dtype=torch.int32, device=prompts.device)
 
 
 class SamAutomaticMaskGenerator(GridMaskGenerator):

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from genfast.errors import UserError
 from genfast.sam.modeling import Sam
+from genfast.sam.modeling.mask_decoder import bytes_per_prompt
 from genfast.sam.transforms import ResizeLongestSide
 
 _PROMPT_KEYS = ("point_coords", "point_labels", "box", "mask_input")
@@ -49,6 +50,11 @@ class SamPredictor:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def decoder_bytes_per_prompt(self) -> int:
+        """The mask decoder's largest intermediate for one prompt, in bytes (for decoding many
+        prompts in pieces: genfast/sam/automatic.py)."""
+        return bytes_per_prompt(self.model.prompt_encoder, self.model.mask_decoder.iou_token.weight.dtype)
 
     @property
     def num_images(self) -> int:

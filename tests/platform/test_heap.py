@@ -38,3 +38,33 @@ def test_large_blocks_come_from_the_heap_when_asked():
 def test_off_by_default():
     assert _run(None) == (False, False)
     assert _run("0") == (False, False)
+
+
+def test_in_pieces_gives_one_call_values_from_pieces_of_the_size_asked():
+    import torch
+
+    from genfast.platform.heap import in_pieces
+
+    x = torch.arange(10.0)[:, None].expand(10, 3)
+    sizes = []
+
+    def twice(piece):
+        sizes.append(len(piece))
+        return piece * 2, piece.sum(1)
+
+    doubled, sums = in_pieces(twice, x, 4)
+    assert sizes == [4, 4, 2]
+    torch.testing.assert_close(doubled, x * 2, rtol=0, atol=0)
+    torch.testing.assert_close(sums, x.sum(1), rtol=0, atol=0)
+    sizes.clear()
+    torch.testing.assert_close(in_pieces(lambda p: twice(p)[0], x, 10), x * 2, rtol=0, atol=0)
+    assert sizes == [10]  # one piece: a single call
+
+
+def test_items_per_piece_keeps_a_piece_under_the_budget():
+    from genfast.platform.heap import MMAP_THRESHOLD_MAX, PIECE_BYTES, items_per_piece
+
+    assert PIECE_BYTES < MMAP_THRESHOLD_MAX
+    assert items_per_piece(4 << 20) == PIECE_BYTES // (4 << 20)
+    assert items_per_piece(3 << 20) * (3 << 20) <= PIECE_BYTES < (items_per_piece(3 << 20) + 1) * (3 << 20)
+    assert items_per_piece(PIECE_BYTES * 3) == 1  # one item larger than the budget: pieces of one

@@ -100,7 +100,11 @@ def _original_without_torchvision():
         yield
 
 
-def _generate_both(models, image: np.ndarray, **kwargs) -> tuple[list[dict], list[dict]]:
+def _generate_both(
+    models, image: np.ndarray, points_per_decode: int | None = None, **kwargs
+) -> tuple[list[dict], list[dict]]:
+    """Records of both generators; `points_per_decode` sets genfast's pieces (a tiny model's
+    decoder is small enough for whole batches)."""
     original, ours = models
     sa = import_segment_anything()
     min_area = kwargs.pop("min_mask_region_area", 0)
@@ -108,6 +112,7 @@ def _generate_both(models, image: np.ndarray, **kwargs) -> tuple[list[dict], lis
     reference.min_mask_region_area = min_area  # set afterwards: its constructor imports cv2 for this
     use_genfast_resize(reference.predictor)
     generator = SamAutomaticMaskGenerator(ours, **kwargs, min_mask_region_area=min_area)
+    generator.points_per_decode = points_per_decode or generator.points_per_decode
     return generator.generate(image), reference.generate(image)
 
 
@@ -180,6 +185,8 @@ def test_uncompressed_rle_and_partial_batches(models):
     image = _image(seed=1, objects=15)
     ours, expected = _generate_both(models, image, output_mode="uncompressed_rle", **kwargs)
     _assert_same_records(ours, expected, at_least=4)
+    in_pieces, _ = _generate_both(models, image, points_per_decode=3, output_mode="uncompressed_rle", **kwargs)
+    _assert_same_records(in_pieces, expected, at_least=4)
     binary = SamAutomaticMaskGenerator(models[1], **kwargs).generate(image)
     for rle, record in zip(ours, binary):
         assert rle["segmentation"]["size"] == list(IMAGE_SIZE)

@@ -14,7 +14,16 @@ from torch import Tensor, nn
 
 from genfast.sam.config import SamConfig
 from genfast.sam.modeling.common import LayerNorm2d
+from genfast.sam.modeling.prompt_encoder import PromptEncoder
 from genfast.sam.modeling.transformer import TwoWayTransformer
+
+
+def bytes_per_prompt(prompt_encoder: PromptEncoder, dtype: torch.dtype) -> int:
+    """The largest intermediate of a mask decoder (SAM's or SAM 2's) for one prompt, in bytes:
+    the upscaled image embedding, an eighth of its channels at four times its height and width
+    (`output_upscaling`)."""
+    h, w = prompt_encoder.image_embedding_size
+    return prompt_encoder.embed_dim // 8 * 16 * h * w * dtype.itemsize
 
 
 class MLP(nn.Module):

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from genfast.errors import UserError
-from genfast.sam.automatic import GridMaskGenerator
+from genfast.sam.automatic import GridMaskGenerator, foreground_labels
 from genfast.sam.sam2.modeling.model import Sam2
 from genfast.sam.sam2.predictor import LOW_RES_LOGIT_BOUND, SAM2ImagePredictor
 
@@ -83,9 +83,10 @@ class SAM2AutomaticMaskGenerator(GridMaskGenerator):
 
         return cls(load_sam2(model_id), **kwargs)
 
-    def _decode(self, prompts: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def _decode(self, prompts: Tensor) -> tuple[Tensor, Tensor]:
         if self._grid_decoder is not None:
             return self._decode_compiled(prompts)
+        labels = foreground_labels(prompts)
         low_res, iou = self.predictor.predict_low_res_torch(prompts, labels, multimask_output=self.multimask_output)
         if not self.use_m2m:
             return low_res, iou
@@ -102,11 +103,11 @@ class SAM2AutomaticMaskGenerator(GridMaskGenerator):
         return refined.reshape(b, m, *refined.shape[-2:]), refined_iou.reshape(b, m)
 
     def _decode_compiled(self, prompts: Tensor) -> tuple[Tensor, Tensor]:
-        """_decode through the compiled GridDecoder. A short last batch is padded with copies of
-        its last point to points_per_batch, so that every call has the one compiled shape (the
+        """_decode through the compiled GridDecoder. A short last piece is padded with copies of
+        its last point to points_per_decode, so that every call has the one compiled shape (the
         prompts are decoded independently: the padding changes no other row)."""
         n = prompts.shape[0]
-        padded = torch.cat([prompts, prompts[-1:].expand(self.points_per_batch - n, -1, -1)])
+        padded = torch.cat([prompts, prompts[-1:].expand(self.points_per_decode - n, -1, -1)])
         features = self.predictor._features
         s0, s1 = features["high_res_feats"]
         low_res, iou = self._grid_decoder(padded, features["image_embed"], s0, s1, self.multimask_output)
@@ -127,8 +128,7 @@ class GridDecoder(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """coords [B, 1, 2] in the input frame; image features of one image -> fp32 low-res logits
         [B, M, h, w] and IoUs [B, M]."""
-        labels = torch.ones(coords.shape[:2], dtype=torch.int32, device=coords.device)
-        sparse, dense = self.prompt_encoder((coords, labels), None, None)
+        sparse, dense = self.prompt_encoder((coords, foreground_labels(coords)), None, None)
         low_res, iou, _, _ = self.mask_decoder(
             image_embed, self.prompt_encoder.get_dense_pe(), sparse, dense, multimask_output, (feat_s0, feat_s1)
         )

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from genfast.errors import UserError
 from genfast.sam.masks import connected_components
+from genfast.sam.modeling.mask_decoder import bytes_per_prompt
 from genfast.sam.predictor import check_image
 from genfast.sam.sam2.modeling.model import PIXEL_MEAN, PIXEL_STD, Sam2
 
@@ -69,6 +70,11 @@ class SAM2ImagePredictor:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def decoder_bytes_per_prompt(self) -> int:
+        """The mask decoder's largest intermediate for one prompt, in bytes (for decoding many
+        prompts in pieces: genfast/sam/automatic.py)."""
+        return bytes_per_prompt(self.model.sam_prompt_encoder, self.model.dtype)
 
     def reset_predictor(self) -> None:
         self._is_image_set = False

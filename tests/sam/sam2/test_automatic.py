@@ -31,14 +31,20 @@ def models():
         yield pair
 
 
-def _generate_both(models, image: np.ndarray, **kwargs) -> tuple[list[dict], list[dict]]:
+def _generate_both(
+    models, image: np.ndarray, points_per_decode: int | None = None, **kwargs
+) -> tuple[list[dict], list[dict]]:
+    """Records of both generators; `points_per_decode` sets genfast's pieces (a tiny model's
+    decoder is small enough for whole batches)."""
     from sam2.automatic_mask_generator import SAM2AutomaticMaskGenerator as Official
 
     ours, official = models
     reference = Official(official, **kwargs)
     grid = ours.config.image_embedding_size  # the official predictor assumes 1024-pixel models
     reference.predictor._bb_feat_sizes = [(4 * grid, 4 * grid), (2 * grid, 2 * grid), (grid, grid)]
-    return SAM2AutomaticMaskGenerator(ours, **kwargs).generate(image), reference.generate(image)
+    generator = SAM2AutomaticMaskGenerator(ours, **kwargs)
+    generator.points_per_decode = points_per_decode or generator.points_per_decode
+    return generator.generate(image), reference.generate(image)
 
 
 # A random tiny model's IoU predictions (after the sigmoid) lie around 0.3-0.7 and its logits
@@ -54,8 +60,10 @@ SMALL_MODEL = dict(pred_iou_thresh=0.5, stability_score_thresh=0.3, stability_sc
         dict(points_per_side=8, use_m2m=True),
         dict(points_per_side=8, crop_n_layers=1, crop_overlap_ratio=0.5, crop_nms_thresh=0.6),
         dict(points_per_side=10, points_per_batch=7, output_mode="uncompressed_rle"),
+        dict(points_per_side=10, points_per_batch=16, points_per_decode=3),
+        dict(points_per_side=8, points_per_batch=16, points_per_decode=3, use_m2m=True),
     ],
-    ids=["default", "single-mask", "m2m", "crops", "rle-partial-batches"],
+    ids=["default", "single-mask", "m2m", "crops", "rle-partial-batches", "in-pieces", "m2m-in-pieces"],
 )
 def test_matches_official(models, options: dict) -> None:
     # Random masks overlap much: a lenient NMS keeps several to compare.

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.platform.heap import in_pieces
 from genfast.sam.modeling.attention import sam2_attention
 from genfast.sam.sam2.config import Sam2Config
 from genfast.sam.sam2.modeling.linear import Linear, linear, linear_gelu
@@ -118,21 +119,17 @@ class Mlp(nn.Module):
         return self.layers[1](linear_gelu(self.layers[0], x))
 
 
-# Tokens per piece of a windowed attention or an MLP (see in_pieces).
+# Tokens per piece of a windowed attention or an MLP (genfast.platform.heap.in_pieces). At the 1/4
+# scale the intermediates are large (a pooling block's qkv is 75 MB in bf16, the first MLP's hidden
+# layer 50 MB): mapped afresh at every call, they made the products that write them 2-3x slower
+# than on reused memory (Zen 4). In pieces they stay below glibc's mapping threshold and are reused.
 TOKENS_PER_PIECE = 16384
 
 
-def in_pieces(fn: Callable[[Tensor], Tensor], x: Tensor, tokens_per_item: int) -> Tensor:
-    """fn(x) for an fn that treats the entries of x's first dimension (windows, or tokens, of
-    `tokens_per_item` tokens each) independently, computed on pieces of about TOKENS_PER_PIECE
-    tokens and concatenated. At the 1/4 scale the intermediates are large (a pooling block's qkv is
-    75 MB in bf16, the first MLP's hidden layer 50 MB): glibc's malloc maps each allocation above
-    32 MB afresh and the product writing it pays a page fault per 4 KB, which made those products
-    2-3x slower than on reused memory (Zen 4). In pieces they stay below that and are reused."""
-    per_piece = max(1, TOKENS_PER_PIECE // tokens_per_item)
-    if x.shape[0] <= per_piece:
-        return fn(x)
-    return torch.cat([fn(piece) for piece in x.split(per_piece)])
+def _in_token_pieces(fn: Callable[[Tensor], Tensor], x: Tensor, tokens_per_item: int) -> Tensor:
+    """fn(x) in pieces of about TOKENS_PER_PIECE tokens, for x's entries of `tokens_per_item`
+    tokens each (windows, or tokens)."""
+    return in_pieces(fn, x, max(1, TOKENS_PER_PIECE // tokens_per_item))
 
 
 class MultiScaleBlock(nn.Module):
@@ -158,7 +155,7 @@ class MultiScaleBlock(nn.Module):
         if window:
             h, w = x.shape[1:3]
             x, padded = window_partition(x, window)
-            x = in_pieces(self.attn, x, window * window)
+            x = _in_token_pieces(self.attn, x, window * window)
         else:
             x = self.attn(x)
         if window:
@@ -171,7 +168,7 @@ class MultiScaleBlock(nn.Module):
             x = window_unpartition(x, window, padded, (h, w))
         x = shortcut + x
         tokens = x.reshape(-1, x.shape[-1])
-        return in_pieces(lambda t: t + self.mlp(self.norm2(t)), tokens, 1).view(x.shape)
+        return _in_token_pieces(lambda t: t + self.mlp(self.norm2(t)), tokens, 1).view(x.shape)
 
 
 class PatchEmbed(nn.Module):
