@@ -406,7 +406,8 @@ class SamAutomaticMaskGenerator(GridMaskGenerator):
         points_per_side: a points_per_side**2 grid over each crop (layer i of crops:
         points_per_side / crop_n_points_downscale_factor**i a side); or point_grids: one array of
         (x, y) points normalized to [0, 1] per crop layer. Exactly one of the two.
-        points_per_batch: prompts decoded together (memory vs speed).
+        points_per_batch: prompts decoded and filtered together (memory vs speed); the decoder
+        takes them in pieces small enough for malloc to reuse their memory (a few points each).
         pred_iou_thresh, stability_score_thresh: keep masks scoring above/at these (0 disables);
         the stability score is the IoU of the mask thresholded at +-stability_score_offset.
         box_nms_thresh: box IoU above which a lower-scoring mask of the same crop is a duplicate.

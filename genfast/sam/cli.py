@@ -112,7 +112,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=64,
         metavar="N",
-        help="--auto: points decoded together (default 64)",
+        help="--auto: points decoded and filtered together (default 64)",
     )
     g.add_argument(
         "--pred-iou-thresh",
@@ -200,7 +200,10 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
     g.add_argument("--frames", type=positive_int, default=8, help="--video: frames in the clip (default 8)")
     g.add_argument("--points-per-side", type=positive_int, default=32, help="--automatic: grid size (default 32)")
     g.add_argument(
-        "--points-per-batch", type=positive_int, default=64, help="--automatic: points decoded together (default 64)"
+        "--points-per-batch",
+        type=positive_int,
+        default=64,
+        help="--automatic: points decoded and filtered together (default 64)",
     )
     g.add_argument(
         "--all-masks",
