@@ -82,11 +82,9 @@ def _tensor_parallel_ranks(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from genfast.compilation.inductor import use_persistent_cache
-    from genfast.platform.heap import keep_freed_memory
+    from genfast.interface.process import prepare_process
 
-    use_persistent_cache()
-    keep_freed_memory()  # where GENFAST_KEEP_FREED_MEMORY=1 asks (genfast/platform/heap.py)
+    prepare_process()
     try:
         if _tensor_parallel_ranks(args) > 1:
             from genfast.llm.tensor_parallel import launch_or_join

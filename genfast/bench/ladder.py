@@ -334,12 +334,10 @@ def _cuda_graph_notes() -> list[str]:
 
 def main(argv: list[str]) -> int:
     """`python -m genfast.bench ROW.json`: measure one row and write it where the spec says, in a
-    process set up as the CLI's (inductor's cache; malloc's, where GENFAST_KEEP_FREED_MEMORY=1 asks)."""
-    from genfast.compilation.inductor import use_persistent_cache
-    from genfast.platform.heap import keep_freed_memory
+    process set up as the CLI's (genfast/interface/process.py)."""
+    from genfast.interface.process import prepare_process
 
-    use_persistent_cache()
-    keep_freed_memory()
+    prepare_process()
     spec = json.loads(Path(argv[0]).read_text())
     try:
         code = _ladder(spec).launch(Path(argv[0]), spec["options"])

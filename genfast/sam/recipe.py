@@ -85,11 +85,11 @@ def _quantize_dynamic_int8(encoder: torch.nn.Module, settings: SamSettings) -> N
 
 def _use_int8_scores(module: torch.nn.Module) -> None:
     """Every attention under `module` that can compute its scores q k^T on int8 codes of q and k
-    does (`int8_scores`; where the native kernel has them: AVX-512), a scale per query row and
-    per key: half the kernel's products at twice the rate."""
+    (where the native kernel has them: AVX-512), a scale per query row and per key, is asked to
+    (`use_int8_scores`; each decides where they pay): half the kernel's products at twice the rate."""
     for sub in module.modules():
-        if hasattr(sub, "int8_scores"):
-            sub.int8_scores = True
+        if hasattr(sub, "use_int8_scores"):
+            sub.use_int8_scores()
 
 
 def _quantize_memory_attention(model: Sam, settings: SamSettings) -> None:
@@ -108,6 +108,14 @@ def _sparsify_2_4(encoder: torch.nn.Module, settings: SamSettings) -> None:
     from genfast.quant.sparse import sparsify_2_4_
 
     sparsify_2_4_(encoder)
+
+
+def _fold_high_res_projections(model: Sam, settings: SamSettings) -> None:
+    """SAM 2: its decoder's projections of the fine levels folded into the neck's
+    (Sam2.fold_high_res_projections). SAM has none: nothing changes."""
+    fold = getattr(model, "fold_high_res_projections", None)
+    if fold is not None:
+        fold()
 
 
 def _compile_encoder(model: Sam, settings: SamSettings) -> None:
@@ -159,10 +167,14 @@ RECIPE = Recipe(
         ),
         steps.compile_step(
             "torch.compile of the image encoder (and of SAM 2's automatic generator's batched decoder; fullgraph, "
-            "static shapes), saved for later runs",
+            "static shapes), saved for later runs; SAM 2's decoder's 1x1 projections of the fine levels folded into "
+            "the neck's",
             "as bf16",
             {"compile": True},
-            [Transform(_compile_encoder, ("model",), Stage.COMPILE)],
+            [
+                Transform(_fold_high_res_projections, ("model",), Stage.REWRITE),
+                Transform(_compile_encoder, ("model",), Stage.COMPILE),
+            ],
         ),
         Step(
             "batched-prompts",

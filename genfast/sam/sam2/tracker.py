@@ -93,7 +93,7 @@ class Sam2Tracker:
         frame_idx: int,
         is_init_cond_frame: bool,
         features: list[Tensor],
-        positions: list[Tensor],
+        position: Tensor,
         point_inputs: tuple[Tensor, Tensor] | None,
         mask_inputs: Tensor | None,
         output_dict: dict[str, dict[int, FrameOutput]],
@@ -104,8 +104,9 @@ class Sam2Tracker:
     ) -> FrameOutput:
         """One frame's output (see the module's docstring).
 
-        features, positions: the frame's three levels as Sam2.forward_image returns them,
-            [B, C, h, w] each, repeated (or expanded) over the B objects;
+        features, position: the frame's three levels and the 1/16 level's positional encoding as
+            Sam2.forward_image returns them, [B, C, h, w] each, repeated (or expanded) over the B
+            objects;
         point_inputs: (coords [B, N, 2] in input pixels, labels [B, N]) or None; mask_inputs:
             [B, 1, S, S] binary masks (then taken as the output) or None;
         is_init_cond_frame: the first prompted frame, which attends to no memory;
@@ -119,7 +120,7 @@ class Sam2Tracker:
             sam = model.use_mask_as_output(features[2], high_res, mask_inputs)
         else:
             pix_feat = self.memory_conditioned_features(
-                frame_idx, is_init_cond_frame, features[2], positions[2], output_dict, num_frames, track_in_reverse
+                frame_idx, is_init_cond_frame, features[2], position, output_dict, num_frames, track_in_reverse
             )
             if prev_sam_mask_logits is not None:
                 if point_inputs is None:
@@ -150,7 +151,7 @@ class Sam2Tracker:
         self,
         frame_idx: int,
         features: list[Tensor],
-        positions: list[Tensor],
+        position: Tensor,
         output_dicts: list[dict[str, dict[int, FrameOutput]]],
         num_frames: int,
         track_in_reverse: bool = False,
@@ -162,14 +163,15 @@ class Sam2Tracker:
         objects' memories differ, so batching saves no arithmetic; it saves calls, and lets the
         small operations of one object fill both cores.)
 
-        features, positions: the frame's three levels, batch of one (shared by the objects).
+        features, position: the frame's three levels and the 1/16 level's positional encoding,
+        batch of one (shared by the objects).
         """
         model, count = self.model, len(output_dicts)
         if self.num_maskmem == 0:
             raise ValueError("tracking without prompts needs a memory (num_maskmem > 0)")
         feat = features[2].expand(count, -1, -1, -1)
         banks = [self.memory_bank(frame_idx, d, num_frames, track_in_reverse, features[2]) for d in output_dicts]
-        pix_feat = self.attend_to_memories(feat, positions[2].expand(count, -1, -1, -1), banks)
+        pix_feat = self.attend_to_memories(feat, position.expand(count, -1, -1, -1), banks)
         high_res = tuple(f.expand(count, -1, -1, -1) for f in features[:2])
         sam = model.forward_sam_heads(pix_feat, None, None, high_res, self.use_multimask(False, None))
         memory, memory_pos = self.encode_new_memory(

@@ -549,12 +549,12 @@ class SAM2VideoPredictor:
         if not obj_indices:  # every object prompted on this frame: its features may never be needed
             return []
         masks = []
-        features, positions = self._frame_features(state, frame_idx)
+        features, position = self._frame_features(state, frame_idx)
         for first in range(0, len(obj_indices), self.objects_per_batch):
             batch = obj_indices[first : first + self.objects_per_batch]
             output_dicts = [state["output_dict_per_obj"][i] for i in batch]
             outs = self.tracker.track_objects(
-                frame_idx, features, positions, output_dicts, state["num_frames"], track_in_reverse=reverse
+                frame_idx, features, position, output_dicts, state["num_frames"], track_in_reverse=reverse
             )
             for obj_idx, output_dict, out in zip(batch, output_dicts, outs):
                 kept, pred_masks = self._kept_output(state, out)
@@ -578,13 +578,13 @@ class SAM2VideoPredictor:
     ) -> tuple[FrameOutput, Tensor]:
         """One object's tracking step on a frame: (what is kept of its output, its low-res mask
         logits on the device, holes filled)."""
-        features, positions = self._frame_features(state, frame_idx)
+        features, position = self._frame_features(state, frame_idx)
         points = None if point_inputs is None else (point_inputs["point_coords"], point_inputs["point_labels"])
         out = self.tracker.track_step(
             frame_idx,
             is_init_cond_frame,
             features,
-            positions,
+            position,
             points,
             mask_inputs,
             output_dict,
@@ -620,7 +620,7 @@ class SAM2VideoPredictor:
             constants["maskmem_pos_enc"] = [p[:1].clone() for p in positions]
         return [p.expand(positions[0].shape[0], -1, -1, -1) for p in constants["maskmem_pos_enc"]]
 
-    def _frame_features(self, state: InferenceState, frame_idx: int) -> tuple[list[Tensor], list[Tensor]]:
+    def _frame_features(self, state: InferenceState, frame_idx: int) -> tuple[list[Tensor], Tensor]:
         """The frame's image features (batch of one), computed when first needed; only the
         current frame's are kept."""
         cached = state["cached_features"].get(frame_idx)

@@ -112,7 +112,8 @@ def test_decoder_bytes_per_prompt_is_its_largest_intermediate(sam: str, dtype: t
 
         predictor = SamPredictor(build_sam(TINY).to(dtype).eval())
     else:
-        predictor = SAM2ImagePredictor(build_random_sam2(tiny_sam2_config(image_size=512, d_model=64), seed=1).to(dtype).eval())
+        model = build_random_sam2(tiny_sam2_config(image_size=512, d_model=64), seed=1)
+        predictor = SAM2ImagePredictor(model.to(dtype).eval())
     predictor.set_image(_image())
     prompts = 7
     points = torch.rand(prompts, 1, 2) * 20

@@ -49,12 +49,30 @@ def test_image_features_match_official(twins) -> None:
     ours, official = twins
     images = torch.randn(2, 3, 128, 128)
     with torch.no_grad():
-        features, positions = ours.forward_image(images)
+        features, position = ours.forward_image(images)
         reference = official.forward_image(images)
-    for a, b in zip(features, reference["backbone_fpn"]):
+    for a, b in zip(features, reference["backbone_fpn"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    for a, b in zip(positions, reference["vision_pos_enc"]):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    # The only encoding any path reads (the official model's memory attention takes [-1:]).
+    torch.testing.assert_close(position, reference["vision_pos_enc"][-1], atol=1e-6, rtol=0)
+
+
+def test_folded_high_res_projections_match_official() -> None:
+    """The recipe's fold of the decoder's conv_s0/conv_s1 into the neck (compile step): the same
+    image features as the official model's, through one projection of the trunk's channels."""
+    ours, official = twin_models(tiny_sam2_config(), seed=3)
+    ours.fold_high_res_projections()
+    ours.fold_high_res_projections()  # a second call changes nothing
+    decoder, neck = ours.sam_mask_decoder, ours.image_encoder.neck
+    assert isinstance(decoder.conv_s0, torch.nn.Identity) and isinstance(decoder.conv_s1, torch.nn.Identity)
+    d_model = ours.config.d_model
+    assert [lateral.conv.out_channels for lateral in neck.convs[-2:]] == [d_model // 4, d_model // 8]
+    images = torch.randn(2, 3, 128, 128, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        features, _ = ours.forward_image(images)
+        reference = official.forward_image(images)
+    for a, b in zip(features, reference["backbone_fpn"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("multimask", [True, False])

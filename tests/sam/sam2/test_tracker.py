@@ -84,7 +84,8 @@ def _step(twins, tracker: Sam2Tracker, dicts: tuple[dict, dict], frame: int, is_
     """
     _, official, ours_features, official_features, _ = twins
     points, mask = inputs.get("point_inputs"), inputs.get("mask_inputs")
-    features, positions = ([x.expand(OBJECTS, -1, -1, -1) for x in level] for level in ours_features[frame])
+    features, position = ours_features[frame]
+    features, position = [x.expand(OBJECTS, -1, -1, -1) for x in features], position.expand(OBJECTS, -1, -1, -1)
     backbone = {k: [x.expand(OBJECTS, -1, -1, -1) for x in official_features[frame][k]] for k in BACKBONE}
     _, feats, pos, sizes = official._prepare_backbone_features(backbone)
     official_points = None if points is None else {"point_coords": points[0], "point_labels": points[1]}
@@ -98,14 +99,14 @@ def _step(twins, tracker: Sam2Tracker, dicts: tuple[dict, dict], frame: int, is_
         # The features conditioned on the memory first: the masks depend on them only weakly.
         _close(
             tracker.memory_conditioned_features(
-                frame, is_init, features[2], positions[2], ours_dict, NUM_FRAMES, common["track_in_reverse"]
+                frame, is_init, features[2], position, ours_dict, NUM_FRAMES, common["track_in_reverse"]
             ),
             official._prepare_memory_conditioned_features(
                 frame, is_init, feats[-1:], pos[-1:], sizes[-1:], official_dict, NUM_FRAMES, common["track_in_reverse"]
             ),
             f"frame {frame} features with memory",
         )
-        got = tracker.track_step(frame, is_init, features, positions, points, mask, ours_dict, **common)
+        got = tracker.track_step(frame, is_init, features, position, points, mask, ours_dict, **common)
         expected = official.track_step(
             frame, is_init, feats, pos, sizes, official_points, mask, official_dict, run_mem_encoder=False, **common
         )
@@ -203,12 +204,12 @@ def test_tracks_in_bf16() -> None:
         tracker, memory, outputs[model.dtype] = Sam2Tracker(model), _no_frames(), []
         for t in range(len(frames)):
             with torch.no_grad():
-                features, positions = model.forward_image(frames[t : t + 1].to(model.dtype))
+                features, position = model.forward_image(frames[t : t + 1].to(model.dtype))
                 out = tracker.track_step(
                     t,
                     t == 0,
                     [x.expand(OBJECTS, -1, -1, -1) for x in features],
-                    [x.expand(OBJECTS, -1, -1, -1) for x in positions],
+                    position.expand(OBJECTS, -1, -1, -1),
                     points if t == 0 else None,
                     None,
                     memory,

@@ -92,10 +92,14 @@ class MultiScaleAttention(nn.Module):
         self.qkv = Linear(dim, dim_out * 3)
         self.proj = Linear(dim_out, dim_out)
         self.attention_impl = "auto"  # genfast.sam.modeling.attention: the recipe's choice
-        # q k^T on int8 codes where the kernel has them (the dynamic-int8 step), in the global
-        # blocks only: over a whole 1/16-scale map (4096 keys) they take ~15% off the attention,
-        # while in windows of 16-196 keys quantizing q and k costs about what the products save.
-        self.int8_scores = False
+        self.int8_scores = False  # q k^T on int8 codes: see use_int8_scores
+
+    def use_int8_scores(self) -> None:
+        """Compute q k^T on int8 codes where the kernel has them (the dynamic-int8 step), in a
+        global block only: over a whole 1/16-scale map (4096 keys) they take ~15% off the
+        attention, while in windows of 16-196 keys quantizing q and k costs about what the
+        products save."""
+        self.int8_scores = not self.windowed
 
     def forward(self, x: Tensor) -> Tensor:
         b, h, w, _ = x.shape
@@ -104,7 +108,7 @@ class MultiScaleAttention(nn.Module):
             q = _pool(q.transpose(1, 2).reshape(b, h, w, -1), self.q_stride)
             h, w = q.shape[1:3]
             q = q.reshape(b, h * w, self.num_heads, -1).transpose(1, 2)
-        out = sam2_attention(q, k, v, self.attention_impl, self.int8_scores and not self.windowed)
+        out = sam2_attention(q, k, v, self.attention_impl, self.int8_scores)
         return self.proj(out.transpose(1, 2).reshape(b, h, w, -1))
 
 
@@ -261,16 +265,18 @@ class _Lateral(nn.Module):
 class FpnNeck(nn.Module):
     def __init__(self, config: Sam2Config) -> None:
         super().__init__()
-        # The kept levels' grids at the model's input size (1/4, 1/8, 1/16): their encodings are
-        # made once (see PositionEmbeddingSine).
-        grids = [config.image_size // stride for stride in (4, 8, 16)]
-        self.position_encoding = PositionEmbeddingSine(config.d_model, sizes=tuple((g, g) for g in grids))
+        # The 1/16 level's grid at the model's input size: its encoding is made once (see
+        # PositionEmbeddingSine). Only that level's is used (memory attention): the official model
+        # also makes the 1/4 and 1/8 levels', which nothing reads.
+        grid = config.image_size // 16
+        self.position_encoding = PositionEmbeddingSine(config.d_model, sizes=((grid, grid),))
         # Coarsest stage first, as the checkpoints order them.
         self.convs = nn.ModuleList(_Lateral(dim, config.d_model) for dim in config.channel_list)
         self.top_down_levels = config.fpn_top_down_levels
 
-    def forward(self, stages: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-        """Trunk outputs (finest first) -> (features, positions) of the three finest levels."""
+    def forward(self, stages: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        """Trunk outputs (finest first) -> (the three finest levels' features, the positional
+        encoding of the coarsest of them)."""
         n = len(self.convs) - 1
         features: list[Tensor] = [stages[0]] * (n + 1)
         previous = None
@@ -284,7 +290,7 @@ class FpnNeck(nn.Module):
                 previous = lateral
             features[i] = previous
         features = features[:-1]  # the official models drop the coarsest level
-        return features, [self.position_encoding(f).to(f.dtype) for f in features]
+        return features, self.position_encoding(features[-1]).to(features[-1].dtype)
 
 
 class ImageEncoder(nn.Module):
@@ -293,7 +299,7 @@ class ImageEncoder(nn.Module):
         self.trunk = Hiera(config)
         self.neck = FpnNeck(config)
 
-    def forward(self, images: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """Normalized images [B, 3, S, S] -> features and their positional encodings at 1/4, 1/8
-        and 1/16 of the input (d_model channels each)."""
+    def forward(self, images: Tensor) -> tuple[list[Tensor], Tensor]:
+        """Normalized images [B, 3, S, S] -> features at 1/4, 1/8 and 1/16 of the input (d_model
+        channels each) and the 1/16 level's positional encoding."""
         return self.neck(self.trunk(images))

@@ -73,7 +73,12 @@ class RoPEAttention(nn.Module):
         self.v_proj = nn.Linear(kv_dim, dim)
         self.out_proj = nn.Linear(dim, dim)
         self.attention_impl = "auto"  # genfast.sam.modeling.attention: the recipe's choice
-        self.int8_scores = False  # q k^T on int8 codes where the kernel has them: the dynamic-int8 step
+        self.int8_scores = False  # q k^T on int8 codes: see use_int8_scores
+
+    def use_int8_scores(self) -> None:
+        """Compute q k^T on int8 codes where the kernel has them (the dynamic-int8 step): 4096
+        queries over thousands of remembered keys, where they take about a sixth off."""
+        self.int8_scores = True
 
     def _heads(self, x: Tensor) -> Tensor:
         b, n, c = x.shape

@@ -26,6 +26,16 @@ PIXEL_MEAN = (0.485, 0.456, 0.406)
 PIXEL_STD = (0.229, 0.224, 0.225)
 
 
+def _composed_1x1(first: nn.Conv2d, then: nn.Conv2d) -> nn.Conv2d:
+    """One 1x1 convolution computing then(first(x)), its weights composed in float64."""
+    w1, w2 = first.weight.flatten(1).double(), then.weight.flatten(1).double()
+    composed = nn.Conv2d(w1.shape[1], w2.shape[0], kernel_size=1, device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        composed.weight.copy_((w2 @ w1).view_as(composed.weight))
+        composed.bias.copy_(w2 @ first.bias.double() + then.bias.double())
+    return composed.requires_grad_(first.weight.requires_grad)
+
+
 class Sam2(nn.Module):
     def __init__(self, config: Sam2Config) -> None:
         super().__init__()
@@ -62,17 +72,36 @@ class Sam2(nn.Module):
     def image_size(self) -> int:
         return self.config.image_size
 
-    def forward_image(self, images: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """Normalized images [B, 3, S, S] -> features at 1/4, 1/8, 1/16 and their positional
-        encodings; the two finer levels already projected for the mask decoder (conv_s0, conv_s1),
-        as every use of them wants."""
-        features, positions = self.image_encoder(images)
+    def forward_image(self, images: Tensor) -> tuple[list[Tensor], Tensor]:
+        """Normalized images [B, 3, S, S] -> features at 1/4, 1/8, 1/16, the two finer levels
+        already projected for the mask decoder (conv_s0, conv_s1) as every use of them wants, and
+        the 1/16 level's positional encoding (the only one used: the official model's
+        `vision_pos_enc[-1]`)."""
+        features, position = self.image_encoder(images)
         features = [
             self.sam_mask_decoder.conv_s0(features[0]),
             self.sam_mask_decoder.conv_s1(features[1]),
             features[2],
         ]
-        return features, positions
+        return features, position
+
+    def fold_high_res_projections(self) -> None:
+        """Fold the decoder's 1x1 projections of the 1/4 and 1/8 levels (conv_s0, conv_s1) into
+        the neck's lateral 1x1 projections of those levels, where no top-down path adds a coarser
+        level between the two (every official model): one product from the trunk's channels
+        straight to the decoder's, instead of two through d_model channels, and the 1/4 level's
+        d_model-channel map (a quarter of the encoder's output bytes) is never made. The same
+        function (composed in float64); the module tree, and its state dict, change: for a loaded
+        model, as the recipe's steps do."""
+        neck = self.image_encoder.neck
+        coarsest_first = len(neck.convs) - 1
+        for level, name in ((0, "conv_s0"), (1, "conv_s1")):
+            projection = getattr(self.sam_mask_decoder, name)
+            if level in neck.top_down_levels or not isinstance(projection, nn.Conv2d):
+                continue  # summed with the coarser level before the projection, or folded already
+            lateral = neck.convs[coarsest_first - level]
+            lateral.conv = _composed_1x1(lateral.conv, projection)
+            setattr(self.sam_mask_decoder, name, nn.Identity())
 
     def image_embeddings(self, images: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """What the image predictor decodes prompts against: the 1/16 embedding with the learned
