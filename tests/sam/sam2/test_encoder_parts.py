@@ -148,6 +148,25 @@ def test_linear_layers_keep_gradients_and_defer_to_other_layers() -> None:
     assert x.grad is not None
     identity = torch.nn.Identity()  # e.g. a quantized layer: called, then GELU
     torch.testing.assert_close(linear_gelu(identity, x.detach()), F.gelu(x.detach()))
+    linear_gelu(identity, x).sum().backward()  # with gradients wanted: F.gelu, which has a backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_after_another_layer_is_atens_as_one_op_when_compiled(dtype) -> None:
+    """After a quantized layer the GELU is ATen's (`aten_gelu`), also in a compiled graph: the
+    same values as F.gelu, and the compiled graph calls the op (which inductor leaves whole)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    x = torch.randn(4, 9, 24, generator=torch.Generator().manual_seed(1)).to(dtype)
+    identity = torch.nn.Identity()
+    expected = F.gelu(x)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear_gelu(identity, x), expected, rtol=0, atol=0)
+        backend = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(lambda t: linear_gelu(identity, t * 1.0), backend=backend, fullgraph=True)
+        torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
+    ops = [node.target for graph in backend.graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert torch.ops.genfast.aten_gelu.default in ops
 
 
 @pytest.mark.parametrize(("before", "after"), [(7, 256), (14, 64), (7, 7), (8, 5), (4, 32)])
