@@ -132,8 +132,9 @@ class GridMaskGenerator:
     A predictor here has set_image(image), reset_image(), device, input_frame(points [N, 2] crop
     pixels as float64, crop size) -> float32 points in the model's input frame, and
     predict_low_res_torch(coords [B, 1, 2], labels [B, 1], multimask_output=...) -> (unclamped
-    low-res logits [B, M, h, w], IoUs [B, M]) and upscale_masks(low_res [B, M, h, w],
-    return_logits=True) -> logits at the crop's size.
+    low-res logits [B, M, h, w], IoUs [B, M]), upscale_masks(low_res [B, M, h, w],
+    return_logits=True) -> logits at the crop's size, and decoder_bytes_per_prompt() (what the
+    decoding's pieces are sized by).
     """
 
     point_dtype = torch.float64  # of the prompt points in the records (the official packages differ)
@@ -187,10 +188,14 @@ class GridMaskGenerator:
         self.predictor = predictor
         self.mask_threshold = _number("mask_threshold", mask_threshold)
         self.points_per_batch = _integer("points_per_batch", points_per_batch, 1)
-        # A batch's points are decoded in pieces whose largest intermediates stay below malloc's
-        # mapping threshold (genfast/platform/heap.py): at 64 points they are hundreds of MB,
-        # faulted in afresh at every call otherwise. The masks are the same.
-        self.points_per_decode = min(self.points_per_batch, items_per_piece(predictor.decoder_bytes_per_prompt()))
+        # On the CPU a batch's points are decoded in pieces whose largest intermediates stay below
+        # malloc's mapping threshold (genfast/platform/heap.py): at 64 points they are hundreds of
+        # MB, faulted in afresh at every call otherwise. The masks are the same. A GPU's caching
+        # allocator reuses its memory, and wants the whole batch at once.
+        self.points_per_decode = self.points_per_batch
+        if predictor.device.type == "cpu":
+            pieces = items_per_piece(predictor.decoder_bytes_per_prompt())
+            self.points_per_decode = min(self.points_per_batch, pieces)
         self.pred_iou_thresh = _number("pred_iou_thresh", pred_iou_thresh)
         self.stability_score_thresh = _number("stability_score_thresh", stability_score_thresh)
         self.stability_score_offset = _number("stability_score_offset", stability_score_offset, 0)

@@ -130,3 +130,10 @@ def test_a_real_size_generator_decodes_in_pieces_below_the_mapping_threshold() -
     assert SAM2AutomaticMaskGenerator(model).points_per_decode == 2
     assert SAM2AutomaticMaskGenerator(model.to(torch.bfloat16)).points_per_decode == 4
     assert SAM2AutomaticMaskGenerator(model, points_per_batch=3).points_per_decode == 3
+
+
+def test_a_gpu_generator_decodes_whole_batches(monkeypatch) -> None:
+    """Pieces are for malloc: elsewhere (a GPU's caching allocator) the batch stays whole."""
+    model = build_random_sam2("sam2.1-hiera-tiny").eval()
+    monkeypatch.setattr(SAM2ImagePredictor, "device", property(lambda self: torch.device("cuda")))
+    assert SAM2AutomaticMaskGenerator(model).points_per_decode == 64
