@@ -86,7 +86,7 @@ class Linear(nn.Linear):
 def aten_gelu(x: Tensor) -> Tensor:
     """ATen's exact (erf) GELU, as one opaque op. In a compiled encoder the GELU after an int8
     linear (genfast's kernel, opaque too) has nothing to fuse with, and inductor's own erf GELU
-    took 1.7x ATen's time on its shapes (bf16, [4096, 1536] and [1024, 3072], Zen 4)."""
+    was slower than ATen's on its shapes (bf16, [4096, 1536] and [1024, 3072]; docs/notes.md)."""
     return F.gelu(x)
 
 
