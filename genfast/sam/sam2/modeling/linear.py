@@ -65,12 +65,18 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def _cpu_ops_apply(*tensors: Tensor | None) -> bool:
+    """Whether this file's custom ops take these operands: CPU tensors with no gradient wanted
+    (the ops have no backward). Elsewhere a compiler fuses the plain ops (CUDA's matrix products
+    take the bias and the GELU as epilogues)."""
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return tensors[0].device.type == "cpu" and not wants_grad
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "none") -> Tensor:
-    """dense_linear on the CPU; F.linear (+ GELU) elsewhere (a compiler fuses them there: CUDA's
-    matrix products take the bias and the GELU as epilogues) and where gradients are wanted (the
-    op has no backward)."""
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if x.device.type != "cpu" or wants_grad:
+    """dense_linear on the CPU; F.linear (+ GELU) elsewhere and where gradients are wanted
+    (`_cpu_ops_apply`)."""
+    if not _cpu_ops_apply(x, weight, bias):
         return _reference(x, weight, bias, activation)
     return dense_linear(x, weight, bias, activation)
 
@@ -101,5 +107,4 @@ def linear_gelu(layer: nn.Module, x: Tensor) -> Tensor:
     if type(layer) is Linear:
         return linear(x, layer.weight, layer.bias, "gelu")
     out = layer(x)
-    wants_grad = torch.is_grad_enabled() and out.requires_grad
-    return aten_gelu(out) if out.device.type == "cpu" and not wants_grad else F.gelu(out)
+    return aten_gelu(out) if _cpu_ops_apply(out) else F.gelu(out)
