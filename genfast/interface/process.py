@@ -6,9 +6,11 @@ from __future__ import annotations
 
 def prepare_process() -> None:
     """Inductor's compiled kernels cached on disk (genfast/compilation/inductor.py), and malloc's
-    thresholds raised where GENFAST_KEEP_FREED_MEMORY=1 asks (genfast/platform/heap.py)."""
+    thresholds settled at glibc's own ceiling, or raised further where GENFAST_KEEP_FREED_MEMORY=1
+    asks (genfast/platform/heap.py)."""
     from genfast.compilation.inductor import use_persistent_cache
-    from genfast.platform.heap import keep_freed_memory
+    from genfast.platform.heap import keep_freed_memory, settle_thresholds
 
     use_persistent_cache()
     keep_freed_memory()
+    settle_thresholds()

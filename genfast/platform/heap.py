@@ -1,24 +1,28 @@
-"""glibc's malloc told to serve large blocks from its heap and keep freed memory there, for CPU
-inference that allocates the same large tensors on every call (an image encoder's activations).
+"""glibc's malloc and the large tensors of CPU inference: what keeps them from being mapped and
+faulted in afresh at every call of a model (an image encoder's activations).
 
-Why: glibc serves an allocation above its mmap threshold (dynamic, 128 KB up to 32 MB) with a
-fresh mapping and unmaps it when it is freed. Every call of a model whose intermediates exceed
-32 MB then faults its outputs in afresh, one page fault and one zeroed 4 KB page at a time,
-inside the kernel that first writes them: a matrix product with a 38 MB output ran at under half
-its arithmetic rate that way (docs/notes.md, SAM 2).
+Why: glibc serves an allocation above its mmap threshold with a fresh mapping and unmaps it when
+it is freed, and gives the top of its heap back to the system once more than its trim threshold
+lies free there. Either way the next call faults the memory in again, one page fault and one
+zeroed 4 KB page at a time, inside the kernel that first writes it: a matrix product with a 38 MB
+output ran at under half its arithmetic rate that way (docs/notes.md, SAM 2).
 
-`keep_freed_memory()` raises the mmap and trim thresholds together (mallopt), so blocks up to
-THRESHOLD come from the heap and freed ones stay there. It is opt-in (`GENFAST_KEEP_FREED_MEMORY=1`,
-which the CLI reads), because the heap fragments: PyTorch asks for aligned blocks, and a freed
-block is a little too small for the next aligned request of the same size, so a loop of one
-size can grow the heap instead of reusing it (measured: 64 MB more per iteration of a bare
-allocate-fill-free loop). Real models mix sizes and mostly reuse (compiled sam2.1-hiera-tiny
-set_image 8-10% faster, flat memory over a video), but a long-running process should measure
-its own pattern before turning it on. Off glibc it does nothing.
-
-The other way, which needs no setting: compute in pieces whose intermediates stay below the
-threshold (`in_pieces`), so that glibc serves and reuses them from its heap. genfast's SAM 2
-encoder and the automatic mask generators' decoders do.
+Three tools, from the default up:
+- `in_pieces`: compute in pieces whose intermediates stay below the largest threshold glibc uses
+  (MMAP_THRESHOLD_MAX), so they come from the heap. genfast's SAM 2 encoder and the automatic mask
+  generators' decoders do.
+- `settle_thresholds()`, which every genfast process makes (genfast/interface/process.py): both
+  thresholds at the values glibc's own adjustment reaches once a block at the ceiling has been
+  freed (mmap 32 MB, trim twice that). Before that, how far they had risen depended on what the
+  process happened to free earlier: the same compiled encoder faulted in 0 to ~110 MB per image
+  from one process to the next, and took ~8% longer when it did.
+- `keep_freed_memory()`, opt-in (`GENFAST_KEEP_FREED_MEMORY=1`): blocks up to THRESHOLD (1 GB)
+  from the heap, and freed ones kept there. The heap fragments: PyTorch asks for aligned blocks,
+  and a freed block is a little too small for the next aligned request of the same size, so a
+  loop of one size can grow the heap instead of reusing it (measured: 64 MB more per iteration of
+  a bare allocate-fill-free loop). Real models mix sizes and mostly reuse, but a long-running
+  process should measure its own pattern before turning it on.
+Off glibc none of the settings does anything.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ MMAP_THRESHOLD_MAX = 32 << 20
 PIECE_BYTES = MMAP_THRESHOLD_MAX // 2
 
 _kept = False
+_settled = False
 
 
 def items_per_piece(bytes_per_item: int) -> int:
@@ -73,15 +78,41 @@ def keep_freed_memory() -> bool:
     global _kept
     if _kept:
         return True
-    if os.environ.get(ENV, "0") != "1" or not sys.platform.startswith("linux"):
+    mallopt = _mallopt() if os.environ.get(ENV, "0") == "1" else None
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except AttributeError:  # not glibc (musl has no mallopt)
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     _kept = bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, THRESHOLD))
     return _kept
+
+
+def settle_thresholds() -> bool:
+    """Set glibc's mmap threshold to its dynamic ceiling (MMAP_THRESHOLD_MAX) and its trim
+    threshold to twice that: the state its dynamic adjustment reaches by itself once a block of
+    that size has been freed, made at the start so that it does not depend on the process's past
+    (the module's docstring). Nothing where keep_freed_memory() has raised them further, or off
+    glibc. Returns whether they are now at least that high (idempotent)."""
+    global _settled
+    if _kept or _settled:
+        return True
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    _settled = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(
+        mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX)
+    )
+    return _settled
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's mallopt; None elsewhere (musl has none, nor do macOS and Windows)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except AttributeError:
+        return None
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt
 
 
 def release_freed_memory() -> bool:

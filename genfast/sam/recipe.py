@@ -118,6 +118,14 @@ def _fold_high_res_projections(model: Sam, settings: SamSettings) -> None:
         fold()
 
 
+def _precompute_position_embedding(model: Sam, settings: SamSettings) -> None:
+    """SAM 2: its trunk's position embedding made once (Sam2.precompute_position_embedding). SAM's
+    is a learned table at the input's size already: nothing changes."""
+    precompute = getattr(model, "precompute_position_embedding", None)
+    if precompute is not None:
+        precompute()
+
+
 def _compile_encoder(model: Sam, settings: SamSettings) -> None:
     """On the CPU the compiled encoder is saved for later runs; on CUDA it compiles in-process."""
     from genfast.compilation.inductor import compile_fn, inductor_options
@@ -168,11 +176,12 @@ RECIPE = Recipe(
         steps.compile_step(
             "torch.compile of the image encoder (and of SAM 2's automatic generator's batched decoder; fullgraph, "
             "static shapes), saved for later runs; SAM 2's decoder's 1x1 projections of the fine levels folded into "
-            "the neck's",
+            "the neck's, and its trunk's position embedding made once",
             "as bf16",
             {"compile": True},
             [
                 Transform(_fold_high_res_projections, ("model",), Stage.REWRITE),
+                Transform(_precompute_position_embedding, ("model",), Stage.REWRITE),
                 Transform(_compile_encoder, ("model",), Stage.COMPILE),
             ],
         ),

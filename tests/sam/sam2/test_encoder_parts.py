@@ -202,3 +202,34 @@ def test_sine_tables_of_given_sizes_are_made_once_as_buffers() -> None:
         x = torch.zeros(2, 3, h, w, dtype=torch.bfloat16)
         expected = encoding.table(h, w, x.device, torch.bfloat16)
         torch.testing.assert_close(encoding(x), expected.expand(2, -1, -1, -1), atol=0, rtol=0)
+
+
+def test_blocks_in_pieces_give_the_whole_maps_values(monkeypatch) -> None:
+    """The trunk's windowed attention, MLPs and widened shortcuts in pieces (sized by their largest
+    intermediate's bytes, genfast.platform.heap): the values of one call, with pieces made in
+    every block (a budget of a few hundred bytes instead of 16 MiB), and a pooling block's
+    shortcut in strips of an odd map (its last row dropped, as max pooling does)."""
+    from genfast.platform import heap
+    from genfast.sam.sam2.modeling import hiera
+
+    model = build_random_sam2(tiny_sam2_config(), seed=5)
+    images = torch.randn(1, 3, 160, 160, generator=torch.Generator().manual_seed(5))  # 40 x 40 patches
+    pooling = hiera.MultiScaleBlock(8, 16, 2, window=0, q_stride=2)
+    odd_map = torch.randn(2, 9, 9, 8, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        whole = [*model.image_encoder.trunk(images), pooling(odd_map)]
+        pieces: list[tuple[int, int]] = []
+
+        def recorded(fn, x, per_piece):
+            pieces.append((x.shape[0], per_piece))
+            return heap.in_pieces(fn, x, per_piece)
+
+        monkeypatch.setattr(heap, "PIECE_BYTES", 512)
+        monkeypatch.setattr(hiera, "in_pieces", recorded)
+        in_pieces = [*model.image_encoder.trunk(images), pooling(odd_map)]
+    assert in_pieces[-1].shape == (2, 4, 4, 16)
+    with torch.no_grad():  # the strips against the plain widening then pooling
+        torch.testing.assert_close(pooling._widened_shortcut(odd_map), _pool(pooling.proj(odd_map), 2))
+    assert any(items > per_piece > 1 for items, per_piece in pieces), pieces
+    for a, b in zip(in_pieces, whole, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -75,6 +75,25 @@ def test_folded_high_res_projections_match_official() -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_precomputed_position_embedding_matches_official() -> None:
+    """The recipe's position embedding made once (compile step): the official model's features at
+    the model's input size; another size computes its own, as before."""
+    ours, official = twin_models(tiny_sam2_config(), seed=4)
+    ours.precompute_position_embedding()
+    trunk = ours.image_encoder.trunk
+    grid = ours.image_size // 4
+    assert trunk.precomputed_position.shape == (1, grid, grid, trunk.pos_embed.shape[1])
+    assert "precomputed_position" not in ours.state_dict()  # checkpoints are unchanged
+    generator = torch.Generator().manual_seed(4)
+    for size in (ours.image_size, ours.image_size + 32):
+        images = torch.randn(1, 3, size, size, generator=generator)
+        with torch.no_grad():
+            features, _ = ours.forward_image(images)
+            reference = official.forward_image(images)
+        for a, b in zip(features, reference["backbone_fpn"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("multimask", [True, False])
 @pytest.mark.parametrize("prompt", ["points", "mask", "points and mask", "nothing"])
 def test_sam_heads_match_official(twins, prompt: str, multimask: bool) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genfast.platform.heap import in_pieces
+from genfast.platform.heap import in_pieces, items_per_piece
 from genfast.sam.modeling.attention import sam2_attention
 from genfast.sam.sam2.config import Sam2Config
 from genfast.sam.sam2.modeling.linear import Linear, linear, linear_gelu
@@ -123,17 +123,13 @@ class Mlp(nn.Module):
         return self.layers[1](linear_gelu(self.layers[0], x))
 
 
-# Tokens per piece of a windowed attention or an MLP (genfast.platform.heap.in_pieces). At the 1/4
-# scale the intermediates are large (a pooling block's qkv is 75 MB in bf16, the first MLP's hidden
-# layer 50 MB): mapped afresh at every call, they made the products that write them 2-3x slower
-# than on reused memory (Zen 4). In pieces they stay below glibc's mapping threshold and are reused.
-TOKENS_PER_PIECE = 16384
-
-
-def _in_token_pieces(fn: Callable[[Tensor], Tensor], x: Tensor, tokens_per_item: int) -> Tensor:
-    """fn(x) in pieces of about TOKENS_PER_PIECE tokens, for x's entries of `tokens_per_item`
-    tokens each (windows, or tokens)."""
-    return in_pieces(fn, x, max(1, TOKENS_PER_PIECE // tokens_per_item))
+def _in_pieces_of_bytes(fn: Callable[[Tensor], Tensor], x: Tensor, bytes_per_item: int) -> Tensor:
+    """fn(x) in pieces of x's entries whose largest intermediate, `bytes_per_item` an entry, stays
+    within genfast.platform.heap's piece size. At the 1/4 and 1/8 scales the intermediates are large
+    (a pooling block's qkv is 75 MB in bf16 at 1/4, 38 MB at 1/8): allocated afresh at every call,
+    they are faulted in page by page by the products that write them (2-3x slower than on reused
+    memory, Zen 4). In pieces glibc serves and reuses them from its heap."""
+    return in_pieces(fn, x, items_per_piece(bytes_per_item))
 
 
 class MultiScaleBlock(nn.Module):
@@ -152,14 +148,13 @@ class MultiScaleBlock(nn.Module):
         shortcut = x
         x = self.norm1(x)
         if self.proj is not None:
-            shortcut = self.proj(x)
-            if self.q_stride:
-                shortcut = _pool(shortcut, self.q_stride)
+            shortcut = self._widened_shortcut(x)
         window = self.window
         if window:
             h, w = x.shape[1:3]
             x, padded = window_partition(x, window)
-            x = _in_token_pieces(self.attn, x, window * window)
+            # A window's largest intermediate: its qkv.
+            x = _in_pieces_of_bytes(self.attn, x, window * window * self.attn.qkv.out_features * x.element_size())
         else:
             x = self.attn(x)
         if window:
@@ -172,7 +167,22 @@ class MultiScaleBlock(nn.Module):
             x = window_unpartition(x, window, padded, (h, w))
         x = shortcut + x
         tokens = x.reshape(-1, x.shape[-1])
-        return _in_token_pieces(lambda t: t + self.mlp(self.norm2(t)), tokens, 1).view(x.shape)
+        hidden_bytes = self.mlp.layers[0].out_features * x.element_size()  # a token's, in the MLP
+        return _in_pieces_of_bytes(lambda t: t + self.mlp(self.norm2(t)), tokens, hidden_bytes).view(x.shape)
+
+    def _widened_shortcut(self, x: Tensor) -> Tensor:
+        """The residual stream widened to dim_out (and pooled, in a pooling block), in strips of
+        q_stride rows: the widened map before pooling is never whole (25 MB at the 1/4 scale in
+        bf16)."""
+        if not self.q_stride:
+            return self.proj(x)
+        b, h, w, c = x.shape
+        stride = self.q_stride
+        rows = h - h % stride  # _pool drops the rows past the last whole window
+        strips = x[:, :rows].reshape(b * rows // stride, stride, w, c)
+        strip_bytes = stride * w * self.proj.out_features * x.element_size()
+        pooled = _in_pieces_of_bytes(lambda s: _pool(self.proj(s), stride), strips, strip_bytes)
+        return pooled.view(b, rows // stride, w // stride, -1)
 
 
 class PatchEmbed(nn.Module):
@@ -211,6 +221,16 @@ class Hiera(nn.Module):
                 q_stride = 2
             self.blocks.append(MultiScaleBlock(dim, dim_out, heads, window, q_stride))
             dim = dim_out
+        # position_embedding at one patch grid, made once (precompute_position_embedding).
+        self.register_buffer("precomputed_position", None, persistent=False)
+
+    def precompute_position_embedding(self, grid: int) -> None:
+        """Make the position embedding of a grid x grid patch map once, in the tables' dtype, for
+        every later call at that size (others still compute theirs): it depends on the weights
+        alone. For a loaded model, as the recipe's steps are: weights loaded afterwards would not
+        reach it."""
+        with torch.no_grad():
+            self.precomputed_position = self.position_embedding(grid, grid).to(self.pos_embed.dtype)
 
     def position_embedding(self, h: int, w: int) -> Tensor:
         """[1, h, w, C] fp32: the background table resized bicubically to (h, w), plus the window
@@ -235,7 +255,10 @@ class Hiera(nn.Module):
 
     def forward(self, x: Tensor) -> list[Tensor]:
         x = self.patch_embed(x)
-        x = x + self.position_embedding(*x.shape[1:3]).to(x.dtype)
+        position = self.precomputed_position
+        if position is None or position.shape[1:3] != x.shape[1:3]:
+            position = self.position_embedding(*x.shape[1:3])
+        x = x + position.to(x.dtype)
         outputs = []
         for i, block in enumerate(self.blocks):
             x = block(x)

@@ -103,6 +103,11 @@ class Sam2(nn.Module):
             lateral.conv = _composed_1x1(lateral.conv, projection)
             setattr(self.sam_mask_decoder, name, nn.Identity())
 
+    def precompute_position_embedding(self) -> None:
+        """The trunk's position embedding at the model's input size, made once
+        (Hiera.precompute_position_embedding) instead of at every image."""
+        self.image_encoder.trunk.precompute_position_embedding(self.image_size // 4)
+
     def image_embeddings(self, images: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """What the image predictor decodes prompts against: the 1/16 embedding with the learned
         "no memory" embedding added (an image is a video's first frame, with nothing remembered)
