@@ -179,3 +179,20 @@ def test_bad_checkpoints_are_user_errors(tmp_path) -> None:
 def test_unknown_preset_is_a_user_error() -> None:
     with pytest.raises(UserError, match="unknown SAM 2 model"):
         sam2_preset("sam2.1-hiera-huge")
+
+
+def test_upscaling_convolutions_keep_the_map_channels_last() -> None:
+    """The decoder's transposed convolutions with the weight re-laid out: the plain convolution's
+    values, written channels-last for a channels-last input (the tokens' view, the encoder's
+    high-resolution features), where the weight as stored gives [B, C, H, W]."""
+    from genfast.sam.sam2.modeling.decoder import channels_last_conv_transpose
+
+    generator = torch.Generator().manual_seed(7)
+    conv = torch.nn.ConvTranspose2d(32, 8, kernel_size=2, stride=2)
+    tokens = torch.randn(2, 36, 32, generator=generator)
+    image = tokens.transpose(1, 2).reshape(2, 32, 6, 6)  # as the decoder views its image tokens
+    assert image.is_contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        out = channels_last_conv_transpose(conv, image)
+        torch.testing.assert_close(out, conv(image.contiguous()), atol=1e-6, rtol=1e-5)
+    assert out.shape == (2, 8, 12, 12) and out.is_contiguous(memory_format=torch.channels_last)

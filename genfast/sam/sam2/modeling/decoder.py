@@ -100,8 +100,9 @@ class Sam2MaskDecoder(nn.Module):
         feat_s0, feat_s1 = high_res_features
         up1, norm, act1, up2, act2 = self.output_upscaling
         c, h, w = image_embeddings.shape[1:]
-        upscaled = act1(norm(up1(src.transpose(1, 2).reshape(bs, c, h, w)) + feat_s1))
-        upscaled = act2(up2(upscaled) + feat_s0)
+        image = src.transpose(1, 2).reshape(bs, c, h, w)  # a channels-last view of the image tokens
+        upscaled = act1(norm(channels_last_conv_transpose(up1, image) + feat_s1))
+        upscaled = act2(channels_last_conv_transpose(up2, upscaled) + feat_s0)
         hyper_in = torch.stack([mlp(mask_tokens[:, i]) for i, mlp in enumerate(self.output_hypernetworks_mlps)], dim=1)
         b, c, h, w = upscaled.shape
         masks = (hyper_in @ upscaled.reshape(b, c, h * w)).reshape(b, -1, h, w)
@@ -122,6 +123,22 @@ class Sam2MaskDecoder(nn.Module):
         union = (flat > -STABILITY_DELTA).sum(-1).float()
         stable = torch.where(union > 0, inter / union, 1.0) >= STABILITY_THRESHOLD  # [B, 1]
         return torch.where(stable[..., None, None], single, best_mask), torch.where(stable, single_iou, best_iou)
+
+
+def channels_last_conv_transpose(conv: nn.ConvTranspose2d, x: Tensor) -> Tensor:
+    """conv(x), eagerly with the weight in channels-last memory, so that the convolution keeps the
+    map channels-last: the layout of the image tokens it starts from, of the encoder's
+    high-resolution features added to it, and of what its LayerNorm and the mask product read.
+    With the weight as stored, oneDNN wrote [B, C, H, W] and every following step converted (on
+    the CPU the upscaling took twice as long). The weight is small: re-laid out at each call.
+    Compiled code is left to inductor, which chooses its layouts itself (the automatic
+    generator's compiled decoder was slower with the re-laid out weight)."""
+    if torch.compiler.is_compiling():
+        return conv(x)
+    weight = conv.weight.contiguous(memory_format=torch.channels_last)
+    return F.conv_transpose2d(
+        x, weight, conv.bias, conv.stride, conv.padding, conv.output_padding, conv.groups, conv.dilation
+    )
 
 
 def shared_batch(x: Tensor) -> Tensor:
