@@ -59,12 +59,16 @@ def items_per_piece(bytes_per_item: int) -> int:
 
 def in_pieces(fn: Callable[[Tensor], Tensor | tuple[Tensor, ...]], x: Tensor, per_piece: int) -> Tensor | tuple:
     """fn(x) for an fn that treats the entries of x's first dimension independently, computed on
-    pieces of `per_piece` entries and concatenated along the first dimension (each output of a
-    tuple). The same values as one call; the pieces' large intermediates are reused from the heap
-    instead of mapped and faulted in afresh (the module's docstring)."""
+    pieces of at most `per_piece` entries (as few pieces as that allows, of equal sizes) and
+    concatenated along the first dimension (each output of a tuple). The same values as one call;
+    the pieces' large intermediates are reused from the heap instead of mapped and faulted in
+    afresh (the module's docstring)."""
     if x.shape[0] <= per_piece:
         return fn(x)
-    parts = [fn(piece) for piece in x.split(per_piece)]
+    pieces = -(-x.shape[0] // per_piece)
+    # As many pieces as `per_piece` needs, of equal sizes: no short last piece that costs a call
+    # of its own for a few entries.
+    parts = [fn(piece) for piece in x.split(-(-x.shape[0] // pieces))]
     if isinstance(parts[0], Tensor):
         return torch.cat(parts)
     return tuple(torch.cat(outputs) for outputs in zip(*parts))

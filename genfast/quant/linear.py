@@ -230,13 +230,24 @@ class QuantLinear(nn.Module):
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, activation: str = "none") -> Tensor:
+        """x @ W^T + bias, then `activation` ("none", or "gelu": the exact, erf GELU, which the
+        native dynamic kernel applies to its fp32 outputs, with the bias, before rounding them)."""
+        if activation not in ("none", "gelu"):
+            raise ValueError(f"unknown activation {activation!r}; one of none, gelu")
+        if self.native and self.dynamic and x.dtype in (torch.float32, torch.bfloat16):
+            # Per-token activations, int32 sums over all of K (compute-bound layers).
+            out = torch.ops.genfast.qlinear_dynamic(
+                self._rows(x), self.packed, self.out_features, self.bias, activation == "gelu"
+            )
+            return out.reshape(*x.shape[:-1], self.out_features)
+        out = self._forward(x)
+        return F.gelu(out) if activation == "gelu" else out
+
+    def _forward(self, x: Tensor) -> Tensor:
         if self.native and x.dtype in (torch.float32, torch.bfloat16):
-            rows = self._rows(x)
-            if self.dynamic:  # per-token activations, int32 sums over all of K (compute-bound layers)
-                out = torch.ops.genfast.qlinear_dynamic(rows, self.packed, self.out_features)
-            else:  # activations per block of 32 (weight-only quantization: decode, LLM prefill)
-                out = torch.ops.genfast.qlinear(rows, self.packed, self.bits, self.group_size, self.out_features)
+            # Activations per block of 32 (weight-only quantization: decode, LLM prefill).
+            out = torch.ops.genfast.qlinear(self._rows(x), self.packed, self.bits, self.group_size, self.out_features)
             return self._outputs(out, x)
         if self.dynamic:
             return self._dynamic_int8_fallback(x)

@@ -74,6 +74,9 @@ def test_in_pieces_gives_one_call_values_from_pieces_of_the_size_asked():
     torch.testing.assert_close(doubled, x * 2, rtol=0, atol=0)
     torch.testing.assert_close(sums, x.sum(1), rtol=0, atol=0)
     sizes.clear()
+    torch.testing.assert_close(in_pieces(lambda p: twice(p)[0], x[:9], 4), x[:9] * 2, rtol=0, atol=0)
+    assert sizes == [3, 3, 3]  # the three pieces that 4 a piece needs, of equal sizes (not 4, 4, 1)
+    sizes.clear()
     torch.testing.assert_close(in_pieces(lambda p: twice(p)[0], x, 10), x * 2, rtol=0, atol=0)
     assert sizes == [10]  # one piece: a single call
 

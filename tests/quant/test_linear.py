@@ -246,6 +246,50 @@ def test_native_dynamic_int8_equals_its_integer_math(rows, k, n):
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_dynamic_int8_epilogue_adds_the_bias_then_the_exact_gelu(dtype):
+    """The kernel's epilogue against the same kernel's plain outputs with the bias added and
+    F.gelu applied in fp32: the bias and GELU act on the fp32 outputs before they are rounded
+    (bf16: one rounding, so within one bf16 step), and the GELU's erf approximation stays within
+    fp32's reach over outputs from -12 to 12 (both tails: x and 0), output tails (40 of 48 rows
+    of a tile) and row tails included."""
+    torch.manual_seed(0)
+    layer = QuantLinear.from_linear(nn.Linear(96, 40).to(dtype), 8, dynamic=True)
+    x = (torch.randn(37, 96) * torch.linspace(0.1, 8.0, 37)[:, None]).to(dtype)
+    plain = torch.ops.genfast.qlinear_dynamic(x.float(), layer.packed, 40)  # fp32: nothing rounded
+    assert plain.abs().max() > 8 and (plain < -4).any()  # a wide range of GELU inputs
+    expected = F.gelu(plain + layer.bias.float())
+    got = torch.ops.genfast.qlinear_dynamic(x, layer.packed, 40, layer.bias, True)
+    assert got.dtype == dtype
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=2**-8)
+    torch.testing.assert_close(got.float(), expected, **tolerance)
+    # The bias alone; and the layer's own call (bias in the kernel) against its GELU applied after
+    # (in bf16 after a rounding of its own: two bf16 steps apart at most).
+    torch.testing.assert_close(
+        torch.ops.genfast.qlinear_dynamic(x, layer.packed, 40, layer.bias).float(),
+        plain + layer.bias.float(),
+        **tolerance,
+    )
+    after = tolerance if dtype == torch.float32 else dict(atol=2**-7, rtol=2**-7)
+    torch.testing.assert_close(layer(x, activation="gelu").float(), F.gelu(layer(x).float()), **after)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_quant_linear_gelu_is_gelu_after_the_layer(native, monkeypatch):
+    """layer(x, activation="gelu") on every path: GELU(layer(x)); an unknown activation is refused."""
+    if native and not NATIVE:
+        pytest.skip(f"native kernel unavailable: {kernels.unavailable_reason()}")
+    if not native:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    torch.manual_seed(1)
+    layer = QuantLinear.from_linear(nn.Linear(64, 24), 8, dynamic=True)
+    x = torch.randn(5, 3, 64)
+    torch.testing.assert_close(layer(x, activation="gelu"), F.gelu(layer(x)), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown activation"):
+        layer(x, activation="relu")
+
+
 def test_dynamic_int8_filter_hook_and_validation(tmp_path):
     from genfast.quant.grids import quantize
     from genfast.quant.linear import quantize_dynamic_int8

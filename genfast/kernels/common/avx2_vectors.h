@@ -65,4 +65,23 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
+// GELU(x) = x/2 (1 + erf(x / sqrt 2)), as avx512_vectors.h computes it (Abramowitz and Stegun
+// 7.1.26 for 1 - erf, the small term computed directly); 1 / (1 + p z): rcp and one Newton step.
+inline __m256 gelu(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 z = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(0.707106781f));
+  const __m256 d = _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), z, one);
+  __m256 t = _mm256_rcp_ps(d);
+  t = _mm256_mul_ps(t, _mm256_fnmadd_ps(d, t, _mm256_set1_ps(2.0f)));
+  __m256 poly = _mm256_set1_ps(1.061405429f);
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(-1.453152027f));
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(1.421413741f));
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(-0.284496736f));
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(0.254829592f));
+  const __m256 erfc = _mm256_mul_ps(_mm256_mul_ps(poly, t), exp_nonpositive(_mm256_mul_ps(z, _mm256_sub_ps(_mm256_setzero_ps(), z))));
+  const __m256 half_term = _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.5f)), erfc);
+  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_sub_ps(x, half_term), half_term, negative);
+}
+
 }  // namespace genfast_avx2

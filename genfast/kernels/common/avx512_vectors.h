@@ -1,4 +1,4 @@
-// Vector helpers the AVX-512 variants (*/avx512.cpp) share: bf16 widening and exp. Include only
+// Vector helpers the AVX-512 variants (*/avx512.cpp) share: bf16 widening, exp and GELU. Include only
 // from files compiled with -mavx512f -mavx512bw.
 
 #pragma once
@@ -32,6 +32,28 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// GELU(x) = x/2 (1 + erf(x / sqrt 2)), the exact (erf) form, PyTorch's default. For z = |x| / sqrt 2,
+// 1 - erf(z) = t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) exp(-z^2) with t = 1 / (1 + p z)
+// (Abramowitz and Stegun 7.1.26: absolute error <= 1.5e-7); then GELU(x) = x - x/2 (1 - erf(z))
+// for x >= 0 and x/2 (1 - erf(z)) for x < 0, so the small term is computed directly, never as
+// the difference of two nearly equal values. 1 / (1 + p z): rcp14 and one Newton step.
+inline __m512 gelu(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.707106781f));
+  const __m512 d = _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), z, one);
+  __m512 t = _mm512_rcp14_ps(d);
+  t = _mm512_mul_ps(t, _mm512_fnmadd_ps(d, t, _mm512_set1_ps(2.0f)));
+  __m512 poly = _mm512_set1_ps(1.061405429f);
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-1.453152027f));
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(1.421413741f));
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-0.284496736f));
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(0.254829592f));
+  const __m512 erfc = _mm512_mul_ps(_mm512_mul_ps(poly, t), exp_nonpositive(_mm512_mul_ps(z, _mm512_sub_ps(_mm512_setzero_ps(), z))));
+  const __m512 half_term = _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), erfc);
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(negative, _mm512_sub_ps(x, half_term), half_term);
 }
 
 }  // namespace genfast_avx512

@@ -216,7 +216,7 @@ void quantize_rows_per_token(const T* x, int64_t rows, int64_t k, int8_t* xq, fl
 // y rows [m0, m0 + R) x outputs [16 * t, 16 * (t + 1)).
 template <int R, typename T>
 void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k, const Weights& w,
-                  int64_t m0, int64_t t, T* y) {
+                  const Epilogue& epilogue, int64_t m0, int64_t t, T* y) {
   constexpr int64_t block_bytes = kBlock * kTileRows;
   const int64_t first = t * kTileRows;
   if (first >= w.n) return;
@@ -247,13 +247,16 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
   for (int h = 0; h < 2; ++h) {
     const __m256 scale = load_half8(w.scales(s, 0) + tile_in_group * kTileRows + 8 * h);
     const __m256 minimum = load_half8(w.mins(s, 0) + tile_in_group * kTileRows + 8 * h);  // sums over the unsigned codes
+    const __m256 bias = epilogue.bias ? _mm256_loadu_ps(epilogue.bias + first + 8 * h) : _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const __m256 dot = _mm256_fmadd_ps(minimum, _mm256_set1_ps(static_cast<float>(xsum[m])),
                                          _mm256_mul_ps(scale, _mm256_cvtepi32_ps(acc[r][h])));
+      __m256 out = _mm256_fmadd_ps(dot, _mm256_set1_ps(xs[m]), bias);
+      if (epilogue.gelu) out = gelu(out);
       alignas(32) float result[8];
-      _mm256_store_ps(result, _mm256_mul_ps(dot, _mm256_set1_ps(xs[m])));
+      _mm256_store_ps(result, out);
       store_rows(y + m * w.n + first + 8 * h, result, std::clamp<int64_t>(count - 8 * h, 0, 8));
     }
   }
@@ -274,11 +277,12 @@ struct Avx2 {
   }
   template <typename T>
   static void dynamic_rows(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k, const Weights& w,
-                           int64_t m_begin, int64_t m_end, int64_t t0, T* y) {
+                           const Epilogue& epilogue, int64_t m_begin, int64_t m_end, int64_t t0, T* y) {
     for (int64_t t = t0; t < t0 + kTilesPerTask; ++t) {
       int64_t m = m_begin;
-      for (; m + kRowsPerTile <= m_end; m += kRowsPerTile) dynamic_tile<kRowsPerTile>(xq, xs, xsum, k, w, m, t, y);
-      for (; m < m_end; ++m) dynamic_tile<1>(xq, xs, xsum, k, w, m, t, y);
+      for (; m + kRowsPerTile <= m_end; m += kRowsPerTile)
+        dynamic_tile<kRowsPerTile>(xq, xs, xsum, k, w, epilogue, m, t, y);
+      for (; m < m_end; ++m) dynamic_tile<1>(xq, xs, xsum, k, w, epilogue, m, t, y);
     }
   }
 };

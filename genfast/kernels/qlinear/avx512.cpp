@@ -202,7 +202,7 @@ inline void store16(at::BFloat16* dst, __m512 v, __mmask16 mask) {
 // y rows [m0, m0 + R) x outputs [16 * t0, 16 * (t0 + kTilesPerTask)).
 template <int R, typename T>
 void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k, const Weights& w,
-                  int64_t m0, int64_t t0, T* y) {
+                  const Epilogue& epilogue, int64_t m0, int64_t t0, T* y) {
   constexpr int NT = kTilesPerTask;
   constexpr int64_t block_bytes = kBlock * kTileRows;
   const int64_t s = t0 / kTilesPerTask;
@@ -228,11 +228,14 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
     const __mmask16 mask = static_cast<__mmask16>(w.n - first >= 16 ? 0xFFFF : (1u << (w.n - first)) - 1);
     const __m512 scale = load_half16(w.scales(s, 0) + t * kTileRows);
     const __m512 minimum = load_half16(w.mins(s, 0) + t * kTileRows);
+    const __m512 bias = epilogue.bias ? _mm512_loadu_ps(epilogue.bias + first) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const __m512 dot = _mm512_fmadd_ps(minimum, _mm512_set1_ps(static_cast<float>(xsum[m])),
                                          _mm512_mul_ps(scale, _mm512_cvtepi32_ps(acc[r][t])));
-      store16(y + m * w.n + first, _mm512_mul_ps(dot, _mm512_set1_ps(xs[m])), mask);
+      __m512 out = _mm512_fmadd_ps(dot, _mm512_set1_ps(xs[m]), bias);
+      if (epilogue.gelu) out = gelu(out);
+      store16(y + m * w.n + first, out, mask);
     }
   }
 }
@@ -252,10 +255,11 @@ struct Avx512 {
   }
   template <typename T>
   static void dynamic_rows(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k, const Weights& w,
-                           int64_t m_begin, int64_t m_end, int64_t t0, T* y) {
+                           const Epilogue& epilogue, int64_t m_begin, int64_t m_end, int64_t t0, T* y) {
     int64_t m = m_begin;
-    for (; m + kRowsPerTile <= m_end; m += kRowsPerTile) dynamic_tile<kRowsPerTile>(xq, xs, xsum, k, w, m, t0, y);
-    for (; m < m_end; ++m) dynamic_tile<1>(xq, xs, xsum, k, w, m, t0, y);
+    for (; m + kRowsPerTile <= m_end; m += kRowsPerTile)
+      dynamic_tile<kRowsPerTile>(xq, xs, xsum, k, w, epilogue, m, t0, y);
+    for (; m < m_end; ++m) dynamic_tile<1>(xq, xs, xsum, k, w, epilogue, m, t0, y);
   }
 };
 

@@ -52,11 +52,18 @@ torch.library.define(
 )
 
 
-torch.library.define("genfast::qlinear_dynamic", "(Tensor x, Tensor packed, int out_features) -> Tensor")
+# bias (fp32 or bf16, [out_features]) and gelu: the epilogue applied to the fp32 outputs before they are
+# rounded (qlinear.h).
+torch.library.define(
+    "genfast::qlinear_dynamic",
+    "(Tensor x, Tensor packed, int out_features, Tensor? bias=None, bool gelu=False) -> Tensor",
+)
 
 
 @torch.library.register_fake("genfast::qlinear_dynamic")
-def _qlinear_dynamic_fake(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+def _qlinear_dynamic_fake(
+    x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None, gelu: bool = False
+) -> Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 

@@ -5,7 +5,8 @@
 //   template <typename T> quantize_blocks(x, rows, k, xq, xs, xsum)   int8 per block of 32
 //   template <int Bits, typename T> tiles(a, w, t0, y)                 outputs [16 t0, 16 (t0 + 4)), every row
 //   template <typename T> quantize_tokens(x, rows, k, xq, xs, xsum)   int8 per row
-//   template <typename T> dynamic_rows(xq, xs, xsum, k, w, m0, m1, t0, y)  rows [m0, m1) x the same outputs
+//   template <typename T> dynamic_rows(xq, xs, xsum, k, w, epilogue, m0, m1, t0, y)  rows [m0, m1) x the same
+//                                                                                   outputs, + bias, GELU
 //
 // `packed` is one tensor per layer (every tensor is an input torch.compile's wrapper must handle):
 // per row group of 64 rows (one task), per group of `group_size` columns, the group's codes in
@@ -22,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace genfast_qlinear {
@@ -56,6 +58,15 @@ struct Weights {
     return reinterpret_cast<const at::Half*>(codes(s, g) + group_code_bytes());
   }
   const at::Half* mins(int64_t s, int64_t g) const { return scales(s, g) + kRowGroup; }
+};
+
+// What qlinear_dynamic applies to its fp32 outputs before rounding them to the output dtype: the
+// bias, then GELU (the exact, erf form). In the kernel they cost a few instructions per output;
+// as passes of their own (a compiled model's bias add, ATen's GELU) they re-read and re-write the
+// whole output.
+struct Epilogue {
+  const float* bias = nullptr;  // fp32, out_features padded with zeros to whole row groups; or none
+  bool gelu = false;
 };
 
 template <typename T>
@@ -110,7 +121,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, 
 }
 
 template <class V>
-at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                           const std::optional<at::Tensor>& bias, bool gelu) {
   check_input("qlinear_dynamic", x, packed);
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kBlock == 0, "qlinear_dynamic: K must be a multiple of 32");
@@ -119,6 +131,17 @@ at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_
   TORCH_CHECK(n_padded * bytes_per_row == packed.numel() && n_padded % kRowGroup == 0 &&
               out_features <= n_padded, "qlinear_dynamic: packed size does not match K (8-bit, one group)");
   TORCH_CHECK(static_cast<double>(k) * 255 * 128 < 2147483647.0, "qlinear_dynamic: K too large for int32 sums");
+  std::vector<float> bias_values;  // the epilogue's fp32 copy, padded
+  if (bias.has_value() && bias->defined()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == out_features, "qlinear_dynamic: bias must be [out_features]");
+    TORCH_CHECK(b.scalar_type() == at::kFloat || b.scalar_type() == at::kBFloat16, "qlinear_dynamic: bias must be fp32 or bf16");
+    bias_values.assign(n_padded, 0.0f);
+    const at::Tensor bc = b.contiguous();
+    for (int64_t j = 0; j < out_features; ++j)
+      bias_values[j] = b.scalar_type() == at::kFloat ? bc.data_ptr<float>()[j] : static_cast<float>(bc.data_ptr<at::BFloat16>()[j]);
+  }
+  const Epilogue epilogue{bias_values.empty() ? nullptr : bias_values.data(), gelu};
 
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xs;
@@ -143,7 +166,7 @@ at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t0 = (task % row_groups) * kTilesPerTask;
         const int64_t m_begin = (task / row_groups) * kRowsPerTask, m_end = std::min(rows, m_begin + kRowsPerTask);
-        V::dynamic_rows(xq_ptr, xs_ptr, xsum_ptr, k, w, m_begin, m_end, t0, out);
+        V::dynamic_rows(xq_ptr, xs_ptr, xsum_ptr, k, w, epilogue, m_begin, m_end, t0, out);
       }
     });
   };

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.quant.linear import QuantLinear
+
 ACTIVATIONS = ("none", "gelu")  # GELU: the exact (erf) one, as nn.GELU()
 
 
@@ -102,9 +104,12 @@ def _(x: Tensor) -> Tensor:
 
 
 def linear_gelu(layer: nn.Module, x: Tensor) -> Tensor:
-    """GELU(layer(x)): fused where the layer is a floating-point Linear; ATen's GELU after any
-    other layer on the CPU (`aten_gelu`)."""
+    """GELU(layer(x)): fused where the layer is a floating-point Linear (oneDNN's epilogue) or a
+    dynamic-int8 one (genfast's kernel's epilogue, where it runs: QuantLinear); ATen's GELU after
+    any other layer on the CPU (`aten_gelu`)."""
     if type(layer) is Linear:
         return linear(x, layer.weight, layer.bias, "gelu")
+    if isinstance(layer, QuantLinear):
+        return layer(x, activation="gelu")
     out = layer(x)
     return aten_gelu(out) if _cpu_ops_apply(out) else F.gelu(out)
