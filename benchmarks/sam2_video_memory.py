@@ -61,12 +61,14 @@ def main() -> None:
     args = parser.parse_args()
     width, height = (int(v) for v in args.size.split("x"))
 
+    from genfast.interface.process import prepare_process
     from genfast.platform.hardware import describe_isa, dtype_name
     from genfast.recipe import Target
     from genfast.sam.recipe import RECIPE, apply_recipe
     from genfast.sam.sam2.build import build_random_sam2
     from genfast.sam.sam2.video import SAM2VideoPredictor
 
+    prepare_process()  # as `genfast segment` runs: malloc's thresholds settled (genfast/platform/heap.py)
     step = args.step
     plan = RECIPE.plan(step, Target(torch.device("cpu"), dtype_name(args.dtype)))
     with tempfile.TemporaryDirectory(prefix="genfast-sam2-memory-") as tmp:

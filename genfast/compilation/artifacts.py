@@ -4,8 +4,8 @@ A step function compiled ahead of time (`torch.compile(...).aot_compile`, torch 
 GENFAST_HOME/compiled/<key>/<name>.aot. The key is a hash of everything the compiled code depends
 on: what the caller passes (architecture, dtypes, quantization, shapes, sampling) and the
 environment (torch and genfast versions, a digest of genfast's Python sources, the CPU's ISA level
-and which native-kernel variants it selects, the device type). The digest is there because the
-compiled code is traced from genfast's modules: a checkout or install between two releases
+and which native-kernel variants it selects, the device type, inductor's global settings). The
+digest is there because the compiled code is traced from genfast's modules: a checkout or install between two releases
 changes them under one version number, and an artifact traced from the old code would otherwise
 be loaded and run as if it were the new one. The thread count is not part of the key: the code
 reads it at run time (inductor's `cpp.dynamic_threads`). An artifact that cannot be read or whose checks fail (a
@@ -59,7 +59,19 @@ def environment() -> dict[str, Any]:
         "code_target": hardware.code_target(),
         # The variant's build name: its ISA and a digest of its sources (a packed layout may change with them).
         "kernels": {k.name: native.chosen_build(k) for k in registry.KERNELS},
+        "inductor_config": inductor_config_digest(),
     }
+
+
+def inductor_config_digest() -> str:
+    """A digest of inductor's global settings, the portable ones its own caches key on: a setting
+    changed in the process (a kernel profiler turned on, a tuning flag) changes the code inductor
+    generates beyond the options a caller passes, and an artifact compiled under it must not be
+    loaded by a process without it."""
+    import torch._inductor.config as inductor_config
+
+    settings = inductor_config.save_config_portable()
+    return hashlib.sha256(repr(sorted(settings.items())).encode()).hexdigest()[:16]
 
 
 @cache

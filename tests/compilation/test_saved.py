@@ -82,7 +82,9 @@ def test_the_key_follows_what_the_code_depends_on(x):
     _saved(Block(width=16, act="relu").eval(), [])(x)  # another plain attribute
     _saved(Block(width=32).eval(), [])(torch.randn(2, 8, 32))  # another structure
     _saved(Block().eval(), [], quant="int8")(x)  # what the caller says it depends on
-    assert len(_keys()) == 7
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # inductor's global settings
+        _saved(Block().eval(), [])(x)
+    assert len(_keys()) == 8
 
 
 def test_a_corrupt_artifact_is_rebuilt_with_a_message(x):
