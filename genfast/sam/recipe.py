@@ -110,20 +110,15 @@ def _sparsify_2_4(encoder: torch.nn.Module, settings: SamSettings) -> None:
     sparsify_2_4_(encoder)
 
 
-def _fold_high_res_projections(model: Sam, settings: SamSettings) -> None:
-    """SAM 2: its decoder's projections of the fine levels folded into the neck's
-    (Sam2.fold_high_res_projections). SAM has none: nothing changes."""
-    fold = getattr(model, "fold_high_res_projections", None)
-    if fold is not None:
-        fold()
-
-
-def _precompute_position_embedding(model: Sam, settings: SamSettings) -> None:
-    """SAM 2: its trunk's position embedding made once (Sam2.precompute_position_embedding). SAM's
-    is a learned table at the input's size already: nothing changes."""
-    precompute = getattr(model, "precompute_position_embedding", None)
-    if precompute is not None:
-        precompute()
+def _rewrite_for_compiling(model: Sam, settings: SamSettings) -> None:
+    """SAM 2's rewrites of the compile step, where the model has them: its decoder's projections
+    of the fine levels folded into the neck's (Sam2.fold_high_res_projections), and its trunk's
+    position embedding made once (Sam2.precompute_position_embedding). SAM has neither: its
+    position table is learned at the input's size already."""
+    for name in ("fold_high_res_projections", "precompute_position_embedding"):
+        rewrite = getattr(model, name, None)
+        if rewrite is not None:
+            rewrite()
 
 
 def _compile_encoder(model: Sam, settings: SamSettings) -> None:
@@ -180,8 +175,7 @@ RECIPE = Recipe(
             "as bf16",
             {"compile": True},
             [
-                Transform(_fold_high_res_projections, ("model",), Stage.REWRITE),
-                Transform(_precompute_position_embedding, ("model",), Stage.REWRITE),
+                Transform(_rewrite_for_compiling, ("model",), Stage.REWRITE),
                 Transform(_compile_encoder, ("model",), Stage.COMPILE),
             ],
         ),

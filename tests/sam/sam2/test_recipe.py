@@ -128,6 +128,20 @@ def test_dynamic_int8_scores_in_the_global_blocks_only(monkeypatch) -> None:
     assert sorted(set(calls)) == [(1, True), (4, False), (16, False)], calls
 
 
+def test_compile_step_rewrites_the_model_before_compiling() -> None:
+    """The compile step folds the decoder's fine-level projections into the neck and makes the
+    trunk's position embedding once (both checked against the official model in test_modeling.py);
+    without it neither happens. Nothing is compiled here: that waits for the first call."""
+    config = CONFIGS["tiny"]
+    rewritten = apply_recipe(build_random_sam2(config), settings_for("compile", compile=True))
+    plain = apply_recipe(build_random_sam2(config), settings_for("compile"))
+    for model, applied in ((rewritten, True), (plain, False)):
+        decoder, trunk = model.sam_mask_decoder, model.image_encoder.trunk
+        assert isinstance(decoder.conv_s0, torch.nn.Identity) is applied
+        assert isinstance(decoder.conv_s1, torch.nn.Identity) is applied
+        assert (trunk.precomputed_position is not None) is applied
+
+
 @pytest.mark.slow
 def test_compile_step_matches_eager_without_recompiling() -> None:
     """The compile step (fullgraph: a graph break fails) on the tiny-wide model: within the bf16
