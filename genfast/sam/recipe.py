@@ -75,33 +75,35 @@ def _set_attention(model: Sam, settings: SamSettings) -> None:
 
 
 def _quantize_dynamic_int8(encoder: torch.nn.Module, settings: SamSettings) -> None:
-    """The encoder's linears, and (SAM 2) its attention's scores where the model asks for them
+    """The encoder's linears, and (SAM 2) its attention's products where the model asks for them
     (Hiera's global blocks: genfast/sam/sam2/modeling/hiera.py)."""
     from genfast.quant.linear import narrower_than, quantize_dynamic_int8
 
     quantize_dynamic_int8(encoder, keep=narrower_than(INT8_MIN_FEATURES))
-    _use_int8_scores(encoder)
+    _use_int8_attention(encoder)
 
 
-def _use_int8_scores(module: torch.nn.Module) -> None:
-    """Every attention under `module` that can compute its scores q k^T on int8 codes of q and k
-    (where the native kernel has them: AVX-512), a scale per query row and per key, is asked to
-    (`use_int8_scores`; each decides where they pay): half the kernel's products at twice the rate."""
+def _use_int8_attention(module: torch.nn.Module) -> None:
+    """Every attention under `module` that can compute its products on int8 codes (where the
+    native kernel has them: AVX-512) is asked to (`use_int8_attention`; each decides where they
+    pay): the scores q k^T on q and k with a scale per query row and per key, the output P v on P
+    and v with scales per block of keys (genfast/kernels/rel_pos_attention): the kernel's products
+    at twice the rate."""
     for sub in module.modules():
-        if hasattr(sub, "use_int8_scores"):
-            sub.use_int8_scores()
+        if hasattr(sub, "use_int8_attention"):
+            sub.use_int8_attention()
 
 
 def _quantize_memory_attention(model: Sam, settings: SamSettings) -> None:
-    """SAM 2's memory attention (video): its linears as the encoder's, and its attention's scores
-    on int8 codes (`_use_int8_scores`). SAM has none: nothing changes."""
+    """SAM 2's memory attention (video): its linears as the encoder's, and its attention's products
+    on int8 codes (`_use_int8_attention`). SAM has none: nothing changes."""
     from genfast.quant.linear import narrower_than, quantize_dynamic_int8
 
     memory_attention = getattr(model, "memory_attention", None)
     if memory_attention is None:
         return
     quantize_dynamic_int8(memory_attention, keep=narrower_than(INT8_MIN_FEATURES))
-    _use_int8_scores(memory_attention)
+    _use_int8_attention(memory_attention)
 
 
 def _sparsify_2_4(encoder: torch.nn.Module, settings: SamSettings) -> None:

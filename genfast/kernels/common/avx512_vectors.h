@@ -16,6 +16,14 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// acc + the sums of four u8 x s8 products per lane (vpdpbusd; files compiled with -mavx512vnni).
+// In inline assembly: GCC 12's _mm512_dpbusd_epi32 copied every accumulator of a register tile
+// to a fresh register, and spilled some, on each use (it does not tie the destination operand).
+inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+  return acc;
+}
+
 // exp(x) for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor
 // polynomial (relative error < 2e-7).
 inline __m512 exp_nonpositive(__m512 x) {

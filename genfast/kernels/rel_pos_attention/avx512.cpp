@@ -37,7 +37,16 @@
 // quads of channels [C/4][N_pad + 16] of s8 codes with a scale per key; each task quantizes its
 // query rows to u8 codes (the int8 code + 128), and the 128 * sum of each key's codes that this
 // adds to its dot products is taken back, with the two scales applied, as S leaves the registers.
-// P @ V stays in bf16.
+//
+// int8 values (`attention` only): O = P V on `vpdpbusd` too, P as u8 codes and V as s8 codes, for
+// keys in blocks of kValueBlock. Each query row's probabilities in a block have their own scale
+// (the block's largest / 255), as does each channel of V in a block (absmax / 127); a block's
+// int32 sums are scaled into the fp32 output as the block ends. Codes drop every probability
+// under half a step, 1/510 of the block's largest: a row with one dominant key (an attention
+// sink) and a broad tail of small ones would lose the tail's mass in the sink's block (with one
+// scale per row, in every block: all of the tail). So each row and block also keeps the mass its
+// codes dropped, and the output takes it back on the block's mean of V. V is re-laid out as quads
+// of keys [N_pad/4][C] of s8 codes, with [N_pad/kValueBlock][2][C] terms (scales, means).
 //
 // Compiled with -mavx512f/bw/bf16/vnni; the Python side calls it only when the CPU has them.
 
@@ -81,6 +90,10 @@ constexpr int kMaxChannelVectors = 6;
 constexpr int kWideSliceVectors = 4;
 constexpr int64_t kRelayoutKeys = 1024;  // keys per task of the shared re-layout (a multiple of 16)
 constexpr int64_t kRowPad = 16;      // K's and the scores' rows are this much longer than N_pad
+// int8 values: keys per block with their own scales (a multiple of 16 dividing kKeyChunk and
+// kRelayoutKeys). 256 rather than 128: the per-block reductions of P's codes cost ~10% of a
+// global block's time at 128.
+constexpr int64_t kValueBlock = 256;
 
 // exp(x) for x <= 0 to the precision the probabilities keep (bf16): 2^n * p(r) with
 // x = n ln2 + r, |r| <= ln2 / 2, p the degree-4 Taylor polynomial (relative error < 5e-5; bf16
@@ -155,7 +168,7 @@ inline void scores_tile_int8(const uint32_t* q, int64_t q_stride, const float* q
     for (int t = 0; t < KV; ++t) keys[t] = _mm512_loadu_si512(kq + c4 * k_ld + j0 + 16 * t);
     for (int r = 0; r < R; ++r) {
       const __m512i query = _mm512_set1_epi32(static_cast<int>(q[r * q_stride + c4]));
-      for (int t = 0; t < KV; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], query, keys[t]);
+      for (int t = 0; t < KV; ++t) acc[r][t] = genfast_avx512::dpbusd(acc[r][t], query, keys[t]);
     }
   }
   for (int t = 0; t < KV; ++t) {
@@ -238,6 +251,108 @@ void accumulate_output(const uint32_t* p, int64_t p_stride, const uint32_t* vp, 
   }
 }
 
+// The int8 form of output_tile, for one block of keys: O[r, :16 CV] += P[r] @ V[:, :16 CV] over
+// key_quads (<= kValueBlock / 4) quads of keys. p: rows of u8 codes (p_stride words of four), with
+// the block's terms per row (p_terms, rows of pt_stride: P's scale, then the mass its codes
+// dropped); vq: [key_quads][v_ld] words of four s8 codes (lane = channel), with the block's terms
+// per channel (v_terms: V's scales, then at v_mean the block's mean of V). A tile of its own per
+// block keeps the int32 sums in registers (with a loop over blocks around them, GCC kept them on
+// the stack).
+template <int R, int CV>
+inline void output_tile_int8(const uint32_t* p, int64_t p_stride, const float* p_terms, int64_t pt_stride,
+                             const uint32_t* vq, int64_t v_ld, const float* v_terms, int64_t v_mean,
+                             int64_t key_quads, float* o, int64_t o_ld) {
+  __m512i acc[R][CV];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < CV; ++t) acc[r][t] = _mm512_setzero_si512();
+  for (int64_t j4 = 0; j4 < key_quads; ++j4) {
+    __m512i values[CV];
+    for (int t = 0; t < CV; ++t) values[t] = _mm512_loadu_si512(vq + j4 * v_ld + 16 * t);
+    for (int r = 0; r < R; ++r) {
+      const __m512i prob = _mm512_set1_epi32(static_cast<int>(p[r * p_stride + j4]));
+      for (int t = 0; t < CV; ++t) acc[r][t] = genfast_avx512::dpbusd(acc[r][t], prob, values[t]);
+    }
+  }
+  for (int t = 0; t < CV; ++t) {
+    const __m512 channel_scale = _mm512_loadu_ps(v_terms + 16 * t);
+    const __m512 mean = _mm512_loadu_ps(v_terms + v_mean + 16 * t);
+    for (int r = 0; r < R; ++r) {
+      float* dst = o + r * o_ld + 16 * t;
+      const __m512 both = _mm512_mul_ps(channel_scale, _mm512_set1_ps(p_terms[r * pt_stride]));
+      const __m512 dropped = _mm512_mul_ps(mean, _mm512_set1_ps(p_terms[r * pt_stride + 1]));
+      _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), both, _mm512_add_ps(_mm512_loadu_ps(dst), dropped)));
+    }
+  }
+}
+
+// The rows' P @ V over key_quads quads of keys, block by block of kValueBlock keys (P's terms:
+// a pair per block in rows of pt_stride; V's: rows of vt_ld per block, the means at v_mean).
+template <int CV>
+void output_rows_int8(const uint32_t* p, int64_t p_stride, const float* p_terms, int64_t pt_stride, const uint32_t* vq,
+                      int64_t v_ld, const float* v_terms, int64_t vt_ld, int64_t v_mean, int64_t key_quads,
+                      int64_t rows, float* o, int64_t o_ld) {
+  constexpr int64_t kBlockQuads = kValueBlock / 4;
+  for_row_tiles<kRows>(rows, [&]<int R>(int64_t r) {
+    for (int64_t q0 = 0, block = 0; q0 < key_quads; q0 += kBlockQuads, ++block)
+      output_tile_int8<R, CV>(p + r * p_stride + q0, p_stride, p_terms + r * pt_stride + 2 * block, pt_stride,
+                              vq + q0 * v_ld, v_ld, v_terms + block * vt_ld, v_mean,
+                              std::min(kBlockQuads, key_quads - q0), o + r * o_ld, o_ld);
+  });
+}
+
+using OutputRowsInt8Fn = void (*)(const uint32_t*, int64_t, const float*, int64_t, const uint32_t*, int64_t,
+                                  const float*, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
+constexpr OutputRowsInt8Fn kOutputRowsInt8Fns[kMaxChannelVectors] = {
+    output_rows_int8<1>, output_rows_int8<2>, output_rows_int8<3>,
+    output_rows_int8<4>, output_rows_int8<5>, output_rows_int8<6>};
+
+// accumulate_output on int8 codes: P's u8 codes with p_terms (rows of pt_stride), V's s8 codes with
+// v_terms (quantize_values), over key_quads quads of keys from a block's start.
+void accumulate_output_int8(const uint32_t* p, int64_t p_stride, const float* p_terms, int64_t pt_stride,
+                            const uint32_t* vq, const float* v_terms, int64_t key_quads, int64_t rows, int64_t c,
+                            float* o) {
+  const int64_t slice = c / 16 <= kMaxChannelVectors ? kMaxChannelVectors : kWideSliceVectors;
+  for (int64_t ch = 0; ch < c; ch += 16 * slice) {
+    const int64_t vectors = std::min<int64_t>(slice, (c - ch) / 16);
+    kOutputRowsInt8Fns[vectors - 1](p, p_stride, p_terms, pt_stride, vq + ch, c, v_terms + ch, 2 * c, c, key_quads,
+                                    rows, o + ch, c);
+  }
+}
+
+// V's keys [j_begin, j_end) of one head (j_begin a multiple of kValueBlock, j_end of 4; keys from
+// n on are padding) as s8 codes: vq [N_pad/4][c] words of four keys' codes per channel; v_terms
+// [N_pad/kValueBlock][2][c]: each block's absmax / 127 per channel, then its mean over the block's
+// keys (what the probabilities that P's codes drop are applied to). `row(j)` is key j's c values.
+template <typename Row>
+void quantize_values(Row&& row, int64_t n, int64_t c, int64_t j_begin, int64_t j_end, uint32_t* vq, float* v_terms) {
+  for (int64_t b0 = j_begin; b0 < j_end; b0 += kValueBlock) {
+    const int64_t b1 = std::min(b0 + kValueBlock, j_end), real_end = std::min(b1, n);
+    float* scale = v_terms + (b0 / kValueBlock) * 2 * c;
+    const __m512 inv_count = _mm512_set1_ps(1.0f / static_cast<float>(std::max<int64_t>(real_end - b0, 1)));
+    for (int64_t ch = 0; ch < c; ch += 16) {
+      __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+      for (int64_t j = b0; j < real_end; ++j) {
+        const __m512 x = genfast_avx512::load16(row(j) + ch);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(x));
+        sum = _mm512_add_ps(sum, x);
+      }
+      _mm512_storeu_ps(scale + ch, _mm512_mul_ps(amax, _mm512_set1_ps(1.0f / 127)));
+      _mm512_storeu_ps(scale + c + ch, _mm512_mul_ps(sum, inv_count));
+      // 127 / absmax, 0 for channels of zeros (their codes are then 0).
+      const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                             _mm512_set1_ps(127.0f), amax);
+      for (int64_t j = b0; j < b1; j += 4) {
+        __m512i word = _mm512_setzero_si512();
+        for (int64_t jj = 0; jj < 4 && j + jj < real_end; ++jj) {
+          const __m512i code = _mm512_cvtps_epi32(_mm512_mul_ps(genfast_avx512::load16(row(j + jj) + ch), inv));
+          word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_and_si512(code, _mm512_set1_epi32(0xff)), 8 * jj));
+        }
+        _mm512_storeu_si512(vq + (j / 4) * c + ch, word);
+      }
+    }
+  }
+}
+
 // S for `rows` query rows against keys [0, n_pad): key block by key block, every row tile reading
 // the block from L1. tile<R, KV>(r, j0) computes rows r .. r + R against keys j0 .. j0 + 16 KV.
 template <typename Tile>
@@ -268,8 +383,9 @@ void add_bias(float* s, const Bias& bias, int64_t row, int64_t j0, int64_t len, 
 // out of the qkv projection: no copies). Returns [B, Nq, heads, C]: the layout the output
 // projection reads.
 at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
-                  double scale, bool int8_scores) {
-  TORCH_CHECK(!(int8_scores && bias.h), op, ": int8 scores take no bias");
+                  double scale, genfast_rel_pos_attention::Int8Products int8) {
+  const bool int8_scores = int8.scores, int8_values = int8.values;
+  TORCH_CHECK(!((int8_scores || int8_values) && bias.h), op, ": int8 products take no bias");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               op, ": q, k, v must be bfloat16");
   for (const at::Tensor* t : {&q, &k, &v})
@@ -280,6 +396,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   const int64_t n_pad = (n + 15) / 16 * 16, pairs = c / 2, quads = c / 4, key_pairs = n_pad / 2;
   const int64_t k_ld = n_pad + kRowPad;  // the row stride of K
   const int64_t k_rows = int8_scores ? quads : pairs;  // K's rows: channel quads of s8 codes, or pairs of bf16
+  const int64_t v_rows = int8_values ? n_pad / 4 : key_pairs;  // V's rows: key quads of s8 codes, or pairs of bf16
+  const int64_t value_blocks = (n_pad + kValueBlock - 1) / kValueBlock;  // int8 values: V's scale rows
   // Element offset of row `row` of head `bh` in a [B, heads, N, C] view.
   auto row_offset = [heads](const at::Tensor& t, int64_t bh, int64_t row) {
     return (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + row * t.stride(2);
@@ -296,6 +414,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                               : one_pass              ? kQueryBlock
                                                       : kLongQueryBlock;
   const int64_t blocks = (nq + query_block - 1) / query_block;
+  // int8 values: P's terms per row of a pass, a scale and a dropped mass per block of keys.
+  const int64_t pt_stride = 2 * ((chunk + kValueBlock - 1) / kValueBlock);
 
   // K and V re-laid out per head (see the header; padding keys are zero): once, before the tasks,
   // where a head's queries take several tasks; else by the task itself, into buffers that stay in
@@ -308,12 +428,14 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   // time: each channel pair's 16 keys fill one cache line, read from 16 rows that stay in L1 (key
   // by key, each key's row was scattered over `pairs` lines, a third of a 28.7K-key call's
   // re-layout time on Zen 4).
-  // Head bh's re-laid out K and V; with int8 scores, K's codes and each key's scale and offset.
+  // Head bh's re-laid out K and V; with int8 scores, K's codes and each key's scale and offset;
+  // with int8 values, V's codes and terms.
   struct HeadBuffers {
     uint32_t* k;
     uint32_t* v;
     float* k_scale = nullptr;
     int32_t* k_offset = nullptr;
+    float* v_terms = nullptr;  // int8 values: [value_blocks][2][c] (quantize_values)
   };
   auto relayout = [&](int64_t bh, const HeadBuffers& dst_head, int64_t j_begin, int64_t j_end) {
     const int64_t real_end = std::min(j_end, n);
@@ -344,6 +466,11 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
       if (int8_scores) dst_head.k_scale[j] = 0.0f, dst_head.k_offset[j] = 0;
     }
     uint32_t* vpb = dst_head.v;
+    if (int8_values) {
+      const auto value_row = [&](int64_t j) { return reinterpret_cast<const c10::BFloat16*>(v16 + row_offset(v, bh, j)); };
+      quantize_values(value_row, n, c, j_begin, j_end, vpb, dst_head.v_terms);
+      return;
+    }
     for (int64_t j2 = j_begin / 2; j2 < j_end / 2; ++j2) {
       const int64_t j = 2 * j2;
       const uint16_t* even = j < n ? v16 + row_offset(v, bh, j) : nullptr;
@@ -357,23 +484,25 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     }
   };
   // Head bh's buffers in the shared tensors.
-  at::Tensor kp, vp, k_scales, k_offsets;
+  at::Tensor kp, vp, k_scales, k_offsets, v_terms;
   auto shared_head = [&](int64_t bh) {
     HeadBuffers head{reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>()) + bh * k_rows * k_ld,
-                     reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>()) + bh * key_pairs * c};
+                     reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>()) + bh * v_rows * c};
     if (int8_scores) {
       head.k_scale = k_scales.data_ptr<float>() + bh * k_ld;
       head.k_offset = k_offsets.data_ptr<int32_t>() + bh * k_ld;
     }
+    if (int8_values) head.v_terms = v_terms.data_ptr<float>() + bh * value_blocks * 2 * c;
     return head;
   };
   if (shared) {
     kp = at::empty({bh_count, k_rows, k_ld}, q.options().dtype(at::kInt));
-    vp = at::empty({bh_count, key_pairs, c}, q.options().dtype(at::kInt));
+    vp = at::empty({bh_count, v_rows, c}, q.options().dtype(at::kInt));
     if (int8_scores) {
       k_scales = at::empty({bh_count, k_ld}, q.options().dtype(at::kFloat));
       k_offsets = at::empty({bh_count, k_ld}, q.options().dtype(at::kInt));
     }
+    if (int8_values) v_terms = at::empty({bh_count, value_blocks, 2, c}, q.options().dtype(at::kFloat));
     // In blocks of keys as well as heads: the memory attention has one head, whose re-layout of
     // ~29K keys would otherwise run on one thread while the others wait.
     const int64_t key_blocks = (n_pad + kRelayoutKeys - 1) / kRelayoutKeys;
@@ -398,7 +527,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     thread_local std::vector<float> scores, outputs, row_max, row_sum;
     thread_local std::vector<at::BFloat16> probs;
     thread_local std::vector<uint32_t> own_k, own_v;  // the task's own re-layout (!shared)
-    thread_local std::vector<float> own_k_scale, q_scale;
+    thread_local std::vector<float> own_k_scale, own_v_terms, q_scale;
+    thread_local std::vector<float> p_terms;  // int8 values: P's per row and block of the pass
     thread_local std::vector<int32_t> own_k_offset;
     thread_local std::vector<uint32_t> q_codes;  // int8 scores: the task's rows as u8 codes
     scores.resize(query_block * s_ld);
@@ -408,12 +538,14 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     row_sum.resize(query_block);
     if (!shared) {
       own_k.resize(k_rows * k_ld);
-      own_v.resize(key_pairs * c);
+      own_v.resize(v_rows * c);
       if (int8_scores) {
         own_k_scale.resize(k_ld);
         own_k_offset.resize(k_ld);
       }
+      if (int8_values) own_v_terms.resize(value_blocks * 2 * c);
     }
+    if (int8_values) p_terms.resize(query_block * pt_stride);
     if (int8_scores) {
       q_codes.resize(query_block * quads);
       q_scale.resize(query_block);
@@ -423,7 +555,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
       const int64_t rows = std::min(query_block, nq - i0);
       const auto* qb = reinterpret_cast<const uint32_t*>(q16 + row_offset(q, bh, i0));
       const HeadBuffers head = shared ? shared_head(bh)
-                                      : HeadBuffers{own_k.data(), own_v.data(), own_k_scale.data(), own_k_offset.data()};
+                                      : HeadBuffers{own_k.data(), own_v.data(), own_k_scale.data(), own_k_offset.data(),
+                                                    own_v_terms.data()};
       if (!shared) relayout(bh, head, 0, n_pad);
       const uint32_t* kpb = head.k;
       const uint32_t* vpb = head.v;
@@ -471,16 +604,57 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
           const __m512 m = _mm512_set1_ps(pass_max);
           __m512 vsum = _mm512_setzero_ps();
           at::BFloat16* prow = probs.data() + r * s_ld;
-          for (int64_t j = 0; j < len; j += 16) {
-            __m512 e = exp_to_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), m), exp_scale));
-            if (j + 16 > real) e = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << std::max<int64_t>(real - j, 0)) - 1), e);
-            vsum = _mm512_add_ps(vsum, e);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+          const auto probabilities = [&](int64_t j) {  // keys j .. j + 16 of the pass
+            const __m512 e = exp_to_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), m), exp_scale));
+            if (j + 16 <= real) return e;
+            return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << std::max<int64_t>(real - j, 0)) - 1), e);
+          };
+          if (int8_values) {
+            // Each block's probabilities as u8 codes of its largest / 255 (the row's bytes where
+            // its bf16 would be), and the mass the codes leave out (probabilities under half a
+            // step round to 0), which the output takes back on the block's mean of V.
+            auto* codes = reinterpret_cast<uint8_t*>(prow);
+            float* terms = p_terms.data() + r * pt_stride;
+            for (int64_t b0 = 0; b0 < len; b0 += kValueBlock) {
+              const int64_t b1 = std::min(kValueBlock, len - b0) + b0;
+              __m512 block_max = _mm512_setzero_ps(), block_sum = _mm512_setzero_ps();
+              for (int64_t j = b0; j < b1; j += 16) {  // the probabilities, over the scores
+                const __m512 e = probabilities(j);
+                block_sum = _mm512_add_ps(block_sum, e);
+                block_max = _mm512_max_ps(block_max, e);
+                _mm512_storeu_ps(row + j, e);
+              }
+              vsum = _mm512_add_ps(vsum, block_sum);
+              const float largest = _mm512_reduce_max_ps(block_max);
+              const __m512 inv = _mm512_set1_ps(largest > 0.0f ? 255.0f / largest : 0.0f);
+              __m512i code_sum = _mm512_setzero_si512();
+              for (int64_t j = b0; j < b1; j += 16) {
+                const __m512i code = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), inv));  // 0..255
+                code_sum = _mm512_add_epi32(code_sum, code);
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtusepi32_epi8(code));
+              }
+              const float step = largest / 255.0f;
+              terms[2 * (b0 / kValueBlock)] = step;
+              terms[2 * (b0 / kValueBlock) + 1] =
+                  _mm512_reduce_add_ps(block_sum) - step * static_cast<float>(_mm512_reduce_add_epi32(code_sum));
+            }
+          } else {
+            for (int64_t j = 0; j < len; j += 16) {
+              const __m512 e = probabilities(j);
+              vsum = _mm512_add_ps(vsum, e);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+            }
           }
           row_sum[r] += _mm512_reduce_add_ps(vsum);
         }
-        accumulate_output(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, vpb + (j0 / 2) * c, len / 2, rows,
-                          c, outputs.data());
+        if (int8_values) {
+          accumulate_output_int8(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, p_terms.data(), pt_stride,
+                                 vpb + (j0 / 4) * c, head.v_terms + (j0 / kValueBlock) * 2 * c, len / 4, rows, c,
+                                 outputs.data());
+        } else {
+          accumulate_output(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, vpb + (j0 / 2) * c, len / 2,
+                            rows, c, outputs.data());
+        }
       }
 
       const int64_t b = bh / heads, h = bh % heads;

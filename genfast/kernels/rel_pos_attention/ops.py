@@ -2,9 +2,10 @@
 relative-position bias added inside the kernel, never materialized (avx512.cpp explains it);
 `torch.ops.genfast.attention`: the same kernel without a bias, queries and keys of any lengths
 (SAM 2's Hiera and memory attention; long key sequences in chunks, with an online softmax), and
-on request with int8 scores (q . k on int8 codes, a scale per query row and per key; the AVX-512
-variant only). The AVX-512 variant computes on bf16 inputs (`vdpbf16ps`, and `vpdpbusd` for int8
-scores); the AVX2 one in fp32, on float32 or bfloat16 inputs (CPUs without AVX512-BF16 run SAM in
+on request with either product on int8 codes (the AVX-512 variant only): the scores q . k (a
+scale per query row and per key), the output P @ V (P's scale per query row and block of keys,
+V's per block of keys and channel). The AVX-512 variant computes on bf16 inputs (`vdpbf16ps`, and
+`vpdpbusd` for int8 products); the AVX2 one in fp32, on float32 or bfloat16 inputs (CPUs without AVX512-BF16 run SAM in
 fp32). `portable` is the same attention in PyTorch, with the bias materialized for SDPA.
 """
 
@@ -32,7 +33,8 @@ torch.library.define(
 
 
 torch.library.define(
-    "genfast::attention", "(Tensor q, Tensor k, Tensor v, float scale, bool int8_scores=False) -> Tensor"
+    "genfast::attention",
+    "(Tensor q, Tensor k, Tensor v, float scale, bool int8_scores=False, bool int8_values=False) -> Tensor",
 )
 
 
@@ -43,7 +45,9 @@ def _rel_pos_attention_fake(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_
 
 
 @torch.library.register_fake("genfast::attention")
-def _attention_fake(q: Tensor, k: Tensor, v: Tensor, scale: float, int8_scores: bool = False) -> Tensor:
+def _attention_fake(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, int8_scores: bool = False, int8_values: bool = False
+) -> Tensor:
     b, heads, n, c = q.shape
     return q.new_empty(b, n, heads, c)
 
@@ -123,28 +127,34 @@ def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Ten
     return torch.ops.genfast.rel_pos_attention(q, k, v, rel_h, rel_w, scale).transpose(1, 2)
 
 
-def has_int8_scores() -> bool:
-    """Whether the loaded variant computes int8 scores (the AVX-512 one: AVX512-VNNI)."""
+def has_int8_products() -> bool:
+    """Whether the loaded variant computes either product on int8 codes (the AVX-512 one:
+    AVX512-VNNI)."""
     return loaded_isa() == "avx512"
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, int8_scores: bool = False) -> Tensor:
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, int8_scores: bool = False, int8_values: bool = False
+) -> Tensor:
     """softmax(scale * q k^T) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C] (as
     rel_pos_attention takes them, without the bias; scale > 0). Returns [B, heads, Nq, C], a view
-    of a [B, Nq, heads, C] tensor. int8_scores (where `has_int8_scores`): q k^T on int8 codes of q
-    and k, each query row and key with its absmax scale."""
+    of a [B, Nq, heads, C] tensor. Where `has_int8_products`: int8_scores computes q k^T on int8
+    codes of q and k, each query row and key with its absmax scale; int8_values computes P @ V on
+    u8 codes of P (a scale per query row and block of keys) and s8 codes of V (a scale per block of
+    keys and channel)."""
     q, k, v = (_readable(t) for t in (q, k, v))
-    return torch.ops.genfast.attention(q, k, v, scale, int8_scores).transpose(1, 2)
+    return torch.ops.genfast.attention(q, k, v, scale, int8_scores, int8_values).transpose(1, 2)
 
 
-def attention_or_sdpa(q: Tensor, k: Tensor, v: Tensor, int8_scores: bool = False) -> Tensor:
+def attention_or_sdpa(q: Tensor, k: Tensor, v: Tensor, int8_scores: bool = False, int8_values: bool = False) -> Tensor:
     """softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C]: the native
     kernel where it takes q (`supports`) and beats SDPA in the loaded variant (`attention_pays`),
     else `F.scaled_dot_product_attention`. Returns [B, heads, Nq, C] (from the kernel, a view of
-    a [B, Nq, heads, C] tensor). int8_scores: ask the kernel for them where it has them
-    (`has_int8_scores`); elsewhere the scores are as without."""
+    a [B, Nq, heads, C] tensor). int8_scores, int8_values: ask the kernel for those products on
+    int8 codes where it has them (`has_int8_products`); elsewhere they are as without."""
     if supports(q) and attention_pays(q.shape[-2], k.shape[-2], q.shape[-1]):
-        return attention(q, k, v, q.shape[-1] ** -0.5, int8_scores and has_int8_scores())
+        int8 = has_int8_products()
+        return attention(q, k, v, q.shape[-1] ** -0.5, int8_scores and int8, int8_values and int8)
     return F.scaled_dot_product_attention(q, k, v)
 
 

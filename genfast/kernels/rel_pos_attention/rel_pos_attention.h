@@ -2,12 +2,14 @@
 // points. A variant supplies the attention itself as
 //
 //   at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-//                     const Bias& bias, double scale, bool int8_scores);
+//                     const Bias& bias, double scale, Int8Products int8);
 //
 // which checks what is its own (the dtypes it computes on, the strides it reads, whether it has
-// int8 scores) and returns [B, Nq, heads, C] in q's dtype. int8_scores: q . k computed on q and k
-// quantized to int8 per row and per key (absmax scales), where the variant has an int8 dot product
-// (AVX512-VNNI); a variant without one refuses them. Never with a bias.
+// int8 products) and returns [B, Nq, heads, C] in q's dtype. int8.scores: q . k computed on q and
+// k quantized to int8 per row and per key (absmax scales); int8.values: P @ V on P as u8 codes (a
+// scale per query row and block of keys) and V as s8 codes (a scale per block of keys and
+// channel). Both need an int8 dot product (AVX512-VNNI); a variant without one refuses them. Never
+// with a bias.
 
 #pragma once
 
@@ -27,8 +29,14 @@ struct Bias {
   int64_t grid_h = 0, grid_w = 0;
 };
 
+// Which of the attention's two products run on int8 codes (see the top of this file).
+struct Int8Products {
+  bool scores = false;  // S = Q K^T
+  bool values = false;  // O = P V
+};
+
 using Attend = at::Tensor (*)(const char*, const at::Tensor&, const at::Tensor&, const at::Tensor&, const Bias&,
-                              double, bool);
+                              double, Int8Products);
 
 inline void check_shapes(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          double scale) {
@@ -54,14 +62,15 @@ at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
   const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
   const Bias bias{bias_h.data_ptr<float>(), bias_w.data_ptr<float>(), rel_h.size(3), rel_w.size(3)};
-  return attend("rel_pos_attention", q, k, v, bias, scale, false);
+  return attend("rel_pos_attention", q, k, v, bias, scale, Int8Products{});
 }
 
 // q [B, heads, Nq, C], k and v [B, heads, Nk, C]: softmax(scale * q k^T) v, as [B, Nq, heads, C].
 template <Attend attend>
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool int8_scores) {
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool int8_scores,
+                     bool int8_values) {
   check_shapes("attention", q, k, v, scale);
-  return attend("attention", q, k, v, Bias{}, scale, int8_scores);
+  return attend("attention", q, k, v, Bias{}, scale, Int8Products{int8_scores, int8_values});
 }
 
 }  // namespace genfast_rel_pos_attention

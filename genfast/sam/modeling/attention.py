@@ -56,14 +56,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, impl: str) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v)
 
 
-def sam2_attention(q: Tensor, k: Tensor, v: Tensor, impl: str, int8_scores: bool = False) -> Tensor:
+def sam2_attention(q: Tensor, k: Tensor, v: Tensor, impl: str, int8: bool = False) -> Tensor:
     """SAM 2's attentions (Hiera's, and the memory attention's over a frame's memories):
     softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C].
     "fused"/"auto": the native kernel where it takes q (CPU) and beats SDPA (the AVX2 variant on
     Hiera's global blocks only), else SDPA; "math" the explicit softmax; the rest SDPA.
-    int8_scores: the kernel's int8 q k^T where it has it (rel_pos_kernel.has_int8_scores)."""
+    int8: both of the kernel's products (q k^T, P v) on int8 codes where it has them
+    (rel_pos_kernel.has_int8_products)."""
     if impl in ("auto", "fused"):
-        return rel_pos_kernel.attention_or_sdpa(q, k, v, int8_scores)
+        return rel_pos_kernel.attention_or_sdpa(q, k, v, int8_scores=int8, int8_values=int8)
     return attention(q, k, v, impl)
 
 

@@ -66,43 +66,74 @@ def test_attention_kernel_rescales_when_a_later_chunk_holds_the_maximum() -> Non
     torch.testing.assert_close(kernel.attention(q, k, v, 32**-0.5).float(), expected, atol=tolerance, rtol=tolerance)
 
 
-INT8_SCORES = KERNEL_DTYPES and kernel.has_int8_scores()
+INT8_PRODUCTS = KERNEL_DTYPES and kernel.has_int8_products()
 
 
-@pytest.mark.skipif(not INT8_SCORES, reason="the loaded attention kernel has no int8 scores (AVX-512 only)")
+@pytest.mark.skipif(not INT8_PRODUCTS, reason="the loaded attention kernel has no int8 products (AVX-512 only)")
+@pytest.mark.parametrize(("int8_scores", "int8_values"), [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize(
     ("windows", "queries", "keys", "channels"),
     [
         (2, 5, 40, 32),  # one task per head: the task quantizes its own keys
         (1, 130, 4500, 256),  # the memory attention's head dim, keys in chunks, keys shared by the tasks
-        (1, 70, 300, 112),  # heads of 7 vectors; rows not a multiple of a tile's
+        (1, 70, 300, 112),  # heads of 7 vectors; rows not a multiple of a tile's; a partial block of keys
     ],
 )
-def test_attention_kernel_int8_scores_match_sdpa(windows, queries, keys, channels) -> None:
-    """q k^T on int8 codes (a scale per query row and per key): the output within 4% of its norm of
-    fp32 SDPA on the same bf16 inputs (measured ~2%: each code rounds to 1/254 of its row's range;
-    bf16 scores are ~0.2%), scores sharp enough (std ~2) that their errors show. A query row and
-    a key of zeros (scale 0) take part."""
+def test_attention_kernel_int8_products_match_sdpa(windows, queries, keys, channels, int8_scores, int8_values) -> None:
+    """Either product or both on int8 codes: the output within 4% of its norm of fp32 SDPA on the
+    same bf16 inputs (measured ~1-2%: each code rounds to 1/254 of its row's or block's range;
+    bf16 is ~0.2%), scores sharp enough (std ~2) that their errors show. A query row and a key of
+    zeros (scale 0) take part, and a channel of V that is zero in every key (scale 0)."""
     gen = torch.Generator().manual_seed(2)
     q = (2 * torch.randn(windows, 1, queries, channels, generator=gen)).bfloat16()
     k, v = (torch.randn(windows, 1, keys, channels, generator=gen).bfloat16() for _ in range(2))
     q[:, :, 3] = 0
     k[:, :, 5] = 0
+    v[..., 7] = 0
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    actual = kernel.attention(q, k, v, channels**-0.5, int8_scores=True).float()
-    bf16_scores = kernel.attention(q, k, v, channels**-0.5).float()
+    actual = kernel.attention(q, k, v, channels**-0.5, int8_scores, int8_values).float()
+    bf16 = kernel.attention(q, k, v, channels**-0.5).float()
     error = ((actual - expected).norm() / expected.norm()).item()
-    assert error < 0.04 and not torch.equal(actual, bf16_scores), error
+    assert error < 0.04 and not torch.equal(actual, bf16), error
     torch.testing.assert_close(actual[:, :, 3], expected[:, :, 3], atol=2e-2, rtol=2e-2)  # a uniform softmax
+    assert not actual[..., 7].any()
 
 
-@pytest.mark.skipif(not KERNEL_DTYPES or INT8_SCORES, reason="a kernel variant without int8 scores (AVX2)")
-def test_int8_scores_are_refused_where_the_kernel_has_none() -> None:
-    """The AVX2 variant refuses int8 scores; asked through attention_or_sdpa, it computes as without."""
+@pytest.mark.skipif(not INT8_PRODUCTS, reason="the loaded attention kernel has no int8 products (AVX-512 only)")
+@pytest.mark.parametrize("keys", [4096, 5000])  # one pass over the keys; in chunks (and a partial block)
+def test_attention_kernel_int8_values_keep_a_sinks_broad_tail(keys) -> None:
+    """Every query puts half its mass on one key (an attention sink) and spreads the other half
+    over thousands of keys, each ~1/4000 of the sink's probability, whose values share a mean. With
+    one scale per row for P's u8 codes every tail key would round to 0 and the output would lose
+    the tail's half (all of the output here). With a scale per block of keys only the sink's own
+    block drops its tail (~6% of the output here), and the kernel takes that mass back on the
+    block's mean of V. The output within 2% of its norm of fp32 SDPA (measured ~0.2%, as bf16's)."""
+    gen = torch.Generator().manual_seed(3)
+    channels = 96
+    q = torch.zeros(1, 2, 64, channels)
+    q[..., 0] = 1.0
+    k = 0.02 * torch.randn(1, 2, keys, channels, generator=gen)
+    k[:, :, 100, 0] = channels**0.5 * torch.log(torch.tensor(keys - 1.0))  # p(sink) = 1/2
+    mean = torch.randn(channels, generator=gen)
+    v = mean + 0.5 * torch.randn(1, 2, keys, channels, generator=gen)
+    v[:, :, 100] = 0  # the sink's value (sinks' are small): the output is the tail's half
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    actual = kernel.attention(q, k, v, channels**-0.5, int8_values=True).float()
+    tail = expected.norm(dim=-1)
+    assert (tail > 0.4 * mean.norm()).all()  # ~ half the tail's mean
+    error = ((actual - expected).norm() / expected.norm()).item()
+    assert error < 0.02, error
+
+
+@pytest.mark.skipif(not KERNEL_DTYPES or INT8_PRODUCTS, reason="a kernel variant without int8 products (AVX2)")
+def test_int8_products_are_refused_where_the_kernel_has_none() -> None:
+    """The AVX2 variant refuses int8 products; asked through attention_or_sdpa, it computes as without."""
     q, k, v = (torch.randn(1, 1, n, 32, generator=torch.Generator().manual_seed(n)) for n in (8, 1100, 1100))
-    with pytest.raises(RuntimeError, match="int8 scores need the AVX-512 variant"):
-        torch.ops.genfast.attention(q, k, v, 32**-0.5, True)
-    assert torch.equal(kernel.attention_or_sdpa(q, k, v, int8_scores=True), kernel.attention_or_sdpa(q, k, v))
+    for flags in ((True, False), (False, True)):
+        with pytest.raises(RuntimeError, match="int8 products need the AVX-512 variant"):
+            torch.ops.genfast.attention(q, k, v, 32**-0.5, *flags)
+        assert torch.equal(kernel.attention_or_sdpa(q, k, v, *flags), kernel.attention_or_sdpa(q, k, v))
 
 
 @pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")

@@ -105,27 +105,27 @@ def test_dynamic_int8_quantizes_the_wide_stage() -> None:
     assert names == ["trunk.blocks.5.attn.proj", "trunk.blocks.5.mlp.layers.0", "trunk.blocks.5.mlp.layers.1"]
 
 
-def test_dynamic_int8_scores_in_the_global_blocks_only(monkeypatch) -> None:
-    """The step asks the attention kernel for int8 scores in Hiera's global blocks (the tiny-wide
-    model's block 4: one [1, heads, 64, 16] call per image) and nowhere else (the windowed blocks'
-    calls have one entry per window), where the kernel has them (AVX-512); the logits stay within
-    the step's budget (test_step_stays_within_its_budget)."""
+def test_dynamic_int8_attention_in_the_global_blocks_only(monkeypatch) -> None:
+    """The step asks the attention kernel for both products on int8 codes in Hiera's global blocks
+    (the tiny-wide model's block 4: one [1, heads, 64, 16] call per image) and nowhere else (the
+    windowed blocks' calls have one entry per window), where the kernel has them (AVX-512); the
+    logits stay within the step's budget (test_step_stays_within_its_budget)."""
     from genfast.kernels.rel_pos_attention import ops as kernel
 
-    if kernel.unavailable_reason() is not None or not kernel.has_int8_scores():
-        pytest.skip("no int8 scores in this CPU's attention kernel (AVX-512 VNNI)")
+    if kernel.unavailable_reason() is not None or not kernel.has_int8_products():
+        pytest.skip("no int8 products in this CPU's attention kernel (AVX-512 VNNI)")
     model = apply_recipe(build_random_sam2(CONFIGS["tiny-wide"]), settings_for("dynamic-int8"))
-    calls = []  # (q's batch: 1 for a global block, the window count for a windowed one; int8 scores asked)
+    calls = []  # (q's batch: 1 for a global block, the window count for a windowed one; int8 scores, values asked)
     attention = kernel.attention
 
     def spy(*args):
-        calls.append((args[0].shape[0], args[4]))
+        calls.append((args[0].shape[0], args[4], args[5]))
         return attention(*args)
 
     monkeypatch.setattr(kernel, "attention", spy)
     predictor = SAM2ImagePredictor(model)
     predictor.set_image(_images()[0])
-    assert sorted(set(calls)) == [(1, True), (4, False), (16, False)], calls
+    assert sorted(set(calls)) == [(1, True, True), (4, False, False), (16, False, False)], calls
 
 
 def test_compile_step_rewrites_the_model_before_compiling() -> None:

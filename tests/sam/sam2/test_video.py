@@ -431,7 +431,7 @@ def test_bf16_model(video) -> None:
 
 def test_dynamic_int8_step_tracks_within_its_budget(video, monkeypatch) -> None:
     """The SAM recipe's dynamic-int8 step on video (eager): the memory attention's linears in int8
-    (256 wide here, as the real models') and, where the kernel has them, its scores on int8 codes.
+    (256 wide here, as the real models') and, where the kernel has them, its products on int8 codes.
     Every frame's masks of both objects within the step's IoU budget (0.9) of the step before it
     (fused-attention, bf16): on this tiny random model bf16 alone moves some masks further than
     that from fp32's (min IoU 0.24 on the prompted frame), so only the step's own change is bounded
@@ -453,13 +453,13 @@ def test_dynamic_int8_step_tracks_within_its_budget(video, monkeypatch) -> None:
     assert all(isinstance(m, QuantLinear) for m in (layer.linear1, layer.linear2, layer.self_attn.q_proj))
     int8_calls = []
     attention = kernel.attention
-    monkeypatch.setattr(kernel, "attention", lambda *args: int8_calls.append(args[4]) or attention(*args))
+    monkeypatch.setattr(kernel, "attention", lambda *args: int8_calls.append(args[4] and args[5]) or attention(*args))
     results = []
     for model in models:
         predictor = SAM2VideoPredictor(model, fill_hole_area=0)
         state = predictor.init_state(video)
         results.append(_two_objects_by_clicks(predictor, state) + list(predictor.propagate_in_video(state)))
-    assert any(int8_calls) == (kernel.unavailable_reason() is None and kernel.has_int8_scores())
+    assert any(int8_calls) == (kernel.unavailable_reason() is None and kernel.has_int8_products())
     for (frame, _, before), (_, _, after) in zip(*results):
         a, b = before > 0, after > 0
         inter, union = (a & b).sum((1, 2, 3)), (a | b).sum((1, 2, 3))

@@ -92,14 +92,14 @@ class MultiScaleAttention(nn.Module):
         self.qkv = Linear(dim, dim_out * 3)
         self.proj = Linear(dim_out, dim_out)
         self.attention_impl = "auto"  # genfast.sam.modeling.attention: the recipe's choice
-        self.int8_scores = False  # q k^T on int8 codes: see use_int8_scores
+        self.int8_attention = False  # q k^T and P v on int8 codes: see use_int8_attention
 
-    def use_int8_scores(self) -> None:
-        """Compute q k^T on int8 codes where the kernel has them (the dynamic-int8 step), in a
-        global block only: over a whole 1/16-scale map (4096 keys) they take ~15% off the
-        attention, while in windows of 16-196 keys quantizing q and k costs about what the
-        products save."""
-        self.int8_scores = not self.windowed
+    def use_int8_attention(self) -> None:
+        """Compute both of the attention's products on int8 codes where the kernel has them (the
+        dynamic-int8 step), in a global block only: over a whole 1/16-scale map (4096 keys) they
+        take about a quarter off the attention, while in windows of 16-196 keys quantizing costs
+        about what the products save, or more."""
+        self.int8_attention = not self.windowed
 
     def forward(self, x: Tensor) -> Tensor:
         b, h, w, _ = x.shape
@@ -108,7 +108,7 @@ class MultiScaleAttention(nn.Module):
             q = _pool(q.transpose(1, 2).reshape(b, h, w, -1), self.q_stride)
             h, w = q.shape[1:3]
             q = q.reshape(b, h * w, self.num_heads, -1).transpose(1, 2)
-        out = sam2_attention(q, k, v, self.attention_impl, self.int8_scores)
+        out = sam2_attention(q, k, v, self.attention_impl, self.int8_attention)
         return self.proj(out.transpose(1, 2).reshape(b, h, w, -1))
 
 

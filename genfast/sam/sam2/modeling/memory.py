@@ -73,12 +73,13 @@ class RoPEAttention(nn.Module):
         self.v_proj = nn.Linear(kv_dim, dim)
         self.out_proj = nn.Linear(dim, dim)
         self.attention_impl = "auto"  # genfast.sam.modeling.attention: the recipe's choice
-        self.int8_scores = False  # q k^T on int8 codes: see use_int8_scores
+        self.int8_attention = False  # q k^T and P v on int8 codes: see use_int8_attention
 
-    def use_int8_scores(self) -> None:
-        """Compute q k^T on int8 codes where the kernel has them (the dynamic-int8 step): 4096
-        queries over thousands of remembered keys, where they take about a sixth off."""
-        self.int8_scores = True
+    def use_int8_attention(self) -> None:
+        """Compute both of the attention's products on int8 codes where the kernel has them (the
+        dynamic-int8 step): 4096 queries over thousands of remembered keys, where they take about
+        two fifths off."""
+        self.int8_attention = True
 
     def _heads(self, x: Tensor) -> Tensor:
         b, n, c = x.shape
@@ -94,7 +95,7 @@ class RoPEAttention(nn.Module):
         elif num_rope:
             k = apply_rope(k, rope)
         if self.attention_impl in ("auto", "fused"):  # the native kernel where it takes q
-            out = sam2_attention(q, k, v, self.attention_impl, self.int8_scores)
+            out = sam2_attention(q, k, v, self.attention_impl, self.int8_attention)
         else:  # SDPA, as the official computes it (no step materializes 4096 x 29K scores)
             out = F.scaled_dot_product_attention(q, k, v)
         b, _, n, _ = out.shape
