@@ -379,6 +379,125 @@ void add_bias(float* s, const Bias& bias, int64_t row, int64_t j0, int64_t len, 
   }
 }
 
+// rows[i] = row i of a 16 x 16 block of floats; afterwards rows[i] = its column i.
+inline void transpose16(__m512 rows[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit block b: t[i] = r_i(4b), r_i+1(4b), r_i(4b+1), r_i+1(4b+1)
+    t[i] = _mm512_unpacklo_ps(rows[i], rows[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // block b of u[i + w]: rows i .. i + 3 of column 4b + w
+    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int w = 0; w < 4; ++w) {  // column 4b + w: block b of u[w], u[4 + w], u[8 + w], u[12 + w]
+    const __m512 lo01 = _mm512_shuffle_f32x4(u[w], u[4 + w], 0x44), hi01 = _mm512_shuffle_f32x4(u[w], u[4 + w], 0xEE);
+    const __m512 lo23 = _mm512_shuffle_f32x4(u[8 + w], u[12 + w], 0x44);
+    const __m512 hi23 = _mm512_shuffle_f32x4(u[8 + w], u[12 + w], 0xEE);
+    rows[w] = _mm512_shuffle_f32x4(lo01, lo23, 0x88);
+    rows[4 + w] = _mm512_shuffle_f32x4(lo01, lo23, 0xDD);
+    rows[8 + w] = _mm512_shuffle_f32x4(hi01, hi23, 0x88);
+    rows[12 + w] = _mm512_shuffle_f32x4(hi01, hi23, 0xDD);
+  }
+}
+
+// `attention` over at most kLaneKeys keys (the mask decoder's image-to-token attention: 4096 image
+// tokens over the 7-8 prompt tokens), in fp32, 16 query rows at a time. The general path's
+// softmax takes a horizontal max and sum per query row; with 8 keys those reductions, and the
+// loop around each row, were most of its time (docs/notes.md, SAM 2's automatic generator). Here each
+// row's scores are a vector over the keys; 16 rows' vectors are transposed so that the max, the
+// exponentials and the sum run down the keys, one vector of 16 rows each, and transposed back
+// for P @ V, which sums down the keys into one vector per channel (16 rows' outputs), transposed
+// back to rows: the decoder's [4, 8, 4096, 16] over 8 keys in less than half the general path's time.
+constexpr int64_t kLaneKeys = 16;
+constexpr int64_t kFewKeysTaskRows = 256;  // query rows per task (K and V widened once per task)
+// Only from this many query rows per head: Hiera's windows of 16 keys (4 or 16 queries each) ran
+// slower here than on the general path, which widens nothing per window.
+constexpr int64_t kFewKeysMinQueries = 256;
+
+at::Tensor attend_few_keys(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  const int64_t heads = q.size(1), nq = q.size(2), n = k.size(2), c = q.size(3);
+  const int64_t bh_count = q.size(0) * heads, blocks = (nq + kFewKeysTaskRows - 1) / kFewKeysTaskRows;
+  at::Tensor out = at::empty({q.size(0), nq, heads, c}, q.options());
+  auto* out_ptr = out.data_ptr<at::BFloat16>();
+  const auto* q_ptr = q.data_ptr<at::BFloat16>();
+  const auto* k_ptr = k.data_ptr<at::BFloat16>();
+  const auto* v_ptr = v.data_ptr<at::BFloat16>();
+  auto row = [heads](const at::Tensor& t, const at::BFloat16* base, int64_t bh, int64_t i) {
+    return base + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + i * t.stride(2);
+  };
+  const __m512 exp_scale = _mm512_set1_ps(static_cast<float>(scale));
+  at::parallel_for(0, bh_count * blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> keys, values, query_rows;
+    keys.resize(c * kLaneKeys);  // [c][16]: channel ch of every key (zero past n)
+    values.resize(kLaneKeys * c);  // [16][c]
+    query_rows.assign(kLaneKeys * c, 0.0f);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / blocks, i_begin = (task % blocks) * kFewKeysTaskRows;
+      const int64_t i_end = std::min(nq, i_begin + kFewKeysTaskRows);
+      std::fill(keys.begin(), keys.end(), 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const at::BFloat16* kj = row(k, k_ptr, bh, j);
+        const at::BFloat16* vj = row(v, v_ptr, bh, j);
+        for (int64_t ch = 0; ch < c; ++ch) keys[ch * kLaneKeys + j] = static_cast<float>(kj[ch]);
+        for (int64_t ch = 0; ch < c; ch += 16)
+          _mm512_storeu_ps(values.data() + j * c + ch, genfast_avx512::load16(vj + ch));
+      }
+      for (int64_t i0 = i_begin; i0 < i_end; i0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, i_end - i0);
+        for (int64_t r = 0; r < rows; ++r) {  // the rows in fp32 (past `rows`: an earlier group's, or zeros)
+          const at::BFloat16* src = row(q, q_ptr, bh, i0 + r);
+          for (int64_t ch = 0; ch < c; ch += 16)
+            _mm512_storeu_ps(query_rows.data() + r * c + ch, genfast_avx512::load16(src + ch));
+        }
+        // Every loop over the 16 rows or keys has that constant count, so that s stays in registers.
+        __m512 s[16];
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r) s[r] = _mm512_setzero_ps();
+        for (int64_t ch = 0; ch < c; ++ch) {  // s[r]: row r's scores over the keys
+          const __m512 key_channel = _mm512_loadu_ps(keys.data() + ch * kLaneKeys);
+#pragma GCC unroll 16
+          for (int r = 0; r < 16; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(query_rows[r * c + ch]), key_channel, s[r]);
+        }
+        transpose16(s);  // s[j]: key j's scores over the 16 rows
+        __m512 m = s[0];
+#pragma GCC unroll 16
+        for (int j = 1; j < 16; ++j) {
+          if (j >= n) s[j] = _mm512_set1_ps(-INFINITY);
+          m = _mm512_max_ps(m, s[j]);
+        }
+        __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {  // padding keys: exp of at most -87, ~1e-38
+          s[j] = genfast_avx512::exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(s[j], m), exp_scale));
+          sum = _mm512_add_ps(sum, s[j]);
+        }
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) s[j] = _mm512_mul_ps(s[j], inv);  // s[j]: key j's probabilities over the rows
+        for (int64_t ch0 = 0; ch0 < c; ch0 += 16) {
+          __m512 o[16];  // o[t]: channel ch0 + t of the 16 rows' outputs (16 independent sums)
+#pragma GCC unroll 16
+          for (int t = 0; t < 16; ++t) o[t] = _mm512_setzero_ps();
+          for (int64_t j = 0; j < n; ++j) {
+            const float* vj = values.data() + j * c + ch0;
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; ++t) o[t] = _mm512_fmadd_ps(s[j], _mm512_set1_ps(vj[t]), o[t]);
+          }
+          transpose16(o);  // o[r]: row r's 16 channels
+          for (int64_t r = 0; r < rows; ++r) {
+            at::BFloat16* dst = out_ptr + (((bh / heads) * nq + i0 + r) * heads + bh % heads) * c + ch0;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(o[r])));
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // q [B, heads, Nq, C], k and v [B, heads, Nk, C]: views with unit channel stride (e.g. straight
 // out of the qkv projection: no copies). Returns [B, Nq, heads, C]: the layout the output
 // projection reads.
@@ -392,6 +511,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 2 == 0 && t->stride(1) % 2 == 0 && t->stride(2) % 2 == 0, op,
                 ": q, k, v need unit channel stride and even strides");
   const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2), n = k.size(2), c = q.size(3);
+  if (n <= kLaneKeys && nq >= kFewKeysMinQueries && !bias.h && !int8_scores && !int8_values)
+    return attend_few_keys(q, k, v, scale);
   const int64_t bh_count = batch * heads;
   const int64_t n_pad = (n + 15) / 16 * 16, pairs = c / 2, quads = c / 4, key_pairs = n_pad / 2;
   const int64_t k_ld = n_pad + kRowPad;  // the row stride of K

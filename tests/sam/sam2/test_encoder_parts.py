@@ -28,6 +28,9 @@ KERNEL_DTYPES = kernel.DTYPES.get(kernel.loaded_isa(), ()) if kernel.unavailable
         (6, 2, 16, 64, 96),
         (3, 1, 49, 196, 16),
         (2, 3, 5, 7, 48),
+        (2, 8, 300, 8, 16),  # at most 16 keys, many queries: 16 rows at a time; two tasks a head, a partial group
+        (1, 2, 256, 16, 32),  # the same with exactly 16 keys, two vectors of channels
+        (1, 1, 260, 1, 16),  # one key: every probability 1
         (1, 1, 130, 4500, 256),  # the memory attention's head dim; keys in chunks (more than 4096)
         (1, 2, 37, 300, 112),  # heads wider than one register tile of the output: channel slices 4 + 3 vectors
         (2, 1, 23, 90, 160),  # slices 4 + 4 + 2; rows not a multiple of any tile's
