@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=3, help="pipeline calls; the first is not counted")
     args = parser.parse_args()
 
+    from diffusers.utils import logging as diffusers_logging
+
     from genfast.diffusion.pipelines import (
         DenoiserWrapper,
         call_kwargs,
@@ -46,6 +48,7 @@ def main() -> None:
     spec = ARCHS[args.arch]
     blocks = args.blocks or spec.bench_blocks
     pipe = random_pipeline(args.arch, blocks=blocks)
+    diffusers_logging.set_verbosity_error()  # its warning on every cast that no module asks for fp32
     pipe.to(dtype=getattr(torch, args.dtype))
     with torch.inference_mode():
         latents = initial_latents(pipe, args.size, args.size, seed=0)
