@@ -241,14 +241,20 @@ using OutputRowsFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t
 constexpr OutputRowsFn kOutputRowsFns[kMaxChannelVectors] = {output_rows<1>, output_rows<2>, output_rows<3>,
                                                              output_rows<4>, output_rows<5>, output_rows<6>};
 
+// c channels as slices of a register tile's width: slice(ch, vectors) for each, its first channel
+// and its count of 16-channel vectors.
+template <typename Slice>
+void for_channel_slices(int64_t c, Slice&& slice) {
+  const int64_t width = c / 16 <= kMaxChannelVectors ? kMaxChannelVectors : kWideSliceVectors;
+  for (int64_t ch = 0; ch < c; ch += 16 * width) slice(ch, std::min<int64_t>(width, (c - ch) / 16));
+}
+
 // O[r, :] += P[r] @ V for `rows` rows of c channels, in slices of channels (a register tile's).
 void accumulate_output(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t key_pairs, int64_t rows,
                        int64_t c, float* o) {
-  const int64_t slice = c / 16 <= kMaxChannelVectors ? kMaxChannelVectors : kWideSliceVectors;
-  for (int64_t ch = 0; ch < c; ch += 16 * slice) {
-    const int64_t vectors = std::min<int64_t>(slice, (c - ch) / 16);
+  for_channel_slices(c, [&](int64_t ch, int64_t vectors) {
     kOutputRowsFns[vectors - 1](p, p_stride, vp + ch, c, key_pairs, rows, o + ch, c);
-  }
+  });
 }
 
 // The int8 form of output_tile, for one block of keys: O[r, :16 CV] += P[r] @ V[:, :16 CV] over
@@ -311,12 +317,10 @@ constexpr OutputRowsInt8Fn kOutputRowsInt8Fns[kMaxChannelVectors] = {
 void accumulate_output_int8(const uint32_t* p, int64_t p_stride, const float* p_terms, int64_t pt_stride,
                             const uint32_t* vq, const float* v_terms, int64_t key_quads, int64_t rows, int64_t c,
                             float* o) {
-  const int64_t slice = c / 16 <= kMaxChannelVectors ? kMaxChannelVectors : kWideSliceVectors;
-  for (int64_t ch = 0; ch < c; ch += 16 * slice) {
-    const int64_t vectors = std::min<int64_t>(slice, (c - ch) / 16);
+  for_channel_slices(c, [&](int64_t ch, int64_t vectors) {
     kOutputRowsInt8Fns[vectors - 1](p, p_stride, p_terms, pt_stride, vq + ch, c, v_terms + ch, 2 * c, c, key_quads,
                                     rows, o + ch, c);
-  }
+  });
 }
 
 // V's keys [j_begin, j_end) of one head (j_begin a multiple of kValueBlock, j_end of 4; keys from
@@ -379,6 +383,11 @@ void add_bias(float* s, const Bias& bias, int64_t row, int64_t j0, int64_t len, 
   }
 }
 
+// Element offset of row `row` of head `bh` (batch entry bh / heads) in a [B, heads, N, C] view.
+inline int64_t row_offset(const at::Tensor& t, int64_t heads, int64_t bh, int64_t row) {
+  return (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + row * t.stride(2);
+}
+
 // rows[i] = row i of a 16 x 16 block of floats; afterwards rows[i] = its column i.
 inline void transpose16(__m512 rows[16]) {
   __m512 t[16], u[16];
@@ -425,22 +434,18 @@ at::Tensor attend_few_keys(const at::Tensor& q, const at::Tensor& k, const at::T
   const auto* q_ptr = q.data_ptr<at::BFloat16>();
   const auto* k_ptr = k.data_ptr<at::BFloat16>();
   const auto* v_ptr = v.data_ptr<at::BFloat16>();
-  auto row = [heads](const at::Tensor& t, const at::BFloat16* base, int64_t bh, int64_t i) {
-    return base + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + i * t.stride(2);
-  };
   const __m512 exp_scale = _mm512_set1_ps(static_cast<float>(scale));
   at::parallel_for(0, bh_count * blocks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> keys, values, query_rows;
-    keys.resize(c * kLaneKeys);  // [c][16]: channel ch of every key (zero past n)
+    keys.assign(c * kLaneKeys, 0.0f);  // [c][16]: channel ch of every key (zero past n: set once)
     values.resize(kLaneKeys * c);  // [16][c]
     query_rows.assign(kLaneKeys * c, 0.0f);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, i_begin = (task % blocks) * kFewKeysTaskRows;
       const int64_t i_end = std::min(nq, i_begin + kFewKeysTaskRows);
-      std::fill(keys.begin(), keys.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
-        const at::BFloat16* kj = row(k, k_ptr, bh, j);
-        const at::BFloat16* vj = row(v, v_ptr, bh, j);
+        const at::BFloat16* kj = k_ptr + row_offset(k, heads, bh, j);
+        const at::BFloat16* vj = v_ptr + row_offset(v, heads, bh, j);
         for (int64_t ch = 0; ch < c; ++ch) keys[ch * kLaneKeys + j] = static_cast<float>(kj[ch]);
         for (int64_t ch = 0; ch < c; ch += 16)
           _mm512_storeu_ps(values.data() + j * c + ch, genfast_avx512::load16(vj + ch));
@@ -448,7 +453,7 @@ at::Tensor attend_few_keys(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t i0 = i_begin; i0 < i_end; i0 += 16) {
         const int64_t rows = std::min<int64_t>(16, i_end - i0);
         for (int64_t r = 0; r < rows; ++r) {  // the rows in fp32 (past `rows`: an earlier group's, or zeros)
-          const at::BFloat16* src = row(q, q_ptr, bh, i0 + r);
+          const at::BFloat16* src = q_ptr + row_offset(q, heads, bh, i0 + r);
           for (int64_t ch = 0; ch < c; ch += 16)
             _mm512_storeu_ps(query_rows.data() + r * c + ch, genfast_avx512::load16(src + ch));
         }
@@ -519,10 +524,6 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   const int64_t k_rows = int8_scores ? quads : pairs;  // K's rows: channel quads of s8 codes, or pairs of bf16
   const int64_t v_rows = int8_values ? n_pad / 4 : key_pairs;  // V's rows: key quads of s8 codes, or pairs of bf16
   const int64_t value_blocks = (n_pad + kValueBlock - 1) / kValueBlock;  // int8 values: V's scale rows
-  // Element offset of row `row` of head `bh` in a [B, heads, N, C] view.
-  auto row_offset = [heads](const at::Tensor& t, int64_t bh, int64_t row) {
-    return (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + row * t.stride(2);
-  };
 
   // Keys per pass (see the header): all of them up to kOnePassKeys, else chunks of kKeyChunk.
   const bool one_pass = n_pad <= kOnePassKeys && n_pad * c <= kOnePassElements;
@@ -566,7 +567,7 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
       alignas(64) uint8_t codes[16][kMaxHeadDim];
       const uint32_t* rows[16];
       for (int64_t jj = 0; jj < len; ++jj) {
-        const int64_t offset = row_offset(k, bh, j + jj);
+        const int64_t offset = row_offset(k, heads, bh, j + jj);
         if (int8_scores) {
           int32_t code_sum;
           dst_head.k_scale[j + jj] = quantize_row(reinterpret_cast<const c10::BFloat16*>(k16 + offset), c, 0,
@@ -588,14 +589,16 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     }
     uint32_t* vpb = dst_head.v;
     if (int8_values) {
-      const auto value_row = [&](int64_t j) { return reinterpret_cast<const c10::BFloat16*>(v16 + row_offset(v, bh, j)); };
+      const auto value_row = [&](int64_t j) {
+        return reinterpret_cast<const c10::BFloat16*>(v16 + row_offset(v, heads, bh, j));
+      };
       quantize_values(value_row, n, c, j_begin, j_end, vpb, dst_head.v_terms);
       return;
     }
     for (int64_t j2 = j_begin / 2; j2 < j_end / 2; ++j2) {
       const int64_t j = 2 * j2;
-      const uint16_t* even = j < n ? v16 + row_offset(v, bh, j) : nullptr;
-      const uint16_t* odd = j + 1 < n ? v16 + row_offset(v, bh, j + 1) : nullptr;
+      const uint16_t* even = j < n ? v16 + row_offset(v, heads, bh, j) : nullptr;
+      const uint16_t* odd = j + 1 < n ? v16 + row_offset(v, heads, bh, j + 1) : nullptr;
       uint32_t* dst = vpb + j2 * c;
       if (even && odd) {
         for (int64_t ch = 0; ch < c; ++ch) dst[ch] = even[ch] | static_cast<uint32_t>(odd[ch]) << 16;
@@ -674,7 +677,7 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, i0 = (task % blocks) * query_block;
       const int64_t rows = std::min(query_block, nq - i0);
-      const auto* qb = reinterpret_cast<const uint32_t*>(q16 + row_offset(q, bh, i0));
+      const auto* qb = reinterpret_cast<const uint32_t*>(q16 + row_offset(q, heads, bh, i0));
       const HeadBuffers head = shared ? shared_head(bh)
                                       : HeadBuffers{own_k.data(), own_v.data(), own_k_scale.data(), own_k_offset.data(),
                                                     own_v_terms.data()};
@@ -684,7 +687,7 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
       if (int8_scores) {
         for (int64_t r = 0; r < rows; ++r) {
           int32_t unused;
-          q_scale[r] = quantize_row(reinterpret_cast<const c10::BFloat16*>(q16 + row_offset(q, bh, i0 + r)), c, 128,
+          q_scale[r] = quantize_row(reinterpret_cast<const c10::BFloat16*>(q16 + row_offset(q, heads, bh, i0 + r)), c, 128,
                                     reinterpret_cast<uint8_t*>(q_codes.data() + r * quads), &unused);
         }
       }
