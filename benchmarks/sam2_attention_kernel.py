@@ -1,0 +1,70 @@
+"""SAM 2's attention shapes on genfast's native attention kernel: each product in bf16 or on int8
+codes, against SDPA, with the output error against fp32 SDPA.
+
+    python benchmarks/sam2_attention_kernel.py
+
+Shapes (batch, heads, queries, keys, head dim): a Hiera-tiny global block, the memory attention
+over seven frames' memories, a stage-3 window, and the mask decoder's image-to-token attention
+(few keys). Random bf16 inputs; the variants alternate in one process, median of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {
+    "Hiera global block": (1, 4, 4096, 4096, 96),
+    "memory attention, 7 frames": (1, 1, 4096, 28736, 256),
+    "Hiera window": (25, 4, 196, 196, 96),
+    "decoder image-to-token": (4, 8, 4096, 8, 16),
+}
+VARIANTS = {"bf16": (False, False), "int8 scores": (True, False), "both int8": (True, True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+
+    from genfast.kernels.rel_pos_attention import ops as kernel
+    from genfast.platform.hardware import describe_isa
+
+    reason = kernel.unavailable_reason()
+    if reason:
+        raise SystemExit(f"no native attention kernel here: {reason}")
+    variants = VARIANTS if kernel.has_int8_products() else {"bf16": (False, False)}
+    machine = f"{describe_isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    print(f"\n{machine}; ms, median of {args.repeats}\n")
+    print("| shape | " + " | ".join(f"{name} ms (error)" for name in variants) + " | SDPA ms |")
+    print("|---" * (len(variants) + 2) + "|")
+    gen = torch.Generator().manual_seed(0)
+    for label, (b, h, nq, nk, c) in SHAPES.items():
+        q = torch.randn(b, h, nq, c, generator=gen).bfloat16()
+        k, v = (torch.randn(b, h, nk, c, generator=gen).bfloat16() for _ in range(2))
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        calls = {
+            name: (lambda flags=flags: kernel.attention(q, k, v, c**-0.5, *flags)) for name, flags in variants.items()
+        }
+        calls["SDPA"] = lambda: F.scaled_dot_product_attention(q, k, v)
+        errors = {name: ((call().float() - expected).norm() / expected.norm()).item() for name, call in calls.items()}
+        seconds: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(args.repeats):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                seconds[name].append(time.perf_counter() - start)
+        cells = [f"{statistics.median(seconds[name]) * 1e3:.2f} ({errors[name]:.2%})" for name in variants]
+        print(
+            f"| {label} {list((b, h, nq, nk, c))} | "
+            + " | ".join(cells)
+            + f" | {statistics.median(seconds['SDPA']) * 1e3:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
