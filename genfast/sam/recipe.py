@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 
     from genfast.sam.modeling import Sam
 
-INT8_MIN_FEATURES = 256  # smaller linears gain nothing from int8 and cost accuracy
+# Narrower linears stay in floating point: they gain nothing from int8 and cost accuracy. Hiera's
+# 1/8-scale stage (192 wide) gains; its 1/4-scale stage (96 wide) does not (sam2.1-hiera-small,
+# Zen 4: docs/notes.md).
+INT8_MIN_FEATURES = 192
 # What `genfast segment` runs unless told otherwise: the exact steps (with --dtype float32, its
 # default, the bf16 step is left out); compiling costs minutes on a CPU's first run.
 DEFAULT_STEP = "fused-attention"

@@ -218,7 +218,7 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
       for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_si512(block + t * block_bytes + c * 64);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = broadcast4(xq + (m0 + r) * k + b * kBlock + 4 * c);
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wv[t], xv);
+        for (int t = 0; t < NT; ++t) acc[r][t] = genfast_avx512::dpbusd(acc[r][t], wv[t], xv);
       }
     }
   }

@@ -94,6 +94,7 @@ constexpr int64_t kRowPad = 16;      // K's and the scores' rows are this much l
 // kRelayoutKeys). 256 rather than 128: the per-block reductions of P's codes cost ~10% of a
 // global block's time at 128.
 constexpr int64_t kValueBlock = 256;
+static_assert(kKeyChunk <= kOnePassKeys && kOnePassKeys % kValueBlock == 0);  // a pass's blocks: see block_top
 
 // exp(x) for x <= 0 to the precision the probabilities keep (bf16): 2^n * p(r) with
 // x = n ln2 + r, |r| <= ln2 / 2, p the degree-4 Taylor polynomial (relative error < 5e-5; bf16
@@ -578,7 +579,17 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
           rows[jj] = reinterpret_cast<const uint32_t*>(k16 + offset);
         }
       }
-      for (int64_t row = 0; row < k_rows; ++row) {
+      // 16 rows at a time, as 16 x 16 transposes in registers (stored element by element, they
+      // were most of a small window's re-layout time); a short last group of keys gets zeros.
+      int64_t row = 0;
+      for (; row + 16 <= k_rows; row += 16) {
+        __m512 block[16];
+        for (int64_t jj = 0; jj < 16; ++jj)
+          block[jj] = jj < len ? _mm512_castsi512_ps(_mm512_loadu_si512(rows[jj] + row)) : _mm512_setzero_ps();
+        transpose16(block);
+        for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(kpb + (row + i) * k_ld + j), block[i]);
+      }
+      for (; row < k_rows; ++row) {
         uint32_t* dst = kpb + row * k_ld + j;
         for (int64_t jj = 0; jj < len; ++jj) dst[jj] = rows[jj][row];
       }
@@ -715,8 +726,17 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
           float* row = s + r * s_ld;
           add_bias(row, bias, bh * nq + i0 + r, j0, real, scale_f);
           for (int64_t j = real; j < len; ++j) row[j] = -INFINITY;
+          // The row's largest score, and (int8 values) each block's: its largest probability,
+          // P's scale, then follows before the probabilities, which take one pass to codes.
+          float block_top[kOnePassKeys / kValueBlock];
           __m512 vmax = _mm512_set1_ps(-INFINITY);
-          for (int64_t j = 0; j < len; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
+          for (int64_t b0 = 0; b0 < len; b0 += kValueBlock) {
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int64_t j = b0, b1 = std::min(kValueBlock, len - b0) + b0; j < b1; j += 16)
+              top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
+            if (int8_values) block_top[b0 / kValueBlock] = _mm512_reduce_max_ps(top);
+            vmax = _mm512_max_ps(vmax, top);
+          }
           const float pass_max = std::max(row_max[r], _mm512_reduce_max_ps(vmax));
           if (pass_max > row_max[r] && row_max[r] != -INFINITY) {
             const float rescale = std::exp(exp_scale_f * (row_max[r] - pass_max));
@@ -741,22 +761,22 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
             float* terms = p_terms.data() + r * pt_stride;
             for (int64_t b0 = 0; b0 < len; b0 += kValueBlock) {
               const int64_t b1 = std::min(kValueBlock, len - b0) + b0;
-              __m512 block_max = _mm512_setzero_ps(), block_sum = _mm512_setzero_ps();
-              for (int64_t j = b0; j < b1; j += 16) {  // the probabilities, over the scores
-                const __m512 e = probabilities(j);
-                block_sum = _mm512_add_ps(block_sum, e);
-                block_max = _mm512_max_ps(block_max, e);
-                _mm512_storeu_ps(row + j, e);
-              }
-              vsum = _mm512_add_ps(vsum, block_sum);
-              const float largest = _mm512_reduce_max_ps(block_max);
+              // Its largest probability as `probabilities` computes it (0 for a block of padding).
+              const float top = block_top[b0 / kValueBlock];
+              const float largest = top == -INFINITY ? 0.0f
+                                    : _mm512_cvtss_f32(exp_to_bf16(_mm512_mul_ps(
+                                          _mm512_sub_ps(_mm512_set1_ps(top), m), exp_scale)));
               const __m512 inv = _mm512_set1_ps(largest > 0.0f ? 255.0f / largest : 0.0f);
+              __m512 block_sum = _mm512_setzero_ps();
               __m512i code_sum = _mm512_setzero_si512();
               for (int64_t j = b0; j < b1; j += 16) {
-                const __m512i code = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), inv));  // 0..255
+                const __m512 e = probabilities(j);
+                block_sum = _mm512_add_ps(block_sum, e);
+                const __m512i code = _mm512_cvtps_epi32(_mm512_mul_ps(e, inv));  // 0..255 (saturated below)
                 code_sum = _mm512_add_epi32(code_sum, code);
                 _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtusepi32_epi8(code));
               }
+              vsum = _mm512_add_ps(vsum, block_sum);
               const float step = largest / 255.0f;
               terms[2 * (b0 / kValueBlock)] = step;
               terms[2 * (b0 / kValueBlock) + 1] =

@@ -98,7 +98,7 @@ def test_step_stays_within_its_budget(step: str, config: str, baselines) -> None
 
 
 def test_dynamic_int8_quantizes_the_wide_stage() -> None:
-    """The int8 filter (min(in, out) >= 256) takes the tiny-wide model's last stage (one block,
+    """The int8 filter (min(in, out) >= 192) takes the tiny-wide model's last stage (one block,
     256 wide) but its qkv, which reads the 128-wide stream before the block pools it."""
     model = apply_recipe(build_random_sam2(CONFIGS["tiny-wide"]), settings_for("dynamic-int8"))
     names = [name for name, m in model.image_encoder.named_modules() if isinstance(m, QuantLinear)]
