@@ -726,8 +726,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
           float* row = s + r * s_ld;
           add_bias(row, bias, bh * nq + i0 + r, j0, real, scale_f);
           for (int64_t j = real; j < len; ++j) row[j] = -INFINITY;
-          // The row's largest score, and (int8 values) each block's: its largest probability,
-          // P's scale, then follows before the probabilities, which take one pass to codes.
+          // The row's largest score, and with int8 values each block's: P's scale in a block (its
+          // largest probability) then follows from it, and the probabilities go to codes in one pass.
           float block_top[kOnePassKeys / kValueBlock];
           __m512 vmax = _mm512_set1_ps(-INFINITY);
           for (int64_t b0 = 0; b0 < len; b0 += kValueBlock) {
@@ -748,8 +748,11 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
           const __m512 m = _mm512_set1_ps(pass_max);
           __m512 vsum = _mm512_setzero_ps();
           at::BFloat16* prow = probs.data() + r * s_ld;
+          const auto probability = [&](__m512 score) {  // unnormalized: exp(scale (s - max))
+            return exp_to_bf16(_mm512_mul_ps(_mm512_sub_ps(score, m), exp_scale));
+          };
           const auto probabilities = [&](int64_t j) {  // keys j .. j + 16 of the pass
-            const __m512 e = exp_to_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), m), exp_scale));
+            const __m512 e = probability(_mm512_loadu_ps(row + j));
             if (j + 16 <= real) return e;
             return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << std::max<int64_t>(real - j, 0)) - 1), e);
           };
@@ -761,11 +764,9 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
             float* terms = p_terms.data() + r * pt_stride;
             for (int64_t b0 = 0; b0 < len; b0 += kValueBlock) {
               const int64_t b1 = std::min(kValueBlock, len - b0) + b0;
-              // Its largest probability as `probabilities` computes it (0 for a block of padding).
+              // Its largest probability, computed as its keys' are (0 for a block of padding).
               const float top = block_top[b0 / kValueBlock];
-              const float largest = top == -INFINITY ? 0.0f
-                                    : _mm512_cvtss_f32(exp_to_bf16(_mm512_mul_ps(
-                                          _mm512_sub_ps(_mm512_set1_ps(top), m), exp_scale)));
+              const float largest = top == -INFINITY ? 0.0f : _mm512_cvtss_f32(probability(_mm512_set1_ps(top)));
               const __m512 inv = _mm512_set1_ps(largest > 0.0f ? 255.0f / largest : 0.0f);
               __m512 block_sum = _mm512_setzero_ps();
               __m512i code_sum = _mm512_setzero_si512();
