@@ -10,8 +10,8 @@ are compared, before the filters).
 
 --breakdown first times the parts of one batch of points (prompt encoding, the two-way
 transformer, output upscaling, hypernetworks and mask product, upscaling masks to the image,
-stability/boxes/runs) for the eager fp32 and bf16 decoders, and counts the decoder's FLOPs per
-point. Weights are random (`build_random_sam2`): speed does not depend on their values.
+stability/boxes/runs, and the same from the low-res logits by the upsampled-mask kernel) for the
+eager fp32 and bf16 decoders, and counts the decoder's FLOPs per point. Weights are random (`build_random_sam2`): speed does not depend on their values.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from genfast.bench.machine import describe_machine, machine_info
+from genfast.kernels.upsampled_masks import ops as upsampled_masks
 from genfast.recipe import Target
 from genfast.sam.bench import bench_images
 from genfast.sam.masks import column_runs, masks_to_boxes, stability_score
@@ -73,8 +74,7 @@ def candidate_masks(generator: object, image: np.ndarray) -> torch.Tensor:
     size = image.shape[:2]
     points = generator.point_grids[0][: generator.points_per_batch] * torch.tensor(size[::-1], dtype=torch.float64)
     prompts = predictor.input_frame(points, size)[:, None]
-    labels = torch.ones(len(prompts), 1, dtype=torch.int32)
-    low_res, _ = generator._decode(prompts, labels)
+    low_res, _ = generator._decode(prompts)
     return predictor.upscale_masks(low_res.flatten(0, 1)[:, None], return_logits=True)[:, 0] > 0
 
 
@@ -123,8 +123,8 @@ def breakdown(model_name: str, dtype: torch.dtype, image: np.ndarray, batch: int
         return hyper_in @ upscaled.flatten(2)
 
     parts["hypernetworks + mask product"] = median_seconds(hypernetworks, repeats)
-    parts["whole decoder call"] = median_seconds(lambda: generator._decode(prompts, labels), repeats)
-    low_res = generator._decode(prompts, labels)[0].flatten(0, 1)[:, None]
+    parts["whole decoder call"] = median_seconds(lambda: generator._decode(prompts), repeats)
+    low_res = generator._decode(prompts)[0].flatten(0, 1)[:, None]
     count = len(low_res)
     upscale_all = f"upscaling all {count} masks to the image (the IoU filter's survivors only)"
     parts[upscale_all] = median_seconds(lambda: predictor.upscale_masks(low_res, return_logits=True), repeats)
@@ -135,9 +135,16 @@ def breakdown(model_name: str, dtype: torch.dtype, image: np.ndarray, batch: int
         return stability_score(logits, 0.0, 1.0), masks_to_boxes(masks), column_runs(masks)
 
     parts[f"stability, boxes, runs of all {count} masks"] = median_seconds(post, repeats)
+    if upsampled_masks.takes(low_res):
+        everything = torch.arange(count)
+
+        def fused() -> object:
+            return predictor.summarize_masks(low_res[:, 0], 0.0, 1.0).column_runs(everything)
+
+        parts["  the last two from the low-res logits (upsampled-mask kernel)"] = median_seconds(fused, repeats)
     counter = FlopCounterMode(display=False)
     with counter:
-        generator._decode(prompts, labels)
+        generator._decode(prompts)
     print(f"\n{dtype}: one batch of {batch} points, eager ({torch.get_num_threads()} threads)")
     print("| part | seconds (median) |\n|---|---|")
     for name, seconds in parts.items():

@@ -33,7 +33,6 @@ from genfast.sam.masks import (
     box_xyxy_to_xywh,
     build_all_layer_point_grids,
     coco_encode_rle,
-    column_runs,
     generate_crop_boxes,
     is_box_near_crop_edge,
     mask_to_rle,
@@ -42,7 +41,6 @@ from genfast.sam.masks import (
     remove_small_regions,
     rle_to_mask,
     runs_to_rles,
-    stability_score,
     uncrop_boxes_xyxy,
     uncrop_points,
 )
@@ -132,9 +130,9 @@ class GridMaskGenerator:
     A predictor here has set_image(image), reset_image(), device, input_frame(points [N, 2] crop
     pixels as float64, crop size) -> float32 points in the model's input frame, and
     predict_low_res_torch(coords [B, 1, 2], labels [B, 1], multimask_output=...) -> (unclamped
-    low-res logits [B, M, h, w], IoUs [B, M]), upscale_masks(low_res [B, M, h, w],
-    return_logits=True) -> logits at the crop's size, and decoder_bytes_per_prompt() (what the
-    decoding's pieces are sized by).
+    low-res logits [B, M, h, w], IoUs [B, M]), summarize_masks(low_res [M, h, w], threshold,
+    offset) -> the masks at the crop's size as genfast.sam.masks.FullSizeMasks (stability, boxes,
+    column_runs(rows)), and decoder_bytes_per_prompt() (what the decoding's pieces are sized by).
     """
 
     point_dtype = torch.float64  # of the prompt points in the records (the official packages differ)
@@ -338,23 +336,18 @@ class GridMaskGenerator:
         if self.pred_iou_thresh > 0:
             rows = (iou_preds > self.pred_iou_thresh).nonzero().squeeze(1)
             low_res, iou_preds = low_res[rows], iou_preds[rows]
-        # Upscaled after the IoU filter: each mask is upscaled on its own, so dropped masks need none.
-        logits = self.predictor.upscale_masks(low_res[:, None], return_logits=True)[:, 0]
-        threshold = self.mask_threshold
-        stability = stability_score(logits, threshold, self.stability_score_offset)
-        masks = logits > threshold
-        del logits
-        boxes = masks_to_boxes(masks)
-        keep = ~is_box_near_crop_edge(boxes, crop_edges[0], crop_edges[1])
+        # At the image's size after the IoU filter: each mask on its own, so dropped masks cost nothing.
+        masks = self.predictor.summarize_masks(low_res, self.mask_threshold, self.stability_score_offset)
+        keep = ~is_box_near_crop_edge(masks.boxes, crop_edges[0], crop_edges[1])
         if self.stability_score_thresh > 0:
-            keep &= stability >= self.stability_score_thresh
+            keep &= masks.stability >= self.stability_score_thresh
         kept = keep.nonzero().squeeze(1)
         return _Batch(
             first_point + rows[kept] // per_point,
             iou_preds[kept],
-            stability[kept],
-            boxes[kept],
-            column_runs(masks[kept]),
+            masks.stability[kept],
+            masks.boxes[kept],
+            masks.column_runs(kept),
         )
 
     @staticmethod

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from genfast.errors import UserError
+from genfast.kernels.upsampled_masks import ops as upsampled_masks
 
 RLE = dict[str, Any]
 
@@ -135,6 +136,34 @@ def stability_score(logits: Tensor, mask_threshold: float, offset: float) -> Ten
     return count(mask_threshold + offset) / count(mask_threshold - offset)
 
 
+class FullSizeMasks:
+    """The automatic generator's view of a batch of candidate masks given as logits [M, H, W] at
+    the image's size: stability scores [M], XYXY boxes [M, 4] and, on request, column runs."""
+
+    def __init__(self, logits: Tensor, threshold: float, offset: float) -> None:
+        self.stability = stability_score(logits, threshold, offset)
+        self._masks = logits > threshold
+        self.boxes = masks_to_boxes(self._masks)
+
+    def column_runs(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """column_runs of the masks `rows` ([K] indices), numbered 0..K-1."""
+        return column_runs(self._masks[rows])
+
+
+class UpsampledMasks:
+    """FullSizeMasks of low-res logits [M, h, w] upsampled bilinearly to `size` (H, W), without
+    the full-size logits: the native kernel upsamples on the fly (genfast/kernels/upsampled_masks).
+    fp32 CPU logits only (`upsampled_masks.takes`)."""
+
+    def __init__(self, low_res: Tensor, size: tuple[int, int], threshold: float, offset: float) -> None:
+        counts, self.boxes = upsampled_masks.stats(low_res, size, threshold, offset)
+        self.stability = counts[:, 0] / counts[:, 1]  # NaN for 0 / 0, as stability_score
+        self._low_res, self._size, self._threshold = low_res, size, threshold
+
+    def column_runs(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return upsampled_masks.runs(self._low_res[rows], self._size, self._threshold)
+
+
 # ---- point grids and crops ---------------------------------------------------------------------
 
 
@@ -227,7 +256,8 @@ def runs_to_rles(
     mask_index: Tensor, starts: Tensor, ends: Tensor, wanted: Sequence[int], size: tuple[int, int]
 ) -> list[RLE]:
     """Uncompressed RLEs of the masks `wanted`, from their foreground runs given as column-major
-    flat positions [start, end) in an image of `size` (H, W), sorted by mask and position.
+    flat positions [start, end) in an image of `size` (H, W), sorted by mask and position. Only
+    the wanted masks' runs are read (the automatic generator keeps a few of thousands).
 
     Runs that continue from the bottom of one column into the top of the next are joined, so
     every count after the first (which may be 0: the mask starts with foreground) is positive.
@@ -235,17 +265,17 @@ def runs_to_rles(
     h, w = size
     total = h * w
     index, starts, ends = (t.cpu().numpy().astype(np.int64, copy=False) for t in (mask_index, starts, ends))
-    if len(starts):
-        join = (ends[:-1] == starts[1:]) & (index[:-1] == index[1:])
-        index, starts = index[np.r_[True, ~join]], starts[np.r_[True, ~join]]
-        ends = ends[np.r_[~join, True]]
-    edges = np.stack([starts, ends], axis=1).reshape(-1)
     wanted_np = np.asarray(wanted, dtype=np.int64).reshape(-1)
     first = np.searchsorted(index, wanted_np, side="left")
     last = np.searchsorted(index, wanted_np, side="right")
     rles = []
     for a, b in zip(first.tolist(), last.tolist()):
-        counts = np.diff(edges[2 * a : 2 * b], prepend=0, append=total)
+        edges = np.empty(0, dtype=np.int64)
+        if b > a:
+            mask_starts, mask_ends = starts[a:b], ends[a:b]
+            join = mask_ends[:-1] == mask_starts[1:]
+            edges = np.stack([mask_starts[np.r_[True, ~join]], mask_ends[np.r_[~join, True]]], axis=1).reshape(-1)
+        counts = np.diff(edges, prepend=0, append=total)
         if len(counts) > 1 and counts[-1] == 0:  # foreground up to the last pixel
             counts = counts[:-1]
         rles.append({"size": [h, w], "counts": counts.tolist()})

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from genfast.errors import UserError
+from genfast.sam.masks import FullSizeMasks
 from genfast.sam.modeling import Sam
 from genfast.sam.modeling.mask_decoder import bytes_per_prompt
 from genfast.sam.transforms import ResizeLongestSide
@@ -286,6 +287,13 @@ class SamPredictor:
         """Low-res logits [B, C, 256, 256] -> masks [B, C, H, W] at the original image size (bool,
         or logits with return_logits). Each mask is upscaled on its own."""
         return self._postprocess(low_res, self._image_index(image_index), return_logits)
+
+    def summarize_masks(self, low_res: Tensor, threshold: float, offset: float) -> FullSizeMasks:
+        """Low-res logits [M, 256, 256] of the one set image as the automatic generator measures
+        them at its size (stability at threshold +- offset, boxes, column runs). SAM's upscaling
+        goes through the padded 1024 square, so it is done in full here."""
+        logits = self.upscale_masks(low_res[:, None], return_logits=True)[:, 0]
+        return FullSizeMasks(logits, threshold, offset)
 
     def input_frame(self, points: Tensor, image_size: tuple[int, int]) -> Tensor:
         """(x, y) pixel points [N, 2] of an image of image_size (H, W) -> float32 points in the

@@ -39,6 +39,7 @@ AVX2 = {
         "group_norm",
         "decode_attention",
         "mxfp4_linear",
+        "upsampled_masks",
     )
 }
 NONE = dict.fromkeys(AVX2)
@@ -51,8 +52,9 @@ NONE = dict.fromkeys(AVX2)
         (ZEN4, None, {**dict.fromkeys(AVX2, "avx512"), "linear_widening_gemm": "avx2"}),
         (ZEN4, "avx2", AVX2),
         (ZEN4, "none", NONE),
-        # AVX-512 without VNNI or BF16: the AVX2 kernels but the plain AVX-512 GroupNorm and attention.
-        (SKYLAKE_X, None, {**AVX2, "group_norm": "avx512", "decode_attention": "avx512"}),
+        # AVX-512 without VNNI or BF16: the AVX2 kernels but the plain AVX-512 ones (GroupNorm,
+        # decode attention, upsampled masks).
+        (SKYLAKE_X, None, {**AVX2, **dict.fromkeys(("group_norm", "decode_attention", "upsampled_masks"), "avx512")}),
         (ZEN3, None, AVX2),
         (OLD_X86, None, NONE),
     ],
@@ -224,6 +226,7 @@ VARIANT_TESTS = [
     "tests/sam/test_attention.py",
     "tests/diffusion/test_group_norm.py",
     "tests/llm/model/test_decode_attention.py",
+    "tests/kernels/test_upsampled_masks.py",
 ]
 
 

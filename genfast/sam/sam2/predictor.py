@@ -22,9 +22,11 @@ from PIL import Image
 from torch import Tensor
 
 from genfast.errors import UserError
-from genfast.sam.masks import connected_components
+from genfast.kernels.upsampled_masks import ops as upsampled_masks
+from genfast.sam.masks import FullSizeMasks, UpsampledMasks, connected_components
 from genfast.sam.modeling.mask_decoder import bytes_per_prompt
 from genfast.sam.predictor import check_image
+from genfast.sam.sam2.modeling.decoder import upsample_logits
 from genfast.sam.sam2.modeling.model import PIXEL_MEAN, PIXEL_STD, Sam2
 
 LOW_RES_LOGIT_BOUND = 32.0  # the official predictor clamps returned low-res logits so
@@ -271,6 +273,17 @@ class SAM2ImagePredictor:
         masks = self.postprocess_masks(low_res, self._orig_hw[img_idx])
         return masks if return_logits else masks > self.mask_threshold
 
+    def summarize_masks(
+        self, low_res: Tensor, threshold: float, offset: float, img_idx: int = 0
+    ) -> FullSizeMasks | UpsampledMasks:
+        """Low-res logits [M, h, w] as the automatic generator measures them at image img_idx's
+        size (stability at threshold +- offset, boxes, column runs): postprocess_masks' masks,
+        which the native kernel measures without making them where it takes the logits."""
+        low_res, size = self._fill_small_regions(low_res), self._orig_hw[img_idx]
+        if upsampled_masks.takes(low_res):
+            return UpsampledMasks(low_res, size, threshold, offset)
+        return FullSizeMasks(upsample_logits(low_res[:, None], size)[:, 0], threshold, offset)
+
     def input_frame(self, points: Tensor, image_size: tuple[int, int]) -> Tensor:
         """(x, y) pixel points [N, 2] of an image of image_size (H, W) -> float32 points in the
         model's input frame, on the model's device (for the automatic mask generator)."""
@@ -285,11 +298,13 @@ class SAM2ImagePredictor:
     def postprocess_masks(self, low_res: Tensor, orig_hw: tuple[int, int]) -> Tensor:
         """Low-res logits [B, C, h, w] -> logits at the original size, after removing holes and
         specks smaller than max_hole_area / max_sprinkle_area low-res pixels."""
-        if self.max_hole_area > 0 or self.max_sprinkle_area > 0:
-            low_res = self._fill_small_regions(low_res)
-        return F.interpolate(low_res, size=orig_hw, mode="bilinear", align_corners=False)
+        return upsample_logits(self._fill_small_regions(low_res), orig_hw)
 
     def _fill_small_regions(self, logits: Tensor) -> Tensor:
+        """logits [..., h, w] with holes and specks up to max_hole_area / max_sprinkle_area pixels
+        filled (unchanged where both are 0)."""
+        if self.max_hole_area <= 0 and self.max_sprinkle_area <= 0:
+            return logits
         flat = logits.reshape(-1, *logits.shape[-2:])
         out = []
         for mask in flat:

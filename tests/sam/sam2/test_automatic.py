@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from genfast.errors import UserError
+from genfast.kernels.upsampled_masks import ops as upsampled_masks
+from genfast.sam.masks import FullSizeMasks, UpsampledMasks
 from genfast.sam.sam2.automatic import SAM2AutomaticMaskGenerator
 from genfast.sam.sam2.config import tiny_sam2_config
 from genfast.sam.sam2.official import import_sam2
+from genfast.sam.sam2.predictor import SAM2ImagePredictor
 from tests.sam.oracle import reference_batched_nms
 from tests.sam.sam2.oracle import twin_models
 from tests.sam.test_automatic import _assert_same_records, _image
@@ -73,7 +76,18 @@ def test_matches_official(models, options: dict) -> None:
     assert min(ious) > 0.5
 
 
-def test_unfiltered_masks_match_official(models) -> None:
+@pytest.mark.parametrize("path", ["native", "portable"])
+def test_unfiltered_masks_match_official(models, monkeypatch, path: str) -> None:
+    """Every candidate mask reaches NMS: measured at the image's size by the upsampled-mask kernel
+    (where it is loaded), or upsampled in full by F.interpolate."""
+    if path == "native" and upsampled_masks.unavailable_reason() is not None:
+        pytest.skip(upsampled_masks.unavailable_reason())
+    if path == "portable":
+        monkeypatch.setattr(upsampled_masks, "takes", lambda logits: False)
+    predictor = SAM2ImagePredictor(models[0])
+    predictor.set_image(_image(seed=2))
+    kind = UpsampledMasks if path == "native" else FullSizeMasks
+    assert isinstance(predictor.summarize_masks(torch.zeros(3, 16, 16), 0.0, 1.0), kind)
     ours, expected = _generate_both(
         models, _image(seed=2), points_per_side=6, pred_iou_thresh=0.0, stability_score_thresh=0.0, box_nms_thresh=0.98
     )
