@@ -11,7 +11,8 @@ are compared, before the filters).
 --breakdown first times the parts of one batch of points (prompt encoding, the two-way
 transformer, output upscaling, hypernetworks and mask product, upscaling masks to the image,
 stability/boxes/runs, and the same from the low-res logits by the upsampled-mask kernel) for the
-eager fp32 and bf16 decoders, and counts the decoder's FLOPs per point. Weights are random (`build_random_sam2`): speed does not depend on their values.
+eager fp32 and bf16 decoders, and counts the decoder's FLOPs per point. Weights are random
+(`build_random_sam2`): speed does not depend on their values.
 """
 
 from __future__ import annotations

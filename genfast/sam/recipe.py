@@ -168,7 +168,8 @@ RECIPE = Recipe(
         Step(
             "fused-attention",
             "relative-position bias inside the attention: a native kernel on CPU, folded into SDPA's product on CUDA; "
-            "on CPU the mask decoder's attention (and SAM 2's) takes the same kernel without a bias",
+            "on CPU the mask decoder's attention (and SAM 2's) takes the same kernel without a bias; the mask "
+            "decoder's cross-attentions absorb their projections into the few prompt tokens' side",
             "as bf16",
             {"attention": "fused"},
             fallback=_fused_attention_note,

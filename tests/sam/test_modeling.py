@@ -272,3 +272,41 @@ def test_vit_b_at_real_size_matches_original():
     low_res, iou = ours.mask_decoder(embedding, ours.prompt_encoder.get_dense_pe(), sparse, dense, True)
     _close(low_res, ref_low_res, rel=1e-4)
     _close(iou, ref_iou, rel=1e-4)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "q_batch,k_batch,queries,keys,absorbed",
+    [
+        (3, 3, 4, 50, "few_queries"),  # tokens -> image, one image per prompt
+        (1, 1, 4, 50, "few_queries"),  # a single prompt
+        (3, 1, 6, 50, None),  # a batch over one image: its projections once, not absorbed
+        (3, 3, 50, 4, "few_keys"),  # image -> tokens, query projection absorbed too
+        (1, 3, 50, 4, "few_keys"),  # one image's queries for three prompts: projected once
+        (2, 2, 40, 30, None),  # many tokens on both sides
+    ],
+)
+def test_absorbed_projections_match_plain_attention(monkeypatch, q_batch, k_batch, queries, keys, absorbed):
+    """The decoder's attention with its projections absorbed into the few tokens' side equals the
+    plain one (float64, so up to rounding only), and is taken exactly where it saves FLOPs."""
+    from genfast.sam.modeling import transformer
+
+    torch.manual_seed(0)
+    module = transformer.Attention(dim=64, num_heads=2, downsample_rate=2).double()  # 2 heads x 16
+    for p in module.parameters():
+        p.normal_(0, 0.3)
+    q = torch.randn(q_batch, queries, 64, dtype=torch.float64)
+    k = torch.randn(k_batch, keys, 64, dtype=torch.float64)
+    v = torch.randn(k_batch, keys, 64, dtype=torch.float64)
+    module.attention_impl = "math"
+    plain = module(q, k, v)
+    taken = []
+    for name in ("_few_queries", "_few_keys"):
+        method = getattr(transformer.Attention, name)
+        recorded = lambda self, *a, m=method, n=name: taken.append(n) or m(self, *a)  # noqa: E731
+        monkeypatch.setattr(transformer.Attention, name, recorded)
+    module.attention_impl = "fused"
+    fused = module(q, k, v)
+    assert taken == ([f"_{absorbed}"] if absorbed else [])
+    assert fused.shape == plain.shape == (max(q_batch, k_batch), queries, 64)
+    torch.testing.assert_close(fused, plain, rtol=1e-10, atol=1e-10)

@@ -11,7 +11,9 @@
   same native kernel without a bias where it beats SDPA (`attention_or_sdpa`): PyTorch's CPU
   flash attention was 2-3x slower on Hiera's global blocks (bf16, 4096 keys, head dim 96), and
   slower on the decoder's cross-attentions of a batch of point prompts too (4096 image tokens, 8
-  prompt tokens, head dim 16; docs/notes.md);
+  prompt tokens, head dim 16; docs/notes.md). There the decoder's attention first absorbs its
+  projections into the few prompt tokens' side where that takes fewer FLOPs (transformer.py's
+  `Attention`): the image tokens then need no projection of their own;
 - "folded": for the encoder, one SDPA call with the bias folded into the scores' own product as
   extra dimensions (`folded_rel_pos_attention`): nothing of size N x N is materialized, and no
   score reads the bias tables on its own;
