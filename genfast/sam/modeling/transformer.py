@@ -77,7 +77,7 @@ class Attention(nn.Module):
         queries = self._heads(self.q_proj(q)) * (self.q_proj.out_features // self.num_heads) ** -0.5
         # [B, H * n, model dim]: each query head's key projection, applied to the image tokens as they are.
         absorbed = torch.einsum("bhnc,hcd->bhnd", queries, self._per_head(self.k_proj)).flatten(1, 2)
-        weights = _softmax(absorbed @ k.transpose(1, 2))
+        weights = (absorbed @ k.transpose(1, 2)).softmax(dim=-1)
         pooled = (weights @ v).view(b, self.num_heads, n, -1)  # the weighted mean image token per query head
         out = torch.einsum("bhnd,hcd->bhnc", pooled, self._per_head(self.v_proj))
         out = out + self.v_proj.bias.view(self.num_heads, 1, -1)
@@ -92,16 +92,10 @@ class Attention(nn.Module):
             scores = q @ absorbed.transpose(1, 2) + bias[:, None]  # [B, queries, H * n]
         else:  # one image's queries for a batch of prompts: projected once
             scores = (self._heads(self.q_proj(q)) @ keys.transpose(2, 3)).transpose(1, 2).flatten(2)
-        weights = _softmax(scores.unflatten(2, (self.num_heads, n))).flatten(2)
+        weights = scores.unflatten(2, (self.num_heads, n)).softmax(dim=-1).flatten(2)
         # [B, H * n, model dim]: each key's value through its head's slice of the output projection.
         values = torch.einsum("bhnc,hcd->bhnd", self._heads(self.v_proj(v)), self._per_head(self.out_proj))
         return weights @ values.flatten(1, 2) + self.out_proj.bias
-
-
-def _softmax(scores: Tensor) -> Tensor:
-    """Softmax over the last dimension, computed in fp32 at least (bf16 scores lose the small
-    weights' mass), returned in the scores' dtype."""
-    return scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(scores.dtype)
 
 
 class TwoWayAttentionBlock(nn.Module):
