@@ -31,7 +31,7 @@ class Attention(nn.Module):
       projection of each token's value, W_o,h v_h(t), is mixed by the weights directly.
     Each image-side product then has H x (few tokens) columns instead of the inner width, and the
     same result up to rounding. "fused" and "auto" absorb a projection where that takes fewer
-    FLOPs (`_absorb_*`); a projection shared by a batch of prompts (one image, computed once) stays.
+    FLOPs (`forward`); a projection shared by a batch of prompts (one image, computed once) stays.
     """
 
     def __init__(self, dim: int, num_heads: int, downsample_rate: int = 1) -> None:
@@ -58,7 +58,7 @@ class Attention(nn.Module):
         if self.attention_impl in ("auto", "fused"):
             if self._absorb_keys(q, k):
                 return self._few_queries(q, k, v)
-            if self.num_heads * k.shape[1] < self.q_proj.out_features:
+            if self.num_heads * k.shape[1] < self.q_proj.out_features:  # H x keys values < inner width
                 return self._few_keys(q, k, v)
         out = attention(
             self._heads(self.q_proj(q)), self._heads(self.k_proj(k)), self._heads(self.v_proj(v)), self.attention_impl

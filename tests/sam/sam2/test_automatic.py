@@ -100,3 +100,18 @@ def test_rejects_a_sam1_model() -> None:
 
     with pytest.raises(UserError, match="SAM 2 model"):
         SAM2AutomaticMaskGenerator(build_sam(TINY))
+
+
+def test_small_regions_are_filled_before_either_path_measures(models, monkeypatch) -> None:
+    """With min_mask_region_area the predictor fills the low-res masks' holes and specks before
+    the masks are measured: the kernel's records equal F.interpolate's."""
+    if upsampled_masks.unavailable_reason() is not None:
+        pytest.skip(upsampled_masks.unavailable_reason())
+    options = dict(
+        points_per_side=6, pred_iou_thresh=0.0, stability_score_thresh=0.0, box_nms_thresh=0.98, min_mask_region_area=30
+    )
+    image = _image(seed=2)
+    native = SAM2AutomaticMaskGenerator(models[0], **options).generate(image)
+    monkeypatch.setattr(upsampled_masks, "takes", lambda logits: False)
+    portable = SAM2AutomaticMaskGenerator(models[0], **options).generate(image)
+    _assert_same_records(native, portable, at_least=3)
