@@ -56,32 +56,35 @@ struct Axis {
   }
 };
 
-// Everything one mask's pass wants from the lane masks of a block of columns.
+// One mask's pixel counts and box, gathered from its lane masks.
 struct Summary {
   int64_t above_high = 0, above_low = 0;  // pixels above threshold + offset, above threshold - offset
   int64_t x_min, y_min, x_max = -1, y_max = -1;  // box of the pixels above threshold
   Summary(int64_t width, int64_t height) : x_min(width), y_min(height) {}
 };
 
-// One mask: calls visit(x0, valid lanes, y, high, mid, low lane masks) for every output row of every
-// block of columns, in order, after `tile` (rows x kLanes floats) holds the block's x-interpolation.
-template <class V, class Visit>
-void for_each_row(const float* logits, int64_t rows, int64_t cols, const Axis& xs, const Axis& ys, int64_t width,
-                  int64_t height, float* tile, Visit&& visit) {
+// One mask, a block of kLanes columns at a time: once `tile` (rows x kLanes floats) holds the
+// block's x-interpolation, row(y, values, lanes) for every output row in order (`lanes`: the bits of
+// the block's columns inside the image), then block_done(first column).
+template <class V, class Row, class BlockDone>
+void for_each_block(const float* logits, int64_t rows, int64_t cols, const Axis& xs, const Axis& ys, int64_t width,
+                    int64_t height, float* tile, Row&& row, BlockDone&& block_done) {
   constexpr int L = V::kLanes;
   for (int64_t x0 = 0; x0 < width; x0 += L) {
-    const int valid = static_cast<int>(std::min<int64_t>(L, width - x0));
+    const uint32_t lanes = (1u << std::min<int64_t>(L, width - x0)) - 1;
     const auto i0 = V::load_index(xs.i0.data() + x0), i1 = V::load_index(xs.i1.data() + x0);
     const auto w0 = V::load(xs.w0.data() + x0), w1 = V::load(xs.w1.data() + x0);
     for (int64_t r = 0; r < rows; ++r) {
-      const float* row = logits + r * cols;
-      V::store(tile + r * L, V::lerp(V::gather(row, i0), w0, V::gather(row, i1), w1));
+      const float* source = logits + r * cols;
+      V::store(tile + r * L, V::lerp(V::gather(source, i0), w0, V::gather(source, i1), w1));
     }
     for (int64_t y = 0; y < height; ++y) {
-      const auto value = V::lerp(V::load(tile + ys.i0[y] * L), V::broadcast(ys.w0[y]), V::load(tile + ys.i1[y] * L),
-                                 V::broadcast(ys.w1[y]));
-      visit(x0, valid, y, value);
+      row(y,
+          V::lerp(V::load(tile + ys.i0[y] * L), V::broadcast(ys.w0[y]), V::load(tile + ys.i1[y] * L),
+                  V::broadcast(ys.w1[y])),
+          lanes);
     }
+    block_done(x0);
   }
 }
 
@@ -117,29 +120,25 @@ std::tuple<at::Tensor, at::Tensor> upsampled_mask_stats(const at::Tensor& logits
     for (int64_t m = begin; m < end; ++m) {
       Summary s(width, height);
       uint32_t columns = 0;  // lanes with a pixel above threshold in the current block
-      int64_t block = -1;
-      const auto finish_block = [&] {
-        if (columns == 0) return;
-        s.x_min = std::min<int64_t>(s.x_min, block + __builtin_ctz(columns));
-        s.x_max = std::max<int64_t>(s.x_max, block + 31 - __builtin_clz(columns));
-      };
-      for_each_row<V>(src + m * rows * cols, rows, cols, xs, ys, width, height, tile.data(),
-                      [&](int64_t x0, int valid, int64_t y, auto value) {
-                        if (x0 != block) {
-                          finish_block();
-                          block = x0, columns = 0;
-                        }
-                        const uint32_t lanes = (1u << valid) - 1;
-                        const uint32_t mid = V::above(value, t_mid) & lanes;
-                        s.above_high += __builtin_popcount(V::above(value, t_high) & lanes);
-                        s.above_low += __builtin_popcount(V::above(value, t_low) & lanes);
-                        if (mid) {
-                          columns |= mid;
-                          s.y_min = std::min(s.y_min, y);
-                          s.y_max = std::max(s.y_max, y);
-                        }
-                      });
-      finish_block();
+      for_each_block<V>(
+          src + m * rows * cols, rows, cols, xs, ys, width, height, tile.data(),
+          [&](int64_t y, auto value, uint32_t lanes) {
+            const uint32_t mid = V::above(value, t_mid) & lanes;
+            s.above_high += __builtin_popcount(V::above(value, t_high) & lanes);
+            s.above_low += __builtin_popcount(V::above(value, t_low) & lanes);
+            if (mid) {
+              columns |= mid;
+              s.y_min = std::min(s.y_min, y);
+              s.y_max = std::max(s.y_max, y);
+            }
+          },
+          [&](int64_t x0) {
+            if (columns) {
+              s.x_min = std::min<int64_t>(s.x_min, x0 + __builtin_ctz(columns));
+              s.x_max = std::max<int64_t>(s.x_max, x0 + 31 - __builtin_clz(columns));
+            }
+            columns = 0;
+          });
       count_out[2 * m] = s.above_high;
       count_out[2 * m + 1] = s.above_low;
       const bool empty = s.x_max < 0;
@@ -169,46 +168,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> upsampled_mask_runs(c
     std::vector<float> tile(rows * L);
     std::vector<int32_t> lane_runs[L];  // a block's runs per column (start, end pairs), in row order
     int32_t start[L];
-    uint32_t previous = 0;
-    int64_t block = -1;
     for (int64_t m = begin; m < end; ++m) {
       std::vector<int32_t>& out = runs[m];
-      const auto flush = [&] {  // close the open runs at the bottom edge; the block's runs column by column
-        for (int c = 0; c < L; ++c) {
-          if (previous >> c & 1) {
-            lane_runs[c].push_back(start[c]);
-            lane_runs[c].push_back(static_cast<int32_t>(height));
-          }
-          for (size_t k = 0; k < lane_runs[c].size(); k += 2) {
-            out.push_back(static_cast<int32_t>(block + c));
-            out.push_back(lane_runs[c][k]);
-            out.push_back(lane_runs[c][k + 1]);
-          }
-          lane_runs[c].clear();
-        }
-        previous = 0;
-      };
-      block = -1;
-      for_each_row<V>(src + m * rows * cols, rows, cols, xs, ys, width, height, tile.data(),
-                      [&](int64_t x0, int valid, int64_t y, auto value) {
-                        if (x0 != block) {
-                          if (block >= 0) flush();
-                          block = x0;
-                        }
-                        const uint32_t lanes = (1u << valid) - 1;
-                        const uint32_t mask = V::above(value, t_mid) & lanes;
-                        for (uint32_t changed = mask ^ previous; changed; changed &= changed - 1) {
-                          const int c = __builtin_ctz(changed);
-                          if (mask >> c & 1) {
-                            start[c] = static_cast<int32_t>(y);
-                          } else {
-                            lane_runs[c].push_back(start[c]);
-                            lane_runs[c].push_back(static_cast<int32_t>(y));
-                          }
-                        }
-                        previous = mask;
-                      });
-      flush();
+      uint32_t previous = 0;  // the lanes inside a run at the last row
+      for_each_block<V>(
+          src + m * rows * cols, rows, cols, xs, ys, width, height, tile.data(),
+          [&](int64_t y, auto value, uint32_t lanes) {
+            const uint32_t mask = V::above(value, t_mid) & lanes;
+            for (uint32_t changed = mask ^ previous; changed; changed &= changed - 1) {
+              const int c = __builtin_ctz(changed);
+              if (mask >> c & 1) {
+                start[c] = static_cast<int32_t>(y);
+              } else {
+                lane_runs[c].push_back(start[c]);
+                lane_runs[c].push_back(static_cast<int32_t>(y));
+              }
+            }
+            previous = mask;
+          },
+          [&](int64_t x0) {  // close the runs open at the bottom edge; the block's runs column by column
+            for (int c = 0; c < L; ++c) {
+              if (previous >> c & 1) {
+                lane_runs[c].push_back(start[c]);
+                lane_runs[c].push_back(static_cast<int32_t>(height));
+              }
+              for (size_t k = 0; k < lane_runs[c].size(); k += 2) {
+                out.push_back(static_cast<int32_t>(x0 + c));
+                out.push_back(lane_runs[c][k]);
+                out.push_back(lane_runs[c][k + 1]);
+              }
+              lane_runs[c].clear();
+            }
+            previous = 0;
+          });
     }
   });
   int64_t total = 0;

@@ -48,6 +48,11 @@ class Attention(nn.Module):
         b, n, c = x.shape
         return x.view(b, n, self.num_heads, c // self.num_heads).transpose(1, 2)
 
+    @property
+    def _score_scale(self) -> float:
+        """1 / sqrt(head dim), as `attention` scales the scores."""
+        return (self.q_proj.out_features // self.num_heads) ** -0.5
+
     def _per_head(self, linear: nn.Linear) -> Tensor:
         """An inner-width projection's weight as [heads, head dim, model dim]; the output
         projection's transposed to that shape."""
@@ -74,7 +79,7 @@ class Attention(nn.Module):
 
     def _few_queries(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         b, n = max(q.shape[0], k.shape[0]), q.shape[1]
-        queries = self._heads(self.q_proj(q)) * (self.q_proj.out_features // self.num_heads) ** -0.5
+        queries = self._heads(self.q_proj(q)) * self._score_scale
         # [B, H * n, model dim]: each query head's key projection, applied to the image tokens as they are.
         absorbed = torch.einsum("bhnc,hcd->bhnd", queries, self._per_head(self.k_proj)).flatten(1, 2)
         weights = (absorbed @ k.transpose(1, 2)).softmax(dim=-1)
@@ -85,7 +90,7 @@ class Attention(nn.Module):
 
     def _few_keys(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         b, n = max(q.shape[0], k.shape[0]), k.shape[1]
-        keys = self._heads(self.k_proj(k)) * (self.q_proj.out_features // self.num_heads) ** -0.5
+        keys = self._heads(self.k_proj(k)) * self._score_scale
         if q.shape[0] == b:  # the query projection absorbed into each prompt's keys
             absorbed = torch.einsum("bhnc,hcd->bhnd", keys, self._per_head(self.q_proj)).flatten(1, 2)
             bias = (keys * self.q_proj.bias.view(self.num_heads, 1, -1)).sum(-1).flatten(1)
