@@ -1,5 +1,7 @@
-"""Compute-bound matmuls (SAM / diffusion shapes) on this machine: fp32, bf16, torch._int_mm and
-genfast's two native int8 kernels, in GFLOP/s (median of 5):
+"""Compute-bound matmuls (SAM, SAM 2 and diffusion shapes) on this machine: fp32, bf16, torch._int_mm
+and genfast's two native int8 kernels, in GFLOP/s (median of 5), and whether genfast takes this
+CPU's bf16 products to be faster than its fp32 ones (`hardware.fast_bf16_products`: on an Intel
+Xeon without AMX they are not, and SAM 2's bf16 layers multiply in fp32):
 
     python benchmarks/dynamic_int8.py
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from genfast.bench.machine import device_name
 from genfast.bench.timing import median_seconds
 from genfast.kernels.qlinear import ops as kernels
+from genfast.platform import hardware
 from genfast.quant.grids import quantize
 
 SHAPES = [
@@ -25,6 +28,8 @@ SHAPES = [
     (32768, 768, 2304),
     (1024, 320, 1280),
     (128, 576, 1536),
+    (16384, 96, 384),  # Hiera-tiny's 1/4 stage: K too narrow for int8 (SAM's INT8_MIN_FEATURES)
+    (8192, 768, 192),  # its 1/8 stage's MLP output
 ]
 
 
@@ -35,6 +40,8 @@ def gflops(fn: Callable[[], object], flops: float, repeats: int = 5) -> float:
 def main() -> None:
     native = kernels.unavailable_reason() is None
     print(f"{device_name(torch.device('cpu'))}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    faster = "bf16" if hardware.fast_bf16_products() else "fp32"
+    print(f"genfast takes {faster} products to be the faster here (genfast.platform.hardware.fast_bf16_products)")
     print(
         "| M x K x N | fp32 mm | bf16 mm | torch._int_mm | native qlinear | native qlinear_dynamic |\n"
         "|---|---|---|---|---|---|"

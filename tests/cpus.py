@@ -10,11 +10,16 @@ OLD_X86 = frozenset(["sse4_2", "avx"])
 SKYLAKE_X = frozenset(
     ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"]
 )  # AVX-512 without VNNI/BF16
+XEON_WITHOUT_AMX = ZEN4 | {"avx512_fp16", "avx_vnni"}  # a Sapphire Rapids-class Xeon whose hypervisor hides AMX
 
 
-def pretend_cpu(monkeypatch: pytest.MonkeyPatch, flags: frozenset[str], isa_cap: str | None = None) -> None:
-    """Make genfast.platform.hardware see `flags` (and GENFAST_ISA=isa_cap, or none) for this test."""
+def pretend_cpu(
+    monkeypatch: pytest.MonkeyPatch, flags: frozenset[str], isa_cap: str | None = None, vendor: str = "AuthenticAMD"
+) -> None:
+    """Make genfast.platform.hardware see `flags` from `vendor` (and GENFAST_ISA=isa_cap, or none)
+    for this test."""
     monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(hardware, "cpu_vendor", lambda: vendor)
     if isa_cap:
         monkeypatch.setenv(hardware.ISA_ENV, isa_cap)
     else:

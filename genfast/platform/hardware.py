@@ -76,27 +76,33 @@ DTYPES = {
 # ---- CPU -------------------------------------------------------------------------------------------
 
 
-@cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (x86 'flags', ARM 'Features'); empty elsewhere."""
+def _cpuinfo_field(*names: str) -> str | None:
+    """The value of the first /proc/cpuinfo line that starts with one of `names`; None where there
+    is no such line or no /proc/cpuinfo."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if line.startswith(names):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 'flags', ARM 'Features'); empty elsewhere."""
+    return frozenset((_cpuinfo_field("flags", "Features") or "").split())
+
+
+@cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD, ...); "" elsewhere."""
+    return _cpuinfo_field("vendor_id") or ""
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def isa_path(level: str) -> tuple[str, ...]:
@@ -165,11 +171,13 @@ def code_target() -> str:
     on PyTorch's own ISA. Inductor's cache keys include neither, so a cache shared between two
     kinds of CPU (a home directory on a network file system) or used under a cap loads code built
     for the other: seen here, a compiled linear built for AVX-512 gave wrong results under
-    ATEN_CPU_CAPABILITY=avx2, and the reverse crashed. genfast keeps one cache per target."""
+    ATEN_CPU_CAPABILITY=avx2, and the reverse crashed. genfast keeps one cache per target. The
+    vendor is part of it: with the same flags, genfast's graphs differ where `fast_bf16_products`
+    does."""
     flags = sorted(f for f in cpu_flags() if f.startswith(CODE_FLAG_PREFIXES))
     variables = sorted({var for caps in TORCH_ISA_ENV.values() for var in caps})
     values = [os.environ.get(var, "") for var in variables]
-    digest = hashlib.sha256(" ".join(flags + ["|"] + values).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(" ".join(flags + ["|", cpu_vendor(), "|"] + values).encode()).hexdigest()[:10]
     return f"{detected_isa()}-{digest}"
 
 
@@ -196,6 +204,20 @@ def has_native_bf16() -> bool:
     than fp32 itself."""
     flags = cpu_flags()
     return isa_allows("avx512") and ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+@torch.compiler.assume_constant_result  # read while tracing a model's forward: a constant there
+def fast_bf16_products() -> bool:
+    """Whether a compute-bound bf16 product runs faster than the same product in fp32 here: with
+    AMX-BF16 (oneDNN's tiles), or AVX512-BF16 on AMD (Zen 4's bf16 products run several times
+    faster than its fp32 ones). Intel CPUs with AVX512-BF16 but no AMX flag (Xeons whose
+    hypervisor hides AMX; Cooper Lake, never measured, is taken to be alike) issue vdpbf16ps at a
+    quarter of the fp32 FMA's rate, so bf16 products do half fp32's multiply-adds a cycle there
+    (docs/notes.md). bf16 still halves the bytes moved, so bf16 tensors stay worth keeping; their
+    products are faster in fp32, or in int8 (VNNI's rate is above fp32's on both)."""
+    if not has_native_bf16():
+        return False
+    return "amx_bf16" in cpu_flags() or cpu_vendor() == "AuthenticAMD"
 
 
 # ---- device and dtype ------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """genfast.platform.hardware: the ISA level (and its GENFAST_ISA cap), what `auto` dtype means per ISA, devices."""
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
 from genfast.errors import UserError
 from genfast.platform import hardware
-from tests.cpus import OLD_X86, SKYLAKE_X, ZEN3, ZEN4, pretend_cpu
+from tests.cpus import OLD_X86, SKYLAKE_X, XEON_WITHOUT_AMX, ZEN3, ZEN4, pretend_cpu
 
 
 @pytest.mark.parametrize(
@@ -104,6 +107,8 @@ def test_compiled_code_is_kept_apart_per_cpu_and_cap(monkeypatch):
     assert hardware.code_target() == zen4
     pretend_cpu(monkeypatch, ZEN4 | {"amx_tile"})
     assert hardware.code_target() != zen4
+    pretend_cpu(monkeypatch, ZEN4, vendor="GenuineIntel")  # the same flags, other bf16 products
+    assert hardware.code_target() != zen4
     pretend_cpu(monkeypatch, ZEN3)
     assert hardware.code_target().startswith("avx2-")
     pretend_cpu(monkeypatch, ZEN4)
@@ -126,6 +131,24 @@ def test_auto_dtype_per_isa(monkeypatch, flags, cap, expected):
     assert hardware.auto_dtype(torch.device("cpu")) == expected
     assert hardware.resolve_dtype("auto", torch.device("cpu")) == expected
     assert hardware.auto_dtype(torch.device("cuda")) == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "flags,vendor,cap,fast",
+    [
+        (ZEN4, "AuthenticAMD", None, True),  # one vdpbf16ps does twice an fp32 FMA's multiply-adds
+        (XEON_WITHOUT_AMX, "GenuineIntel", None, False),  # vdpbf16ps issues at a quarter of FMA's rate
+        (XEON_WITHOUT_AMX | {"amx_tile", "amx_bf16"}, "GenuineIntel", None, True),  # oneDNN's AMX tiles
+        (ZEN4, "AuthenticAMD", "avx2", False),  # a cap stands for a CPU without bf16 instructions
+        (ZEN3, "AuthenticAMD", None, False),
+    ],
+)
+def test_fast_bf16_products_per_cpu(monkeypatch, flags, vendor, cap, fast):
+    """Where bf16 instructions exist but are slower than fp32 FMAs, `--dtype auto` still keeps bf16
+    tensors (half the bytes); only the products that know the difference compute in fp32."""
+    pretend_cpu(monkeypatch, flags, cap, vendor)
+    assert hardware.fast_bf16_products() == fast
+    assert hardware.auto_dtype(torch.device("cpu")) == (torch.float32 if cap or flags == ZEN3 else torch.bfloat16)
 
 
 @pytest.mark.parametrize("flags, auto", [(ZEN4, torch.bfloat16), (ZEN3, None)])
@@ -174,6 +197,7 @@ def test_a_cuda_index_is_checked_and_becomes_the_current_device(monkeypatch):
 
 def test_real_cpu_is_described():
     assert hardware.isa() in hardware.ISA_LEVELS
+    assert hardware.cpu_vendor() or platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists()
     assert hardware.describe_isa().startswith(hardware.isa())
     assert hardware.peak_memory_bytes("cpu") > 0
     hardware.synchronize("cpu")

@@ -175,6 +175,42 @@ def test_dense_linear_is_linear_then_activation(dtype, activation) -> None:
     torch.testing.assert_close(compiled(x), actual)
 
 
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_bf16_layers_multiply_in_fp32_where_bf16_products_are_slow(monkeypatch, fast_bf16) -> None:
+    """Where the CPU's bf16 products are slower than its fp32 ones (`hardware.fast_bf16_products`)
+    a bf16 layer hands oneDNN fp32 operands and returns bf16: the fp32 result rounded once. The
+    same in a compiled graph, where the decision is a constant."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from genfast.platform import hardware
+    from genfast.sam.sam2.modeling import linear as linear_module
+
+    monkeypatch.setattr(hardware, "fast_bf16_products", lambda: fast_bf16)
+    operand_dtypes = []
+    product = linear_module.dense_linear
+
+    def spy(x, weight, bias, activation):
+        operand_dtypes.append((x.dtype, weight.dtype, bias.dtype))
+        return product(x, weight, bias, activation)
+
+    monkeypatch.setattr(linear_module, "dense_linear", spy)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 40, 96, generator=gen).bfloat16()
+    weight, bias = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((64, 96), (64,)))
+    with torch.inference_mode():
+        out = linear(x, weight, bias, "gelu")
+        compiled = torch.compile(lambda t: linear(t, weight, bias, "gelu"), backend=CompileCounterWithBackend("eager"))
+        compiled_out = compiled(x)
+    wide = torch.float32 if not fast_bf16 else torch.bfloat16
+    assert operand_dtypes == [(wide, wide, wide)] * 2 and out.dtype == compiled_out.dtype == torch.bfloat16
+    exact = F.gelu(F.linear(x.double(), weight.double(), bias.double()))
+    error = (out.double() - exact).abs().max().item()
+    # One rounding to bf16 (half an ulp: 2^-9 of the value) where the product is fp32; bf16
+    # products round their inputs' partial sums too.
+    assert error <= exact.abs().max().item() * (2**-8 if not fast_bf16 else 2**-6), error
+    torch.testing.assert_close(compiled_out, out, rtol=0, atol=0)
+
+
 def test_linear_layers_keep_gradients_and_defer_to_other_layers() -> None:
     layer = Linear(6, 4)
     x = torch.randn(3, 6, requires_grad=True)

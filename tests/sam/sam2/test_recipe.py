@@ -105,15 +105,20 @@ def test_dynamic_int8_quantizes_the_wide_stage() -> None:
     assert names == ["trunk.blocks.5.attn.proj", "trunk.blocks.5.mlp.layers.0", "trunk.blocks.5.mlp.layers.1"]
 
 
-def test_dynamic_int8_attention_in_the_global_blocks_only(monkeypatch) -> None:
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_dynamic_int8_attention_in_the_global_blocks_only(monkeypatch, fast_bf16) -> None:
     """The step asks the attention kernel for both products on int8 codes in Hiera's global blocks
     (the tiny-wide model's block 4: one [1, heads, 64, 16] call per image) and nowhere else (the
-    windowed blocks' calls have one entry per window), where the kernel has them (AVX-512); the
-    logits stay within the step's budget (test_step_stays_within_its_budget)."""
+    windowed blocks' calls have one entry per window), where the kernel has them (AVX-512); in the
+    windows too where bf16 products are slower than fp32 ones (`hardware.fast_bf16_products`). The
+    logits stay within the step's budget (test_step_stays_within_its_budget and
+    test_steps_stay_within_their_budgets_where_bf16_products_are_slow)."""
     from genfast.kernels.rel_pos_attention import ops as kernel
+    from genfast.platform import hardware
 
     if kernel.unavailable_reason() is not None or not kernel.has_int8_products():
         pytest.skip("no int8 products in this CPU's attention kernel (AVX-512 VNNI)")
+    monkeypatch.setattr(hardware, "fast_bf16_products", lambda: fast_bf16)
     model = apply_recipe(build_random_sam2(CONFIGS["tiny-wide"]), settings_for("dynamic-int8"))
     calls = []  # (q's batch: 1 for a global block, the window count for a windowed one; int8 scores, values asked)
     attention = kernel.attention
@@ -125,7 +130,23 @@ def test_dynamic_int8_attention_in_the_global_blocks_only(monkeypatch) -> None:
     monkeypatch.setattr(kernel, "attention", spy)
     predictor = SAM2ImagePredictor(model)
     predictor.set_image(_images()[0])
-    assert sorted(set(calls)) == [(1, True, True), (4, False, False), (16, False, False)], calls
+    windows = not fast_bf16
+    assert sorted(set(calls)) == [(1, True, True), (4, windows, windows), (16, windows, windows)], calls
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("step", ["bf16", "fused-attention", "dynamic-int8"])
+def test_steps_stay_within_their_budgets_where_bf16_products_are_slow(step, config, baselines, monkeypatch) -> None:
+    """On a CPU whose bf16 products are slower than its fp32 ones (an Intel Xeon without AMX), the
+    encoder's floating-point linears multiply in fp32 and dynamic int8 takes the windows' attention
+    to int8 too: each step within the budget it has elsewhere."""
+    from genfast.platform import hardware
+
+    monkeypatch.setattr(hardware, "fast_bf16_products", lambda: False)
+    max_err, min_iou = BUDGETS[step]
+    for logits, reference in zip(_run(CONFIGS[config], settings_for(step)), baselines[config]):
+        err, iou = error_and_iou(logits, reference)
+        assert err <= max_err and iou >= min_iou, (err, iou)
 
 
 def test_compile_step_rewrites_the_model_before_compiling() -> None:

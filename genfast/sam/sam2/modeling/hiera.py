@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.platform import hardware
 from genfast.platform.heap import in_pieces, items_per_piece
 from genfast.sam.modeling.attention import sam2_attention
 from genfast.sam.sam2.config import Sam2Config
@@ -98,8 +99,9 @@ class MultiScaleAttention(nn.Module):
         """Compute both of the attention's products on int8 codes where the kernel has them (the
         dynamic-int8 step), in a global block only: over a whole 1/16-scale map (4096 keys) they
         take about a quarter off the attention, while in windows of 16-196 keys quantizing costs
-        about what the products save, or more."""
-        self.int8_attention = not self.windowed
+        about what the products save, or more. Where bf16 products are slower than fp32 ones
+        (`hardware.fast_bf16_products`: int8's rate there is several times bf16's) windows too."""
+        self.int8_attention = not self.windowed or not hardware.fast_bf16_products()
 
     def forward(self, x: Tensor) -> Tensor:
         b, h, w, _ = x.shape

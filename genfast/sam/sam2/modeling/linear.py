@@ -12,7 +12,9 @@ Zen 4 thread) addmm took 10-20% longer than the fused product, and the GELU was 
 `dense_linear` is a custom op, so that a compiled encoder calls it as one kernel (inductor's own
 lowering of the oneDNN op wants prepacked constant weights; these weights are graph inputs).
 Elsewhere (no oneDNN, another device or dtype, bf16 without native bf16 arithmetic, where oneDNN
-has no bf16 linear under an AVX2 cap, gradients wanted) it is F.linear (+ F.gelu).
+has no bf16 linear under an AVX2 cap, gradients wanted) it is F.linear (+ F.gelu). Where the CPU
+has bf16 instructions that are slower than its fp32 FMAs (`hardware.fast_bf16_products`), a bf16
+layer multiplies in fp32.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.platform import hardware
 from genfast.quant.linear import QuantLinear
 
 ACTIVATIONS = ("none", "gelu")  # GELU: the exact (erf) one, as nn.GELU()
@@ -32,8 +35,6 @@ ACTIVATIONS = ("none", "gelu")  # GELU: the exact (erf) one, as nn.GELU()
 def _fused_dtypes() -> frozenset[torch.dtype]:
     """The dtypes oneDNN's linear computes here: x86 CPUs (AVX2 and up) with fp32, and bf16 where
     the CPU has bf16 arithmetic (the ISA caps of scripts/with_isa.sh apply)."""
-    from genfast.platform import hardware
-
     if not (torch.backends.mkldnn.is_available() and hardware.isa_allows("avx2")):
         return frozenset()
     return frozenset({torch.float32, torch.bfloat16} if hardware.has_native_bf16() else {torch.float32})
@@ -77,9 +78,14 @@ def _cpu_ops_apply(*tensors: Tensor | None) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "none") -> Tensor:
     """dense_linear on the CPU; F.linear (+ GELU) elsewhere and where gradients are wanted
-    (`_cpu_ops_apply`)."""
+    (`_cpu_ops_apply`). bf16 operands are multiplied in fp32 where bf16 products are the slower
+    (`hardware.fast_bf16_products`); the result is bf16 again. In a compiled graph the casts fuse
+    into the neighbouring kernels (the LayerNorm before, the residual add after)."""
     if not _cpu_ops_apply(x, weight, bias):
         return _reference(x, weight, bias, activation)
+    if x.dtype == torch.bfloat16 and not hardware.fast_bf16_products():
+        wide = (t if t is None else t.float() for t in (x, weight, bias))
+        return dense_linear(*wide, activation).to(x.dtype)
     return dense_linear(x, weight, bias, activation)
 
 
