@@ -79,8 +79,8 @@ def _cpu_ops_apply(*tensors: Tensor | None) -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "none") -> Tensor:
     """dense_linear on the CPU; F.linear (+ GELU) elsewhere and where gradients are wanted
     (`_cpu_ops_apply`). bf16 operands are multiplied in fp32 where bf16 products are the slower
-    (`hardware.fast_bf16_products`); the result is bf16 again. In a compiled graph the casts fuse
-    into the neighbouring kernels (the LayerNorm before, the residual add after)."""
+    (`hardware.fast_bf16_products`); the result is bf16 again. The casts stay outside the custom
+    op, so that in a compiled graph inductor can fuse them with neighbouring elementwise work."""
     if not _cpu_ops_apply(x, weight, bias):
         return _reference(x, weight, bias, activation)
     if x.dtype == torch.bfloat16 and not hardware.fast_bf16_products():
