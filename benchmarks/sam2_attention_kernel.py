@@ -1,5 +1,6 @@
-"""SAM 2's attention shapes on genfast's native attention kernel: each product in bf16 or on int8
-codes, against SDPA, with the output error against fp32 SDPA.
+"""SAM 2's attention shapes on genfast's native attention kernel: each product in bf16, as fp32 FMAs
+of the bf16 operands, or on int8 codes, against SDPA in bf16 and in fp32 (the casts included),
+with the output error against fp32 SDPA.
 
     python benchmarks/sam2_attention_kernel.py
 
@@ -23,7 +24,13 @@ SHAPES = {
     "Hiera window": (25, 4, 196, 196, 96),
     "decoder image-to-token": (4, 8, 4096, 8, 16),
 }
-VARIANTS = {"bf16": (False, False), "int8 scores": (True, False), "both int8": (True, True)}
+# (int8 scores, int8 values, fp32 products)
+VARIANTS = {
+    "bf16": (False, False, False),
+    "fp32 products": (False, False, True),
+    "int8 scores": (True, False, False),
+    "both int8": (True, True, False),
+}
 
 
 def main() -> None:
@@ -37,11 +44,16 @@ def main() -> None:
     reason = kernel.unavailable_reason()
     if reason:
         raise SystemExit(f"no native attention kernel here: {reason}")
-    variants = VARIANTS if kernel.has_int8_products() else {"bf16": (False, False)}
-    machine = f"{describe_isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    from genfast.platform.hardware import fast_bf16_products
+
+    variants = VARIANTS if kernel.has_int8_products() else {"bf16": (False, False, False)}
+    machine = (
+        f"{describe_isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"fast_bf16_products: {fast_bf16_products()}, the kernel's default fp32 products: {kernel.fp32_products()}"
+    )
     print(f"\n{machine}; ms, median of {args.repeats}\n")
-    print("| shape | " + " | ".join(f"{name} ms (error)" for name in variants) + " | SDPA ms |")
-    print("|---" * (len(variants) + 2) + "|")
+    print("| shape | " + " | ".join(f"{name} ms (error)" for name in variants) + " | SDPA ms | SDPA fp32 ms |")
+    print("|---" * (len(variants) + 3) + "|")
     gen = torch.Generator().manual_seed(0)
     for label, (b, h, nq, nk, c) in SHAPES.items():
         q = torch.randn(b, h, nq, c, generator=gen).bfloat16()
@@ -51,6 +63,7 @@ def main() -> None:
             name: (lambda flags=flags: kernel.attention(q, k, v, c**-0.5, *flags)) for name, flags in variants.items()
         }
         calls["SDPA"] = lambda: F.scaled_dot_product_attention(q, k, v)
+        calls["SDPA fp32"] = lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float()).bfloat16()
         errors = {name: ((call().float() - expected).norm() / expected.norm()).item() for name, call in calls.items()}
         seconds: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(args.repeats):
@@ -62,7 +75,8 @@ def main() -> None:
         print(
             f"| {label} {list((b, h, nq, nk, c))} | "
             + " | ".join(cells)
-            + f" | {statistics.median(seconds['SDPA']) * 1e3:.2f} |"
+            + "".join(f" | {statistics.median(seconds[name]) * 1e3:.2f}" for name in ("SDPA", "SDPA fp32"))
+            + " |"
         )
 
 

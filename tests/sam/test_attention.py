@@ -57,12 +57,18 @@ def _inputs(b: int, h: int, w: int, c: int, bias_scale: float = 1.0, seed: int =
 )
 def test_fused_kernel_matches_fp32_reference(b, h, w, c, bias_scale):
     """Tolerance: 1e-2 absolute on unit-variance values. The inputs are rounded to bf16 for both;
-    the remaining error is P rounded to bf16 before P @ V (~2^-9 relative per term)."""
+    the remaining error is P rounded to bf16 before P @ V (~2^-9 relative per term). With the
+    products on fp32 FMAs (the AVX-512 variant on request, the AVX2 one always) P stays fp32: only
+    the output's rounding to bf16 is left (2^-8 relative; 1e-3 absolute for the sums' order)."""
     q, k, v, rel_h, rel_w = (t.bfloat16() for t in _inputs(b, h, w, c, bias_scale))
     expected = rel_pos_attention(*(t.float() for t in (q, k, v, rel_h, rel_w)), impl="math")
     actual = rel_pos_attention(q, k, v, rel_h, rel_w, impl="fused")
     assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
     assert (actual.float() - expected).abs().max().item() < 1e-2
+    bf16 = kernels.rel_pos_attention(q, k, v, rel_h, rel_w, c**-0.5, fp32=False)
+    assert (bf16.float() - expected).abs().max().item() < 1e-2
+    fp32 = kernels.rel_pos_attention(q, k, v, rel_h, rel_w, c**-0.5, fp32=True)
+    torch.testing.assert_close(fp32.float(), expected, atol=1e-3, rtol=2**-8)
 
 
 @needs_kernel

@@ -225,8 +225,10 @@ at::Tensor attention_typed(const at::Tensor& q, const at::Tensor& k, const at::T
 // q [B, heads, Nq, C], k and v [B, heads, Nk, C]: views, any strides (e.g. straight out of the
 // qkv projection). Returns [B, Nq, heads, C] in q's dtype: the layout the output projection reads.
 at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
-                  double scale, genfast_rel_pos_attention::Int8Products int8) {
-  TORCH_CHECK(!int8.scores && !int8.values, op, ": int8 products need the AVX-512 variant (AVX512-VNNI)");
+                  double scale, genfast_rel_pos_attention::Products products) {
+  // products.fp32 needs nothing: this variant multiplies in fp32 throughout.
+  TORCH_CHECK(!products.int8_scores && !products.int8_values, op,
+              ": int8 products need the AVX-512 variant (AVX512-VNNI)");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               op, ": q, k, v must all be float32 or all bfloat16");

@@ -48,6 +48,13 @@
 // codes dropped, and the output takes it back on the block's mean of V. V is re-laid out as quads
 // of keys [N_pad/4][C] of s8 codes, with [N_pad/kValueBlock][2][C] terms (scales, means).
 //
+// fp32 products (`products.fp32`): the products not on int8 codes multiply the same bf16 pairs of
+// K and V, each widened to two fp32 vectors in registers (a shift, a mask), by the task's query
+// rows widened once and by P kept in fp32 (in place of its scores), on FMAs: 16 products per
+// instruction against vdpbf16ps's 32, but where vdpbf16ps issues at a quarter of the FMA's rate
+// (Intel Xeons with AVX512-BF16 but no AMX; docs/notes.md) that is about twice the products a
+// cycle, the widening included. The layouts, passes and softmax are the same.
+//
 // Compiled with -mavx512f/bw/bf16/vnni; the Python side calls it only when the CPU has them.
 
 #include <ATen/core/Tensor.h>
@@ -115,6 +122,13 @@ inline __m512 exp_to_bf16(__m512 x) {
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
+// The fp32 values of the low and of the high bf16 in each 32-bit lane of a pair layout (channels
+// 2i and 2i + 1 of K, keys 2i and 2i + 1 of V).
+inline __m512 low_bf16(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline __m512 high_bf16(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // Runs tile.template operator()<R>(r) on rows r = 0, R, 2R, ... of `rows`, then the rows left
 // (fewer than R) as one smaller tile.
 template <int R, typename Tile>
@@ -148,6 +162,31 @@ inline void scores_tile(const uint32_t* q, int64_t q_stride, const uint32_t* kp,
     for (int r = 0; r < R; ++r) {
       const __m512bh query = as_bh(_mm512_set1_epi32(static_cast<int>(q[r * q_stride + c2])));
       for (int t = 0; t < KV; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], query, keys[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < KV; ++t) _mm512_storeu_ps(s + r * s_stride + j0 + 16 * t, acc[r][t]);
+}
+
+// scores_tile with fp32 products: q rows of C fp32 channels (q_stride floats apart), K's bf16
+// pairs widened in registers.
+template <int R, int KV>
+inline void scores_tile(const float* q, int64_t q_stride, const uint32_t* kp, int64_t k_ld, int64_t pairs,
+                        int64_t j0, float* s, int64_t s_stride) {
+  __m512 acc[R][KV];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < KV; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t c2 = 0; c2 < pairs; ++c2) {
+    __m512 even[KV], odd[KV];
+    for (int t = 0; t < KV; ++t) {
+      const __m512i keys = _mm512_loadu_si512(kp + c2 * k_ld + j0 + 16 * t);
+      even[t] = low_bf16(keys);
+      odd[t] = high_bf16(keys);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 q_even = _mm512_set1_ps(q[r * q_stride + 2 * c2]);
+      const __m512 q_odd = _mm512_set1_ps(q[r * q_stride + 2 * c2 + 1]);
+      for (int t = 0; t < KV; ++t) acc[r][t] = _mm512_fmadd_ps(q_odd, odd[t], _mm512_fmadd_ps(q_even, even[t], acc[r][t]));
     }
   }
   for (int r = 0; r < R; ++r)
@@ -230,17 +269,47 @@ inline void output_tile(const uint32_t* p, int64_t p_stride, const uint32_t* vp,
     }
 }
 
-template <int CV>
-void output_rows(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t v_ld, int64_t key_pairs,
-                 int64_t rows, float* o, int64_t o_ld) {
+// output_tile with fp32 products: p rows of fp32 probabilities (p_stride floats apart), V's bf16
+// key pairs widened in registers, one vector of channels at a time (both halves of a tile's
+// vectors at once would not fit the registers beside its accumulators).
+template <int R, int CV>
+inline void output_tile(const float* p, int64_t p_stride, const uint32_t* vp, int64_t v_ld, int64_t key_pairs,
+                        float* o, int64_t o_ld) {
+  __m512 acc[R][CV];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < CV; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t j2 = 0; j2 < key_pairs; ++j2) {
+    for (int t = 0; t < CV; ++t) {
+      const __m512i values = _mm512_loadu_si512(vp + j2 * v_ld + 16 * t);
+      const __m512 even = low_bf16(values), odd = high_bf16(values);
+      for (int r = 0; r < R; ++r) {
+        const float* prob = p + r * p_stride + 2 * j2;
+        acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(prob[1]), odd, _mm512_fmadd_ps(_mm512_set1_ps(prob[0]), even, acc[r][t]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < CV; ++t) {
+      float* dst = o + r * o_ld + 16 * t;
+      _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), acc[r][t]));
+    }
+}
+
+// P: uint32_t (bf16 pairs of probabilities) or float (fp32 probabilities), as output_tile takes.
+template <typename P, int CV>
+void output_rows(const P* p, int64_t p_stride, const uint32_t* vp, int64_t v_ld, int64_t key_pairs, int64_t rows,
+                 float* o, int64_t o_ld) {
   for_row_tiles<kRows>(rows, [&]<int R>(int64_t r) {
     output_tile<R, CV>(p + r * p_stride, p_stride, vp, v_ld, key_pairs, o + r * o_ld, o_ld);
   });
 }
 
-using OutputRowsFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*, int64_t);
-constexpr OutputRowsFn kOutputRowsFns[kMaxChannelVectors] = {output_rows<1>, output_rows<2>, output_rows<3>,
-                                                             output_rows<4>, output_rows<5>, output_rows<6>};
+template <typename P>
+using OutputRowsFn = void (*)(const P*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*, int64_t);
+template <typename P>
+constexpr OutputRowsFn<P> kOutputRowsFns[kMaxChannelVectors] = {output_rows<P, 1>, output_rows<P, 2>,
+                                                                output_rows<P, 3>, output_rows<P, 4>,
+                                                                output_rows<P, 5>, output_rows<P, 6>};
 
 // c channels as slices of a register tile's width: slice(ch, vectors) for each, its first channel
 // and its count of 16-channel vectors.
@@ -250,11 +319,13 @@ void for_channel_slices(int64_t c, Slice&& slice) {
   for (int64_t ch = 0; ch < c; ch += 16 * width) slice(ch, std::min<int64_t>(width, (c - ch) / 16));
 }
 
-// O[r, :] += P[r] @ V for `rows` rows of c channels, in slices of channels (a register tile's).
-void accumulate_output(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t key_pairs, int64_t rows,
-                       int64_t c, float* o) {
+// O[r, :] += P[r] @ V for `rows` rows of c channels, in slices of channels (a register tile's);
+// P as output_rows takes it.
+template <typename P>
+void accumulate_output(const P* p, int64_t p_stride, const uint32_t* vp, int64_t key_pairs, int64_t rows, int64_t c,
+                       float* o) {
   for_channel_slices(c, [&](int64_t ch, int64_t vectors) {
-    kOutputRowsFns[vectors - 1](p, p_stride, vp + ch, c, key_pairs, rows, o + ch, c);
+    kOutputRowsFns<P>[vectors - 1](p, p_stride, vp + ch, c, key_pairs, rows, o + ch, c);
   });
 }
 
@@ -508,8 +579,9 @@ at::Tensor attend_few_keys(const at::Tensor& q, const at::Tensor& k, const at::T
 // out of the qkv projection: no copies). Returns [B, Nq, heads, C]: the layout the output
 // projection reads.
 at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
-                  double scale, genfast_rel_pos_attention::Int8Products int8) {
-  const bool int8_scores = int8.scores, int8_values = int8.values;
+                  double scale, genfast_rel_pos_attention::Products products) {
+  const bool int8_scores = products.int8_scores, int8_values = products.int8_values;
+  const bool fp32_scores = products.fp32 && !int8_scores, fp32_values = products.fp32 && !int8_values;
   TORCH_CHECK(!((int8_scores || int8_values) && bias.h), op, ": int8 products take no bias");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               op, ": q, k, v must be bfloat16");
@@ -666,6 +738,7 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     thread_local std::vector<float> p_terms;  // int8 values: P's per row and block of the pass
     thread_local std::vector<int32_t> own_k_offset;
     thread_local std::vector<uint32_t> q_codes;  // int8 scores: the task's rows as u8 codes
+    thread_local std::vector<float> q_wide;  // fp32 scores: the task's rows in fp32
     scores.resize(query_block * s_ld);
     probs.resize(query_block * s_ld);
     outputs.resize(query_block * c);
@@ -685,6 +758,7 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
       q_codes.resize(query_block * quads);
       q_scale.resize(query_block);
     }
+    if (fp32_scores) q_wide.resize(query_block * c);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, i0 = (task % blocks) * query_block;
       const int64_t rows = std::min(query_block, nq - i0);
@@ -702,6 +776,12 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                                     reinterpret_cast<uint8_t*>(q_codes.data() + r * quads), &unused);
         }
       }
+      if (fp32_scores) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const auto* src = reinterpret_cast<const c10::BFloat16*>(q16 + row_offset(q, heads, bh, i0 + r));
+          for (int64_t ch = 0; ch < c; ch += 16) _mm512_storeu_ps(q_wide.data() + r * c + ch, genfast_avx512::load16(src + ch));
+        }
+      }
       std::fill(outputs.begin(), outputs.begin() + rows * c, 0.0f);
       std::fill(row_max.begin(), row_max.begin() + rows, -INFINITY);
       std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
@@ -716,6 +796,10 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
           score_rows(rows, len, [&]<int R, int KV>(int64_t r, int64_t j) {
             scores_tile_int8<R, KV>(q_codes.data() + r * quads, quads, q_scale.data() + r, kpb + j0, k_ld, quads, j,
                                     head.k_scale + j0, head.k_offset + j0, s + r * s_ld, s_ld);
+          });
+        } else if (fp32_scores) {
+          score_rows(rows, len, [&]<int R, int KV>(int64_t r, int64_t j) {
+            scores_tile<R, KV>(q_wide.data() + r * c, c, kpb + j0, k_ld, pairs, j, s + r * s_ld, s_ld);
           });
         } else {
           score_rows(rows, len, [&]<int R, int KV>(int64_t r, int64_t j) {
@@ -783,6 +867,12 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
               terms[2 * (b0 / kValueBlock) + 1] =
                   _mm512_reduce_add_ps(block_sum) - step * static_cast<float>(_mm512_reduce_add_epi32(code_sum));
             }
+          } else if (fp32_values) {  // P in fp32, over the row's scores
+            for (int64_t j = 0; j < len; j += 16) {
+              const __m512 e = probabilities(j);
+              vsum = _mm512_add_ps(vsum, e);
+              _mm512_storeu_ps(row + j, e);
+            }
           } else {
             for (int64_t j = 0; j < len; j += 16) {
               const __m512 e = probabilities(j);
@@ -796,6 +886,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
           accumulate_output_int8(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, p_terms.data(), pt_stride,
                                  vpb + (j0 / 4) * c, head.v_terms + (j0 / kValueBlock) * 2 * c, len / 4, rows, c,
                                  outputs.data());
+        } else if (fp32_values) {
+          accumulate_output(static_cast<const float*>(s), s_ld, vpb + (j0 / 2) * c, len / 2, rows, c, outputs.data());
         } else {
           accumulate_output(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, vpb + (j0 / 2) * c, len / 2,
                             rows, c, outputs.data());

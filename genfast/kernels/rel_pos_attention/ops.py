@@ -5,8 +5,10 @@ relative-position bias added inside the kernel, never materialized (avx512.cpp e
 on request with either product on int8 codes (the AVX-512 variant only): the scores q . k (a
 scale per query row and per key), the output P @ V (P's scale per query row and block of keys,
 V's per block of keys and channel). The AVX-512 variant computes on bf16 inputs (`vdpbf16ps`, and
-`vpdpbusd` for int8 products); the AVX2 one in fp32, on float32 or bfloat16 inputs (CPUs without AVX512-BF16 run SAM in
-fp32). `portable` is the same attention in PyTorch, with the bias materialized for SDPA.
+`vpdpbusd` for int8 products), or where bf16 dot products are slower than fp32 FMAs
+(`hardware.fast_bf16_products`) on fp32 FMAs of the bf16 operands widened in registers; the AVX2
+one in fp32, on float32 or bfloat16 inputs (CPUs without AVX512-BF16 run SAM in fp32). `portable`
+is the same attention in PyTorch, with the bias materialized for SDPA.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from genfast.kernels.native import Kernel, Variant
+from genfast.platform import hardware
 
 KERNEL = Kernel(
     "rel_pos_attention",
@@ -28,25 +31,35 @@ MAX_HEAD_DIM = 256  # rel_pos_attention.h
 DTYPES = {"avx512": (torch.bfloat16,), "avx2": (torch.float32, torch.bfloat16)}  # what each variant computes on
 
 torch.library.define(
-    "genfast::rel_pos_attention", "(Tensor q, Tensor k, Tensor v, Tensor rel_h, Tensor rel_w, float scale) -> Tensor"
+    "genfast::rel_pos_attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor rel_h, Tensor rel_w, float scale, bool fp32_products=False) -> Tensor",
 )
 
 
 torch.library.define(
     "genfast::attention",
-    "(Tensor q, Tensor k, Tensor v, float scale, bool int8_scores=False, bool int8_values=False) -> Tensor",
+    "(Tensor q, Tensor k, Tensor v, float scale, bool int8_scores=False, bool int8_values=False,"
+    " bool fp32_products=False) -> Tensor",
 )
 
 
 @torch.library.register_fake("genfast::rel_pos_attention")
-def _rel_pos_attention_fake(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float) -> Tensor:
+def _rel_pos_attention_fake(
+    q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float, fp32_products: bool = False
+) -> Tensor:
     b, heads, n, c = q.shape
     return q.new_empty(b, n, heads, c)
 
 
 @torch.library.register_fake("genfast::attention")
 def _attention_fake(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, int8_scores: bool = False, int8_values: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    int8_scores: bool = False,
+    int8_values: bool = False,
+    fp32_products: bool = False,
 ) -> Tensor:
     b, heads, n, c = q.shape
     return q.new_empty(b, n, heads, c)
@@ -111,6 +124,13 @@ def attention_pays(queries: int, keys: int, head_dim: int) -> bool:
     )
 
 
+def fp32_products() -> bool:
+    """Whether the loaded variant's products that are not on int8 codes pay most as fp32 FMAs of
+    the widened bf16 operands: in the AVX-512 variant where bf16 dot products are slower than fp32
+    FMAs (`hardware.fast_bf16_products`). The AVX2 variant computes in fp32 anyway."""
+    return loaded_isa() == "avx512" and not hardware.fast_bf16_products()
+
+
 def _readable(t: Tensor) -> Tensor:
     """t, or a contiguous copy where the kernel cannot read it: it reads channel pairs as 32-bit
     words, so it needs unit channel stride and even other strides."""
@@ -119,12 +139,16 @@ def _readable(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
-def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float) -> Tensor:
+def rel_pos_attention(
+    q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, scale: float, fp32: bool | None = None
+) -> Tensor:
     """q, k, v: [B, heads, N, C] (any strides with unit channel stride) in a dtype `supports`; rel_h [B, heads, N, H]
     and rel_w [B, heads, N, W] with H * W = N. Returns [B, heads, N, C], a view of a
-    [B, N, heads, C] tensor (see the C++ files)."""
+    [B, N, heads, C] tensor (see the C++ files). fp32: the products on fp32 FMAs (None: where
+    `fp32_products`)."""
     q, k, v = (_readable(t) for t in (q, k, v))
-    return torch.ops.genfast.rel_pos_attention(q, k, v, rel_h, rel_w, scale).transpose(1, 2)
+    fp32 = fp32_products() if fp32 is None else fp32
+    return torch.ops.genfast.rel_pos_attention(q, k, v, rel_h, rel_w, scale, fp32).transpose(1, 2)
 
 
 def has_int8_products() -> bool:
@@ -134,16 +158,24 @@ def has_int8_products() -> bool:
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, int8_scores: bool = False, int8_values: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    int8_scores: bool = False,
+    int8_values: bool = False,
+    fp32: bool | None = None,
 ) -> Tensor:
     """softmax(scale * q k^T) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C] (as
     rel_pos_attention takes them, without the bias; scale > 0). Returns [B, heads, Nq, C], a view
     of a [B, Nq, heads, C] tensor. Where `has_int8_products`: int8_scores computes q k^T on int8
     codes of q and k, each query row and key with its absmax scale; int8_values computes P @ V on
     u8 codes of P (a scale per query row and block of keys) and s8 codes of V (a scale per block of
-    keys and channel)."""
+    keys and channel). fp32: the products not on int8 codes on fp32 FMAs (None: where
+    `fp32_products`)."""
     q, k, v = (_readable(t) for t in (q, k, v))
-    return torch.ops.genfast.attention(q, k, v, scale, int8_scores, int8_values).transpose(1, 2)
+    fp32 = fp32_products() if fp32 is None else fp32
+    return torch.ops.genfast.attention(q, k, v, scale, int8_scores, int8_values, fp32).transpose(1, 2)
 
 
 def attention_or_sdpa(q: Tensor, k: Tensor, v: Tensor, int8_scores: bool = False, int8_values: bool = False) -> Tensor:

@@ -5,11 +5,13 @@
 //                     const Bias& bias, double scale, Int8Products int8);
 //
 // which checks what is its own (the dtypes it computes on, the strides it reads, whether it has
-// int8 products) and returns [B, Nq, heads, C] in q's dtype. int8.scores: q . k computed on q and
-// k quantized to int8 per row and per key (absmax scales); int8.values: P @ V on P as u8 codes (a
-// scale per query row and block of keys) and V as s8 codes (a scale per block of keys and
-// channel). Both need an int8 dot product (AVX512-VNNI); a variant without one refuses them. Never
-// with a bias.
+// int8 products) and returns [B, Nq, heads, C] in q's dtype. products.int8_scores: q . k computed
+// on q and k quantized to int8 per row and per key (absmax scales); products.int8_values: P @ V on
+// P as u8 codes (a scale per query row and block of keys) and V as s8 codes (a scale per block of
+// keys and channel). Both need an int8 dot product (AVX512-VNNI); a variant without one refuses
+// them. Never with a bias. products.fp32: the products not on int8 codes multiply the bf16
+// operands widened to fp32 (FMAs) instead of on bf16 dot products; for CPUs whose bf16 dot
+// products are slower than their fp32 FMAs (a variant that computes in fp32 anyway ignores it).
 
 #pragma once
 
@@ -29,14 +31,15 @@ struct Bias {
   int64_t grid_h = 0, grid_w = 0;
 };
 
-// Which of the attention's two products run on int8 codes (see the top of this file).
-struct Int8Products {
-  bool scores = false;  // S = Q K^T
-  bool values = false;  // O = P V
+// How the attention's two products are computed (see the top of this file).
+struct Products {
+  bool int8_scores = false;  // S = Q K^T on int8 codes
+  bool int8_values = false;  // O = P V on int8 codes
+  bool fp32 = false;         // the others on fp32 FMAs of the widened bf16 operands
 };
 
 using Attend = at::Tensor (*)(const char*, const at::Tensor&, const at::Tensor&, const at::Tensor&, const Bias&,
-                              double, Int8Products);
+                              double, Products);
 
 inline void check_shapes(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          double scale) {
@@ -54,7 +57,7 @@ inline void check_shapes(const char* op, const at::Tensor& q, const at::Tensor& 
 // Returns [B, N, heads, C]: the layout the output projection reads.
 template <Attend attend>
 at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rel_h,
-                             const at::Tensor& rel_w, double scale) {
+                             const at::Tensor& rel_w, double scale, bool fp32_products) {
   check_shapes("rel_pos_attention", q, k, v, scale);
   TORCH_CHECK(k.sizes() == q.sizes(), "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
   TORCH_CHECK(rel_h.dim() == 4 && rel_w.dim() == 4 && rel_h.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
@@ -62,15 +65,15 @@ at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
   const at::Tensor bias_h = rel_h.to(at::kFloat).contiguous(), bias_w = rel_w.to(at::kFloat).contiguous();
   const Bias bias{bias_h.data_ptr<float>(), bias_w.data_ptr<float>(), rel_h.size(3), rel_w.size(3)};
-  return attend("rel_pos_attention", q, k, v, bias, scale, Int8Products{});
+  return attend("rel_pos_attention", q, k, v, bias, scale, Products{false, false, fp32_products});
 }
 
 // q [B, heads, Nq, C], k and v [B, heads, Nk, C]: softmax(scale * q k^T) v, as [B, Nq, heads, C].
 template <Attend attend>
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool int8_scores,
-                     bool int8_values) {
+                     bool int8_values, bool fp32_products) {
   check_shapes("attention", q, k, v, scale);
-  return attend("attention", q, k, v, Bias{}, scale, Int8Products{int8_scores, int8_values});
+  return attend("attention", q, k, v, Bias{}, scale, Products{int8_scores, int8_values, fp32_products});
 }
 
 }  // namespace genfast_rel_pos_attention

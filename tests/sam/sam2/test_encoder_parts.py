@@ -20,7 +20,7 @@ KERNEL_DTYPES = kernel.DTYPES.get(kernel.loaded_isa(), ()) if kernel.unavailable
 
 
 @pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "fp32"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize(
     ("windows", "heads", "queries", "keys", "channels"),
     [
@@ -36,9 +36,11 @@ KERNEL_DTYPES = kernel.DTYPES.get(kernel.loaded_isa(), ()) if kernel.unavailable
         (2, 1, 23, 90, 160),  # slices 4 + 4 + 2; rows not a multiple of any tile's
     ],
 )
-def test_attention_kernel_matches_sdpa(dtype, windows, heads, queries, keys, channels) -> None:
+def test_attention_kernel_matches_sdpa(dtype, fp32, windows, heads, queries, keys, channels) -> None:
     """Any query and key counts (pooled queries: fewer than keys), q, k, v strided views of one
-    qkv product as the encoder passes them."""
+    qkv product as the encoder passes them. bf16 inputs on bf16 dot products (P rounded to bf16)
+    within 2e-2; on fp32 FMAs within the output's own rounding to bf16 (2^-8 relative) and 1e-3:
+    the products of bf16 operands are exact in fp32."""
     if dtype not in KERNEL_DTYPES:
         pytest.skip(f"the {kernel.loaded_isa()} kernel takes no {dtype}")
     gen = torch.Generator().manual_seed(0)
@@ -46,10 +48,33 @@ def test_attention_kernel_matches_sdpa(dtype, windows, heads, queries, keys, cha
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     q = q[:, :, :queries]
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    actual = kernel.attention(q, k, v, channels**-0.5)
+    actual = kernel.attention(q, k, v, channels**-0.5, fp32=fp32)
     assert actual.shape == expected.shape and actual.dtype == dtype
-    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+    elif fp32:
+        torch.testing.assert_close(actual.float(), expected, atol=1e-3, rtol=2**-8)
+    else:
+        torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
+def test_attention_kernel_multiplies_in_fp32_where_bf16_products_are_slow(monkeypatch) -> None:
+    """The AVX-512 variant's products run on fp32 FMAs by default exactly where bf16 dot products
+    are slower than fp32 FMAs (an Intel Xeon without AMX); the AVX2 variant computes in fp32
+    anyway, and bf16 products are never asked of it. The two forms differ (P in bf16 or fp32)."""
+    from genfast.platform import hardware
+
+    for fast in (True, False):
+        monkeypatch.setattr(hardware, "fast_bf16_products", lambda fast=fast: fast)
+        assert kernel.fp32_products() == (kernel.loaded_isa() == "avx512" and not fast)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, n, 32, generator=gen).to(KERNEL_DTYPES[-1]) for n in (40, 300, 300))
+    by_default = kernel.attention(q, k, v, 32**-0.5)
+    assert torch.equal(by_default, kernel.attention(q, k, v, 32**-0.5, fp32=kernel.fp32_products()))
+    if kernel.loaded_isa() == "avx512":
+        fp32, bf16 = (kernel.attention(q, k, v, 32**-0.5, fp32=fp32) for fp32 in (True, False))
+        assert not torch.equal(fp32, bf16)
 
 
 @pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
@@ -73,7 +98,10 @@ INT8_PRODUCTS = KERNEL_DTYPES and kernel.has_int8_products()
 
 
 @pytest.mark.skipif(not INT8_PRODUCTS, reason="the loaded attention kernel has no int8 products (AVX-512 only)")
-@pytest.mark.parametrize(("int8_scores", "int8_values"), [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(
+    ("int8_scores", "int8_values", "fp32"),
+    [(True, False, False), (False, True, False), (True, True, False), (True, False, True), (False, True, True)],
+)
 @pytest.mark.parametrize(
     ("windows", "queries", "keys", "channels"),
     [
@@ -82,11 +110,14 @@ INT8_PRODUCTS = KERNEL_DTYPES and kernel.has_int8_products()
         (1, 70, 300, 112),  # heads of 7 vectors; rows not a multiple of a tile's; a partial block of keys
     ],
 )
-def test_attention_kernel_int8_products_match_sdpa(windows, queries, keys, channels, int8_scores, int8_values) -> None:
-    """Either product or both on int8 codes: the output within 4% of its norm of fp32 SDPA on the
-    same bf16 inputs (measured ~1-2%: each code rounds to 1/254 of its row's or block's range;
-    bf16 is ~0.2%), scores sharp enough (std ~2) that their errors show. A query row and a key of
-    zeros (scale 0) take part, and a channel of V that is zero in every key (scale 0)."""
+def test_attention_kernel_int8_products_match_sdpa(
+    windows, queries, keys, channels, int8_scores, int8_values, fp32
+) -> None:
+    """Either product or both on int8 codes (the other on bf16 dot products or fp32 FMAs): the
+    output within 4% of its norm of fp32 SDPA on the same bf16 inputs (measured ~1-2%: each code
+    rounds to 1/254 of its row's or block's range; bf16 is ~0.2%), scores sharp enough (std ~2)
+    that their errors show. A query row and a key of zeros (scale 0) take part, and a channel of V
+    that is zero in every key (scale 0)."""
     gen = torch.Generator().manual_seed(2)
     q = (2 * torch.randn(windows, 1, queries, channels, generator=gen)).bfloat16()
     k, v = (torch.randn(windows, 1, keys, channels, generator=gen).bfloat16() for _ in range(2))
@@ -94,10 +125,10 @@ def test_attention_kernel_int8_products_match_sdpa(windows, queries, keys, chann
     k[:, :, 5] = 0
     v[..., 7] = 0
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    actual = kernel.attention(q, k, v, channels**-0.5, int8_scores, int8_values).float()
-    bf16 = kernel.attention(q, k, v, channels**-0.5).float()
+    actual = kernel.attention(q, k, v, channels**-0.5, int8_scores, int8_values, fp32).float()
+    without_int8 = kernel.attention(q, k, v, channels**-0.5, fp32=fp32).float()
     error = ((actual - expected).norm() / expected.norm()).item()
-    assert error < 0.04 and not torch.equal(actual, bf16), error
+    assert error < 0.04 and not torch.equal(actual, without_int8), error
     torch.testing.assert_close(actual[:, :, 3], expected[:, :, 3], atol=2e-2, rtol=2e-2)  # a uniform softmax
     assert not actual[..., 7].any()
 
