@@ -97,16 +97,18 @@ def _use_int8_attention(module: torch.nn.Module) -> None:
             sub.use_int8_attention()
 
 
-def _quantize_memory_attention(model: Sam, settings: SamSettings) -> None:
-    """SAM 2's memory attention (video): its linears as the encoder's, and its attention's products
-    on int8 codes (`_use_int8_attention`). SAM has none: nothing changes."""
+def _quantize_memory(model: Sam, settings: SamSettings) -> None:
+    """SAM 2's video modules: the memory attention's linears as the encoder's, and its attention's
+    products on int8 codes (`_use_int8_attention`); the memory encoder's linears (its fuser's
+    ConvNeXt MLPs, 4096 tokens of 256 -> 1024 -> 256 a frame) too. SAM has neither: nothing
+    changes."""
     from genfast.quant.linear import narrower_than, quantize_dynamic_int8
 
-    memory_attention = getattr(model, "memory_attention", None)
-    if memory_attention is None:
-        return
-    quantize_dynamic_int8(memory_attention, keep=narrower_than(INT8_MIN_FEATURES))
-    _use_int8_attention(memory_attention)
+    for name in ("memory_attention", "memory_encoder"):
+        module = getattr(model, name, None)
+        if module is not None:
+            quantize_dynamic_int8(module, keep=narrower_than(INT8_MIN_FEATURES))
+            _use_int8_attention(module)
 
 
 def _sparsify_2_4(encoder: torch.nn.Module, settings: SamSettings) -> None:
@@ -193,13 +195,13 @@ RECIPE = Recipe(
         ),
         steps.dynamic_int8(
             "int8 activations x int8 weights in the image encoder's linears (SAM 2: and the memory "
-            "attention's; Hiera's global attention and the memory attention compute their scores q k^T on "
-            "int8 codes where the CPU kernel has them)",
+            "attention's and memory encoder's; Hiera's global attention and the memory attention compute "
+            "their scores q k^T on int8 codes where the CPU kernel has them)",
             "logit error <= 10%, IoU >= 0.9",
             {"dynamic_int8": True},
             [
                 Transform(_quantize_dynamic_int8, ("image_encoder",), Stage.QUANTIZE),
-                Transform(_quantize_memory_attention, ("model",), Stage.QUANTIZE),
+                Transform(_quantize_memory, ("model",), Stage.QUANTIZE),
             ],
         ),
         # No kernel combines int8 and 2:4 sparsity: the sparse step replaces dynamic int8.

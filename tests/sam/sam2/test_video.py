@@ -430,8 +430,9 @@ def test_bf16_model(video) -> None:
 
 
 def test_dynamic_int8_step_tracks_within_its_budget(video, monkeypatch) -> None:
-    """The SAM recipe's dynamic-int8 step on video (eager): the memory attention's linears in int8
-    (256 wide here, as the real models') and, where the kernel has them, its products on int8 codes.
+    """The SAM recipe's dynamic-int8 step on video (eager): the memory attention's and the memory
+    encoder's linears in int8 (256 wide here, as the real models') and, where the kernel has them,
+    the memory attention's products on int8 codes.
     Every frame's masks of both objects within the step's IoU budget (0.9) of the step before it
     (fused-attention, bf16): on this tiny random model bf16 alone moves some masks further than
     that from fp32's (min IoU 0.24 on the prompted frame), so only the step's own change is bounded
@@ -451,6 +452,8 @@ def test_dynamic_int8_step_tracks_within_its_budget(video, monkeypatch) -> None:
         models.append(apply_recipe(model, dataclasses.replace(settings, compile=False)))
     layer = models[1].memory_attention.layers[0]
     assert all(isinstance(m, QuantLinear) for m in (layer.linear1, layer.linear2, layer.self_attn.q_proj))
+    fuser = models[1].memory_encoder.fuser.layers[0]
+    assert isinstance(fuser.pwconv1, QuantLinear) and isinstance(fuser.pwconv2, QuantLinear)
     int8_calls = []
     attention = kernel.attention
     monkeypatch.setattr(kernel, "attention", lambda *args: int8_calls.append(args[4] and args[5]) or attention(*args))
