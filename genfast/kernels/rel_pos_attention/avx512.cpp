@@ -105,7 +105,7 @@ static_assert(kKeyChunk <= kOnePassKeys && kOnePassKeys % kValueBlock == 0);  //
 
 // exp(x) for x <= 0 to the precision the probabilities keep (bf16): 2^n * p(r) with
 // x = n ln2 + r, |r| <= ln2 / 2, p the degree-4 Taylor polynomial (relative error < 5e-5; bf16
-// rounds at 4e-3). Two multiply-adds fewer than exp_nonpositive (common/avx512_vectors.h), on 4096 x 4096
+// rounds at 4e-3; with fp32 products P keeps the 5e-5, below the output's own rounding to bf16). Two multiply-adds fewer than exp_nonpositive (common/avx512_vectors.h), on 4096 x 4096
 // values per head of a global block.
 inline __m512 exp_to_bf16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));

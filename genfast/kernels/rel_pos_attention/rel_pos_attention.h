@@ -2,7 +2,7 @@
 // points. A variant supplies the attention itself as
 //
 //   at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-//                     const Bias& bias, double scale, Int8Products int8);
+//                     const Bias& bias, double scale, Products products);
 //
 // which checks what is its own (the dtypes it computes on, the strides it reads, whether it has
 // int8 products) and returns [B, Nq, heads, C] in q's dtype. products.int8_scores: q . k computed
