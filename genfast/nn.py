@@ -91,6 +91,33 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+class Fp32ProductsLinear(nn.Linear):
+    """nn.Linear (same parameters) that multiplies bf16 inputs in fp32 and rounds the result back to
+    bf16: the linears of a compute-bound bf16 model on a CPU whose bf16 products are slower than its
+    fp32 ones (`hardware.fast_bf16_products`), which keep bf16's memory and get fp32's rate. The
+    weight is widened on every call, a pass over 3x its bytes that is small next to the product
+    where many rows share it (an image's tokens); `use_fp32_products` installs it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.bfloat16:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+def use_fp32_products(model: nn.Module) -> int:
+    """Make every plain nn.Linear of `model` an `Fp32ProductsLinear` with the same parameters (no
+    copy), in place; subclasses and quantized layers stay as they are. Returns how many changed."""
+    names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    for name in names:
+        old = model.get_submodule(name)
+        new = Fp32ProductsLinear(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
+        new.weight, new.bias = old.weight, old.bias
+        new.train(old.training)
+        model.set_submodule(name, new)
+    return len(names)
+
+
 def grouped_by_expert(x: Tensor, experts: Tensor, out_features: int, matmul: Callable[[Tensor, int], Tensor]) -> Tensor:
     """Rows of `x` [R, K], row r multiplied by the weight of expert `experts[r]` ([R] int64):
     `matmul(rows, e)` once per expert present, on all of its rows at once (a prefill's tokens

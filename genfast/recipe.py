@@ -75,9 +75,10 @@ class Stage(IntEnum):
     KERNELS = 1  # which implementation computes an op (attention processors, native kernels)
     LAYOUT = 2  # memory formats
     REWRITE = 3  # modules replaced by equivalent ones (fused projections, 1x1 convs as linears)
-    QUANTIZE = 4  # fewer bits or fewer weights
-    COMPILE = 5  # torch.compile
-    WRAP = 6  # wrappers around the finished model (feature caches)
+    PRODUCTS = 4  # what the final floating-point layers multiply in (bf16 in fp32 where that is faster)
+    QUANTIZE = 5  # fewer bits or fewer weights
+    COMPILE = 6  # torch.compile
+    WRAP = 7  # wrappers around the finished model (feature caches)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class Transform:
 Requirement = Callable[[Target], "str | None"]  # why a step cannot run (or is degraded) on a target; None: fine
 
 
-def _no_requirement(target: Target) -> str | None:
+def no_requirement(target: Target) -> str | None:
     return None
 
 
@@ -109,9 +110,9 @@ class Step:
     changes: str
     budget: str
     sets: Mapping[str, Any] | Callable[[Target], Mapping[str, Any]] = field(default_factory=dict)
-    needs: Requirement = _no_requirement
-    declined: Requirement = _no_requirement
-    fallback: Requirement = _no_requirement
+    needs: Requirement = no_requirement
+    declined: Requirement = no_requirement
+    fallback: Requirement = no_requirement
     replaces: tuple[str, ...] = ()
     transforms: tuple[Transform, ...] = ()
     tunes: tuple[str, ...] = ()

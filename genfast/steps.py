@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from genfast.recipe import Step, Target, Transform
+from genfast.recipe import Requirement, Step, Target, Transform, no_requirement
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,10 @@ def _low_precision_unavailable(target: Target) -> str | None:
     return low_precision_note(target.device) if low_precision_name(target) is None else None
 
 
-def bf16(budget: str) -> Step:
+def bf16(budget: str, fallback: Requirement = no_requirement) -> Step:
     """Weights and activations in bfloat16. Left out under --dtype float32, and under --dtype auto
     on CPUs that emulate bf16 arithmetic (slower than fp32 there): every later step then computes
-    in fp32."""
+    in fp32. `fallback`: how a workload runs it in a lesser form on a target."""
     return Step(
         "bf16",
         "weights and activations in bfloat16 (or the --dtype given)",
@@ -68,6 +68,7 @@ def bf16(budget: str) -> Step:
         lambda target: {"dtype": low_precision_name(target)},
         needs=_low_precision_unavailable,
         declined=_float32_asked,
+        fallback=fallback,
     )
 
 

@@ -8,7 +8,14 @@ import torch.nn.functional as F
 from genfast.kernels.linear_few_rows import ops as few_rows
 from genfast.kernels.linear_few_rows.ops import MAX_FEW_ROWS
 from genfast.kernels.linear_widening_gemm import ops as widening_gemm
-from genfast.nn import Linear, auto_weight_dtype, row_linear, store_linear_weights
+from genfast.nn import (
+    Fp32ProductsLinear,
+    Linear,
+    auto_weight_dtype,
+    row_linear,
+    store_linear_weights,
+    use_fp32_products,
+)
 
 needs_few_rows_kernel = pytest.mark.skipif(
     few_rows.unavailable_reason() is not None, reason=f"few-row kernel: {few_rows.unavailable_reason()}"
@@ -222,3 +229,23 @@ def test_auto_weight_dtype(monkeypatch):
     assert auto_weight_dtype(cpu, torch.float32) == torch.bfloat16
     monkeypatch.setattr(few_rows, "unavailable_reason", lambda: "this CPU lacks avx2")
     assert auto_weight_dtype(cpu, torch.float32) == torch.float32
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_products_linear_rounds_the_fp32_product_to_bf16(bias):
+    """use_fp32_products changes the plain nn.Linears only, sharing their parameters; a bf16 input is
+    multiplied in fp32 and rounded to bf16 once, an fp32 one as by nn.Linear."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(96, 40, bias=bias), Linear(40, 24), torch.nn.Sequential(torch.nn.Linear(24, 8))
+    )
+    model.to(torch.bfloat16)
+    first = model[0]
+    assert use_fp32_products(model) == 2
+    assert type(model[0]) is Fp32ProductsLinear and type(model[2][0]) is Fp32ProductsLinear and type(model[1]) is Linear
+    assert model[0].weight is first.weight and model[0].bias is first.bias
+    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    want = F.linear(x.float(), first.weight.float(), None if first.bias is None else first.bias.float())
+    assert torch.equal(model[0](x), want.to(torch.bfloat16))
+    model.float()
+    assert torch.equal(model[0](x.float()), F.linear(x.float(), model[0].weight, model[0].bias))

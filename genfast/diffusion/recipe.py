@@ -7,7 +7,11 @@ the text encoders too; the feature cache reuses a UNet's deep features every oth
 skips a transformer's blocks after the first on steps where the first changed little.
 
 On a CPU without native bf16 arithmetic (no AVX512-BF16 or AMX: bf16 is emulated and slower than
-fp32) `--dtype auto` leaves the bf16 step out and every later step computes in fp32.
+fp32) `--dtype auto` leaves the bf16 step out and every later step computes in fp32. On one whose
+bf16 products are slower than its fp32 ones (an Intel Xeon without AMX:
+`hardware.fast_bf16_products`), and wherever bf16 is asked for on the former, the tensors stay bf16
+and the floating-point linears multiply in fp32 (`genfast.nn.Fp32ProductsLinear`): bf16's memory
+at fp32's rate where the time is in products.
 
 "Scheduler state on the host, no device syncs in the loop" is not a step: diffusers' pipelines
 and schedulers keep step indices as Python ints and sigmas on the CPU, and nothing genfast puts
@@ -199,6 +203,39 @@ def _cast(pipe: Any, settings: DiffusionSettings) -> None:
         pipe.to(dtype=dtype)
 
 
+def _slow_bf16_products(device: Any) -> bool:
+    from genfast.platform import hardware
+
+    return device.type == "cpu" and not hardware.fast_bf16_products()
+
+
+def _fp32_products_note(target: Target) -> str | None:
+    if target.dtype == "float32" or not _slow_bf16_products(target.device):
+        return None
+    return "this CPU's bf16 products are slower than its fp32 ones: the floating-point linears multiply in fp32"
+
+
+def _fp32_products(pipe: Any, settings: DiffusionSettings) -> None:
+    """In bf16 on a CPU whose bf16 products are slower than its fp32 ones, every floating-point
+    linear of the pipeline (denoiser, text encoders, VAE) multiplies in fp32: a transformer
+    denoiser's time is nearly all in its linears (docs/notes.md measures FLUX.1's). Runs after the
+    rewrites, so that fused projections are among them; dynamic int8 then replaces the ones it
+    quantizes."""
+    from torch import nn
+
+    from genfast.diffusion.pipelines import denoiser_of
+    from genfast.nn import use_fp32_products
+
+    denoiser = denoiser_of(pipe)
+    if settings.dtype != "bfloat16" or not _slow_bf16_products(next(denoiser.parameters()).device):
+        return
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+        part = getattr(pipe, name, None)
+        if isinstance(part, nn.Module):
+            use_fp32_products(part)
+    use_fp32_products(denoiser)
+
+
 def _set_attention(model: Any, settings: DiffusionSettings) -> None:
     from genfast.diffusion.attention import set_attention
 
@@ -291,9 +328,13 @@ RECIPE = Recipe(
     [
         steps.baseline(
             "fp32, attention by explicit softmax (AttnProcessor; SD3 and Flux: SDPA's math backend), eager",
-            [Transform(_cast, ("pipe",), Stage.PRECISION), Transform(_set_attention, MODELS, Stage.KERNELS)],
+            [
+                Transform(_cast, ("pipe",), Stage.PRECISION),
+                Transform(_set_attention, MODELS, Stage.KERNELS),
+                Transform(_fp32_products, ("pipe",), Stage.PRODUCTS),
+            ],
         ),
-        steps.bf16("PSNR >= 35 dB (tiny models: ~48)"),
+        steps.bf16("PSNR >= 35 dB (tiny models: ~48)", fallback=_fp32_products_note),
         Step(
             "sdpa",
             "F.scaled_dot_product_attention: AttnProcessor2_0, JointAttnProcessor2_0 (SD3), backend 'native' (Flux)",

@@ -20,6 +20,7 @@ from genfast.diffusion.quality import psnr
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, PipelineTarget, apply_recipe
 from genfast.errors import UserError
 from genfast.kernels.group_norm.ops import unavailable_reason as group_norm_unavailable
+from genfast.platform import hardware
 from genfast.quant.conv import DynamicInt8Conv2d, fewer_channels_than
 from genfast.quant.linear import QuantLinear, narrower_than
 from genfast.recipe import Target
@@ -119,6 +120,7 @@ def test_cpu_kernel_steps_follow_the_recipe_rule_where_they_cannot_run(monkeypat
     import genfast.kernels.group_norm.ops as group_norm
     import genfast.quant.conv as conv
 
+    monkeypatch.setattr(hardware, "fast_bf16_products", lambda: True)  # no bf16 note (test_transformers.py)
     monkeypatch.setattr(conv, "int8_conv_unavailable_reason", lambda device: "no oneDNN here")
     monkeypatch.setattr(group_norm, "unavailable_reason", lambda: "no kernel here")
     plan = RECIPE.plan("regional-compile", Target(torch.device("cpu"), "bfloat16"))

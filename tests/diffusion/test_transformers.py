@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("diffusers")
 
@@ -25,6 +26,8 @@ from genfast.diffusion.pipelines import DenoiserWrapper, initial_latents, native
 from genfast.diffusion.quality import psnr
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe, pipeline_target
 from genfast.errors import UserError
+from genfast.nn import Fp32ProductsLinear
+from genfast.platform import hardware
 from genfast.quant.conv import DynamicInt8Conv2d
 from genfast.quant.linear import QuantLinear
 from genfast.recipe import Target
@@ -159,11 +162,34 @@ def test_fuse_unfuse_round_trip(arch):
 def test_convolution_steps_say_they_change_the_vae_only(arch):
     pipe = tiny_pipeline(arch)
     plan = RECIPE.plan("group-norm-kernel", pipeline_target(pipe, "bfloat16"))
-    convolution_notes = {step: note for step, note in plan.notes if step != "fused-attention"}
+    convolution_notes = {step: note for step, note in plan.notes if step not in ("bf16", "fused-attention")}
     assert {"channels-last", "conv1x1-linear"} <= convolution_notes.keys()
     assert all("changes the VAE only" in note for note in convolution_notes.values())
     unet = RECIPE.plan("group-norm-kernel", pipeline_target(tiny_pipeline("sd15"), "bfloat16"))
-    assert [step for step, _ in unet.notes] == ["fused-attention"]  # (transformers only: test_attention_kernel.py)
+    assert [step for step, _ in unet.notes if step != "bf16"] == ["fused-attention"]  # (test_attention_kernel.py)
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_bf16_linears_multiply_in_fp32_where_bf16_products_are_slower(arch, baseline, monkeypatch, fast_bf16):
+    """Where the CPU's bf16 products are slower than its fp32 ones (`hardware.fast_bf16_products`:
+    an Intel Xeon without AMX) the bf16 step keeps bf16 tensors and every floating-point linear of
+    the pipeline multiplies in fp32, fused projections included, and its row says so; dynamic int8
+    still quantizes the denoiser's. Elsewhere they stay nn.Linear."""
+    monkeypatch.setattr(hardware, "fast_bf16_products", lambda: fast_bf16)
+    pipe = apply_recipe(tiny_pipeline(arch), eager("fused-qkv"))
+    parts = [pipe.transformer, pipe.vae, pipe.text_encoder]
+    wide = [name for part in parts for name, m in part.named_modules() if isinstance(m, Fp32ProductsLinear)]
+    plain = [name for part in parts for name, m in part.named_modules() if type(m) is nn.Linear]
+    note = dict(RECIPE.plan("fused-qkv", pipeline_target(pipe, "bfloat16")).notes).get("bf16")
+    if fast_bf16:
+        assert not wide and plain and note is None
+    else:
+        assert wide and not plain and "multiply in fp32" in note
+        assert any(name.endswith("to_qkv") for name in wide)
+        assert next(pipe.transformer.parameters()).dtype == torch.bfloat16
+    assert psnr(generate(pipe), baseline) >= STEP_PSNR
+    quantized = apply_recipe(tiny_pipeline(arch), eager("dynamic-int8")).transformer
+    assert not any(isinstance(m, (Fp32ProductsLinear, nn.Linear)) for m in quantized.transformer_blocks.modules())
 
 
 def test_sizes_and_latents(arch):
