@@ -360,8 +360,8 @@ RECIPE = Recipe(
         ),
         Step(
             "fused-attention",
-            "FLUX.1's and SD3's attention by genfast's native CPU kernel (AVX-512: bf16 dot products, "
-            "AVX2: fp32) instead of SDPA; other denoisers keep SDPA",
+            "FLUX.1's and SD3's attention by genfast's native CPU kernel (AVX-512: bf16 dot products, or "
+            "fp32 FMAs where those are slower; AVX2: fp32) instead of SDPA; other denoisers keep SDPA",
             "as bf16 (fp32 on AVX-512: SDPA, exact)",
             {"attention_kernel": True},
             fallback=_attention_kernel_note,
