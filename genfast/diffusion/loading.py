@@ -237,12 +237,13 @@ def quantize_text_encoders(pipe: Any) -> list[str]:
     blocks of 32 by the native kernel: llama.cpp's Q8_0 arithmetic, which FLUX.1 users commonly
     run T5-XXL in). T5's feed-forward output (`wo`) stays: transformers reads its weight's dtype.
     T5-XXL: 9.5 GB in bf16 -> 5.9 GB. Returns the encoders quantized."""
+    from genfast.diffusion.memory import TEXT_ENCODERS
     from genfast.quant.linear import quantize_linears
 
     def keep(name: str, linear: nn.Linear) -> bool:
         return name.endswith(".wo")
 
-    names = [n for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if getattr(pipe, n, None) is not None]
+    names = [n for n in TEXT_ENCODERS if getattr(pipe, n, None) is not None]
     for name in names:
         quantize_linears(getattr(pipe, name), 8, keep=keep)
     return names

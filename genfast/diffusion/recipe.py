@@ -223,13 +223,14 @@ def _fp32_products(pipe: Any, settings: DiffusionSettings) -> None:
     quantizes."""
     from torch import nn
 
+    from genfast.diffusion.memory import TEXT_ENCODERS
     from genfast.diffusion.pipelines import denoiser_of
     from genfast.nn import use_fp32_products
 
     denoiser = denoiser_of(pipe)
     if settings.dtype != "bfloat16" or not _slow_bf16_products(next(denoiser.parameters()).device):
         return
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+    for name in (*TEXT_ENCODERS, "vae"):
         part = getattr(pipe, name, None)
         if isinstance(part, nn.Module):
             use_fp32_products(part)
