@@ -35,6 +35,7 @@ from torch import nn
 from genfast.errors import UserError
 
 QUANTS = ("none", "int8")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # a pipeline's attributes
 SINGLE_FILE = "diffusion_pytorch_model.safetensors"
 INDEX_FILE = SINGLE_FILE + ".index.json"
 
@@ -237,7 +238,6 @@ def quantize_text_encoders(pipe: Any) -> list[str]:
     blocks of 32 by the native kernel: llama.cpp's Q8_0 arithmetic, which FLUX.1 users commonly
     run T5-XXL in). T5's feed-forward output (`wo`) stays: transformers reads its weight's dtype.
     T5-XXL: 9.5 GB in bf16 -> 5.9 GB. Returns the encoders quantized."""
-    from genfast.diffusion.memory import TEXT_ENCODERS
     from genfast.quant.linear import quantize_linears
 
     def keep(name: str, linear: nn.Linear) -> bool:

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from genfast.diffusion.loading import TEXT_ENCODERS, block_lists
 from genfast.errors import UserError
 
 GIB = 2**30
 ACTIVATION_BYTES = GIB // 2
 BYTES_PER_PIXEL = 2048  # 0.5 GiB at 512x512, 2 GiB at 1024x1024
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def module_bytes(module: nn.Module, dtype: torch.dtype, quantized: Any = None) -> int:
@@ -67,8 +67,6 @@ def estimate(
     transformer, vae, text_encoder...) are `models`, built on the meta device, in `dtype`, with
     `--quant` `quant` (the transformer's linears of >= `min_features` in int8, the text encoders'
     but T5's `wo`: genfast/diffusion/loading.py), for images of `pixels` pixels."""
-    from genfast.diffusion.loading import block_lists
-
     int8 = quant == "int8"
 
     def wide(name: str, linear: nn.Linear) -> bool:

@@ -223,7 +223,7 @@ def _fp32_products(pipe: Any, settings: DiffusionSettings) -> None:
     quantizes."""
     from torch import nn
 
-    from genfast.diffusion.memory import TEXT_ENCODERS
+    from genfast.diffusion.loading import TEXT_ENCODERS
     from genfast.diffusion.pipelines import denoiser_of
     from genfast.nn import use_fp32_products
 
