@@ -105,16 +105,54 @@ class Fp32ProductsLinear(nn.Linear):
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
 
+class Fp32ProductsConv2d(nn.Conv2d):
+    """nn.Conv2d (same parameters) that convolves bf16 inputs in fp32 and rounds the result back to
+    bf16, as `Fp32ProductsLinear` does for linears: a VAE's or a UNet's convolutions are most of
+    their time. The input's widening is a pass over its bytes that a compiled graph fuses into the
+    op that produced it (a GroupNorm and SiLU before most of them)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.bfloat16:
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias.float()
+        return self._conv_forward(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+def _fp32_products_layer(layer: nn.Module) -> nn.Module:
+    """The Fp32Products* form of a plain nn.Linear or nn.Conv2d, holding the same parameters."""
+    if type(layer) is nn.Linear:
+        new: nn.Module = Fp32ProductsLinear(layer.in_features, layer.out_features, bias=False, device="meta")
+    else:
+        c = layer
+        new = Fp32ProductsConv2d(
+            c.in_channels, c.out_channels, c.kernel_size, c.stride, c.padding, c.dilation, c.groups,
+            bias=False, padding_mode=c.padding_mode, device="meta",
+        )  # fmt: skip
+    new.weight, new.bias = layer.weight, layer.bias
+    new.train(layer.training)
+    return new
+
+
+# Convolutions of fewer input channels stay in bf16 products: they are cheap (a VAE's conv_in on 4 or
+# 16 latent channels), and torch picks an fp32 convolution's backend by its size below 20480
+# elements, a guard in a compiled graph; 64 channels or more keep every map of a real image above it,
+# so that a new image size does not recompile.
+FP32_CONV_MIN_CHANNELS = 64
+
+
+def _wants_fp32_products(layer: nn.Module) -> bool:
+    if type(layer) is nn.Conv2d:
+        return layer.in_channels >= FP32_CONV_MIN_CHANNELS
+    return type(layer) is nn.Linear
+
+
 def use_fp32_products(model: nn.Module) -> int:
-    """Make every plain nn.Linear of `model` an `Fp32ProductsLinear` with the same parameters (no
-    copy), in place; subclasses and quantized layers stay as they are. Returns how many changed."""
-    names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    """Make every plain nn.Linear and nn.Conv2d (of >= FP32_CONV_MIN_CHANNELS input channels) of
+    `model` multiply in fp32 (`Fp32ProductsLinear`, `Fp32ProductsConv2d`) with the same parameters
+    (no copy), in place; subclasses and quantized layers stay as they are. Returns how many changed."""
+    names = [name for name, m in model.named_modules() if _wants_fp32_products(m)]
     for name in names:
-        old = model.get_submodule(name)
-        new = Fp32ProductsLinear(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
-        new.weight, new.bias = old.weight, old.bias
-        new.train(old.training)
-        model.set_submodule(name, new)
+        model.set_submodule(name, _fp32_products_layer(model.get_submodule(name)))
     return len(names)
 
 

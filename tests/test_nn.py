@@ -9,6 +9,7 @@ from genfast.kernels.linear_few_rows import ops as few_rows
 from genfast.kernels.linear_few_rows.ops import MAX_FEW_ROWS
 from genfast.kernels.linear_widening_gemm import ops as widening_gemm
 from genfast.nn import (
+    Fp32ProductsConv2d,
     Fp32ProductsLinear,
     Linear,
     auto_weight_dtype,
@@ -249,3 +250,26 @@ def test_fp32_products_linear_rounds_the_fp32_product_to_bf16(bias):
     assert torch.equal(model[0](x), want.to(torch.bfloat16))
     model.float()
     assert torch.equal(model[0](x.float()), F.linear(x.float(), model[0].weight, model[0].bias))
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_fp32_products_conv_rounds_the_fp32_convolution_to_bf16(padding_mode):
+    """use_fp32_products changes the plain nn.Conv2ds of 64 input channels or more too, keeping every
+    hyperparameter and sharing the parameters; a bf16 input (channels-last kept) is convolved in
+    fp32 and rounded once."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(64, 10, 3, stride=2, padding=1, dilation=1, groups=2, padding_mode=padding_mode)
+    narrow = torch.nn.Conv2d(10, 64, 3)
+    model = torch.nn.Sequential(conv, torch.nn.SiLU(), narrow).to(torch.bfloat16)
+    assert use_fp32_products(model) == 1 and type(model[2]) is torch.nn.Conv2d  # (FP32_CONV_MIN_CHANNELS)
+    wide = model[0]
+    assert type(wide) is Fp32ProductsConv2d and wide.weight is conv.weight and wide.bias is conv.bias
+    assert (wide.stride, wide.padding, wide.groups, wide.padding_mode) == ((2, 2), (1, 1), 2, padding_mode)
+    x = torch.randn(2, 64, 9, 11, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    want = torch.nn.Conv2d(64, 10, 3, stride=2, padding=1, groups=2, padding_mode=padding_mode)
+    want.load_state_dict({k: v.float() for k, v in conv.state_dict().items()})
+    y = wide(x)
+    assert y.dtype == torch.bfloat16 and y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(y, want(x.float()).to(torch.bfloat16))
+    model.float()
+    assert torch.equal(wide(x.float()), want(x.float()))

@@ -10,8 +10,8 @@ On a CPU without native bf16 arithmetic (no AVX512-BF16 or AMX: bf16 is emulated
 fp32) `--dtype auto` leaves the bf16 step out and every later step computes in fp32. On one whose
 bf16 products are slower than its fp32 ones (an Intel Xeon without AMX:
 `hardware.fast_bf16_products`), and wherever bf16 is asked for on the former, the tensors stay bf16
-and the floating-point linears multiply in fp32 (`genfast.nn.Fp32ProductsLinear`): bf16's memory
-at fp32's rate where the time is in products.
+and the floating-point linears and convolutions multiply in fp32 (`genfast.nn.use_fp32_products`):
+bf16's memory at fp32's rate where the time is in products.
 
 "Scheduler state on the host, no device syncs in the loop" is not a step: diffusers' pipelines
 and schedulers keep step indices as Python ints and sigmas on the CPU, and nothing genfast puts
@@ -212,15 +212,18 @@ def _slow_bf16_products(device: Any) -> bool:
 def _fp32_products_note(target: Target) -> str | None:
     if target.dtype == "float32" or not _slow_bf16_products(target.device):
         return None
-    return "this CPU's bf16 products are slower than its fp32 ones: the floating-point linears multiply in fp32"
+    return (
+        "this CPU's bf16 products are slower than its fp32 ones: "
+        "the floating-point linears and convolutions multiply in fp32"
+    )
 
 
 def _fp32_products(pipe: Any, settings: DiffusionSettings) -> None:
     """In bf16 on a CPU whose bf16 products are slower than its fp32 ones, every floating-point
-    linear of the pipeline (denoiser, text encoders, VAE) multiplies in fp32: a transformer
-    denoiser's time is nearly all in its linears (docs/notes.md measures FLUX.1's). Runs after the
-    rewrites, so that fused projections are among them; dynamic int8 then replaces the ones it
-    quantizes."""
+    linear and convolution of the pipeline (denoiser, text encoders, VAE) multiplies in fp32: a
+    transformer denoiser's time is nearly all in its linears, a VAE decoder's in its convolutions
+    (docs/notes.md measures both). Runs after the rewrites, so that fused projections are among
+    them; the int8 steps then replace the ones they quantize."""
     from torch import nn
 
     from genfast.diffusion.loading import TEXT_ENCODERS

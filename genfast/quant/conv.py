@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genfast.nn import Fp32ProductsConv2d
 from genfast.platform import hardware
 
 ConvFilter = Callable[[str, nn.Conv2d], bool]  # (name, conv) -> True to keep it in floating point
@@ -140,12 +141,15 @@ class DynamicInt8Conv2d(nn.Module):
 
 
 def quantize_dynamic_int8_convs(model: nn.Module, keep: ConvFilter | None = None) -> list[str]:
-    """Replace every nn.Conv2d of `model` that `keep` does not keep (and that DynamicInt8Conv2d
-    supports) with a DynamicInt8Conv2d, in place; returns the names replaced."""
+    """Replace every nn.Conv2d of `model` (plain, or multiplying in fp32) that `keep` does not keep
+    (and that DynamicInt8Conv2d supports) with a DynamicInt8Conv2d, in place; returns the names
+    replaced."""
     targets = [
         (name, conv)
         for name, conv in model.named_modules()
-        if type(conv) is nn.Conv2d and supports(conv) and not (keep is not None and keep(name, conv))
+        if type(conv) in (nn.Conv2d, Fp32ProductsConv2d)
+        and supports(conv)
+        and not (keep is not None and keep(name, conv))
     ]
     for name, conv in targets:
         model.set_submodule(name, DynamicInt8Conv2d(conv))

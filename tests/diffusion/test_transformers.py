@@ -174,7 +174,8 @@ def test_bf16_linears_multiply_in_fp32_where_bf16_products_are_slower(arch, base
     """Where the CPU's bf16 products are slower than its fp32 ones (`hardware.fast_bf16_products`:
     an Intel Xeon without AMX) the bf16 step keeps bf16 tensors and every floating-point linear of
     the pipeline multiplies in fp32, fused projections included, and its row says so; dynamic int8
-    still quantizes the denoiser's. Elsewhere they stay nn.Linear."""
+    still quantizes the denoiser's. Elsewhere they stay nn.Linear. (The convolutions of these tiny
+    VAEs are narrower than FP32_CONV_MIN_CHANNELS: test_nn.py and quant/test_conv.py test theirs.)"""
     monkeypatch.setattr(hardware, "fast_bf16_products", lambda: fast_bf16)
     pipe = apply_recipe(tiny_pipeline(arch), eager("fused-qkv"))
     parts = [pipe.transformer, pipe.vae, pipe.text_encoder]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from genfast.nn import Fp32ProductsConv2d, use_fp32_products
 from genfast.quant.conv import DynamicInt8Conv2d, int8_conv_unavailable_reason, quantize_dynamic_int8_convs
 
 pytestmark = pytest.mark.skipif(
@@ -89,6 +90,15 @@ def test_replacement_follows_the_filter_and_skips_unsupported_convs():
     assert isinstance(model[1], DynamicInt8Conv2d) and type(model[0]) is nn.Conv2d
     with pytest.raises(ValueError, match="groups=1"):
         DynamicInt8Conv2d(nn.Conv2d(8, 8, 3, groups=2))
+
+
+def test_convolutions_multiplying_in_fp32_are_replaced_as_plain_ones():
+    """The bf16 step's fp32-product convolutions (genfast.nn, on CPUs with slow bf16 products) are
+    among those the int8-conv step replaces."""
+    model = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.Conv2d(64, 64, 3, padding="same"))
+    assert use_fp32_products(model) == 2
+    assert quantize_dynamic_int8_convs(model) == ["0"]
+    assert isinstance(model[0], DynamicInt8Conv2d) and type(model[1]) is Fp32ProductsConv2d
 
 
 def test_no_int8_convolution_off_the_cpu():
