@@ -146,11 +146,14 @@ def _wants_fp32_products(layer: nn.Module) -> bool:
     return type(layer) is nn.Linear
 
 
-def use_fp32_products(model: nn.Module) -> int:
+def use_fp32_products(
+    model: nn.Module, kinds: tuple[type[nn.Linear] | type[nn.Conv2d], ...] = (nn.Linear, nn.Conv2d)
+) -> int:
     """Make every plain nn.Linear and nn.Conv2d (of >= FP32_CONV_MIN_CHANNELS input channels) of
     `model` multiply in fp32 (`Fp32ProductsLinear`, `Fp32ProductsConv2d`) with the same parameters
-    (no copy), in place; subclasses and quantized layers stay as they are. Returns how many changed."""
-    names = [name for name, m in model.named_modules() if _wants_fp32_products(m)]
+    (no copy), in place; subclasses and quantized layers stay as they are. `kinds` narrows it to
+    one kind of layer (benchmarks/fp32_products.py compares them). Returns how many changed."""
+    names = [name for name, m in model.named_modules() if type(m) in kinds and _wants_fp32_products(m)]
     for name in names:
         model.set_submodule(name, _fp32_products_layer(model.get_submodule(name)))
     return len(names)

@@ -252,6 +252,15 @@ def test_fp32_products_linear_rounds_the_fp32_product_to_bf16(bias):
     assert torch.equal(model[0](x.float()), F.linear(x.float(), model[0].weight, model[0].bias))
 
 
+def test_fp32_products_can_be_narrowed_to_one_kind_of_layer():
+    """`kinds` limits use_fp32_products to the kinds named (the benchmark's linears-only form)."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 8, 1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    assert use_fp32_products(model, kinds=(torch.nn.Linear,)) == 1
+    assert type(model[0]) is torch.nn.Conv2d and type(model[2]) is Fp32ProductsLinear
+    assert use_fp32_products(model, kinds=(torch.nn.Conv2d,)) == 1
+    assert type(model[0]) is Fp32ProductsConv2d and use_fp32_products(model) == 0
+
+
 @pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
 def test_fp32_products_conv_rounds_the_fp32_convolution_to_bf16(padding_mode):
     """use_fp32_products changes the plain nn.Conv2ds of 64 input channels or more too, keeping every

@@ -18,12 +18,13 @@ not fit in this machine's memory are refused with the GiB they need.
 
 On FLUX.1 and SD 3.5 the last row, `cache-dit`, is cache-dit's DBCache (the package's one-call
 `enable_cache`) on diffusers' own pipeline as the first row runs it, configured as genfast's block
-cache is (feature-cache: first block only, F1B0; the same threshold, warm-up and cached steps in a
-row): the peer of the feature-cache row. It is skipped, saying so, where cache-dit is not installed
-(scripts/setup.sh bench installs it). With random weights, how many steps a cache skips is not
-what a trained model's would be: both rows say how many they skipped. `--cache-threshold` sets
-both rows' threshold (the feature-cache step's parameter, Step.tunes, which travels to every row's
-process in the options and changes only the plans that apply that step), so that random weights
+cache is (feature-cache: first block only, F1B0, unless `--cache-blocks` says otherwise; the same
+threshold, warm-up and cached steps in a row): the peer of the feature-cache row. It is skipped,
+saying so, where cache-dit is not installed (scripts/setup.sh bench installs it). With random
+weights, how many steps a cache skips is not what a trained model's would be: both rows say how
+many they skipped. `--cache-threshold` sets both rows' threshold and `--cache-blocks` their front
+and back blocks (the feature-cache step's parameters, Step.tunes, which travel to every row's
+process in the options and change only the plans that apply that step), so that random weights
 can show what a cached step costs.
 """
 
@@ -205,8 +206,13 @@ class DiffusionLadder(Ladder):
             "size": args.size,
             "denoising_steps": args.denoising_steps,
             **self._depth(args.arch, getattr(args, "blocks", None)),
-            **self._cache_threshold(args.arch, getattr(args, "cache_threshold", None)),
         }
+        tuned = {
+            **self._cache_threshold(args.arch, getattr(args, "cache_threshold", None)),
+            **self._cache_blocks(args.arch, getattr(args, "cache_blocks", None), options["blocks"]),
+        }
+        if tuned:
+            options[TUNED] = tuned
         if args.arch in DIT_ARCHS:
             options.update(_dit_sizes(args.arch, options["blocks"], args.size))
         return options
@@ -226,7 +232,25 @@ class DiffusionLadder(Ladder):
                 f"--cache-threshold sets the block cache's threshold of FLUX.1 and SD 3.5: {arch}'s feature cache is "
                 "DeepCache, which reuses a UNet's deep features at a fixed interval and has no threshold"
             )
-        return {TUNED: {"block_cache_threshold": threshold}}
+        return {"block_cache_threshold": threshold}
+
+    @staticmethod
+    def _cache_blocks(arch: str, blocks: str | None, built: int | None) -> Options:
+        """--cache-blocks F,B as the feature-cache step's tuned front and back block counts."""
+        if blocks is None:
+            return {}
+        if not _is_dit(arch):
+            raise UserError(f"--cache-blocks sets the block cache of FLUX.1 and SD 3.5: {arch}'s denoiser is a UNet")
+        parts = blocks.split(",")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[0]) < 1:
+            raise UserError(f"--cache-blocks {blocks}: give F,B, front blocks >= 1 and back blocks >= 0 (e.g. 1,0)")
+        front, back = int(parts[0]), int(parts[1])
+        if built is not None and front + back >= built:
+            raise UserError(
+                f"--cache-blocks {blocks}: the cache needs a block to skip between its front and back blocks, and "
+                f"{built} are built (--blocks)"
+            )
+        return {"block_cache_front": front, "block_cache_back": back}
 
     @staticmethod
     def _depth(arch: str, blocks: int | None) -> Options:
@@ -289,9 +313,12 @@ class DiffusionLadder(Ladder):
             f"{options['size']}, {options['denoising_steps']} denoising steps, on {machine}; median of "
             f"{options['repeats']}; steps from bf16 on in {dtype}"
         )
-        threshold = options.get(TUNED, {}).get("block_cache_threshold", BLOCK_CACHE_THRESHOLD)
+        tuned = options.get(TUNED, {})
+        threshold = tuned.get("block_cache_threshold", BLOCK_CACHE_THRESHOLD)
         if threshold != BLOCK_CACHE_THRESHOLD:  # --cache-threshold
             header += f"; both caches' threshold {threshold} (the recipe's: {BLOCK_CACHE_THRESHOLD})"
+        if "block_cache_front" in tuned:  # --cache-blocks
+            header += f"; both caches' front and back blocks F{tuned['block_cache_front']}B{tuned['block_cache_back']}"
         return header
 
     def model(self, options: Options) -> str:
@@ -463,14 +490,14 @@ class DiffusionLadder(Ladder):
 
 def _enable_cache_dit(pipe: Any, settings: DiffusionSettings) -> str:
     """cache-dit's DBCache on `pipe`, configured as genfast's block cache with `settings` (the
-    feature-cache row's): the first block computed and compared (F1B0), the same threshold, warm-up
-    steps and cached steps in a row. Returns the row's note."""
+    feature-cache row's): the same front and back blocks (F1B0 by default), threshold, warm-up steps
+    and cached steps in a row. Returns the row's note."""
     os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")  # read when it is imported: info logs every call
     import cache_dit
 
     config = cache_dit.DBCacheConfig(
-        Fn_compute_blocks=1,
-        Bn_compute_blocks=0,
+        Fn_compute_blocks=settings.block_cache_front,
+        Bn_compute_blocks=settings.block_cache_back,
         residual_diff_threshold=settings.block_cache_threshold,
         max_warmup_steps=settings.block_cache_warmup,
         max_continuous_cached_steps=settings.feature_cache_interval - 1,

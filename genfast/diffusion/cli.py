@@ -140,5 +140,13 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
         f"other blocks (default: the recipe's, {BLOCK_CACHE_THRESHOLD}, under which random weights at the real width "
         "cache no step: a higher one shows what a cached step costs)",
     )
+    g.add_argument(
+        "--cache-blocks",
+        default=None,
+        metavar="F,B",
+        help="FLUX.1 and SD 3.5: both cache rows' front blocks, computed before the decision, and back blocks, "
+        "computed after the cached ones on every step (cache-dit's Fn_compute_blocks and Bn_compute_blocks; "
+        "default: the recipe's, 1,0)",
+    )
     add_bench_args(b, "diffusion", repeats=3)
     b.set_defaults(run=lazy("genfast.diffusion.bench", "bench_command"))

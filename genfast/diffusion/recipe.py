@@ -96,14 +96,16 @@ class DiffusionSettings(steps.StepSettings):
     group_norm_kernel: bool = False
     dynamic_shapes: bool = False  # compile with symbolic sizes: a new resolution reuses the graphs
     # The feature-cache step. A UNet runs whole every feature_cache_interval steps (DeepCache); a
-    # transformer runs every block at least every feature_cache_interval steps, and skips all but
-    # its first block on the steps between when the first block's residual changed less than
-    # block_cache_threshold since the last full step (the block cache), never in its first
-    # block_cache_warmup steps.
+    # transformer runs every block at least every feature_cache_interval steps, and on the steps
+    # between skips its middle blocks when its first block_cache_front blocks' residual changed
+    # less than block_cache_threshold since the last full step (the block cache), never in its
+    # first block_cache_warmup steps; its last block_cache_back blocks run on every step.
     feature_cache: bool = False
     feature_cache_interval: int = 2
     block_cache_threshold: float = BLOCK_CACHE_THRESHOLD
     block_cache_warmup: int = 1
+    block_cache_front: int = 1
+    block_cache_back: int = 0
 
 
 @dataclass(frozen=True)
@@ -316,8 +318,15 @@ def _cache_features(pipe: Any, settings: DiffusionSettings) -> None:
     if type(denoiser).__name__ == UNET:
         cached = DeepCacheUNet(denoiser, pipe.scheduler, interval)
     else:
-        threshold, warmup = settings.block_cache_threshold, settings.block_cache_warmup
-        cached = BlockCache(denoiser, pipe.scheduler, threshold, warmup, interval)
+        cached = BlockCache(
+            denoiser,
+            pipe.scheduler,
+            settings.block_cache_threshold,
+            settings.block_cache_warmup,
+            interval,
+            front=settings.block_cache_front,
+            back=settings.block_cache_back,
+        )
     setattr(pipe, denoiser_name(pipe), cached)
 
 
@@ -426,14 +435,21 @@ RECIPE = Recipe(
         Step(
             "feature-cache",
             "UNets: DeepCache, deep features reused every other step; transformers (FLUX.1, SD3, PixArt): "
-            "first-block residual cache, the other blocks skipped at most every other step, when the first "
-            f"block's residual changed < {BLOCK_CACHE_THRESHOLD} since the last full step",
+            "first-block residual cache (cache-dit's F1B0; block_cache_front and block_cache_back set Fn and Bn), "
+            "the other blocks skipped at most every other step, when the first block's residual changed < "
+            f"{BLOCK_CACHE_THRESHOLD} since the last full step",
             "not accuracy-preserving: PSNR >= 30 dB vs the same recipe uncached on tiny models (UNets: ~50; "
             "transformers: see tests/diffusion/test_block_cache.py)",
             {"feature_cache": True},
             needs=_feature_cache_unavailable,
             transforms=(Transform(_cache_features, ("pipe",), Stage.WRAP),),
-            tunes=("feature_cache_interval", "block_cache_threshold", "block_cache_warmup"),
+            tunes=(
+                "feature_cache_interval",
+                "block_cache_threshold",
+                "block_cache_warmup",
+                "block_cache_front",
+                "block_cache_back",
+            ),
         ),
     ],
 )
@@ -456,6 +472,11 @@ def validate(settings: DiffusionSettings, pipe: Any = None) -> None:
         raise UserError(
             f"block_cache_threshold must be >= 0 and block_cache_warmup >= 1, got {settings.block_cache_threshold} "
             f"and {settings.block_cache_warmup}"
+        )
+    if settings.block_cache_front < 1 or settings.block_cache_back < 0:
+        raise UserError(
+            f"block_cache_front must be >= 1 and block_cache_back >= 0, got {settings.block_cache_front} and "
+            f"{settings.block_cache_back}"
         )
     if settings.attention_kernel and settings.attention != "sdpa":
         raise UserError("the attention kernel replaces SDPA: it needs attention 'sdpa'")

@@ -92,6 +92,11 @@ def test_bench_dynamic_shapes_row_reports_no_recompile_at_a_new_size(tmp_path):
         (["--arch", "flux-dev", "--cache-threshold", "inf"], "--cache-threshold inf: must be a finite number >= 0"),
         (["--arch", "sdxl", "--cache-threshold", "0.5"], "sdxl's feature cache is DeepCache"),
         (["--arch", "tiny-sd15", "--cache-threshold", "0"], "tiny-sd15's feature cache is DeepCache"),
+        (["--arch", "tiny-flux", "--cache-blocks", "0,1"], "--cache-blocks 0,1: give F,B, front blocks >= 1"),
+        (["--arch", "tiny-flux", "--cache-blocks", "2"], "--cache-blocks 2: give F,B"),
+        (["--arch", "tiny-flux", "--cache-blocks", "1,-1"], "--cache-blocks 1,-1: give F,B"),
+        (["--arch", "flux-schnell", "--cache-blocks", "2,1"], "needs a block to skip between its front and back"),
+        (["--arch", "sd15", "--cache-blocks", "1,0"], "sd15's denoiser is a UNet"),
     ],
 )
 def test_bench_diffusion_user_errors(argv, message, capsys):
@@ -161,13 +166,20 @@ def test_a_step_that_fails_on_a_dit_pipeline_is_a_row_with_the_reason(tmp_path, 
     assert DiffusionLadder().launch(spec, {"arch": "tiny-sd15"}) is None  # UNets: as every ladder
 
 
-def _options(arch: str, blocks: int | None = None, size: int = 512, cache_threshold: float | None = None) -> dict:
+def _options(
+    arch: str,
+    blocks: int | None = None,
+    size: int = 512,
+    cache_threshold: float | None = None,
+    cache_blocks: str | None = None,
+) -> dict:
     from genfast.cli import build_parser
     from genfast.diffusion.bench import DiffusionLadder
 
     argv = ["bench", "diffusion", "--arch", arch, "--size", str(size), "--device", "cpu", "--dtype", "bfloat16"]
     argv += ["--blocks", str(blocks)] if blocks is not None else []
     argv += ["--cache-threshold", str(cache_threshold)] if cache_threshold is not None else []
+    argv += ["--cache-blocks", cache_blocks] if cache_blocks is not None else []
     return DiffusionLadder().options(build_parser().parse_args(argv))
 
 
@@ -279,6 +291,22 @@ def test_the_cache_threshold_reaches_the_cache_rows_only():
     assert "threshold" not in ladder.header(_options("tiny-flux", cache_threshold=0.08), "a CPU")
 
 
+def test_the_cache_blocks_reach_both_cache_rows():
+    """--cache-blocks F,B is the feature-cache step's tuned front and back blocks, beside
+    --cache-threshold; the header says so, and cache-dit's configuration is made from that plan."""
+    from genfast.diffusion.bench import DiffusionLadder, Row
+    from genfast.recipe import Target
+
+    ladder, target = DiffusionLadder(), Target(torch.device("cpu"), "bfloat16")
+    options = _options("flux-schnell", blocks=5, cache_threshold=0.5, cache_blocks="2,1")
+    plan = ladder.plan(Row("feature-cache"), options, target)
+    settings = plan.settings
+    assert (settings.block_cache_front, settings.block_cache_back, settings.block_cache_threshold) == (2, 1, 0.5)
+    assert ladder.plan(Row("sdpa"), options, target).settings.block_cache_front == 1  # the recipe's elsewhere
+    assert "both caches' front and back blocks F2B1" in ladder.header(options, "a CPU")
+    assert "front and back" not in ladder.header(_options("flux-schnell"), "a CPU")
+
+
 def test_a_step_left_out_by_without_is_neither_applied_nor_noted(tmp_path):
     """--without channels-last on a DiT pipeline: the later row's plan leaves the step out, and the
     row's note (made again once the pipeline is known) does not list it among the VAE-only steps."""
@@ -295,16 +323,20 @@ def test_a_step_left_out_by_without_is_neither_applied_nor_noted(tmp_path):
 def test_a_high_cache_threshold_caches_steps_in_both_cache_rows(tmp_path, capsys):
     """Random weights change the first block's residual by more than the recipe's threshold; with
     --cache-threshold 10 the block cache skips every step it may (warm-up 1, at most one in a row:
-    steps 2 and 4 of 4), and cache-dit, configured alike, the same ones (where it is installed)."""
+    steps 2 and 4 of 4), and cache-dit, configured alike, the same ones (where it is installed);
+    --cache-blocks 1,1 (one back block of tiny FLUX.1's four) reaches both."""
     out = tmp_path / "rows.json"
     argv = ["bench", "diffusion", "--arch", "tiny-flux", "--size", "32", "--denoising-steps", "4", "--repeats", "1"]
-    assert cli.main([*argv, "--steps", "feature-cache,cache-dit", "--cache-threshold", "10", "--json", str(out)]) == 0
-    assert "both caches' threshold 10.0 (the recipe's: 0.08)" in capsys.readouterr().err
+    argv += ["--steps", "feature-cache,cache-dit", "--cache-threshold", "10", "--cache-blocks", "1,1"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "both caches' threshold 10.0 (the recipe's: 0.08)" in err and "front and back blocks F1B1" in err
     rows = {row["step"]: row for row in json.loads(out.read_text())}
     feature_cache, cache_dit = rows["feature-cache"], rows["cache-dit"]
     assert feature_cache["s_per_image"] > 0 and "cached 2 of 4 steps" in feature_cache["note"]
     assert "block_cache_threshold 10.0 (the recipe's: 0.08)" in feature_cache["note"]
+    assert "block_cache_back 1 (the recipe's: 0)" in feature_cache["note"]
     if cache_dit["note"].startswith("skipped: cache-dit is not installed"):
         return
     assert cache_dit["s_per_image"] > 0 and "cached 2 of 4 steps" in cache_dit["note"]
-    assert "DBCache_F1B0_W1I1M0MC1_R10.0" in cache_dit["note"]
+    assert "DBCache_F1B1_W1I1M0MC1_R10.0" in cache_dit["note"]

@@ -1,7 +1,8 @@
-"""The feature-cache step on transformer pipelines: the first-block residual cache
-(genfast/diffusion/block_cache.py) on tiny random FLUX.1, SD 3.5 and PixArt pipelines, against the
-same recipe uncached. Budget: PSNR >= 30 dB against the uncached image (the step's, in
-genfast/diffusion/recipe.py); threshold 0 is the uncached image exactly."""
+"""The feature-cache step on transformer pipelines: the block residual cache
+(genfast/diffusion/block_cache.py; first block by default, front and back blocks as set) on tiny
+random FLUX.1, SD 3.5 and PixArt pipelines, against the same recipe uncached and cache-dit.
+Budget: PSNR >= 30 dB against the uncached image (the step's, in genfast/diffusion/recipe.py);
+threshold 0 is the uncached image exactly."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from genfast.diffusion.block_cache import BlockCache, CachedBlock
 from genfast.diffusion.pipelines import call_kwargs, initial_latents, tiny_pipeline
 from genfast.diffusion.quality import psnr
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe, pipeline_target
+from genfast.errors import UserError
 from genfast.quant.linear import QuantLinear
 from genfast.recipe import Target
 
@@ -87,6 +89,81 @@ def test_skipping_calls_fewer_blocks_within_budget(arch, uncached):
     assert 0 < skipped <= STEPS // 2  # at most every other step (interval 2), never the first
     assert calls[0] == STEPS * blocks - skipped * (blocks - 1)
     assert CACHE_PSNR <= psnr(image, uncached) < 200  # close, and not the uncached image
+
+
+def deeper(pipe, blocks: int):
+    """`pipe` with its transformer rebuilt with `blocks` blocks (FLUX.1: double-stream ones added)."""
+    transformer = pipe.transformer
+    singles = transformer.config.get("num_single_layers", 0)
+    torch.manual_seed(1)
+    pipe.transformer = type(transformer).from_config({**transformer.config, "num_layers": blocks - singles})
+    return pipe.transformer.eval()
+
+
+@pytest.mark.parametrize(("front", "back"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_front_and_back_blocks(family, front, back):
+    """FnBn: the front blocks and the back blocks run on every step, only the ones between are
+    skipped; threshold 0 is the uncached image exactly, skipping stays within budget."""
+    base = tiny_pipeline(family)
+    deeper(base, 5)
+    uncached = generate(apply_recipe(base, FP32))
+    changes = {"block_cache_front": front, "block_cache_back": back}
+    pipe = tiny_pipeline(family)
+    deeper(pipe, 5)
+    pipe = apply_recipe(pipe, replace(FP32, feature_cache=True, block_cache_threshold=0.0, **changes))
+    assert torch.equal(generate(pipe), uncached)
+    pipe.transformer._shared.threshold = SKIPPING
+    calls = count_block_calls(pipe.transformer)
+    image = generate(pipe)
+    skipped = pipe.transformer.skipped
+    assert 0 < skipped <= STEPS // 2
+    assert calls[0] == STEPS * 5 - skipped * (5 - front - back)
+    assert CACHE_PSNR <= psnr(image, uncached) < 200
+
+
+class ConstantResidual(torch.nn.Module):
+    """A FLUX.1 block that adds the same residual to both streams whatever its input: skipping it
+    and adding the residual it added on the last full step is then exact."""
+
+    def __init__(self, hidden: int, text: int) -> None:
+        super().__init__()
+        self.image = torch.nn.Parameter(torch.randn(hidden))
+        self.text = torch.nn.Parameter(torch.randn(text))
+
+    def forward(self, hidden_states, encoder_hidden_states, temb=None, image_rotary_emb=None, **kwargs):
+        return encoder_hidden_states + self.text, hidden_states + self.image
+
+
+def test_cached_steps_add_both_streams_residuals_before_the_back_blocks():
+    """F1B1 on FLUX.1 whose skipped blocks add constant residuals: every cached step is then the
+    uncached step exactly (to rounding), which holds only if the text stream's residual reaches the
+    back block too (a single-stream block, which attends over both streams)."""
+
+    def pipeline():
+        pipe = tiny_pipeline("flux")
+        transformer = deeper(pipe, 4)  # double, double, single, single
+        width = transformer.inner_dim
+        transformer.transformer_blocks[1] = ConstantResidual(width, width)
+        transformer.single_transformer_blocks[0] = ConstantResidual(width, width)
+        return pipe
+
+    uncached = generate(apply_recipe(pipeline(), FP32))
+    settings = replace(FP32, feature_cache=True, block_cache_threshold=ALWAYS, block_cache_back=1)
+    pipe = apply_recipe(pipeline(), settings)
+    image = generate(pipe)
+    assert pipe.transformer.skipped == STEPS // 2
+    assert (image - uncached).abs().max().item() <= 1e-5
+    pipe.transformer._caches.clear()
+    pipe.transformer._shared.back = 0  # the text stream's residual no longer kept: the back block differs
+    assert (generate(pipe) - uncached).abs().max().item() > 1e-3
+
+
+def test_the_cache_needs_a_block_between_front_and_back():
+    with pytest.raises(ValueError, match="needs a block to skip"):
+        apply_recipe(tiny_pipeline("flux"), replace(FP32, feature_cache=True, block_cache_front=2, block_cache_back=2))
+    with pytest.raises(UserError, match="block_cache_front must be >= 1"):
+        apply_recipe(tiny_pipeline("flux"), replace(FP32, feature_cache=True, block_cache_front=0))
 
 
 def test_each_pipeline_call_starts_a_new_run(arch):
@@ -192,3 +269,29 @@ def test_against_cache_dit(family):
         pipe = cached(family, threshold)
         assert (generate(pipe) - expected).abs().max().item() <= 1e-5
         assert pipe.transformer.skipped == len(stats[-1].cached_steps) == (0 if threshold == 0 else 4)
+
+
+@pytest.mark.parametrize(("front", "back"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_front_and_back_blocks_against_cache_dit(family, front, back):
+    """Where cache-dit is installed: its DBCache with the same front and back blocks (Fn, Bn) skips
+    the same steps and draws the same image (fp32: max abs diff <= 1e-5) on a 5-block transformer."""
+    cache_dit = pytest.importorskip("cache_dit")
+    reference = tiny_pipeline(family)
+    deeper(reference, 5)
+    config = cache_dit.DBCacheConfig(
+        Fn_compute_blocks=front,
+        Bn_compute_blocks=back,
+        residual_diff_threshold=SKIPPING,
+        max_warmup_steps=1,
+        max_continuous_cached_steps=1,
+    )
+    cache_dit.enable_cache(reference, cache_config=config)
+    expected = generate(reference)
+    stats = cache_dit.summary(reference, logging=False)
+    pipe = tiny_pipeline(family)
+    deeper(pipe, 5)
+    changes = {"block_cache_front": front, "block_cache_back": back}
+    pipe = apply_recipe(pipe, replace(FP32, feature_cache=True, block_cache_threshold=SKIPPING, **changes))
+    assert (generate(pipe) - expected).abs().max().item() <= 1e-5
+    assert pipe.transformer.skipped == len(stats[-1].cached_steps) > 0

@@ -193,6 +193,42 @@ def test_bf16_linears_multiply_in_fp32_where_bf16_products_are_slower(arch, base
     assert not any(isinstance(m, (Fp32ProductsLinear, nn.Linear)) for m in quantized.transformer_blocks.modules())
 
 
+IMAGE_TO_IMAGE = {"flux": "FluxImg2ImgPipeline", "sd3": "StableDiffusion3Img2ImgPipeline"}
+
+
+def test_other_pipelines_on_the_same_transformers(arch):
+    """The recipe applies to any diffusers pipeline whose denoiser is one of these transformers:
+    image-to-image on the tiny components. genfast's baseline is diffusers' own pipeline, the
+    steps up to dynamic-int8 stay within their budget, and the block cache at threshold 0 changes
+    nothing."""
+    import diffusers
+
+    from genfast.diffusion.block_cache import BlockCache
+
+    def pipeline():
+        return getattr(diffusers, IMAGE_TO_IMAGE[arch])(**tiny_pipeline(arch).components)
+
+    start = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+    def transform(pipe):
+        return pipe(
+            "a red cat",
+            image=start,
+            strength=0.7,
+            num_inference_steps=4,
+            generator=torch.Generator().manual_seed(0),
+            max_sequence_length=TEXT_TOKENS,
+            output_type="pt",
+        ).images.float()
+
+    reference = transform(pipeline())
+    assert (transform(apply_recipe(pipeline(), DiffusionSettings())) - reference).abs().max().item() <= REFERENCE_EXACT
+    assert psnr(transform(apply_recipe(pipeline(), eager("dynamic-int8"))), reference) >= STEP_PSNR
+    cached = apply_recipe(pipeline(), DiffusionSettings(feature_cache=True, block_cache_threshold=0.0))
+    assert isinstance(cached.transformer, BlockCache)
+    assert (transform(cached) - reference).abs().max().item() <= REFERENCE_EXACT
+
+
 def test_sizes_and_latents(arch):
     """Flux: latents packed as FluxPipeline packs them (2x2 patches of latents, flattened), sizes
     in whole patches of latents, the default size the pipeline's own; SD3: its patch size."""
