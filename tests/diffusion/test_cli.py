@@ -198,18 +198,26 @@ def test_a_recipe_step_the_pipeline_cannot_take_is_one_line(tmp_path, capsys, mo
     assert "denoiser is PixArtTransformer2DModel" in err and "Traceback" not in err and not out.exists()
 
 
-def test_a_compiled_recipe_is_saved_by_the_first_run_and_loaded_by_the_next(tmp_path, capsys):
-    """The first run shows each compile; a later process loads them; the images agree with eager."""
+@pytest.mark.parametrize(
+    ("model", "recipe", "compiled"),
+    [
+        ("tiny-sd15", "compile", ["UNet2DConditionModel", "VAE decoder"]),
+        ("tiny-flux", "regional-compile", ["FluxTransformerBlock", "FluxSingleTransformerBlock", "VAE decoder"]),
+    ],
+)
+def test_a_compiled_recipe_is_saved_by_the_first_run_and_loaded_by_the_next(model, recipe, compiled, tmp_path, capsys):
+    """The first run shows each compile (a whole UNet; a DiT's repeated blocks, one per kind); a
+    later process loads them; the images agree with eager."""
     from genfast.compilation import saved as saved_compile
 
-    smoke = [*SMOKE, "--dtype", "float32"]
+    smoke = [*SMOKE, "--dtype", "float32", "--model", model]
     assert cli.main(["imagine", "x", *smoke, "--recipe", "sdpa", "-o", str(tmp_path / "eager.png")]) == 0
     capsys.readouterr()
     for run, says in ((1, "compiling the "), (2, "loaded the compiled ")):
         saved_compile._READY.clear()  # as a new process: nothing compiled in memory
-        assert cli.main(["imagine", "x", *smoke, "--recipe", "compile", "-o", str(tmp_path / f"{run}.png")]) == 0
+        assert cli.main(["imagine", "x", *smoke, "--recipe", recipe, "-o", str(tmp_path / f"{run}.png")]) == 0
         err = capsys.readouterr().err
-        assert f"{says}UNet2DConditionModel" in err and f"{says}VAE decoder" in err
+        assert all(f"{says}{what}" in err for what in compiled), err
     with (
         Image.open(tmp_path / "eager.png") as e,
         Image.open(tmp_path / "1.png") as a,
