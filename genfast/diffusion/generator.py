@@ -56,6 +56,16 @@ def parse_size(text: str) -> tuple[int, int]:
     return width, height
 
 
+def pipeline_source(model: str, random_weights: bool) -> str:
+    """What `load` and the checks before it read: `model` itself (a local directory, a random
+    pipeline's name), or a hub id's directory in the hub cache, downloaded first where missing."""
+    from genfast.diffusion.pipelines import REAL_ARCHS, download_pipeline, is_local
+
+    if random_weights or is_local(model) or model in RANDOM_ARCHS or model in REAL_ARCHS:
+        return model
+    return str(download_pipeline(model))
+
+
 def declared_denoiser(model: str) -> str | None:
     """The denoiser class (`unet` or `transformer`) a local pipeline directory's model_index.json
     declares, or None (a hub id, or no readable index): lets the recipe be checked against the
@@ -124,8 +134,7 @@ def load(
     directory = Path(model).expanduser()
     if not (directory / "model_index.json").is_file():
         raise UserError(
-            f"--quant int8 loads a local pipeline directory in parts; {model} is none (download a hub model "
-            "first, e.g. huggingface-cli download ID --local-dir DIR)"
+            f"--quant int8 loads a diffusers pipeline directory in parts; {model} is none (no model_index.json)"
         )
     if (directory / "unet").is_dir():
         raise UserError(UNET_QUANT)
@@ -157,7 +166,8 @@ def check_memory(
     """UserError before anything is loaded where the pipeline would not fit in the device's
     available memory (`available`: bytes; None: what the device reports), with the number it
     needs and what to try (genfast/diffusion/memory.py). Pipelines whose configs are not at hand
-    (hub ids, tiny random ones) are not checked."""
+    (tiny random ones, directories without readable configs) are not checked; a hub id is checked
+    by its downloaded directory (pipeline_source)."""
     from genfast.diffusion.memory import check_fits, directory_models, estimate
     from genfast.diffusion.pipelines import DIT_ARCHS
     from genfast.platform.hardware import available_memory_bytes
@@ -279,18 +289,21 @@ class ImageGenerator:
             torch.set_num_threads(threads)
         self.device = resolve_device(device)
         dtype = dtype_name(dtype)
+        source = pipeline_source(model, random_weights)
         # Checked now, before the slow load, against what a local directory declares; planned again
         # (and reported) for the loaded pipeline.
         quantized = quant != "none"
-        target = PipelineTarget(self.device, dtype, declared_denoiser(model), quantized)
+        target = PipelineTarget(self.device, dtype, declared_denoiser(source), quantized)
         planned = RECIPE.plan(self.recipe, target).settings
         self.quant = quant
         pixels = requested[0] * requested[1] if requested else DEFAULT_PIXELS
         load_dtype = DTYPES[planned.dtype]
-        check_memory(model, random_weights, load_dtype, self.device, quant, planned.int8_min_features, pixels)
+        check_memory(source, random_weights, load_dtype, self.device, quant, planned.int8_min_features, pixels)
         self.pipe, self.description = load(
-            model, random_weights, load_dtype, self.device, quant, planned.int8_min_features
+            source, random_weights, load_dtype, self.device, quant, planned.int8_min_features
         )
+        if source != model:  # a hub id: named as the user gave it, not by its cache directory
+            self.description = model
         plan = RECIPE.plan(self.recipe, pipeline_target(self.pipe, dtype, quantized))
         self.settings = plan.settings
         self.messages = list(plan.messages())  # what the plan left out and why, for the caller to show

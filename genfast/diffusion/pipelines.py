@@ -69,7 +69,7 @@ def load_pipeline(
     are left out (None), to be loaded otherwise (genfast/diffusion/loading.py)."""
     diffusers = _import_diffusers()
     path = Path(model).expanduser()
-    looks_local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
+    looks_local = is_local(model)
     if looks_local:
         if not path.is_dir():
             raise UserError(
@@ -87,6 +87,25 @@ def load_pipeline(
         where = "the directory's components" if looks_local else f"hub id {model!r} (is the hub reachable?)"
         raise UserError(f"could not load a diffusers pipeline from {where}: {str(e).splitlines()[0]}") from e
     return pipe.to(device)
+
+
+def is_local(model: str) -> bool:
+    """Whether `model` names a local path rather than a hub id ("org/name")."""
+    return Path(model).expanduser().exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
+
+
+def download_pipeline(hub_id: str) -> Path:
+    """The directory, in the hub cache, of a hub id's pipeline: the files DiffusionPipeline's
+    from_pretrained would load (the components model_index.json names, not the single-file
+    checkpoints a repository may hold beside them), fetched where missing. Loading from it is then
+    loading a local directory: in parts with --quant int8, and checked against memory first."""
+    diffusers = _import_diffusers()
+    try:
+        with _transformers_errors_only():
+            return Path(diffusers.DiffusionPipeline.download(hub_id))
+    except (OSError, ValueError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"could not download hub id {hub_id!r} (is the hub reachable?): {reason}") from e
 
 
 @contextmanager

@@ -156,6 +156,44 @@ def test_too_little_memory_is_refused_before_loading_with_the_number_needed(save
         check_memory(*args, "int8", 320, 32 * 32, available=2**20)
 
 
+def test_a_hub_id_is_downloaded_then_checked_and_loaded_in_parts(saved, monkeypatch, capsys):
+    """A hub id is fetched first (diffusers' DiffusionPipeline.download, here a saved directory
+    standing in for the hub cache); its directory is then checked against memory and loaded in
+    parts like a local one, and the pipeline is named by the hub id. Unreachable: one line."""
+    import diffusers
+
+    arch, directory = saved
+    asked: list[str] = []
+
+    def download(cls, hub_id: str, **kwargs) -> str:
+        asked.append(hub_id)
+        return str(directory)
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "download", classmethod(download))
+    in_parts: list[str] = []
+    load_transformer = loading.load_transformer
+    monkeypatch.setattr(
+        loading, "load_transformer", lambda path, *args: in_parts.append(str(path)) or load_transformer(path, *args)
+    )
+    hub_id = f"someone/tiny-{arch}"
+    generator = ImageGenerator(hub_id, quant="int8", dtype="float32", steps=1, size=(32, 32))
+    assert asked == [hub_id] and in_parts == [str(directory)] and generator.description == hub_id
+    assert generator.generate("a cat", seed=0)[0].size == (32, 32)
+    monkeypatch.setattr(hardware, "available_memory_bytes", lambda device: 2**20)
+    with pytest.raises(UserError, match=r"in int8.*free memory"):
+        ImageGenerator(hub_id, quant="int8", dtype="float32", steps=1)
+
+    def offline(cls, hub_id: str, **kwargs) -> str:
+        raise OSError(f"Cannot load model {hub_id}: the model is not fully cached locally\nmore")
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "download", classmethod(offline))
+    out = directory.parent / f"{arch}-offline.png"
+    assert cli.main(["imagine", "x", "--model", hub_id, "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"could not download hub id '{hub_id}' (is the hub reachable?): Cannot load model {hub_id}" in err
+    assert "more" not in err and "Traceback" not in err and not out.exists()
+
+
 def test_the_estimate_counts_int8_and_one_block_at_full_size():
     """FLUX.1-schnell's published configs: 11.9 G transformer parameters, ~1 byte each in int8."""
     from genfast.diffusion.memory import GIB, estimate
