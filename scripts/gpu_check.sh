@@ -22,6 +22,9 @@
 #            sam-amg     genfast bench sam --automatic on CUDA (vit_b, the automatic mask generator
 #                        against the original package's)
 #            diffusion   genfast bench diffusion (SDXL 1024x1024, 30 steps) on CUDA
+#            flux        genfast bench diffusion on CUDA, the whole FLUX.1-schnell at 1024x1024, 4 steps:
+#                        diffusers' bf16 pipeline, then the GPU's rows to dynamic-fp8 and the block cache
+#                        (flux-fast's recipe: bf16, fused QKV, compile, fp8; its published ~2.5x on an H100)
 #   WORKDIR  where logs and JSON rows go (default /tmp/genfast-gpu)
 #   WHEELS   a folder of wheels to install offline (no index, no dependencies) into WORKDIR/site
 #            instead of `pip install -e .[test]`: for machines with torch but no network
@@ -52,7 +55,7 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 out=$(realpath -m "${1:-gpu-check.md}")
 work=${WORKDIR:-/tmp/genfast-gpu}
-stages=${STAGES:-tests,decode,linear,stalls,llm-7b,llm-8b,llm-70b,serve,sam-attention,sam-b,sam-h,sam-amg,diffusion}
+stages=${STAGES:-tests,decode,linear,stalls,llm-7b,llm-8b,llm-70b,serve,sam-attention,sam-b,sam-h,sam-amg,diffusion,flux}
 python=${PYTHON:-python3}
 mkdir -p "$work"
 export PYTHONUNBUFFERED=1
@@ -195,4 +198,8 @@ stage sam-amg "SAM automatic mask generator, vit_b (random weights)" "${genfast[
 stage diffusion "Diffusion ladder, SDXL 1024x1024, 30 steps (random weights)" "${genfast[@]}" bench diffusion \
     --device cuda --arch sdxl --size 1024 --denoising-steps 30 --json "$work/diffusion.json" --force \
     "${diffusion_args[@]}"
+stage flux "FLUX.1-schnell whole, 1024x1024, 4 steps (random weights)" "${genfast[@]}" bench diffusion \
+    --device cuda --arch flux-schnell --blocks 57 --size 1024 --denoising-steps 4 \
+    --steps diffusers,sdpa,fused-qkv,dynamic-int8,dynamic-fp8,regional-compile,feature-cache,cache-dit \
+    --json "$work/flux.json" --force "${diffusion_args[@]}"
 echo "gpu_check: wrote $out" >&2

@@ -1,7 +1,8 @@
 """Diffusion on a CUDA GPU, tiny random pipelines (SD 1.5, SDXL, PixArt): fp32 against the CPU,
 each recipe step within its budget against fp32 on the GPU (bf16, SDPA, fused QKV, dynamic int8
-through torch._int_mm, the feature cache), the regionally compiled denoiser against eager, and no
-host syncs inside the denoising loop (CUDA's sync-debug mode, around the denoiser's calls)."""
+through torch._int_mm, the feature cache; dynamic fp8 on tiny FLUX.1 and SD 3.5), the regionally
+compiled denoiser against eager, and no host syncs inside the denoising loop (CUDA's sync-debug
+mode, around the denoiser's calls)."""
 
 from __future__ import annotations
 
@@ -99,6 +100,27 @@ def test_regionally_compiled_denoiser_matches_eager(arch):
     eager = generate(pipeline(arch, settings("regional-compile")))
     compiled = generate(pipeline(arch, settings("regional-compile", compile="regional")))
     assert psnr(compiled, eager) >= BF16_PSNR
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_dynamic_fp8_on_the_gpu(family):
+    """Where the GPU has fp8 tensor cores: dynamic-fp8 in dynamic-int8's place, every linear cuBLAS
+    takes in fp8, within its budget against fp32 on the GPU, and compiled regionally as eager."""
+    from genfast.quant import fp8
+    from tests.diffusion.test_transformers import FP8_PSNR
+
+    if reason := fp8.unavailable_reason(torch.device("cuda")):
+        pytest.skip(reason)
+    baseline = generate(pipeline(family, settings("baseline")))
+    recipe = settings("dynamic-fp8", int8_min_features=1)
+    assert recipe.dynamic_fp8 and not recipe.dynamic_int8
+    pipe = pipeline(family, recipe)
+    layers = list(denoiser_of(pipe).modules())
+    assert any(isinstance(m, fp8.Fp8DynamicLinear) for m in layers)
+    assert not any(isinstance(m, QuantLinear) for m in layers)
+    eager = generate(pipe)
+    assert psnr(eager, baseline) >= FP8_PSNR
+    assert psnr(generate(pipeline(family, replace(recipe, compile="regional"))), eager) >= BF16_PSNR
 
 
 class SyncWatched(DenoiserWrapper):

@@ -101,6 +101,31 @@ def test_dynamic_int8_within_budget(arch, baseline):
     assert psnr(generate(pipe), baseline) >= INT8_PSNR
 
 
+def test_dynamic_fp8_replaces_dynamic_int8_where_the_gpu_has_fp8(monkeypatch):
+    """On a GPU with fp8 tensor cores the dynamic-fp8 step takes dynamic-int8's place in every
+    longer plan; elsewhere (an older GPU, a CPU, linears loaded in int8) it is left out without a
+    word and int8 stays, and asked for by name it says why (its transform: test_transformers.py)."""
+    from genfast.diffusion.recipe import PipelineTarget
+
+    gpu = Target(torch.device("cuda"), "bfloat16")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for step in ("dynamic-fp8", "dynamic-shapes"):
+        settings = RECIPE.plan(step, gpu).settings
+        assert settings.dynamic_fp8 and not settings.dynamic_int8
+    assert not RECIPE.plan("dynamic-int8", gpu).settings.dynamic_fp8
+    quantized = PipelineTarget(torch.device("cuda"), "bfloat16", "FluxTransformer2DModel", quantized=True)
+    with pytest.raises(UserError, match="quantized to int8 as loaded"):
+        RECIPE.plan("dynamic-fp8", quantized)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    for target, why in ((gpu, "a GPU has 8.0"), (Target(torch.device("cpu"), "bfloat16"), "this is a cpu")):
+        plan = RECIPE.plan("dynamic-shapes", target)
+        assert plan.settings.dynamic_int8 and not plan.settings.dynamic_fp8
+        assert "dynamic-fp8" not in dict(plan.skipped) and why in dict(plan.declined)["dynamic-fp8"]
+        with pytest.raises(UserError, match=f"dynamic-fp8 cannot run here: .*{why}"):
+            RECIPE.plan("dynamic-fp8", target)
+
+
 def test_int8_conv_within_budget(arch, baseline):
     # Every convolution quantized (the tiny models are narrower than INT8_CONV_MIN_CHANNELS).
     pipe = apply_recipe(tiny_pipeline(arch), eager("int8-conv", int8_min_features=1, int8_conv_min_channels=1))

@@ -24,11 +24,12 @@ from genfast.diffusion.generator import check_size
 from genfast.diffusion.group_norm import ChannelsLastGroupNorm
 from genfast.diffusion.pipelines import DenoiserWrapper, initial_latents, native_size, size_multiple, tiny_pipeline
 from genfast.diffusion.quality import psnr
-from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe, pipeline_target
+from genfast.diffusion.recipe import RECIPE, DiffusionSettings, _quantize_dynamic_fp8, apply_recipe, pipeline_target
 from genfast.errors import UserError
 from genfast.nn import Fp32ProductsLinear
 from genfast.platform import hardware
 from genfast.quant.conv import DynamicInt8Conv2d
+from genfast.quant.fp8 import Fp8DynamicLinear
 from genfast.quant.linear import QuantLinear
 from genfast.recipe import Target
 
@@ -36,6 +37,7 @@ CPU_BF16 = Target(torch.device("cpu"), "bfloat16")
 REFERENCE_EXACT = 1e-5  # max abs pixel difference, genfast's baseline vs diffusers' pipeline (measured ~1e-6)
 FP32_EXACT = 1e-4  # the recipe's budget for its fp32 rewrites (measured ~1e-6)
 STEP_PSNR = 35.0  # dB: the bf16, dynamic-int8 and int8-conv budgets (measured 41-47 here)
+FP8_PSNR = 30.0  # dB: the dynamic-fp8 step's budget (measured 34-44; e4m3 keeps 3 mantissa bits)
 COMPILED_BF16_PSNR = 35.0  # dB, compiled vs eager with the same steps
 TEXT_TOKENS = 32  # T5 tokens of a prompt (the pipelines' defaults, 512 and 256, only make the tests slower)
 # The steps that run eagerly, in ladder order; compile, regional-compile and dynamic-shapes are
@@ -133,6 +135,18 @@ def test_each_step_within_its_budget(arch, baseline, step):
         "group-norm-kernel": lambda: any(isinstance(m, ChannelsLastGroupNorm) for m in vae.modules()),
     }
     assert did.get(step, lambda: True)(), f"{step} changed nothing"
+
+
+def test_dynamic_fp8_within_its_budget(arch, baseline):
+    """The dynamic-fp8 step's transform (the step itself asks for a GPU with fp8 tensor cores; on
+    a CPU torch's `_scaled_mm` computes the same products without fp8 arithmetic), in place of
+    dynamic-int8, every linear quantized: within its budget against the fp32 baseline."""
+    settings = eager("dynamic-int8", dynamic_int8=False)
+    pipe = apply_recipe(tiny_pipeline(arch), settings)
+    _quantize_dynamic_fp8(pipe.transformer, replace(settings, dynamic_fp8=True))
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, Fp8DynamicLinear)]
+    assert layers and not any(isinstance(m, QuantLinear) for m in pipe.transformer.modules())
+    assert psnr(generate(pipe), baseline) >= FP8_PSNR
 
 
 @pytest.mark.parametrize("step", FP32_EXACT_STEPS)
