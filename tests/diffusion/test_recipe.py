@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -271,5 +272,11 @@ def test_invalid_recipes_raise():
 
 
 def test_every_step_has_settings():
+    """Every step plans on this CPU, or is refused by name with its reason (dynamic-fp8: a GPU's)."""
+    cpu = Target(torch.device("cpu"), "bfloat16")
     for step in RECIPE.names:
-        settings_for(step)
+        if reason := RECIPE.unavailable(step, cpu):
+            with pytest.raises(UserError, match=re.escape(reason)):
+                settings_for(step)
+        else:
+            settings_for(step)
