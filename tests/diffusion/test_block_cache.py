@@ -253,22 +253,27 @@ def test_against_cache_dit(family):
     """Where cache-dit is installed: its DBCache configured as genfast's block cache (one front
     block, none behind: F1B0; the same threshold, warm-up and cached steps in a row) on diffusers'
     own pipeline skips the same steps, and the images agree (fp32: max abs diff <= 1e-5)."""
-    cache_dit = pytest.importorskip("cache_dit")
     for threshold in (0.0, SKIPPING):
-        reference = tiny_pipeline(family)
-        config = cache_dit.DBCacheConfig(
-            Fn_compute_blocks=1,
-            Bn_compute_blocks=0,
-            residual_diff_threshold=threshold,
-            max_warmup_steps=1,
-            max_continuous_cached_steps=1,
-        )
-        cache_dit.enable_cache(reference, cache_config=config)
-        expected = generate(reference)
-        stats = cache_dit.summary(reference, logging=False)
+        expected, cached_steps = with_cache_dit(tiny_pipeline(family), 1, 0, threshold)
         pipe = cached(family, threshold)
         assert (generate(pipe) - expected).abs().max().item() <= 1e-5
-        assert pipe.transformer.skipped == len(stats[-1].cached_steps) == (0 if threshold == 0 else 4)
+        assert pipe.transformer.skipped == cached_steps == (0 if threshold == 0 else 4)
+
+
+def with_cache_dit(pipe, front: int, back: int, threshold: float) -> tuple[torch.Tensor, int]:
+    """The image of diffusers' own `pipe` under cache-dit's DBCache configured as genfast's block
+    cache (warm-up 1, at most one cached step in a row), and how many steps it cached."""
+    cache_dit = pytest.importorskip("cache_dit")
+    config = cache_dit.DBCacheConfig(
+        Fn_compute_blocks=front,
+        Bn_compute_blocks=back,
+        residual_diff_threshold=threshold,
+        max_warmup_steps=1,
+        max_continuous_cached_steps=1,
+    )
+    cache_dit.enable_cache(pipe, cache_config=config)
+    image = generate(pipe)
+    return image, len(cache_dit.summary(pipe, logging=False)[-1].cached_steps)
 
 
 @pytest.mark.parametrize(("front", "back"), [(2, 1), (1, 2)])
@@ -276,22 +281,12 @@ def test_against_cache_dit(family):
 def test_front_and_back_blocks_against_cache_dit(family, front, back):
     """Where cache-dit is installed: its DBCache with the same front and back blocks (Fn, Bn) skips
     the same steps and draws the same image (fp32: max abs diff <= 1e-5) on a 5-block transformer."""
-    cache_dit = pytest.importorskip("cache_dit")
     reference = tiny_pipeline(family)
     deeper(reference, 5)
-    config = cache_dit.DBCacheConfig(
-        Fn_compute_blocks=front,
-        Bn_compute_blocks=back,
-        residual_diff_threshold=SKIPPING,
-        max_warmup_steps=1,
-        max_continuous_cached_steps=1,
-    )
-    cache_dit.enable_cache(reference, cache_config=config)
-    expected = generate(reference)
-    stats = cache_dit.summary(reference, logging=False)
+    expected, cached_steps = with_cache_dit(reference, front, back, SKIPPING)
     pipe = tiny_pipeline(family)
     deeper(pipe, 5)
     changes = {"block_cache_front": front, "block_cache_back": back}
     pipe = apply_recipe(pipe, replace(FP32, feature_cache=True, block_cache_threshold=SKIPPING, **changes))
     assert (generate(pipe) - expected).abs().max().item() <= 1e-5
-    assert pipe.transformer.skipped == len(stats[-1].cached_steps) > 0
+    assert pipe.transformer.skipped == cached_steps > 0
