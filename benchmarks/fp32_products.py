@@ -136,12 +136,14 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     reference = outputs["fp32 throughout"]
     bf16 = statistics.median(times["bf16 products"])
-    print(f"\n| form | first call s | s a call (median of {args.repeats}) | x bf16 products | error vs fp32 |")
-    print("|---|---|---|---|---|")
+    median_of = f"s a call (median of {args.repeats})"
+    print(f"\n| form | first call s | {median_of} | x bf16 products | error vs fp32 | calls s |")
+    print("|---|---|---|---|---|---|")
     for name, seconds in times.items():
         error = ((outputs[name] - reference).norm() / reference.norm()).item()
         median = statistics.median(seconds)
-        print(f"| {name} | {first[name]:.2f} | {median:.3f} | {bf16 / median:.2f} | {error:.2e} |")
+        calls = ", ".join(f"{t:.2f}" for t in seconds)
+        print(f"| {name} | {first[name]:.2f} | {median:.3f} | {bf16 / median:.2f} | {error:.2e} | {calls} |")
 
 
 if __name__ == "__main__":
