@@ -91,15 +91,22 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+# Rows of input from which widening a linear's weight pays: below, its pass over the weight costs
+# more than the faster products save (a DiT's modulation linears take one row per image); the
+# break-even measured on an Intel Xeon is in docs/notes.md.
+FP32_PRODUCTS_MIN_ROWS = 512
+
+
 class Fp32ProductsLinear(nn.Linear):
     """nn.Linear (same parameters) that multiplies bf16 inputs in fp32 and rounds the result back to
     bf16: the linears of a compute-bound bf16 model on a CPU whose bf16 products are slower than its
     fp32 ones (`hardware.fast_bf16_products`), which keep bf16's memory and get fp32's rate. The
     weight is widened on every call, a pass over 3x its bytes that is small next to the product
-    where many rows share it (an image's tokens); `use_fp32_products` installs it."""
+    where many rows share it (an image's tokens): inputs of fewer than FP32_PRODUCTS_MIN_ROWS rows
+    multiply in bf16 as nn.Linear does. `use_fp32_products` installs it."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype != torch.bfloat16:
+        if x.dtype != torch.bfloat16 or x.numel() < FP32_PRODUCTS_MIN_ROWS * self.in_features:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)

@@ -9,6 +9,7 @@ from genfast.kernels.linear_few_rows import ops as few_rows
 from genfast.kernels.linear_few_rows.ops import MAX_FEW_ROWS
 from genfast.kernels.linear_widening_gemm import ops as widening_gemm
 from genfast.nn import (
+    FP32_PRODUCTS_MIN_ROWS,
     Fp32ProductsConv2d,
     Fp32ProductsLinear,
     Linear,
@@ -245,9 +246,11 @@ def test_fp32_products_linear_rounds_the_fp32_product_to_bf16(bias):
     assert use_fp32_products(model) == 2
     assert type(model[0]) is Fp32ProductsLinear and type(model[2][0]) is Fp32ProductsLinear and type(model[1]) is Linear
     assert model[0].weight is first.weight and model[0].bias is first.bias
-    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    x = torch.randn(2, FP32_PRODUCTS_MIN_ROWS // 2, 96, dtype=torch.bfloat16)
     want = F.linear(x.float(), first.weight.float(), None if first.bias is None else first.bias.float())
     assert torch.equal(model[0](x), want.to(torch.bfloat16))
+    few = x[0, :-1]  # fewer rows than widening the weight pays for: bf16 products, as nn.Linear
+    assert torch.equal(model[0](few), F.linear(few, first.weight, first.bias))
     model.float()
     assert torch.equal(model[0](x.float()), F.linear(x.float(), model[0].weight, model[0].bias))
 
