@@ -197,7 +197,7 @@ RECIPE = Recipe(
             "int8 activations x int8 weights in the image encoder's linears (SAM 2: and the memory "
             "attention's and memory encoder's; Hiera's global attention and the memory attention compute "
             "their scores q k^T on int8 codes where the CPU kernel has them)",
-            "logit error <= 10%, IoU >= 0.9",
+            "logit error <= 10%, IoU >= 0.95",
             {"dynamic_int8": True},
             [
                 Transform(_quantize_dynamic_int8, ("image_encoder",), Stage.QUANTIZE),

@@ -29,7 +29,7 @@ BUDGETS = {  # step: (max relative error of the low-res logits, min mask IoU), a
     "sdpa": (0.05, 0.95),
     "fused-attention": (0.05, 0.95),
     "batched-prompts": (0.05, 0.95),
-    "dynamic-int8": (0.10, 0.90),
+    "dynamic-int8": (0.10, 0.95),
 }
 
 

@@ -433,7 +433,7 @@ def test_dynamic_int8_step_tracks_within_its_budget(video, monkeypatch) -> None:
     """The SAM recipe's dynamic-int8 step on video (eager): the memory attention's and the memory
     encoder's linears in int8 (256 wide here, as the real models') and, where the kernel has them,
     the memory attention's products on int8 codes.
-    Every frame's masks of both objects within the step's IoU budget (0.9) of the step before it
+    Every frame's masks of both objects within the step's IoU budget (0.95) of the step before it
     (fused-attention, bf16): on this tiny random model bf16 alone moves some masks further than
     that from fp32's (min IoU 0.24 on the prompted frame), so only the step's own change is bounded
     here (measured: min IoU 0.96); the real model's ladder is in the bench."""
@@ -466,7 +466,7 @@ def test_dynamic_int8_step_tracks_within_its_budget(video, monkeypatch) -> None:
     for (frame, _, before), (_, _, after) in zip(*results):
         a, b = before > 0, after > 0
         inter, union = (a & b).sum((1, 2, 3)), (a | b).sum((1, 2, 3))
-        assert (union > 0).all() and (inter >= 0.9 * union).all(), (frame, inter / union)
+        assert (union > 0).all() and (inter >= 0.95 * union).all(), (frame, inter / union)
 
 
 @pytest.mark.parametrize(
