@@ -512,10 +512,21 @@ def validate(settings: DiffusionSettings, pipe: Any = None) -> None:
         raise UserError("the attention kernel replaces SDPA: it needs attention 'sdpa'")
     if settings.fuse_qkv and settings.attention != "sdpa":
         raise UserError("fused QKV uses diffusers' FusedAttnProcessor2_0 (SDPA): it needs attention 'sdpa'")
+    if settings.dynamic_int8 and settings.dynamic_fp8:
+        raise UserError(
+            "dynamic_int8 and dynamic_fp8 both quantize the denoiser's linears: choose one (the recipe's "
+            "dynamic-fp8 step replaces dynamic-int8)"
+        )
     if pipe is None:
         return
     if getattr(pipe, "vae", None) is None:
         raise UserError(f"{type(pipe).__name__} has no `vae`: genfast's steps do not apply")
+    if settings.dynamic_fp8:
+        from genfast.diffusion.pipelines import denoiser_of
+        from genfast.quant.fp8 import unavailable_reason
+
+        if reason := unavailable_reason(next(denoiser_of(pipe).parameters()).device):
+            raise UserError(f"dynamic_fp8 cannot run here: {reason}")
 
 
 def apply_recipe(pipe: Any, settings: DiffusionSettings) -> Any:

@@ -269,6 +269,13 @@ def test_invalid_recipes_raise():
         apply_recipe(pipe, DiffusionSettings(fuse_qkv=True))
     with pytest.raises(UserError, match="dynamic_shapes"):
         apply_recipe(pipe, DiffusionSettings(dynamic_shapes=True))
+    before = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+    with pytest.raises(UserError, match="both quantize the denoiser's linears: choose one"):
+        apply_recipe(pipe, DiffusionSettings(dynamic_int8=True, dynamic_fp8=True))
+    with pytest.raises(UserError, match=r"dynamic_fp8 cannot run here: .*this is a cpu"):
+        apply_recipe(pipe, DiffusionSettings(dtype="bfloat16", dynamic_fp8=True))
+    after = pipe.unet.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_every_step_has_settings():
