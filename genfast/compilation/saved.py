@@ -109,14 +109,14 @@ def compile_saved(module: nn.Module, what: str, depends_on: Mapping[str, Any], o
 
 def unsavable_reason(module: nn.Module) -> str | None:
     """Why `module`'s compiled code cannot be saved, or None. Opaque tensors kept as attributes (oneDNN's
-    prepacked int8 convolution weights, genfast/quant/conv.py) are guarded on by identity and
-    shape, and dynamo cannot serialize such guards (it remakes each tensor on the meta device,
-    which has no mkldnn layout)."""
+    prepacked weights) are guarded on by identity and shape, and dynamo cannot serialize such guards
+    (it remakes each tensor on the meta device, which has no mkldnn layout). genfast's int8
+    convolutions keep theirs outside the module for this reason (genfast/quant/conv.py)."""
     for name, sub in module.named_modules():
         for attr, value in vars(sub).items():
             if isinstance(value, Tensor) and value.layout == torch._mkldnn:
                 where = f"{name}.{attr}" if name else attr
-                return f"oneDNN's prepacked weights cannot be saved ({where})"
+                return f"oneDNN's opaque tensors (prepacked weights) cannot be saved ({where})"
     return None
 
 

@@ -9,9 +9,14 @@ out of it), computed inside the graph; nothing is read on the host.
 Kernel: oneDNN's int8 convolution (`torch.ops.onednn.qconv_pointwise`, AVX512-VNNI/AMX on x86),
 the op inductor's own x86 quantization lowers to; it traces under torch.compile (fullgraph) with
 the scale and zero point as tensors, and inductor fuses the activation quantization into the
-preceding kernel. The weight is prepacked once into oneDNN's blocked layout, an opaque tensor
-kept as a plain attribute (not a buffer: it is not in the state dict and `.to()` does not move
-it), so quantize after loading and after any dtype or device change.
+preceding kernel. The op wants its weight prepacked into oneDNN's blocked layout, an opaque
+(mkldnn) tensor that dynamo cannot serialize a guard on: a module holding one could not have its
+compiled code saved. So the module holds plain tensors only and calls `genfast::int8_conv2d`,
+which takes the int8 weight and finds its packed form in a cache keyed by that tensor (packed
+once, again if the tensor is changed in place; dropped with it). Compiled code then has the plain
+weight as an input and the op as an opaque call, and is saved like any other (the VAE decoder's
+and a UNet's blocks with their convolutions in int8). Quantize after loading and after any dtype
+or device change.
 
 Range: on CPUs without VNNI (e.g. AVX2-only) oneDNN multiplies u8 x s8 with vpmaddubsw, which
 sums pairs of products into int16 with saturation: full-range activations (255 * 127 * 2) would
@@ -30,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from genfast.nn import Fp32ProductsConv2d
 from genfast.platform import hardware
@@ -67,6 +73,72 @@ def int8_conv_unavailable_reason(device: torch.device | str) -> str | None:
     return None
 
 
+torch.library.define(
+    "genfast::int8_conv2d",
+    "(Tensor q, Tensor scale, Tensor zero_point, Tensor qweight, Tensor weight_scale, Tensor weight_zero_point,"
+    " Tensor? bias, int[] stride, int[] padding, int[] dilation, ScalarType dtype) -> Tensor",
+)
+
+# qweight -> (its version when packed, its packed form); an entry goes when its tensor does.
+_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def packed_weight(qweight: Tensor, weight_scale: Tensor, stride: list[int], padding: list[int],
+                  dilation: list[int]) -> Tensor:  # fmt: skip
+    """`qweight` prepacked for oneDNN's int8 convolution, packed on its first use and kept."""
+    entry = _PACKED.get(qweight)
+    if entry is None or entry[0] != qweight._version:
+        # The activation scale and zero point given to prepack do not change its result: the real
+        # ones come with each call.
+        packed = torch.ops.onednn.qconv_prepack(qweight, weight_scale, 1.0, 0, stride, padding, dilation, 1, None)
+        entry = _PACKED[qweight] = (qweight._version, packed)
+    return entry[1]
+
+
+@torch.library.impl("genfast::int8_conv2d", "CPU")
+def _int8_conv2d(
+    q: Tensor,
+    scale: Tensor,
+    zero_point: Tensor,
+    qweight: Tensor,
+    weight_scale: Tensor,
+    weight_zero_point: Tensor,
+    bias: Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    dtype: torch.dtype,
+) -> Tensor:
+    packed = packed_weight(qweight, weight_scale, stride, padding, dilation)
+    return torch.ops.onednn.qconv_pointwise.tensor(
+        q, scale, zero_point, packed, weight_scale, weight_zero_point, bias, stride, padding, dilation, 1, 1.0, 0,
+        dtype, "none", [], "",
+    )  # fmt: skip
+
+
+@torch.library.register_fake("genfast::int8_conv2d")
+def _int8_conv2d_fake(
+    q: Tensor,
+    scale: Tensor,
+    zero_point: Tensor,
+    qweight: Tensor,
+    weight_scale: Tensor,
+    weight_zero_point: Tensor,
+    bias: Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    dtype: torch.dtype,
+) -> Tensor:
+    n, _, h, w = q.shape
+    size = [
+        (length + 2 * pad - dil * (k - 1) - 1) // step + 1
+        for length, pad, dil, k, step in zip((h, w), padding, dilation, qweight.shape[2:], stride)
+    ]
+    # oneDNN writes channels-last whatever the input's layout.
+    return q.new_empty(n, qweight.shape[0], *size, dtype=dtype).contiguous(memory_format=torch.channels_last)
+
+
 class DynamicInt8Conv2d(nn.Module):
     """A Conv2d (groups 1, zero padding) computing with int8 weights and uint8 activations."""
 
@@ -87,10 +159,7 @@ class DynamicInt8Conv2d(nn.Module):
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_zero_point", torch.zeros_like(scale, dtype=torch.int32))
         self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().float())
-        # x_scale/x_zero_point given to prepack do not affect the result: the real ones come per call.
-        self.packed_weight = torch.ops.onednn.qconv_prepack(
-            self.qweight, scale, 1.0, 0, self.stride, self.padding, self.dilation, 1, None
-        )
+        packed_weight(self.qweight, scale, self.stride, self.padding, self.dilation)  # now, not in the first call
 
     @staticmethod
     def quantize_activation(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -105,25 +174,10 @@ class DynamicInt8Conv2d(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q, scale, zero_point = self.quantize_activation(x, self.activation_levels)
-        return torch.ops.onednn.qconv_pointwise.tensor(
-            q,
-            scale,
-            zero_point,
-            self.packed_weight,
-            self.weight_scale,
-            self.weight_zero_point,
-            self.bias,
-            self.stride,
-            self.padding,
-            self.dilation,
-            1,
-            1.0,
-            0,
-            x.dtype,
-            "none",
-            [],
-            "",
-        )
+        return torch.ops.genfast.int8_conv2d(
+            q, scale, zero_point, self.qweight, self.weight_scale, self.weight_zero_point, self.bias,
+            self.stride, self.padding, self.dilation, x.dtype,
+        )  # fmt: skip
 
     def reference_forward(self, x: Tensor) -> Tensor:
         """The same quantized computation as fp32 arithmetic on the dequantized operands."""

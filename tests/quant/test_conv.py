@@ -118,3 +118,49 @@ def test_activations_use_seven_bits_where_int16_pair_sums_would_saturate(monkeyp
     assert conv_module.activation_levels() == 127
     q, _, zero_point = DynamicInt8Conv2d.quantize_activation(torch.randn(1, 4, 8, 8), 127)
     assert q.max() <= 127 and 0 <= zero_point.item() <= 127
+
+
+def test_packed_once_repacked_after_an_in_place_change_and_dropped_with_the_weight():
+    """The oneDNN-packed weight lives in a cache keyed by the int8 weight tensor, not in the module:
+    packed when the module is made, reused by every call, packed again when the weight is changed
+    in place (load_state_dict copies into it), and gone when the weight is."""
+    import gc
+
+    from genfast.quant import conv as int8_conv
+
+    torch.manual_seed(0)
+    q = DynamicInt8Conv2d(nn.Conv2d(16, 24, 3, padding=1))
+    assert not any(isinstance(v, torch.Tensor) and v.layout == torch._mkldnn for v in vars(q).values())
+    packed = int8_conv._PACKED[q.qweight][1]
+    x = torch.randn(1, 16, 8, 8)
+    before = q(x)
+    assert int8_conv._PACKED[q.qweight][1] is packed
+    other = DynamicInt8Conv2d(nn.Conv2d(16, 24, 3, padding=1))
+    q.load_state_dict(other.state_dict())
+    assert torch.equal(q(x), other(x)) and not torch.equal(q(x), before)
+    count = len(int8_conv._PACKED)
+    del q, other
+    gc.collect()
+    assert len(int8_conv._PACKED) == count - 2
+
+
+def test_compiled_code_is_saved_and_loaded_by_a_module_with_other_weights():
+    """Compiled code holds the int8 weight as an input and the convolution as an opaque call: it is
+    saved, and a fresh module of the same shape (as in a later process) loads it and gets its own
+    answer, equal to eager."""
+    from genfast.compilation import saved as saved_compile
+    from genfast.compilation.saved import compile_saved
+
+    x = torch.randn(1, 32, 10, 12, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    events = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        block = nn.Sequential(DynamicInt8Conv2d(nn.Conv2d(32, 48, 3, padding=1).to(torch.bfloat16)), nn.SiLU()).eval()
+        with torch.no_grad():
+            expected = block(x)
+            saved_compile._READY.clear()  # as a new process: nothing compiled in memory
+            compile_saved(block, "int8 block", {}, {}, log=lambda message: None)
+            got = block(x)
+        events.append(block.forward.events[0])
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert events[0].startswith("compiled in") and events[1].startswith("loaded in"), events
