@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from genfast.kernels.linear_few_rows import ops as few_rows
 from genfast.kernels.linear_widening_gemm import ops as widening_gemm
+from genfast.platform import heap
 
 
 class DtypeAttribute:
@@ -103,13 +104,32 @@ class Fp32ProductsLinear(nn.Linear):
     fp32 ones (`hardware.fast_bf16_products`), which keep bf16's memory and get fp32's rate. The
     weight is widened on every call, a pass over 3x its bytes that is small next to the product
     where many rows share it (an image's tokens): inputs of fewer than FP32_PRODUCTS_MIN_ROWS rows
-    multiply in bf16 as nn.Linear does. `use_fp32_products` installs it."""
+    multiply in bf16 as nn.Linear does. Eager, the weight is widened a piece at a time
+    (`widening_in_pieces`); compiled, at once, in a buffer inductor plans. `use_fp32_products`
+    installs it."""
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype != torch.bfloat16 or x.numel() < FP32_PRODUCTS_MIN_ROWS * self.in_features:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        if torch.compiler.is_compiling():
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return widening_in_pieces(x, self.weight, bias)
+
+
+def widening_in_pieces(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear(x.float(), weight.float(), bias) rounded to x's dtype, computed a piece of output
+    features at a time: each piece's widened weight and fp32 product stay below glibc's mmap
+    threshold (`heap.items_per_piece`), so they come from the heap, where one whole widened weight
+    (a DiT's are 40-150 MB) would be mapped and faulted in afresh at every call."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    out = x.new_empty(rows.shape[0], weight.shape[0])
+    per_piece = heap.items_per_piece((rows.shape[0] + weight.shape[1]) * 4)
+    for start in range(0, weight.shape[0], per_piece):
+        piece = slice(start, start + per_piece)
+        widened = weight[piece].float().t()
+        out[:, piece] = rows @ widened if bias is None else torch.addmm(bias[piece], rows, widened)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class Fp32ProductsConv2d(nn.Conv2d):

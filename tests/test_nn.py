@@ -255,6 +255,27 @@ def test_fp32_products_linear_rounds_the_fp32_product_to_bf16(bias):
     assert torch.equal(model[0](x.float()), F.linear(x.float(), model[0].weight, model[0].bias))
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_products_linear_widens_its_weight_in_pieces(bias, monkeypatch):
+    """Eager, the weight is widened some output features at a time (16 of 50 here: an uneven last piece):
+    the fp32 product of each piece rounded once to bf16, as the whole product is (within one bf16
+    rounding step, where a piece's sums land on the other side of a rounding boundary)."""
+    from genfast.platform import heap
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 50, bias=bias).to(torch.bfloat16))
+    use_fp32_products(model)
+    layer = model[0]
+    x = torch.randn(2, FP32_PRODUCTS_MIN_ROWS // 2, 96, dtype=torch.bfloat16)
+    want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    asked = []
+    monkeypatch.setattr(heap, "items_per_piece", lambda item_bytes: asked.append(item_bytes) or 16)
+    got = layer(x)
+    assert asked == [(x.shape[0] * x.shape[1] + 96) * 4]  # a product row and a widened weight row
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert ((got.float() - want).abs() <= want.abs() * 2**-7).all()
+
+
 def test_fp32_products_can_be_narrowed_to_one_kind_of_layer():
     """`kinds` limits use_fp32_products to the kinds named (the benchmark's linears-only form)."""
     model = torch.nn.Sequential(torch.nn.Conv2d(64, 8, 1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
