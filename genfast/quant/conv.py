@@ -117,19 +117,9 @@ def _int8_conv2d(
 
 
 @torch.library.register_fake("genfast::int8_conv2d")
-def _int8_conv2d_fake(
-    q: Tensor,
-    scale: Tensor,
-    zero_point: Tensor,
-    qweight: Tensor,
-    weight_scale: Tensor,
-    weight_zero_point: Tensor,
-    bias: Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    dtype: torch.dtype,
-) -> Tensor:
+def _int8_conv2d_fake(q, scale, zero_point, qweight, weight_scale, weight_zero_point, bias, stride, padding, dilation,
+                      dtype):  # fmt: skip
+    # The op's schema above types the arguments.
     n, _, h, w = q.shape
     size = [
         (length + 2 * pad - dil * (k - 1) - 1) // step + 1
