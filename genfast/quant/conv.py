@@ -86,12 +86,15 @@ _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def packed_weight(qweight: Tensor, weight_scale: Tensor, stride: list[int], padding: list[int],
                   dilation: list[int]) -> Tensor:  # fmt: skip
     """`qweight` prepacked for oneDNN's int8 convolution, packed on its first use and kept."""
+    # A tensor made in inference mode has no version counter: one changed in place there keeps
+    # its first packing.
+    version = -1 if qweight.is_inference() else qweight._version
     entry = _PACKED.get(qweight)
-    if entry is None or entry[0] != qweight._version:
+    if entry is None or entry[0] != version:
         # The activation scale and zero point given to prepack do not change its result: the real
         # ones come with each call.
         packed = torch.ops.onednn.qconv_prepack(qweight, weight_scale, 1.0, 0, stride, padding, dilation, 1, None)
-        entry = _PACKED[qweight] = (qweight._version, packed)
+        entry = _PACKED[qweight] = (version, packed)
     return entry[1]
 
 

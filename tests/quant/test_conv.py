@@ -138,10 +138,16 @@ def test_packed_once_repacked_after_an_in_place_change_and_dropped_with_the_weig
     other = DynamicInt8Conv2d(nn.Conv2d(16, 24, 3, padding=1))
     q.load_state_dict(other.state_dict())
     assert torch.equal(q(x), other(x)) and not torch.equal(q(x), before)
+    with torch.inference_mode():  # its tensors have no version counter
+        made_there = DynamicInt8Conv2d(nn.Conv2d(16, 24, 3, padding=1))
+        inside = made_there(x)
+    reference = made_there.reference_forward(x)
+    for y in (inside, made_there(x)):
+        assert (y - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()
     count = len(int8_conv._PACKED)
-    del q, other
+    del q, other, made_there
     gc.collect()
-    assert len(int8_conv._PACKED) == count - 2
+    assert len(int8_conv._PACKED) == count - 3
 
 
 def test_compiled_code_is_saved_and_loaded_by_a_module_with_other_weights():
