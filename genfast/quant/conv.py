@@ -73,12 +73,6 @@ def int8_conv_unavailable_reason(device: torch.device | str) -> str | None:
     return None
 
 
-torch.library.define(
-    "genfast::int8_conv2d",
-    "(Tensor q, Tensor scale, Tensor zero_point, Tensor qweight, Tensor weight_scale, Tensor weight_zero_point,"
-    " Tensor? bias, int[] stride, int[] padding, int[] dilation, ScalarType dtype) -> Tensor",
-)
-
 # qweight -> (its version when packed, its packed form); an entry goes when its tensor does.
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -98,8 +92,8 @@ def packed_weight(qweight: Tensor, weight_scale: Tensor, stride: list[int], padd
     return entry[1]
 
 
-@torch.library.impl("genfast::int8_conv2d", "CPU")
-def _int8_conv2d(
+@torch.library.custom_op("genfast::int8_conv2d", mutates_args=())
+def int8_conv2d(
     q: Tensor,
     scale: Tensor,
     zero_point: Tensor,
@@ -112,6 +106,8 @@ def _int8_conv2d(
     dilation: list[int],
     dtype: torch.dtype,
 ) -> Tensor:
+    """oneDNN's int8 convolution of uint8 codes `q` (scale, zero point) by the int8 `qweight`
+    (per-channel scales), its packed form from the cache; the output in `dtype`, channels-last."""
     packed = packed_weight(qweight, weight_scale, stride, padding, dilation)
     return torch.ops.onednn.qconv_pointwise.tensor(
         q, scale, zero_point, packed, weight_scale, weight_zero_point, bias, stride, padding, dilation, 1, 1.0, 0,
@@ -119,10 +115,10 @@ def _int8_conv2d(
     )  # fmt: skip
 
 
-@torch.library.register_fake("genfast::int8_conv2d")
-def _int8_conv2d_fake(q, scale, zero_point, qweight, weight_scale, weight_zero_point, bias, stride, padding, dilation,
-                      dtype):  # fmt: skip
-    # The op's schema above types the arguments.
+@int8_conv2d.register_fake
+def _(q, scale, zero_point, qweight, weight_scale, weight_zero_point, bias, stride, padding, dilation,
+      dtype):  # fmt: skip
+    # The op's signature above types the arguments.
     n, _, h, w = q.shape
     size = [
         (length + 2 * pad - dil * (k - 1) - 1) // step + 1
@@ -167,7 +163,7 @@ class DynamicInt8Conv2d(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q, scale, zero_point = self.quantize_activation(x, self.activation_levels)
-        return torch.ops.genfast.int8_conv2d(
+        return int8_conv2d(
             q, scale, zero_point, self.qweight, self.weight_scale, self.weight_zero_point, self.bias,
             self.stride, self.padding, self.dilation, x.dtype,
         )  # fmt: skip
