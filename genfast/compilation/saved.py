@@ -39,13 +39,14 @@ Args = tuple[Any, ...]
 Kwargs = Mapping[str, Any]
 
 
-def call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """What is compiled: the module's own forward, with the module an argument, so that its
-    weights are inputs (its instance `forward` is the SavedForward that calls this). The class's
-    forward is reached through the instance (`_class_forward`, set by compile_saved), not through
-    `type(module)`: dynamo cannot trace an attribute of a class marked allow-in-graph, as
-    diffusers marks its transformer blocks."""
-    return module._class_forward(*args, **kwargs)
+def call_module(module: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
+    """What is compiled: the module's own `method` (its forward, or another method compile_saved
+    was given), with the module an argument, so that its weights are inputs (the instance's
+    attribute of that name is the SavedForward that calls this). The class's method is reached
+    through the instance (`_class_<method>`, set by compile_saved), not through `type(module)`:
+    dynamo cannot trace an attribute of a class marked allow-in-graph, as diffusers marks its
+    transformer blocks."""
+    return getattr(module, f"_class_{method}")(*args, **kwargs)
 
 
 def structure(module: nn.Module) -> list[Any]:
@@ -93,17 +94,19 @@ _READY: dict[str, Callable[..., Any]] = {}
 
 
 def compile_saved(module: nn.Module, what: str, depends_on: Mapping[str, Any], options: Mapping[str, Any],
-                  log: Callable[[str], None] = _log) -> nn.Module:  # fmt: skip
+                  log: Callable[[str], None] = _log, method: str = "forward") -> nn.Module:  # fmt: skip
     """Compile `module` in place, ahead of time per input signature, kept on disk (see the module
     docstring), and return it. `what` names it in messages ("SAM image encoder"); `depends_on`:
     JSON-able settings the code depends on beyond the module's structure; `options`: inductor's
     (`freezing` is dropped: the weights stay inputs). It runs with gradients off: for inference.
-    The module must be savable (`unsavable_reason`)."""
+    The module must be savable (`unsavable_reason`). `method`: the method compiled, forward by
+    default; another one (of a module whose forward mixes static-shaped parts with others) is
+    compiled the same way, and several methods of one module can be."""
     reason = unsavable_reason(module)
     if reason is not None:
         raise ValueError(f"the {what} cannot be compiled ahead of time and saved: {reason}")
-    module._class_forward = type(module).forward.__get__(module)
-    module.forward = SavedForward(module, what, depends_on, options, log)
+    setattr(module, f"_class_{method}", getattr(type(module), method).__get__(module))
+    setattr(module, method, SavedForward(module, what, depends_on, options, log, method))
     return module
 
 
@@ -121,11 +124,12 @@ def unsavable_reason(module: nn.Module) -> str | None:
 
 
 class SavedForward:
-    """The forward `compile_saved` gives a module."""
+    """The forward (or other method) `compile_saved` gives a module."""
 
     def __init__(self, module: nn.Module, what: str, depends_on: Mapping[str, Any], options: Mapping[str, Any],
-                 log: Callable[[str], None]) -> None:  # fmt: skip
+                 log: Callable[[str], None], method: str = "forward") -> None:  # fmt: skip
         self.module = module
+        self.method = method
         self.what = what
         self.depends_on = dict(depends_on)
         self.options = {k: v for k, v in options.items() if k != "freezing"}
@@ -139,6 +143,7 @@ class SavedForward:
             self._structure = structure(self.module)
         return {
             "what": self.what,
+            "method": self.method,
             "structure": self._structure,
             "depends_on": self.depends_on,
             "options": {k: v for k, v in sorted(self.options.items())},
@@ -159,14 +164,14 @@ class SavedForward:
             if fn is None:
                 fn = _READY[store.key] = self._prepare(store, args, kwargs)
             try:
-                return fn(self.module, *args, **kwargs)
+                return fn(self.module, self.method, *args, **kwargs)
             except RuntimeError as e:  # guards: a saved function that does not fit after all
                 if "GuardManager check failed" not in str(e):
                     raise
                 why = f"the compiled {self.what} does not fit this module ({str(e)[:200]})"
                 store.discard("forward", why, self.log)
                 fn = _READY[store.key] = self._compile(store, args, kwargs)
-                return fn(self.module, *args, **kwargs)
+                return fn(self.module, self.method, *args, **kwargs)
 
     def _description(self, parts: Mapping[str, Any]) -> dict[str, Any]:
         """What `genfast cache list` shows."""
@@ -189,7 +194,7 @@ class SavedForward:
         options = {**self.options, "cpp.dynamic_threads": True, "guard_filter_fn": artifacts.saved_guards}
         with Ticker(f"genfast: compiling the {self.what} (first run only: it is saved for later runs)") as ticker:
             compiled = torch.compile(call_module, fullgraph=True, dynamic=False, options=options).aot_compile(
-                ((self.module, *args), dict(kwargs))
+                ((self.module, self.method, *args), dict(kwargs))
             )
             store.try_save("forward", compiled, self.log)
         self.events.append(f"compiled in {ticker.seconds:.1f} s")
@@ -198,5 +203,5 @@ class SavedForward:
 
 def compile_notes(root: nn.Module) -> list[str]:
     """What the saved compiled modules in `root` cost so far, e.g. for a benchmark row's note."""
-    forwards = [f for m in root.modules() if isinstance(f := vars(m).get("forward"), SavedForward)]
+    forwards = [f for m in root.modules() for f in vars(m).values() if isinstance(f, SavedForward)]
     return [f"{f.what} {event}" for f in forwards for event in f.events]

@@ -144,6 +144,34 @@ def _compile_encoder(model: Sam, settings: SamSettings) -> None:
         model.grid_decoder_compiler = partial(_compile_grid_decoder, device=model.device, settings=settings)
 
 
+# The memory attention layer's methods whose shapes are the frame's alone (MemoryAttentionLayer).
+LAYER_PARTS = ("frame_side", "output_side")
+
+
+def _compile_memory(model: Sam, settings: SamSettings) -> None:
+    """SAM 2's video modules, static shapes: the memory encoder whole, and each memory-attention
+    layer's parts whose shapes are the frame's (its self-attention, the cross-attention's queries,
+    its output and feed-forward). The keys and values of the memory stay eager: the memory grows
+    over a video's first frames (up to num_maskmem frames and max_obj_ptrs pointers), which would
+    compile a graph per length. On the CPU saved for later runs, as the encoder. SAM has neither."""
+    from genfast.compilation.inductor import compile_fn, inductor_options
+    from genfast.compilation.saved import compile_saved
+
+    if not hasattr(model, "memory_attention"):
+        return
+    parts = [(model.memory_encoder, "forward", "SAM 2 memory encoder")]
+    for layer in model.memory_attention.layers:
+        parts += [(layer, method, f"SAM 2 memory attention's {method.replace('_', ' ')}") for method in LAYER_PARTS]
+    if model.device.type == "cpu":
+        options = inductor_options(model.device, decode=False)
+        for module, method, what in parts:
+            compile_saved(module, what, settings_key(settings), options, method=method)
+        return
+    for module, method, _ in parts:
+        compiled = compile_fn(getattr(module, method), model.device, decode=False, max_autotune=settings.max_autotune)
+        setattr(module, method, compiled)
+
+
 def _compile_grid_decoder(decoder: torch.nn.Module, device: torch.device, settings: SamSettings) -> Callable:
     """SAM 2's automatic generator's batched decoder (one batch size of points: static shapes);
     on the CPU saved for later runs, as the encoder. Its elementwise work (the per-prompt image
@@ -177,14 +205,16 @@ RECIPE = Recipe(
             fallback=_fused_attention_note,
         ),
         steps.compile_step(
-            "torch.compile of the image encoder (and of SAM 2's automatic generator's batched decoder; fullgraph, "
-            "static shapes), saved for later runs; SAM 2's decoder's 1x1 projections of the fine levels folded into "
-            "the neck's, and its trunk's position embedding made once",
+            "torch.compile of the image encoder (and of SAM 2's automatic generator's batched decoder, its memory "
+            "encoder and the frame-shaped parts of its memory attention; fullgraph, static shapes), saved for later "
+            "runs; SAM 2's decoder's 1x1 projections of the fine levels folded into the neck's, and its trunk's "
+            "position embedding made once",
             "as bf16",
             {"compile": True},
             [
                 Transform(_rewrite_for_compiling, ("model",), Stage.REWRITE),
                 Transform(_compile_encoder, ("model",), Stage.COMPILE),
+                Transform(_compile_memory, ("model",), Stage.COMPILE),
             ],
         ),
         Step(

@@ -200,6 +200,41 @@ def test_modules_of_one_structure_share_one_function_in_a_process(x):
     assert [len(b.forward.events) for b in blocks] == [1, 0, 0]  # compiled once, reused twice
 
 
+class TwoPartBlock(Block):
+    """A module whose forward mixes a part compiled on its own with an eager one."""
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.inner(x, scale) * x.shape[1]  # eager: whatever the sequence's length
+
+    def inner(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return super().forward(x, scale)
+
+
+def test_a_method_other_than_forward_compiles_and_loads(x):
+    """`method=`: one method is compiled (and saved, keyed apart from the forward's), the module's
+    forward calling it stays eager."""
+    torch.manual_seed(0)
+    block = TwoPartBlock().eval()
+    expected = block(x)
+
+    def saved_inner() -> TwoPartBlock:
+        saved_compile._READY.clear()
+        return compile_saved(copy.deepcopy(block), "test block", {}, {}, log=lambda m: None, method="inner")
+
+    first = saved_inner()
+    assert "forward" not in vars(first) and isinstance(vars(first)["inner"], saved_compile.SavedForward)
+    torch.testing.assert_close(first(x), expected, rtol=1e-5, atol=1e-5)
+    assert first.inner.events[0].startswith("compiled in")
+    assert compile_notes(first) == [f"test block {first.inner.events[0]}"]
+    again = saved_inner()
+    torch.testing.assert_close(again(x), expected, rtol=1e-5, atol=1e-5)
+    assert again.inner.events[0].startswith("loaded in")
+    whole = _saved(copy.deepcopy(block), [])
+    torch.testing.assert_close(whole(x), expected, rtol=1e-5, atol=1e-5)
+    assert whole.forward.events[0].startswith("compiled in")  # the forward's key is not the method's
+    assert len(_keys()) == 2
+
+
 def test_ticker_reports_a_wait_in_a_log():
     stream = io.StringIO()
     with Ticker("genfast: compiling X", stream=stream):

@@ -469,6 +469,38 @@ def test_dynamic_int8_step_tracks_within_its_budget(video, monkeypatch) -> None:
         assert (union > 0).all() and (inter >= 0.95 * union).all(), (frame, inter / union)
 
 
+def test_compile_step_compiles_the_memory_modules_once_for_a_clip(video) -> None:
+    """The compile step's video part (static shapes, saved): the memory encoder and each memory
+    attention layer's frame side and output side compile once for the whole clip, although the
+    memory they read grows over its first frames; the layers (one structure) share their code.
+    The masks are the eager model's (fp32: logits within REL)."""
+    from genfast.compilation.saved import SavedForward, compile_notes
+    from genfast.recipe import Target
+    from genfast.sam.recipe import RECIPE, _compile_memory, apply_recipe
+    from genfast.sam.sam2.build import build_random_sam2
+
+    assert any(t.apply is _compile_memory for t in RECIPE.step("compile").transforms)
+    # The image encoder, which the step compiles too, stays eager here: its test is in test_recipe.py.
+    settings = RECIPE.plan("fused-attention", Target(torch.device("cpu"), "float32")).settings
+    results, compiled = [], None
+    for compile in (False, True):
+        model = apply_recipe(build_random_sam2(tiny_sam2_config(), 1), settings)
+        if compile:
+            _compile_memory(model, settings)
+            compiled = model
+        predictor = SAM2VideoPredictor(model, fill_hole_area=0)
+        state = predictor.init_state(video)
+        results.append(_two_objects_by_clicks(predictor, state) + list(predictor.propagate_in_video(state)))
+    assert compiled is not None
+    layers = compiled.memory_attention.layers
+    assert len(layers) > 1 and all(isinstance(vars(layer)["frame_side"], SavedForward) for layer in layers)
+    notes = compile_notes(compiled)
+    for what in ("memory encoder", "memory attention's frame side", "memory attention's output side"):
+        assert sum(what in note for note in notes) == 1, notes
+    assert all("compiled in" in note for note in notes), notes
+    _check_results(results[1], results[0])
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

@@ -26,7 +26,8 @@ ROPE_THETA = 10000.0
 
 class RopeTables(NamedTuple):
     """2-D axial RoPE's angles over a square grid of N tokens, as cos and sin [N, D/2] (fp32) and
-    as the complex cos + i sin (None in compiled code: inductor takes no complex tensors)."""
+    as the complex cos + i sin (None where made in compiled code, and unread there: inductor
+    takes no complex tensors)."""
 
     cos: Tensor
     sin: Tensor
@@ -49,7 +50,7 @@ def apply_rope(x: Tensor, rope: RopeTables) -> Tensor:
     a multiple of N repeats the positions, as memory frames do). Computed in fp32 as the
     official's complex product, and returned in x's dtype."""
     n = rope.cos.shape[0]
-    if rope.rotations is None:  # compiled: one fused kernel of the real form
+    if rope.rotations is None or torch.compiler.is_compiling():  # compiled: one fused kernel of the real form
         x0, x1 = x.float().unflatten(-2, (-1, n)).unflatten(-1, (-1, 2)).unbind(-1)  # [..., repeats, N, D/2]
         rotated = torch.stack((x0 * rope.cos - x1 * rope.sin, x0 * rope.sin + x1 * rope.cos), dim=-1)
         return rotated.flatten(-2).flatten(-3, -2).to(x.dtype)
@@ -85,21 +86,36 @@ class RoPEAttention(nn.Module):
         b, n, c = x.shape
         return x.view(b, n, self.num_heads, c // self.num_heads).transpose(1, 2)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTables, num_k_exclude_rope: int = 0) -> Tensor:
-        """q [B, Nq, dim], k and v [B, Nk, kv_dim] -> [B, Nq, dim]; rope: the grid's tables."""
-        q, k, v = self._heads(self.q_proj(q)), self._heads(self.k_proj(k)), self._heads(self.v_proj(v))
-        q = apply_rope(q, rope)
+    def queries(self, x: Tensor, rope: RopeTables) -> Tensor:
+        """x [B, Nq, dim] -> the queries [B, heads, Nq, head_dim], projected and rotated."""
+        return apply_rope(self._heads(self.q_proj(x)), rope)
+
+    def keys_and_values(
+        self, k: Tensor, v: Tensor, rope: RopeTables, num_k_exclude_rope: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        """k and v [B, Nk, kv_dim] -> keys and values [B, heads, Nk, head_dim]; the keys rotated
+        but for the last num_k_exclude_rope."""
+        k, v = self._heads(self.k_proj(k)), self._heads(self.v_proj(v))
         num_rope = k.shape[-2] - num_k_exclude_rope
         if num_rope and num_k_exclude_rope:
             k = torch.cat([apply_rope(k[..., :num_rope, :], rope), k[..., num_rope:, :]], dim=-2)
         elif num_rope:
             k = apply_rope(k, rope)
+        return k, v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Queries [B, heads, Nq, head_dim] over keys and values -> [B, Nq, dim], before out_proj."""
         if self.attention_impl in ("auto", "fused"):  # the native kernel where it takes q
             out = sam2_attention(q, k, v, self.attention_impl, self.int8_attention)
         else:  # SDPA, as the official computes it (no step materializes 4096 x 29K scores)
             out = F.scaled_dot_product_attention(q, k, v)
         b, _, n, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return out.transpose(1, 2).reshape(b, n, -1)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTables, num_k_exclude_rope: int = 0) -> Tensor:
+        """q [B, Nq, dim], k and v [B, Nk, kv_dim] -> [B, Nq, dim]; rope: the grid's tables."""
+        keys, values = self.keys_and_values(k, v, rope, num_k_exclude_rope)
+        return self.out_proj(self.attend(self.queries(q, rope), keys, values))
 
 
 class MemoryAttentionLayer(nn.Module):
@@ -126,10 +142,24 @@ class MemoryAttentionLayer(nn.Module):
         num_k_exclude_rope: int = 0,
     ) -> Tensor:
         """x [B, HW, dim]; memory and memory + its positions [B, M, mem_dim]."""
+        x, queries = self.frame_side(x, rope)
+        # Positions go into the keys only: the queries carry theirs through RoPE alone.
+        keys, values = self.cross_attn_image.keys_and_values(memory_with_pos, memory, rope, num_k_exclude_rope)
+        return self.output_side(x, self.cross_attn_image.attend(queries, keys, values))
+
+    # The layer in three parts: the two whose shapes are the frame's alone (the recipe's compile
+    # step compiles them with static shapes) around the keys and values of the memory, whose
+    # length grows over the first frames of a video.
+
+    def frame_side(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor]:
+        """The self-attention added to x [B, HW, dim], and the cross-attention's queries."""
         h = self.norm1(x)
         x = x + self.self_attn(h, h, h, rope)
-        # Positions go into the keys only: the queries carry theirs through RoPE alone.
-        x = x + self.cross_attn_image(self.norm2(x), memory_with_pos, memory, rope, num_k_exclude_rope)
+        return x, self.cross_attn_image.queries(self.norm2(x), rope)
+
+    def output_side(self, x: Tensor, attended: Tensor) -> Tensor:
+        """The cross-attention's output [B, HW, dim] projected and added to x, then the feed-forward."""
+        x = x + self.cross_attn_image.out_proj(attended)
         return x + self.linear2(F.relu(self.linear1(self.norm3(x))))
 
 
