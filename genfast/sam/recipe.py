@@ -152,8 +152,9 @@ def _compile_memory(model: Sam, settings: SamSettings) -> None:
     """SAM 2's video modules, static shapes: the memory encoder whole, and each memory-attention
     layer's parts whose shapes are the frame's (its self-attention, the cross-attention's queries,
     its output and feed-forward). The keys and values of the memory stay eager: the memory grows
-    over a video's first frames (up to num_maskmem frames and max_obj_ptrs pointers), which would
-    compile a graph per length. On the CPU saved for later runs, as the encoder. SAM has neither."""
+    over a video's first frames (up to num_maskmem frames and max_obj_ptrs_in_encoder pointers),
+    which would compile a graph per length. On the CPU saved for later runs, as the encoder. SAM
+    has neither."""
     from genfast.compilation.inductor import compile_fn, inductor_options
     from genfast.compilation.saved import compile_saved
 
@@ -163,9 +164,9 @@ def _compile_memory(model: Sam, settings: SamSettings) -> None:
     for layer in model.memory_attention.layers:
         parts += [(layer, method, f"SAM 2 memory attention's {method.replace('_', ' ')}") for method in LAYER_PARTS]
     if model.device.type == "cpu":
-        options = inductor_options(model.device, decode=False)
+        key, options = settings_key(settings), inductor_options(model.device, decode=False)
         for module, method, what in parts:
-            compile_saved(module, what, settings_key(settings), options, method=method)
+            compile_saved(module, what, key, options, method=method)
         return
     for module, method, _ in parts:
         compiled = compile_fn(getattr(module, method), model.device, decode=False, max_autotune=settings.max_autotune)
