@@ -128,18 +128,24 @@ def _rewrite_for_compiling(model: Sam, settings: SamSettings) -> None:
             rewrite()
 
 
-def _compile_encoder(model: Sam, settings: SamSettings) -> None:
-    """On the CPU the compiled encoder is saved for later runs; on CUDA it compiles in-process."""
+def _compile_in_place(
+    module: torch.nn.Module, what: str, device: torch.device, settings: SamSettings, method: str = "forward"
+) -> None:
+    """Compile `module`'s `method` (fullgraph, static shapes) in place: on the CPU saved for later
+    runs (genfast/compilation/saved.py), on CUDA in-process with its matrix products tuned."""
     from genfast.compilation.inductor import compile_fn, inductor_options
     from genfast.compilation.saved import compile_saved
 
-    if model.device.type == "cpu":
-        options = inductor_options(model.device, decode=False)
-        compile_saved(model.image_encoder, "SAM image encoder", settings_key(settings), options)
+    if device.type == "cpu":
+        options = inductor_options(device, decode=False)
+        compile_saved(module, what, settings_key(settings), options, method=method)
     else:
-        model.image_encoder = compile_fn(
-            model.image_encoder, model.device, decode=False, max_autotune=settings.max_autotune
-        )
+        compiled = compile_fn(getattr(module, method), device, decode=False, max_autotune=settings.max_autotune)
+        setattr(module, method, compiled)
+
+
+def _compile_encoder(model: Sam, settings: SamSettings) -> None:
+    _compile_in_place(model.image_encoder, "SAM image encoder", model.device, settings)
     if hasattr(model, "grid_decoder_compiler"):  # SAM 2: its automatic generator's decoder too
         model.grid_decoder_compiler = partial(_compile_grid_decoder, device=model.device, settings=settings)
 
@@ -153,37 +159,22 @@ def _compile_memory(model: Sam, settings: SamSettings) -> None:
     layer's parts whose shapes are the frame's (its self-attention, the cross-attention's queries,
     its output and feed-forward). The keys and values of the memory stay eager: the memory grows
     over a video's first frames (up to num_maskmem frames and max_obj_ptrs_in_encoder pointers),
-    which would compile a graph per length. On the CPU saved for later runs, as the encoder. SAM
-    has neither."""
-    from genfast.compilation.inductor import compile_fn, inductor_options
-    from genfast.compilation.saved import compile_saved
-
+    which would compile a graph per length. SAM has neither."""
     if not hasattr(model, "memory_attention"):
         return
-    parts = [(model.memory_encoder, "forward", "SAM 2 memory encoder")]
+    _compile_in_place(model.memory_encoder, "SAM 2 memory encoder", model.device, settings)
     for layer in model.memory_attention.layers:
-        parts += [(layer, method, f"SAM 2 memory attention's {method.replace('_', ' ')}") for method in LAYER_PARTS]
-    if model.device.type == "cpu":
-        key, options = settings_key(settings), inductor_options(model.device, decode=False)
-        for module, method, what in parts:
-            compile_saved(module, what, key, options, method=method)
-        return
-    for module, method, _ in parts:
-        compiled = compile_fn(getattr(module, method), model.device, decode=False, max_autotune=settings.max_autotune)
-        setattr(module, method, compiled)
+        for method in LAYER_PARTS:
+            what = f"SAM 2 memory attention's {method.replace('_', ' ')}"
+            _compile_in_place(layer, what, model.device, settings, method)
 
 
 def _compile_grid_decoder(decoder: torch.nn.Module, device: torch.device, settings: SamSettings) -> Callable:
-    """SAM 2's automatic generator's batched decoder (one batch size of points: static shapes);
-    on the CPU saved for later runs, as the encoder. Its elementwise work (the per-prompt image
-    tokens' residuals, LayerNorms and GELUs at 4096-16384 positions) is most of its eager time."""
-    from genfast.compilation.inductor import compile_fn, inductor_options
-    from genfast.compilation.saved import compile_saved
-
-    if device.type == "cpu":
-        options = inductor_options(device, decode=False)
-        return compile_saved(decoder, "SAM 2 grid decoder", settings_key(settings), options)
-    return compile_fn(decoder, device, decode=False, max_autotune=settings.max_autotune)
+    """SAM 2's automatic generator's batched decoder (one batch size of points: static shapes).
+    Its elementwise work (the per-prompt image tokens' residuals, LayerNorms and GELUs at
+    4096-16384 positions) is most of its eager time."""
+    _compile_in_place(decoder, "SAM 2 grid decoder", device, settings)
+    return decoder
 
 
 RECIPE = Recipe(
