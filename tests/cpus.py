@@ -11,6 +11,7 @@ SKYLAKE_X = frozenset(
     ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"]
 )  # AVX-512 without VNNI/BF16
 XEON_WITHOUT_AMX = ZEN4 | {"avx512_fp16", "avx_vnni"}  # a Sapphire Rapids-class Xeon whose hypervisor hides AMX
+XEON_WITH_AMX = XEON_WITHOUT_AMX | {"amx_tile", "amx_bf16", "amx_int8"}  # the same Xeon where AMX is shown
 
 
 def pretend_cpu(

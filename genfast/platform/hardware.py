@@ -207,17 +207,31 @@ def has_native_bf16() -> bool:
 
 
 @torch.compiler.assume_constant_result  # read while tracing a model's forward: a constant there
+def has_amx_bf16() -> bool:
+    """Whether PyTorch's own bf16 products (oneDNN's matmuls and convolutions, SDPA's flash kernel)
+    run on AMX tiles here: AMX-BF16 under the active ISA level. genfast's own kernels do not use
+    the tiles (`fast_bf16_dot_products`)."""
+    return isa_allows("avx512") and "amx_bf16" in cpu_flags()
+
+
+@torch.compiler.assume_constant_result  # read while tracing a model's forward: a constant there
+def fast_bf16_dot_products() -> bool:
+    """Whether AVX512-BF16's dot product (vdpbf16ps), which genfast's own kernels issue, does more
+    multiply-adds a cycle than fp32 FMAs here: on AMD (Zen 4: twice as many). Intel's cores issue
+    it at a quarter of the fp32 FMA's rate, half the multiply-adds a cycle, with AMX or without
+    (the tiles are a unit of their own, which only oneDNN's code reaches: `has_amx_bf16`;
+    docs/notes.md). Cooper Lake, never measured, is taken to be alike."""
+    return has_native_bf16() and cpu_vendor() == "AuthenticAMD"
+
+
+@torch.compiler.assume_constant_result  # read while tracing a model's forward: a constant there
 def fast_bf16_products() -> bool:
-    """Whether a compute-bound bf16 product runs faster than the same product in fp32 here: with
-    AMX-BF16 (oneDNN's tiles), or AVX512-BF16 on AMD (Zen 4's bf16 products run several times
-    faster than its fp32 ones). Intel CPUs with AVX512-BF16 but no AMX flag (Xeons whose
-    hypervisor hides AMX; Cooper Lake, never measured, is taken to be alike) issue vdpbf16ps at a
-    quarter of the fp32 FMA's rate, so bf16 products do half fp32's multiply-adds a cycle there
-    (docs/notes.md). bf16 still halves the bytes moved, so bf16 tensors stay worth keeping; their
+    """Whether PyTorch's compute-bound bf16 products (oneDNN's) run faster than the same products
+    in fp32 here: on AMX-BF16's tiles, or on AVX512-BF16 where its dot products are fast
+    (`fast_bf16_dot_products`: AMD). Elsewhere (Intel Xeons with AVX512-BF16 whose hypervisor
+    hides AMX) bf16 tensors still halve the bytes moved, so they stay worth keeping; their
     products are faster in fp32, or in int8 (VNNI's rate is above fp32's on both)."""
-    if not has_native_bf16():
-        return False
-    return "amx_bf16" in cpu_flags() or cpu_vendor() == "AuthenticAMD"
+    return has_amx_bf16() or fast_bf16_dot_products()
 
 
 # ---- device and dtype ------------------------------------------------------------------------------

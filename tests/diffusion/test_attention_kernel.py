@@ -16,6 +16,7 @@ from genfast.diffusion.pipelines import tiny_pipeline
 from genfast.diffusion.recipe import RECIPE, DiffusionSettings, apply_recipe, pipeline_target
 from genfast.errors import UserError
 from genfast.kernels.rel_pos_attention import ops as kernel
+from genfast.platform import hardware
 
 # bf16 outputs of a whole tiny transformer, the kernel against SDPA (both accumulate in fp32; they
 # differ in the order of the sums and where probabilities are rounded to bf16): max abs difference
@@ -114,11 +115,13 @@ def arch(request):
 
 @needs_kernel
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-qkv"])
-def test_kernel_attention_matches_diffusers(arch, fused):
+def test_kernel_attention_matches_diffusers(arch, fused, monkeypatch):
     """Every attention module (Flux: 2 double- and 2 single-stream; SD3: 2 joint and the
     dual-attention layer's image-only one) calls the kernel once, and the transformer's output
     stays within bf16's difference of diffusers' SDPA processors."""
     build, inputs, processor, modules = MODELS[arch]
+    # The kernel's results: on a CPU with AMX, SDPA computes attentions this long (ops.attention_pays).
+    monkeypatch.setattr(hardware, "has_amx_bf16", lambda: False)
     model = build(torch.bfloat16)
     args = inputs(model, torch.bfloat16)
     with torch.inference_mode():
@@ -167,14 +170,17 @@ def test_other_processors_are_refused():
         use_attention_kernel(model)
 
 
-def test_recipe_step_notes_and_validation():
-    """The step says where it runs SDPA instead (UNets; fp32 where the kernel takes none) and needs
-    SDPA attention to replace."""
+def test_recipe_step_notes_and_validation(monkeypatch):
+    """The step says where it runs SDPA instead (UNets; fp32 where the kernel takes none; in part
+    on a CPU with AMX) and needs SDPA attention to replace."""
     unet = RECIPE.plan("fused-attention", pipeline_target(tiny_pipeline("sd15"), "bfloat16"))
     assert dict(unet.notes)["fused-attention"].startswith("changes FLUX.1's and SD3's attention only")
     if kernel.takes(torch.bfloat16):
-        flux = RECIPE.plan("fused-attention", pipeline_target(tiny_pipeline("flux"), "bfloat16"))
-        assert "fused-attention" not in dict(flux.notes)
+        for amx in (False, True):
+            monkeypatch.setattr(hardware, "has_amx_bf16", lambda amx=amx: amx)
+            flux = RECIPE.plan("fused-attention", pipeline_target(tiny_pipeline("flux"), "bfloat16"))
+            note = dict(flux.notes).get("fused-attention")
+            assert note is None if not amx or kernel.loaded_isa() != "avx512" else note.startswith("AMX: ")
     if not kernel.takes(torch.float32):
         fp32 = RECIPE.plan("fused-attention", pipeline_target(tiny_pipeline("flux"), "float32"))
         assert "SDPA" in dict(fp32.notes)["fused-attention"]

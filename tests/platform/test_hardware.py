@@ -8,7 +8,7 @@ import torch
 
 from genfast.errors import UserError
 from genfast.platform import hardware
-from tests.cpus import OLD_X86, SKYLAKE_X, XEON_WITHOUT_AMX, ZEN3, ZEN4, pretend_cpu
+from tests.cpus import OLD_X86, SKYLAKE_X, XEON_WITH_AMX, XEON_WITHOUT_AMX, ZEN3, ZEN4, pretend_cpu
 
 
 @pytest.mark.parametrize(
@@ -134,20 +134,25 @@ def test_auto_dtype_per_isa(monkeypatch, flags, cap, expected):
 
 
 @pytest.mark.parametrize(
-    "flags,vendor,cap,fast",
+    "flags,vendor,cap,fast,fast_dot,amx",
     [
-        (ZEN4, "AuthenticAMD", None, True),  # one vdpbf16ps does twice an fp32 FMA's multiply-adds
-        (XEON_WITHOUT_AMX, "GenuineIntel", None, False),  # vdpbf16ps issues at a quarter of FMA's rate
-        (XEON_WITHOUT_AMX | {"amx_tile", "amx_bf16"}, "GenuineIntel", None, True),  # oneDNN's AMX tiles
-        (ZEN4, "AuthenticAMD", "avx2", False),  # a cap stands for a CPU without bf16 instructions
-        (ZEN3, "AuthenticAMD", None, False),
+        (ZEN4, "AuthenticAMD", None, True, True, False),  # one vdpbf16ps does twice an fp32 FMA's multiply-adds
+        (XEON_WITHOUT_AMX, "GenuineIntel", None, False, False, False),  # vdpbf16ps issues at a quarter of FMA's rate
+        (XEON_WITH_AMX, "GenuineIntel", None, True, False, True),  # oneDNN's AMX tiles; vdpbf16ps as slow
+        (XEON_WITH_AMX, "GenuineIntel", "avx2", False, False, False),  # a cap stands for a CPU without either
+        (ZEN4, "AuthenticAMD", "avx2", False, False, False),
+        (ZEN3, "AuthenticAMD", None, False, False, False),
     ],
 )
-def test_fast_bf16_products_per_cpu(monkeypatch, flags, vendor, cap, fast):
+def test_fast_bf16_products_per_cpu(monkeypatch, flags, vendor, cap, fast, fast_dot, amx):
     """Where bf16 instructions exist but are slower than fp32 FMAs, `--dtype auto` still keeps bf16
-    tensors (half the bytes); only the products that know the difference compute in fp32."""
+    tensors (half the bytes); only the products that know the difference compute in fp32. PyTorch's
+    products (oneDNN: AMX's tiles where there are) and genfast's kernels' (vdpbf16ps) differ on an
+    Intel CPU with AMX."""
     pretend_cpu(monkeypatch, flags, cap, vendor)
     assert hardware.fast_bf16_products() == fast
+    assert hardware.fast_bf16_dot_products() == fast_dot
+    assert hardware.has_amx_bf16() == amx
     assert hardware.auto_dtype(torch.device("cpu")) == (torch.float32 if cap or flags == ZEN3 else torch.bfloat16)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from genfast.errors import UserError
+from genfast.platform import hardware
 from genfast.quant.linear import QuantLinear, narrower_than
 from genfast.quant.sparse import prune_2_4_, sparse_2_4_unavailable
 from genfast.recipe import Target
@@ -184,14 +185,20 @@ def test_sparse_step_says_why_it_cannot_run_on_cpu():
 
 
 def test_fused_attention_says_when_it_falls_back(monkeypatch):
-    """On a CPU whose kernel variant takes no fp32 inputs the step runs as SDPA, and says so."""
+    """On a CPU whose kernel variant takes no fp32 inputs the step runs as SDPA, and says so; on
+    one with AMX it runs by SDPA in part, and says so too."""
     from genfast.kernels.rel_pos_attention import ops as fused_attention
 
     monkeypatch.setattr(fused_attention, "loaded_isa", lambda: "avx512")
     monkeypatch.setattr(fused_attention, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(fused_attention, "takes", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(hardware, "has_amx_bf16", lambda: False)
     plan = RECIPE.plan("fused-attention", Target(torch.device("cpu"), "float32"))
     assert plan.notes == (("fused-attention", "the avx512 kernel takes no float32: SDPA"),)
     assert not RECIPE.plan("fused-attention", CPU_BF16).notes
+    monkeypatch.setattr(hardware, "has_amx_bf16", lambda: True)  # SDPA on AMX's tiles for many keys
+    amx = "AMX: attention without a bias over more than 16 keys by SDPA (on AMX's tiles)"
+    assert RECIPE.plan("fused-attention", CPU_BF16).notes == (("fused-attention", amx),)
 
 
 def test_int8_filter_is_a_function_of_shapes():

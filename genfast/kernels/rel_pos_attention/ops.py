@@ -6,9 +6,11 @@ on request with either product on int8 codes (the AVX-512 variant only): the sco
 scale per query row and per key), the output P @ V (P's scale per query row and block of keys,
 V's per block of keys and channel). The AVX-512 variant computes on bf16 inputs (`vdpbf16ps`, and
 `vpdpbusd` for int8 products), or where bf16 dot products are slower than fp32 FMAs
-(`hardware.fast_bf16_products`) on fp32 FMAs of the bf16 operands widened in registers; the AVX2
-one in fp32, on float32 or bfloat16 inputs (CPUs without AVX512-BF16 run SAM in fp32). `portable`
-is the same attention in PyTorch, with the bias materialized for SDPA.
+(`hardware.fast_bf16_dot_products`) on fp32 FMAs of the bf16 operands widened in registers; the
+AVX2 one in fp32, on float32 or bfloat16 inputs (CPUs without AVX512-BF16 run SAM in fp32). On a
+CPU with AMX, SDPA's products run on its tiles and beat the kernel wherever there are more than a
+few keys (`attention_pays`). `portable` is the same attention in PyTorch, with the bias
+materialized for SDPA.
 """
 
 from __future__ import annotations
@@ -83,12 +85,15 @@ def takes(dtype: torch.dtype) -> bool:
 
 def cpu_fallback_note(dtype: torch.dtype) -> str | None:
     """Why attention on CPU inputs of `dtype` runs by SDPA here instead of this kernel (none is
-    loaded, or the loaded variant takes no `dtype`), for the recipes' notes; None when it runs."""
+    loaded, or the loaded variant takes no `dtype`), or where it does in part (a CPU with AMX:
+    `attention_pays`), for the recipes' notes; None when the kernel runs throughout."""
     reason = unavailable_reason()
     if reason:
         return f"fused kernel unavailable ({reason}): SDPA"
     if not takes(dtype):
         return f"the {loaded_isa()} kernel takes no {str(dtype).removeprefix('torch.')}: SDPA"
+    if loaded_isa() == "avx512" and hardware.has_amx_bf16():
+        return f"AMX: attention without a bias over more than {AMX_ATTENTION_MAX_KEYS} keys by SDPA (on AMX's tiles)"
     return None
 
 
@@ -112,9 +117,19 @@ AVX2_ATTENTION_MAX_HEAD_DIM = 128
 AVX2_ATTENTION_MIN_QUERIES = 1024
 
 
+# Where the AVX-512 variant beats SDPA on a CPU with AMX-BF16, whose SDPA computes its bf16
+# products on AMX's tiles (the variant takes bf16 only): only with few keys, the mask decoder's
+# image tokens against its few prompt tokens (even at 16 keys; SDPA ahead from a few dozen).
+# Everywhere else SDPA is faster than the variant's products in fp32 and on int8 codes alike:
+# Hiera's blocks, its windows, the memory attention. Measurements in docs/notes.md (AMX).
+AMX_ATTENTION_MAX_KEYS = 16
+
+
 def attention_pays(queries: int, keys: int, head_dim: int) -> bool:
     """Whether `attention` of `queries` query rows over `keys` keys (per batch entry and head) of
-    `head_dim` channels beats SDPA in the loaded variant (see above)."""
+    `head_dim` channels beats SDPA in the loaded variant on this CPU (see above)."""
+    if loaded_isa() == "avx512":
+        return not hardware.has_amx_bf16() or keys <= AMX_ATTENTION_MAX_KEYS
     if loaded_isa() != "avx2":
         return True
     return (
@@ -126,9 +141,10 @@ def attention_pays(queries: int, keys: int, head_dim: int) -> bool:
 
 def fp32_products() -> bool:
     """Whether the loaded variant's products that are not on int8 codes pay most as fp32 FMAs of
-    the widened bf16 operands: in the AVX-512 variant where bf16 dot products are slower than fp32
-    FMAs (`hardware.fast_bf16_products`). The AVX2 variant computes in fp32 anyway."""
-    return loaded_isa() == "avx512" and not hardware.fast_bf16_products()
+    the widened bf16 operands: in the AVX-512 variant where bf16 dot products (vdpbf16ps) are
+    slower than fp32 FMAs (`hardware.fast_bf16_dot_products`: Intel's cores, AMX or not). The AVX2
+    variant computes in fp32 anyway."""
+    return loaded_isa() == "avx512" and not hardware.fast_bf16_dot_products()
 
 
 def _readable(t: Tensor) -> Tensor:

@@ -61,12 +61,12 @@ def test_attention_kernel_matches_sdpa(dtype, fp32, windows, heads, queries, key
 @pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
 def test_attention_kernel_multiplies_in_fp32_where_bf16_products_are_slow(monkeypatch) -> None:
     """The AVX-512 variant's products run on fp32 FMAs by default exactly where bf16 dot products
-    are slower than fp32 FMAs (an Intel Xeon without AMX); the AVX2 variant computes in fp32
-    anyway, and bf16 products are never asked of it. The two forms differ (P in bf16 or fp32)."""
+    are slower than fp32 FMAs (Intel's cores, with AMX or without); the AVX2 variant computes in
+    fp32 anyway, and bf16 products are never asked of it. The two forms differ (P in bf16 or fp32)."""
     from genfast.platform import hardware
 
     for fast in (True, False):
-        monkeypatch.setattr(hardware, "fast_bf16_products", lambda fast=fast: fast)
+        monkeypatch.setattr(hardware, "fast_bf16_dot_products", lambda fast=fast: fast)
         assert kernel.fp32_products() == (kernel.loaded_isa() == "avx512" and not fast)
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, n, 32, generator=gen).to(KERNEL_DTYPES[-1]) for n in (40, 300, 300))
@@ -173,15 +173,24 @@ def test_int8_products_are_refused_where_the_kernel_has_none() -> None:
 @pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
 def test_sam2_attention_takes_the_kernel_where_it_pays(monkeypatch) -> None:
     """The AVX2 variant (fp32 arithmetic) only on Hiera's global blocks; SDPA on windows and on
-    the memory attention's many keys."""
+    the memory attention's many keys. The AVX-512 variant everywhere, except on a CPU with AMX
+    (SDPA's products on its tiles), where it keeps only the attentions over a few keys."""
+    from genfast.platform import hardware
+
     q, k, v = (torch.randn(1, 2, n, 16).to(KERNEL_DTYPES[0]) for n in (8, 16, 16))
     calls = []
     monkeypatch.setattr(kernel, "attention", lambda *args: calls.append(args) or args[0])
     sam2_attention(q, k, v, "fused")
     assert len(calls) == (kernel.loaded_isa() != "avx2")
     avx2 = kernel.loaded_isa() == "avx2"
-    assert kernel.attention_pays(4096, 4096, 96) and kernel.attention_pays(16, 16, 96) != avx2
-    assert kernel.attention_pays(4096, 7 * 4096 + 64, 256) != avx2 and kernel.attention_pays(4096, 4096, 256) != avx2
+    for amx in (False, True):
+        monkeypatch.setattr(hardware, "has_amx_bf16", lambda amx=amx: amx)
+        many_keys = not avx2 and not amx  # the AVX-512 variant without AMX
+        assert kernel.attention_pays(4096, 4096, 96) == (avx2 or many_keys)
+        assert kernel.attention_pays(16, 16, 96) == (not avx2)  # a few keys: AMX or not
+        assert kernel.attention_pays(4096, 7 * 4096 + 64, 256) == many_keys
+        assert kernel.attention_pays(4096, 4096, 256) == many_keys
+        assert kernel.attention_pays(196, 196, 96) == many_keys  # a window of Hiera's third stage
 
 
 def test_sam2_attention_math_is_the_explicit_softmax() -> None:

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from genfast.compilation.saved import SavedForward
+from genfast.platform import hardware
 from genfast.quant.linear import QuantLinear
 from genfast.recipe import Target
 from genfast.sam.recipe import RECIPE, SamSettings, apply_recipe
 from genfast.sam.sam2.build import build_random_sam2
 from genfast.sam.sam2.config import Sam2Config, tiny_sam2_config
 from genfast.sam.sam2.predictor import SAM2ImagePredictor
+from tests.cpus import XEON_WITHOUT_AMX, ZEN4, pretend_cpu
 
 CONFIGS = {
     "tiny": tiny_sam2_config(),
@@ -110,15 +112,16 @@ def test_dynamic_int8_attention_in_the_global_blocks_only(monkeypatch, fast_bf16
     """The step asks the attention kernel for both products on int8 codes in Hiera's global blocks
     (the tiny-wide model's block 4: one [1, heads, 64, 16] call per image) and nowhere else (the
     windowed blocks' calls have one entry per window), where the kernel has them (AVX-512); in the
-    windows too where bf16 products are slower than fp32 ones (`hardware.fast_bf16_products`). The
-    logits stay within the step's budget (test_step_stays_within_its_budget and
-    test_steps_stay_within_their_budgets_where_bf16_products_are_slow)."""
+    windows too where its bf16 products are slower than fp32 ones (`hardware.fast_bf16_dot_products`:
+    Intel). The logits stay within the step's budget (test_step_stays_within_its_budget and
+    test_steps_stay_within_their_budgets_where_bf16_products_are_slow). A CPU without AMX: with
+    it, SDPA computes these attentions (test_encoder_parts.py)."""
     from genfast.kernels.rel_pos_attention import ops as kernel
-    from genfast.platform import hardware
 
     if kernel.unavailable_reason() is not None or not kernel.has_int8_products():
         pytest.skip("no int8 products in this CPU's attention kernel (AVX-512 VNNI)")
-    monkeypatch.setattr(hardware, "fast_bf16_products", lambda: fast_bf16)
+    cpu = (ZEN4, "AuthenticAMD") if fast_bf16 else (XEON_WITHOUT_AMX, "GenuineIntel")
+    pretend_cpu(monkeypatch, cpu[0], hardware.isa_override(), cpu[1])
     model = apply_recipe(build_random_sam2(CONFIGS["tiny-wide"]), settings_for("dynamic-int8"))
     calls = []  # (q's batch: 1 for a global block, the window count for a windowed one; int8 scores, values asked)
     attention = kernel.attention
@@ -138,11 +141,9 @@ def test_dynamic_int8_attention_in_the_global_blocks_only(monkeypatch, fast_bf16
 @pytest.mark.parametrize("step", ["bf16", "fused-attention", "dynamic-int8"])
 def test_steps_stay_within_their_budgets_where_bf16_products_are_slow(step, config, baselines, monkeypatch) -> None:
     """On a CPU whose bf16 products are slower than its fp32 ones (an Intel Xeon without AMX), the
-    encoder's floating-point linears multiply in fp32 and dynamic int8 takes the windows' attention
-    to int8 too: each step within the budget it has elsewhere."""
-    from genfast.platform import hardware
-
-    monkeypatch.setattr(hardware, "fast_bf16_products", lambda: False)
+    encoder's floating-point linears multiply in fp32, the attention kernel too, and dynamic int8
+    takes the windows' attention to int8: each step within the budget it has elsewhere."""
+    pretend_cpu(monkeypatch, XEON_WITHOUT_AMX, hardware.isa_override(), "GenuineIntel")
     max_err, min_iou = BUDGETS[step]
     for logits, reference in zip(_run(CONFIGS[config], settings_for(step)), baselines[config]):
         err, iou = error_and_iou(logits, reference)

@@ -432,17 +432,20 @@ def test_bf16_model(video) -> None:
 def test_dynamic_int8_step_tracks_within_its_budget(video, monkeypatch) -> None:
     """The SAM recipe's dynamic-int8 step on video (eager): the memory attention's and the memory
     encoder's linears in int8 (256 wide here, as the real models') and, where the kernel has them,
-    the memory attention's products on int8 codes.
+    the memory attention's products on int8 codes (as on a CPU without AMX: with it, SDPA computes
+    this attention, ops.attention_pays).
     Every frame's masks of both objects within the step's IoU budget (0.95) of the step before it
     (fused-attention, bf16): on this tiny random model bf16 alone moves some masks further than
     that from fp32's (min IoU 0.24 on the prompted frame), so only the step's own change is bounded
     here (measured: min IoU 0.96); the real model's ladder is in the bench."""
     from genfast.kernels.rel_pos_attention import ops as kernel
+    from genfast.platform import hardware
     from genfast.quant.linear import QuantLinear
     from genfast.recipe import Target
     from genfast.sam.recipe import RECIPE, apply_recipe
     from genfast.sam.sam2.build import build_random_sam2
 
+    monkeypatch.setattr(hardware, "has_amx_bf16", lambda: False)
     config = tiny_sam2_config(d_model=256, memory_attention_ffn_dim=256)
     seed = 1  # weights with which both objects are found on every frame
     models = []

@@ -99,9 +99,10 @@ class MultiScaleAttention(nn.Module):
         """Compute both of the attention's products on int8 codes where the kernel has them (the
         dynamic-int8 step), in a global block only: over a whole 1/16-scale map (4096 keys) they
         take about a quarter off the attention, while in windows of 16-196 keys quantizing costs
-        about what the products save, or more. Where bf16 products are slower than fp32 ones
-        (`hardware.fast_bf16_products`: int8's rate there is several times bf16's) windows too."""
-        self.int8_attention = not self.windowed or not hardware.fast_bf16_products()
+        about what the products save, or more. Where the kernel's bf16 products are slower than fp32
+        ones (`hardware.fast_bf16_dot_products`: int8's rate there is several times bf16's) windows
+        too. (Where SDPA computes the attention instead, `attention_or_sdpa`, this asks nothing.)"""
+        self.int8_attention = not self.windowed or not hardware.fast_bf16_dot_products()
 
     def forward(self, x: Tensor) -> Tensor:
         b, h, w, _ = x.shape
