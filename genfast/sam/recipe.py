@@ -132,7 +132,8 @@ def _compile_in_place(
     module: torch.nn.Module, what: str, device: torch.device, settings: SamSettings, method: str = "forward"
 ) -> None:
     """Compile `module`'s `method` (fullgraph, static shapes) in place: on the CPU saved for later
-    runs (genfast/compilation/saved.py), on CUDA in-process with its matrix products tuned."""
+    runs (genfast/compilation/saved.py), on CUDA in-process (its matrix products tuned where
+    settings.max_autotune)."""
     from genfast.compilation.inductor import compile_fn, inductor_options
     from genfast.compilation.saved import compile_saved
 
