@@ -147,6 +147,7 @@ def test_cpu_kernel_steps_follow_the_recipe_rule_where_they_cannot_run(monkeypat
     import genfast.quant.conv as conv
 
     monkeypatch.setattr(hardware, "fast_bf16_products", lambda: True)  # no bf16 note (test_transformers.py)
+    monkeypatch.setattr(hardware, "has_amx_bf16", lambda: False)  # nor fused-attention's AMX note
     monkeypatch.setattr(conv, "int8_conv_unavailable_reason", lambda device: "no oneDNN here")
     monkeypatch.setattr(group_norm, "unavailable_reason", lambda: "no kernel here")
     plan = RECIPE.plan("regional-compile", Target(torch.device("cpu"), "bfloat16"))
