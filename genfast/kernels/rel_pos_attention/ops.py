@@ -92,7 +92,7 @@ def cpu_fallback_note(dtype: torch.dtype) -> str | None:
         return f"fused kernel unavailable ({reason}): SDPA"
     if not takes(dtype):
         return f"the {loaded_isa()} kernel takes no {str(dtype).removeprefix('torch.')}: SDPA"
-    if loaded_isa() == "avx512" and hardware.has_amx_bf16():
+    if sdpa_for_many_keys():
         return f"AMX: attention without a bias over more than {AMX_ATTENTION_MAX_KEYS} keys by SDPA (on AMX's tiles)"
     return None
 
@@ -125,11 +125,17 @@ AVX2_ATTENTION_MIN_QUERIES = 1024
 AMX_ATTENTION_MAX_KEYS = 16
 
 
+def sdpa_for_many_keys() -> bool:
+    """Whether SDPA takes attention over more than AMX_ATTENTION_MAX_KEYS keys from the loaded
+    variant: the AVX-512 one on a CPU with AMX-BF16 (above)."""
+    return loaded_isa() == "avx512" and hardware.has_amx_bf16()
+
+
 def attention_pays(queries: int, keys: int, head_dim: int) -> bool:
     """Whether `attention` of `queries` query rows over `keys` keys (per batch entry and head) of
     `head_dim` channels beats SDPA in the loaded variant on this CPU (see above)."""
     if loaded_isa() == "avx512":
-        return not hardware.has_amx_bf16() or keys <= AMX_ATTENTION_MAX_KEYS
+        return not sdpa_for_many_keys() or keys <= AMX_ATTENTION_MAX_KEYS
     if loaded_isa() != "avx2":
         return True
     return (
