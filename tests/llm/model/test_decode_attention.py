@@ -1,12 +1,8 @@
 """The native decode attention kernel against a float64 reference, its bitwise invariance to what
-else shares a call, and the layer that uses it."""
+else shares a call, and the layer that uses it. (An AVX-512 run also runs this file under the AVX2
+cap, which loads the other variant: tests/kernels/test_registry.py.)"""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +13,6 @@ from genfast.kernels.decode_attention.ops import KERNEL as DECODE_ATTENTION
 from genfast.llm.model.config import ModelArgs
 from genfast.llm.model.layers import Attention, KVCache
 from genfast.llm.model.transformer import attention_mask
-from genfast.platform import hardware
 
 native = pytest.mark.skipif(not DECODE_ATTENTION.available(), reason=str(DECODE_ATTENTION.unavailable_reason()))
 
@@ -161,7 +156,13 @@ def with_threads(threads: int, fn, *args):
         torch.set_num_threads(before)
 
 
-def check_invariance(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+INVARIANCE_DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                     (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]  # fmt: skip
+
+
+@native
+@pytest.mark.parametrize("q_dtype,cache_dtype", INVARIANCE_DTYPES)
+def test_outputs_are_invariant_to_what_shares_the_call(q_dtype: torch.dtype, cache_dtype: torch.dtype):
     """Every query's output, bitwise, whatever shares its call: the same query alone (one sequence,
     one position, only the keys it may see) against it in batches, beside other sequences and
     positions, over extra masked keys of any content, in prefills whole and in chunks (a prefix
@@ -221,38 +222,6 @@ def check_invariance(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
         assert torch.equal(step, whole[:, :, s : s + 1])
     for threads in (1, 2, 3):
         assert torch.equal(with_threads(threads, attend, q, k, v, causal, scale), whole)
-
-
-INVARIANCE_DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-                     (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]  # fmt: skip
-
-
-@native
-@pytest.mark.parametrize("q_dtype,cache_dtype", INVARIANCE_DTYPES)
-def test_outputs_are_invariant_to_what_shares_the_call(q_dtype, cache_dtype):
-    check_invariance(q_dtype, cache_dtype)
-
-
-@native
-@pytest.mark.skipif(DECODE_ATTENTION.loaded_isa() != "avx512" or "avx2" not in hardware.cpu_flags(),
-                    reason="tests the AVX2 variant from an AVX-512 run")  # fmt: skip
-def test_the_avx2_variant_is_invariant_too():
-    """The same checks in a process capped to AVX2 (GENFAST_ISA), which loads the other variant."""
-    env = {**os.environ, **hardware.torch_isa_env("avx2")}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # inductor's keys ignore the cap (tests/conftest.py)
-    code = (
-        "import torch\n"
-        "from tests.llm.model.test_decode_attention import INVARIANCE_DTYPES, check_invariance\n"
-        "from genfast.kernels.decode_attention.ops import KERNEL\n"
-        "torch.set_num_threads(2)\n"
-        "for dtypes in INVARIANCE_DTYPES:\n"
-        "    check_invariance(*dtypes)\n"
-        "print(KERNEL.loaded_isa())\n"
-    )
-    root = Path(__file__).resolve().parents[3]
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert run.stdout.split()[-1] == "avx2"
 
 
 @pytest.mark.parametrize("compiled", [False, True])
