@@ -6,9 +6,11 @@ Writes an H.264 clip of --frames frames at --size (default 300 at 1920x1080) wit
 shapes, clicks two objects on frame 0 and propagates to the end with random weights at the real
 architecture (speed and memory do not depend on weight values), printing the resident set every
 --every frames and a table at the end: frames, seconds, resident GB, growth since the first
-report. The model runs the recipe up to --step (default fused-attention: eager, the native
-attention kernel where the CPU has one) in --dtype (default auto: bfloat16 where the CPU computes
-in it natively, else float32).
+report, and how much of it is decoded frames kept for going back (genfast's LRU of RGB frames,
+bounded by --frame-cache-mb: it fills over the first frames, then stays at its bound). The model
+runs the recipe up to --step (default fused-attention: eager, the native attention kernel where
+the CPU has one) in --dtype (default auto: bfloat16 where the CPU computes in it natively, else
+float32).
 
     python benchmarks/sam2_video_memory.py --model sam2.1-hiera-tiny --frames 300 --size 1920x1080
 """
@@ -58,6 +60,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=25, help="report every N frames")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto")
     parser.add_argument("--step", default="fused-attention", help="the SAM recipe's step to run up to")
+    parser.add_argument(
+        "--frame-cache-mb", type=float, default=None, help="bound of the decoded-frame cache (default: genfast's)"
+    )
     args = parser.parse_args()
     width, height = (int(v) for v in args.size.split("x"))
 
@@ -67,6 +72,7 @@ def main() -> None:
     from genfast.sam.recipe import RECIPE, apply_recipe
     from genfast.sam.sam2.build import build_random_sam2
     from genfast.sam.sam2.video import SAM2VideoPredictor
+    from genfast.sam.video_io import DEFAULT_CACHE_BYTES, open_video
 
     prepare_process()  # as `genfast segment` runs: malloc's thresholds settled (genfast/platform/heap.py)
     step = args.step
@@ -77,7 +83,9 @@ def main() -> None:
         model = apply_recipe(build_random_sam2(args.model), plan.settings)
         predictor = SAM2VideoPredictor(model)
         start_rss = resident_gb()
-        state = predictor.init_state(str(clip))
+        cache_bytes = DEFAULT_CACHE_BYTES if args.frame_cache_mb is None else int(args.frame_cache_mb * 2**20)
+        video = open_video(clip, cache_bytes)
+        state = predictor.init_state(video)
         for obj, (fx, fy) in enumerate(((0.3, 0.35), (0.7, 0.65)), start=1):
             point = np.array([[fx * width, fy * height]], dtype=np.float32)
             predictor.add_new_points_or_box(state, 0, obj, points=point, labels=np.array([1], np.int32))
@@ -88,19 +96,20 @@ def main() -> None:
                 if (frame + 1) % args.every == 0 or frame + 1 == args.frames:
                     rss = resident_gb()
                     first = rss if first is None else first
-                    rows.append((frame + 1, time.perf_counter() - start, rss, rss - first))
-                    print(f"frame {frame + 1}: {rss:.2f} GB resident", flush=True)
+                    cached = video.cached_bytes() / 1e9
+                    rows.append((frame + 1, time.perf_counter() - start, rss, rss - first, cached))
+                    print(f"frame {frame + 1}: {rss:.2f} GB resident, {cached:.2f} GB of it cached frames", flush=True)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     print(
         f"\n{args.model}, random weights, recipe {step} in {plan.settings.dtype}; {args.frames} frames of "
         f"{width}x{height} H.264; {platform.processor() or platform.machine()}, {describe_isa()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}; resident before init_state {start_rss:.2f} GB, "
-        f"peak {peak:.2f} GB\n"
+        f"peak {peak:.2f} GB; decoded-frame cache bound {cache_bytes / 1e9:.2f} GB\n"
     )
-    print("| frames | seconds | frames/s | resident GB | growth since first report GB |")
-    print("|---|---|---|---|---|")
-    for frames, seconds, rss, growth in rows:
-        print(f"| {frames} | {seconds:.0f} | {frames / seconds:.2f} | {rss:.2f} | {growth:+.3f} |")
+    print("| frames | seconds | frames/s | resident GB | growth since first report GB | cached frames GB |")
+    print("|---|---|---|---|---|---|")
+    for frames, seconds, rss, growth, cached in rows:
+        print(f"| {frames} | {seconds:.0f} | {frames / seconds:.2f} | {rss:.2f} | {growth:+.3f} | {cached:.2f} |")
 
 
 if __name__ == "__main__":

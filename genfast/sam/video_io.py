@@ -145,6 +145,10 @@ class VideoFrames:
         """Indices of the frames held in the cache, least recently used first."""
         return list(self._cache)
 
+    def cached_bytes(self) -> int:
+        """Bytes of the decoded frames held in the cache (at most the `cache_bytes` it was opened with)."""
+        return sum(frame.nbytes for frame in self._cache.values())
+
     def _decode(self, index: int) -> None:
         """Decode frame `index` into the cache (and, where cheap, frames near it)."""
         raise NotImplementedError

@@ -140,6 +140,7 @@ def test_the_cache_is_bounded_in_bytes(mp4):
         for i in list(range(N)) + list(range(N - 1, -1, -1)) + order:
             check_frame(video.frame(i), i)
             assert len(video.cached_indices()) <= 3
+            assert video.cached_bytes() == len(video.cached_indices()) * H * W * 3
         assert video.cached_indices()[-1] == order[-1]  # the latest frame is the most recently used
 
 
