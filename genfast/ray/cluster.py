@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,23 @@ def connect(address: str | None) -> Any:
         except ConnectionError as e:
             raise UserError(f"could not join the Ray cluster at {address}: {e}") from e
     return ray
+
+
+@contextmanager
+def leaving_ray() -> Iterator[None]:
+    """For a command's whole run: this process leaves Ray (`ray.shutdown`) when the block ends, if
+    it joined, whether the block returned or raised.
+
+    Left to itself, Ray leaves from an atexit hook while the interpreter is tearing its modules
+    down around Ray's core worker; a `segment --ray` driver whose lost actor had been restarted
+    was seen to crash there with SIGSEGV after all its files were written, so that its exit
+    status said it had failed."""
+    try:
+        yield
+    finally:
+        ray = sys.modules.get("ray")  # not imported: never joined
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
 
 
 def map_through(

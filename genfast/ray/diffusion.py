@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from genfast.diffusion.prompts_file import PromptItem, check_file_flags, items_to_draw
 from genfast.errors import UserError
 from genfast.interface.batch import Summary
-from genfast.ray.cluster import connect, map_through
+from genfast.ray.cluster import connect, leaving_ray, map_through
 
 
 def imagine_folder(
@@ -93,9 +93,10 @@ def imagine_command(args: argparse.Namespace) -> int:
     source, outdir = check_file_flags(args)
     generator = generator_arguments(args)
     generator["threads"] = args.threads or args.cpus_per_actor
-    summary = imagine_folder(
-        source, outdir, generator, base_seed=args.seed or 0, force=args.force, address=args.ray,
-        concurrency=args.actors, cpus_per_actor=args.cpus_per_actor,
-    )  # fmt: skip
+    with leaving_ray():
+        summary = imagine_folder(
+            source, outdir, generator, base_seed=args.seed or 0, force=args.force, address=args.ray,
+            concurrency=args.actors, cpus_per_actor=args.cpus_per_actor,
+        )  # fmt: skip
     print(f"genfast: {summary.line()} on Ray; images in {outdir}", file=sys.stderr, flush=True)
     return 1 if summary.failed else 0

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from genfast.errors import UserError
 from genfast.interface.batch import Summary
-from genfast.ray.cluster import connect, map_through, write_jsonl
+from genfast.ray.cluster import connect, leaving_ray, map_through, write_jsonl
 
 
 def generate_jsonl(
@@ -110,9 +110,10 @@ def generate_command(args: argparse.Namespace) -> int:
         threads=args.threads or args.cpus_per_actor, compile=args.compile, batch_invariant=args.batch_invariant,
         max_batch=args.max_batch, max_seq_len=args.max_seq_len,
     )  # fmt: skip
-    summary = generate_file(
-        source, target, llm, sampling=defaults, address=args.ray, concurrency=args.actors,
-        batch_size=2 * args.max_batch, cpus_per_actor=args.cpus_per_actor,
-    )  # fmt: skip
+    with leaving_ray():
+        summary = generate_file(
+            source, target, llm, sampling=defaults, address=args.ray, concurrency=args.actors,
+            batch_size=2 * args.max_batch, cpus_per_actor=args.cpus_per_actor,
+        )  # fmt: skip
     print(f"genfast: {summary.line()} on Ray; answers in {target}", file=sys.stderr, flush=True)
     return 1 if summary.failed else 0

@@ -25,7 +25,7 @@ import numpy as np
 
 from genfast.errors import UserError
 from genfast.interface.batch import Summary
-from genfast.ray.cluster import connect, map_through, write_jsonl
+from genfast.ray.cluster import connect, leaving_ray, map_through, write_jsonl
 from genfast.sam.commands import ModelSource, Prompt, Segmentation
 from genfast.sam.masks import rle_to_mask
 from genfast.sam.segmenter import Segmenter
@@ -184,6 +184,7 @@ def segment_command(args: argparse.Namespace) -> int:
         )
     if kind == "image":
         raise UserError(f"--ray is for many images (a folder or a glob pattern); {args.image} is one file")
-    summary = segment_folder(args)
+    with leaving_ray():
+        summary = segment_folder(args)
     print(f"genfast: {summary.line()} on Ray; outputs in {args.output}", file=sys.stderr, flush=True)
     return 1 if summary.failed else 0
