@@ -3,8 +3,9 @@ CPU's instruction set is (and which native-kernel variants it allows), synchroni
 
 ISA levels form a tree (`ISA_TREE`): `none`, portable PyTorch code only, at the root; on x86
 `avx2` (AVX2 + FMA + F16C), then `avx512` (AVX-512 F/BW/VL; a kernel variant may need more, such
-as VNNI or BF16); on ARM `neon` (Advanced SIMD), then `sve`. A level's code may run wherever the
-CPU has the flags of the level and of every level below it, down to the root (`isa_path`).
+as VNNI or BF16), then `amx` (AMX's tiles; a variant also names AMX-INT8 or AMX-BF16); on ARM
+`neon` (Advanced SIMD), then `sve`. A level's code may run wherever the CPU has the flags of the
+level and of every level below it, down to the root (`isa_path`).
 `GENFAST_ISA` caps the level, so an AVX-512 machine can run and test the AVX2 and portable paths;
 it never raises the level above what the CPU has. A capped level also stands for a CPU without VNNI
 or native bf16 (the Zen 3 profile), and `torch_isa_env` gives the variables that cap PyTorch's own
@@ -42,6 +43,7 @@ class IsaLevel:
 ISA_TREE = {
     level.name: level
     for level in (
+        IsaLevel("amx", "avx512", ("amx_tile",), ("-mamx-tile",)),
         IsaLevel(
             "avx512",
             "avx2",
@@ -362,7 +364,7 @@ def peak_memory_bytes(device: torch.device | str) -> int:
 
 def describe_isa() -> str:
     """One line for bench headers and stats: the active ISA level and the flags that matter."""
-    notable = [f for f in ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16") if f in cpu_flags()]
+    notable = [f for f in ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8") if f in cpu_flags()]
     text = isa()
     if notable and isa_allows("avx512"):
         text += " (" + ", ".join(notable) + ")"

@@ -14,7 +14,7 @@ import genfast
 from genfast.kernels import native, registry
 from genfast.kernels.qlinear import ops as qlinear
 from genfast.platform import hardware
-from tests.cpus import OLD_X86, SKYLAKE_X, ZEN3, ZEN4, pretend_cpu
+from tests.cpus import OLD_X86, SKYLAKE_X, XEON_WITH_AMX, ZEN3, ZEN4, pretend_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 QLINEAR = qlinear.KERNEL
@@ -50,6 +50,10 @@ NONE = dict.fromkeys(AVX2)
     [
         # The widening GEMM has only an AVX2 variant (it serves fp32 compute, i.e. no native bf16).
         (ZEN4, None, {**dict.fromkeys(AVX2, "avx512"), "linear_widening_gemm": "avx2"}),
+        # AMX's tiles: the int8 linear's dynamic products; the rest as on any AVX-512 CPU, also
+        # capped to AVX-512.
+        (XEON_WITH_AMX, None, {**dict.fromkeys(AVX2, "avx512"), "linear_widening_gemm": "avx2", "qlinear": "amx"}),
+        (XEON_WITH_AMX, "avx512", {**dict.fromkeys(AVX2, "avx512"), "linear_widening_gemm": "avx2"}),
         (ZEN4, "avx2", AVX2),
         (ZEN4, "none", NONE),
         # AVX-512 without VNNI or BF16: the AVX2 kernels but the plain AVX-512 ones (GroupNorm,
@@ -91,6 +95,8 @@ def test_every_variant_has_its_source_and_matching_compiler_flags():
         "avx2": "-mavx2",
         "fma": "-mfma",
         "f16c": "-mf16c",
+        "amx_tile": "-mamx-tile",
+        "amx_int8": "-mamx-int8",
     }
     for kernel in registry.KERNELS:
         for variant in kernel.variants:
@@ -228,6 +234,9 @@ VARIANT_TESTS = [
     "tests/llm/model/test_decode_attention.py",
     "tests/kernels/test_upsampled_masks.py",
 ]
+# AVX-512 is a lower level only below AMX, where only the int8 linear's variant changes (the other
+# kernels have no AMX variant and ran their AVX-512 one in this run already).
+LEVEL_TESTS = {"avx512": ["tests/quant/test_linear.py"]}
 
 
 @pytest.mark.parametrize("level", LOWER_LEVELS)
@@ -249,7 +258,7 @@ def test_lower_isa_variants_pass_the_kernel_tests(level):
     )
     assert probe.stdout.split()[-1] == ("None" if level == "none" else level)  # qlinear has every level but none
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *VARIANT_TESTS],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *LEVEL_TESTS.get(level, VARIANT_TESTS)],
         env=env,
         cwd=ROOT,
         capture_output=True,

@@ -12,7 +12,16 @@ from tests.cpus import OLD_X86, SKYLAKE_X, XEON_WITH_AMX, XEON_WITHOUT_AMX, ZEN3
 
 
 @pytest.mark.parametrize(
-    "flags,level", [(ZEN4, "avx512"), (SKYLAKE_X, "avx512"), (ZEN3, "avx2"), (OLD_X86, "none"), (frozenset(), "none")]
+    "flags,level",
+    [
+        (XEON_WITH_AMX, "amx"),
+        (XEON_WITHOUT_AMX, "avx512"),
+        (ZEN4, "avx512"),
+        (SKYLAKE_X, "avx512"),
+        (ZEN3, "avx2"),
+        (OLD_X86, "none"),
+        (frozenset(), "none"),
+    ],
 )
 def test_detected_level(monkeypatch, flags, level):
     pretend_cpu(monkeypatch, flags)
@@ -33,18 +42,20 @@ def test_the_override_only_lowers_the_level(monkeypatch):
 
 def test_an_unknown_override_is_a_user_error(monkeypatch):
     pretend_cpu(monkeypatch, ZEN4, "sse9")
-    with pytest.raises(UserError, match="avx512, avx2, sve, neon, none"):
+    with pytest.raises(UserError, match="amx, avx512, avx2, sve, neon, none"):
         hardware.isa()
 
 
 def test_the_levels_form_a_tree_with_the_portable_path_at_its_root():
     """ "The levels below" a level are its path to the root, on x86 and on ARM alike."""
+    assert hardware.lower_levels("amx") == ("avx512", "avx2", "none")
     assert hardware.lower_levels("avx512") == ("avx2", "none")
     assert hardware.lower_levels("sve") == ("neon", "none")
     assert hardware.lower_levels("neon") == ("none",) and hardware.lower_levels("none") == ()
     assert [level for level in hardware.ISA_LEVELS if hardware.ISA_TREE[level].below is None] == ["none"]
     assert hardware.level_cpu_flags("avx512") == ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl")
     assert hardware.level_cpu_flags("sve") == ("asimd", "sve")
+    assert hardware.level_cpu_flags("amx")[-1] == "amx_tile" and hardware.level_cflags("amx")[-1] == "-mamx-tile"
 
 
 GRAVITON3 = frozenset(["fp", "asimd", "asimdhp", "sve", "bf16"])  # /proc/cpuinfo "Features" of an ARM server

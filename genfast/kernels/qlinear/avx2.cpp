@@ -1,7 +1,7 @@
-// AVX2 + FMA + F16C variant of avx512.cpp: the same ops and packed weight layout. The
+// AVX2 + FMA + F16C variant of avx512.h: the same ops and packed weight layout. The
 // weight-only op quantizes activations as that variant does and computes the same integer sums, so
 // both give the same results up to the order of fp32 additions; the dynamic op quantizes them to 7
-// bits (below). See avx512.cpp for the math and the layout; here a 64-byte chunk of a
+// bits (below). See avx512.h for the math and the layout; here a 64-byte chunk of a
 // 16-row tile is two 32-byte halves, rows 0-7 and rows 8-15.
 //
 // AVX2 has no vpdpbusd. A u8 x s8 dot product is vpmaddubsw (adjacent products summed into int16,
@@ -184,7 +184,7 @@ void tile_run(const Activations& a, const Weights& w, int64_t t0, T* y) {
 
 // ---- dynamic int8: per-token activations, per-channel int8 weights ---------------------------
 //
-// As in avx512.cpp: one scale per activation row, int32 sums over all of K, but the
+// As in avx512.h: one scale per activation row, int32 sums over all of K, but the
 // activations are quantized to 7 bits (|x| <= 63, ops.dynamic_activation_max):
 // then a pair of the stored unsigned codes times them fits vpmaddubsw's int16, so the codes are
 // multiplied as they are, sum u*x, with the minimum applied to sum x. Per 32 products that is

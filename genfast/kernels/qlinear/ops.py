@@ -1,6 +1,6 @@
 """`torch.ops.genfast.qlinear` (weight-only: activations quantized to int8 per block of 32) and
 `torch.ops.genfast.qlinear_dynamic` (per-token int8 activations) over weights in the kernel's
-packed layout, made here (`pack`). Every variant (<isa>.cpp; avx512.cpp has the math) reads the
+packed layout, made here (`pack`). Every variant (<isa>.cpp; avx512.h has the math) reads the
 same layout. Where no variant runs (`available() == False`) genfast.quant.linear keeps the codes
 in their storage form and dequantizes them instead.
 """
@@ -15,7 +15,11 @@ from genfast.kernels.native import Kernel, Variant
 KERNEL = Kernel(
     "qlinear",
     "int8/int4 linear kernel",
-    (Variant("avx512", ("avx512_vnni",), ("-mavx512vnni",)), Variant("avx2")),
+    (
+        Variant("amx", ("avx512_vnni", "amx_int8"), ("-mavx512vnni", "-mamx-int8")),
+        Variant("avx512", ("avx512_vnni",), ("-mavx512vnni",)),
+        Variant("avx2"),
+    ),
     rank=0,
 )
 
@@ -24,7 +28,7 @@ KERNEL = Kernel(
 # pairs of u8 x s8 products into int16 (2 x 255 x 63 fits; 2 x 255 x 127 would saturate). Seven
 # bits let it multiply the stored codes directly, faster than 8-bit activations with the sign
 # moved onto them (avx2.cpp).
-DYNAMIC_ACTIVATION_MAX = {"avx512": 127, "avx2": 63}
+DYNAMIC_ACTIVATION_MAX = {"amx": 127, "avx512": 127, "avx2": 63}
 
 TILE_ROWS = 16  # output rows per tile
 ROW_GROUP = 64  # rows per unit of work (4 tiles); weights are padded with zero rows to a multiple
@@ -73,7 +77,7 @@ def _qlinear_fake(x: Tensor, packed: Tensor, bits: int, group_size: int, out_fea
 
 
 # Codes [N, K] viewed as (row group s, tile t, row r, block b, chunk c, [nibble half h,] byte j);
-# the kernel wants (s, b, t, c, r, j): see the layout notes in avx512.cpp.
+# the kernel wants (s, b, t, c, r, j): see the layout notes in avx512.h.
 _TILES = ROW_GROUP // TILE_ROWS
 
 

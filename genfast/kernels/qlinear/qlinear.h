@@ -1,6 +1,6 @@
 // The host side that every variant (<isa>.cpp) shares: argument checks, per-thread scratch
 // buffers, the dtype and bit-width dispatch, and the split of the work into tasks. A variant is a
-// struct of static functions (see avx512.cpp for the math and the packed weight layout):
+// struct of static functions (see avx512.h for the math and the packed weight layout):
 //
 //   template <typename T> quantize_blocks(x, rows, k, xq, xs, xsum)   int8 per block of 32
 //   template <int Bits, typename T> tiles(a, w, t0, y)                 outputs [16 t0, 16 (t0 + 4)), every row
@@ -32,6 +32,7 @@ constexpr int64_t kBlock = 32;  // activation quantization block
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTilesPerTask = 4;
 constexpr int64_t kRowsPerTask = 64;  // dynamic: activation rows per task
+constexpr int64_t kRowBlock = 32;     // dynamic: the activation codes hold whole blocks of this many rows
 
 struct Activations {
   const int8_t* xq;
@@ -146,7 +147,10 @@ at::Tensor qlinear_dynamic(const at::Tensor& x, const at::Tensor& packed, int64_
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xs;
   thread_local std::vector<int32_t> xsum;
-  xq.resize(rows * k);
+  // Whole blocks of kRowBlock rows: the AMX variant reads the codes 16 rows at a time, two such
+  // tiles a step, and stores only the real rows' outputs.
+  const int64_t rows_padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  xq.resize(rows_padded * k);
   xs.resize(rows);
   xsum.resize(rows);
   const at::Tensor xc = x.contiguous();
