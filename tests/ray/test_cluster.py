@@ -23,25 +23,25 @@ def stand_in(initialized: bool) -> SimpleNamespace:
     return state
 
 
-def test_a_joined_session_is_left_when_the_command_returns_or_raises(monkeypatch):
+@pytest.mark.parametrize("joined", [True, False])
+def test_ray_is_left_when_the_command_ends_where_it_was_joined(monkeypatch, joined):
+    ray = stand_in(initialized=joined)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    with leaving_ray():
+        pass
+    assert ray.shutdowns == int(joined)
+
+
+def test_a_command_that_raises_leaves_ray_too(monkeypatch):
     ray = stand_in(initialized=True)
     monkeypatch.setitem(sys.modules, "ray", ray)
-    with leaving_ray():
-        pass
-    assert ray.shutdowns == 1
-    ray.initialized = True
     with pytest.raises(KeyboardInterrupt), leaving_ray():
         raise KeyboardInterrupt
-    assert ray.shutdowns == 2
+    assert ray.shutdowns == 1
 
 
-def test_nothing_is_left_where_nothing_was_joined(monkeypatch):
-    ray = stand_in(initialized=False)
-    monkeypatch.setitem(sys.modules, "ray", ray)
+def test_nothing_is_imported_where_ray_never_was(monkeypatch):
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
     with leaving_ray():
-        pass
-    assert ray.shutdowns == 0
-    monkeypatch.delitem(sys.modules, "ray")
-    with leaving_ray():  # Ray never imported: nothing to do, and no import of it
         pass
     assert "ray" not in sys.modules

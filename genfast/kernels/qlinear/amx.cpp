@@ -12,7 +12,7 @@
 // loads 512 consecutive bytes rather than 16 rows K bytes apart (for K a multiple of 1,024 those
 // rows would share four of L1's 64 sets). `tdpbsud` multiplies signed A by unsigned B, our s8
 // activations by u8 weight codes, as `vpdpbusd` does; the int32 sums then go through the same
-// epilogue (avx512.h: store_dynamic16).
+// epilogue (avx512.h: TileOutputs).
 //
 // A step is 32 activation rows x 32 output rows: 4 accumulator tiles, 2 A and 2 B tiles, the 8
 // tiles there are. Linux hands the tiles' state to a process only on request
@@ -103,17 +103,11 @@ void dynamic_rows_on_tiles(const int8_t* xq, const float* xs, const int32_t* xsu
       _tile_stored(2, sums[1][0], 64);
       _tile_stored(3, sums[1][1], 64);
       for (int o = 0; o < 2; ++o) {
-        const int64_t t = pair + o;
-        const int64_t first = (t0 + t) * kTileRows;
-        if (first >= w.n) break;
-        const __mmask16 mask = static_cast<__mmask16>(w.n - first >= 16 ? 0xFFFF : (1u << (w.n - first)) - 1);
-        const __m512 scale = load_half16(w.scales(s, 0) + t * kTileRows);
-        const __m512 minimum = load_half16(w.mins(s, 0) + t * kTileRows);
-        const __m512 bias = epilogue.bias ? _mm512_loadu_ps(epilogue.bias + first) : _mm512_setzero_ps();
+        if ((t0 + pair + o) * kTileRows >= w.n) break;
+        const TileOutputs outputs(w, epilogue, t0, pair + o);
         for (int64_t m = m0; m < std::min(m_end, m0 + kRowBlock); ++m) {
           const int64_t r = m - m0;
-          const __m512i dot = _mm512_load_si512(sums[r / 16][o][r % 16]);
-          store_dynamic16(dot, scale, minimum, bias, xs[m], xsum[m], epilogue.gelu, y + m * w.n + first, mask);
+          outputs.store(_mm512_load_si512(sums[r / 16][o][r % 16]), xs[m], xsum[m], y + m * w.n);
         }
       }
     }

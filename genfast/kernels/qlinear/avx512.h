@@ -210,17 +210,33 @@ inline void store16(at::BFloat16* dst, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
-// 16 outputs of one activation row from their int32 sums over K (`dot`): the weights' scale and
-// minimum, the row's scale and sum of codes, then the epilogue (bias, GELU), stored as T.
-template <typename T>
-inline void store_dynamic16(__m512i dot, __m512 scale, __m512 minimum, __m512 bias, float xs, int32_t xsum,
-                            bool apply_gelu, T* dst, __mmask16 mask) {
-  const __m512 sum = _mm512_fmadd_ps(minimum, _mm512_set1_ps(static_cast<float>(xsum)),
-                                     _mm512_mul_ps(scale, _mm512_cvtepi32_ps(dot)));
-  __m512 out = _mm512_fmadd_ps(sum, _mm512_set1_ps(xs), bias);
-  if (apply_gelu) out = gelu(out);
-  store16(dst, out, mask);
-}
+// The dynamic path's outputs of tile t of the task at tile t0, outputs [first, first + 16) (the
+// caller skips a tile that is all padding): the weights' scales and minima, the bias and the mask
+// of the outputs below n. `store` finishes one activation row from its int32 sums over K (`dot`)
+// and the row's scale and sum of codes, then applies the epilogue (bias, GELU).
+struct TileOutputs {
+  int64_t first;
+  __mmask16 mask;
+  __m512 scale, minimum, bias;
+  bool apply_gelu;
+
+  TileOutputs(const Weights& w, const Epilogue& epilogue, int64_t t0, int64_t t)
+      : first((t0 + t) * kTileRows),
+        mask(static_cast<__mmask16>(w.n - first >= 16 ? 0xFFFF : (1u << (w.n - first)) - 1)),
+        scale(load_half16(w.scales(t0 / kTilesPerTask, 0) + t * kTileRows)),
+        minimum(load_half16(w.mins(t0 / kTilesPerTask, 0) + t * kTileRows)),
+        bias(epilogue.bias ? _mm512_loadu_ps(epilogue.bias + first) : _mm512_setzero_ps()),
+        apply_gelu(epilogue.gelu) {}
+
+  template <typename T>
+  void store(__m512i dot, float xs, int32_t xsum, T* y_row) const {
+    const __m512 sum = _mm512_fmadd_ps(minimum, _mm512_set1_ps(static_cast<float>(xsum)),
+                                       _mm512_mul_ps(scale, _mm512_cvtepi32_ps(dot)));
+    __m512 out = _mm512_fmadd_ps(sum, _mm512_set1_ps(xs), bias);
+    if (apply_gelu) out = gelu(out);
+    store16(y_row + first, out, mask);
+  }
+};
 
 // y rows [m0, m0 + R) x outputs [16 * t0, 16 * (t0 + kTilesPerTask)).
 template <int R, typename T>
@@ -246,16 +262,9 @@ void dynamic_tile(const int8_t* xq, const float* xs, const int32_t* xsum, int64_
     }
   }
   for (int t = 0; t < NT; ++t) {
-    const int64_t first = (t0 + t) * kTileRows;
-    if (first >= w.n) break;
-    const __mmask16 mask = static_cast<__mmask16>(w.n - first >= 16 ? 0xFFFF : (1u << (w.n - first)) - 1);
-    const __m512 scale = load_half16(w.scales(s, 0) + t * kTileRows);
-    const __m512 minimum = load_half16(w.mins(s, 0) + t * kTileRows);
-    const __m512 bias = epilogue.bias ? _mm512_loadu_ps(epilogue.bias + first) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      store_dynamic16(acc[r][t], scale, minimum, bias, xs[m], xsum[m], epilogue.gelu, y + m * w.n + first, mask);
-    }
+    if ((t0 + t) * kTileRows >= w.n) break;
+    const TileOutputs outputs(w, epilogue, t0, t);
+    for (int r = 0; r < R; ++r) outputs.store(acc[r][t], xs[m0 + r], xsum[m0 + r], y + (m0 + r) * w.n);
   }
 }
 
