@@ -28,7 +28,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "../common/avx512_vectors.h"
 #include "qlinear.h"
@@ -177,10 +176,10 @@ struct RowMajorCodes {
   int64_t operator()(int64_t m, int64_t j) const { return m * k + j; }
 };
 
-template <typename T, typename Codes = RowMajorCodes>
+// `codes`: where each row's codes go (RowMajorCodes, or the AMX variant's tile order).
+template <typename T, typename Codes>
 void quantize_rows_per_token(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, int32_t* xsum,
-                             Codes codes = Codes{}) {
-  if constexpr (std::is_same_v<Codes, RowMajorCodes>) codes.k = k;
+                             Codes codes) {
   const __m512 sign_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -279,7 +278,7 @@ struct Avx512 {
   }
   template <typename T>
   static void quantize_tokens(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
-    quantize_rows_per_token(x, rows, k, xq, xs, xsum);
+    quantize_rows_per_token(x, rows, k, xq, xs, xsum, RowMajorCodes{k});
   }
   template <typename T>
   static void dynamic_rows(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k, const Weights& w,
