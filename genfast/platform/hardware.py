@@ -211,8 +211,9 @@ def has_native_bf16() -> bool:
 @torch.compiler.assume_constant_result  # read while tracing a model's forward: a constant there
 def has_amx_bf16() -> bool:
     """Whether PyTorch's own bf16 products (oneDNN's matmuls and convolutions, SDPA's flash kernel)
-    run on AMX tiles here: AMX-BF16 under the active ISA level. genfast's own kernels do not use
-    the tiles (`fast_bf16_dot_products`)."""
+    run on AMX tiles here: AMX-BF16 under the active ISA level. genfast's own kernels reach the
+    tiles only in their AMX variants (the attention kernel's, the int8 linear's); their AVX-512
+    code issues vdpbf16ps (`fast_bf16_dot_products`)."""
     return isa_allows("avx512") and "amx_bf16" in cpu_flags()
 
 
@@ -221,8 +222,8 @@ def fast_bf16_dot_products() -> bool:
     """Whether AVX512-BF16's dot product (vdpbf16ps), which genfast's own kernels issue, does more
     multiply-adds a cycle than fp32 FMAs here: on AMD (Zen 4: twice as many). Intel's cores issue
     it at a quarter of the fp32 FMA's rate, half the multiply-adds a cycle, with AMX or without
-    (the tiles are a unit of their own, which only oneDNN's code reaches: `has_amx_bf16`;
-    docs/notes.md). Cooper Lake, never measured, is taken to be alike."""
+    (the tiles are a unit of their own, which oneDNN's code and genfast's AMX variants reach:
+    `has_amx_bf16`; docs/notes.md). Cooper Lake, never measured, is taken to be alike."""
     return has_native_bf16() and cpu_vendor() == "AuthenticAMD"
 
 

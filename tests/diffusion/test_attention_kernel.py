@@ -40,13 +40,22 @@ def kernel_calls(fn) -> tuple[torch.Tensor, int]:
     return out, sum(event.count for event in profile.key_averages() if event.key == "genfast::attention")
 
 
+# Head dimension 32: the smallest that every variant computes itself (the AMX variant's tiles
+# take multiples of 32; the tiny pipelines' 8 and 16 run SDPA there).
+HEAD_DIM = 32
+
+
 def tiny_flux(dtype: torch.dtype):
-    return tiny_pipeline("flux").transformer.to(dtype)
+    """The tiny pipeline's FLUX.1 transformer (genfast.diffusion.pipelines) with heads of HEAD_DIM."""
+    from diffusers import FluxTransformer2DModel
+
+    config = {**tiny_pipeline("flux").transformer.config, "attention_head_dim": HEAD_DIM, "axes_dims_rope": (8, 8, 16)}
+    torch.manual_seed(0)
+    return FluxTransformer2DModel.from_config(config).eval().to(dtype)
 
 
 def tiny_sd3(dtype: torch.dtype):
-    """SD 3.5-medium's layout (RMS-normed q/k, a dual-attention layer) with head dimension 16: the
-    kernel's smallest (the tiny pipeline's 8 runs SDPA)."""
+    """SD 3.5-medium's layout (RMS-normed q/k, a dual-attention layer) with heads of HEAD_DIM."""
     from diffusers import SD3Transformer2DModel
 
     torch.manual_seed(0)
@@ -56,10 +65,10 @@ def tiny_sd3(dtype: torch.dtype):
             patch_size=2,
             in_channels=4,
             num_layers=2,
-            attention_head_dim=16,
+            attention_head_dim=HEAD_DIM,
             num_attention_heads=2,
             joint_attention_dim=32,
-            caption_projection_dim=32,
+            caption_projection_dim=2 * HEAD_DIM,  # the inner width: heads x head dim
             pooled_projection_dim=32,
             out_channels=4,
             pos_embed_max_size=GRID,

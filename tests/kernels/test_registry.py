@@ -50,9 +50,18 @@ NONE = dict.fromkeys(AVX2)
     [
         # The widening GEMM has only an AVX2 variant (it serves fp32 compute, i.e. no native bf16).
         (ZEN4, None, {**dict.fromkeys(AVX2, "avx512"), "linear_widening_gemm": "avx2"}),
-        # AMX's tiles: the int8 linear's dynamic products; the rest as on any AVX-512 CPU, also
-        # capped to AVX-512.
-        (XEON_WITH_AMX, None, {**dict.fromkeys(AVX2, "avx512"), "linear_widening_gemm": "avx2", "qlinear": "amx"}),
+        # AMX's tiles: the int8 linear's dynamic products and the attention's bf16 products; the
+        # rest as on any AVX-512 CPU, also capped to AVX-512.
+        (
+            XEON_WITH_AMX,
+            None,
+            {
+                **dict.fromkeys(AVX2, "avx512"),
+                "linear_widening_gemm": "avx2",
+                "qlinear": "amx",
+                "rel_pos_attention": "amx",
+            },
+        ),
         (XEON_WITH_AMX, "avx512", {**dict.fromkeys(AVX2, "avx512"), "linear_widening_gemm": "avx2"}),
         (ZEN4, "avx2", AVX2),
         (ZEN4, "none", NONE),
@@ -97,6 +106,7 @@ def test_every_variant_has_its_source_and_matching_compiler_flags():
         "f16c": "-mf16c",
         "amx_tile": "-mamx-tile",
         "amx_int8": "-mamx-int8",
+        "amx_bf16": "-mamx-bf16",
     }
     for kernel in registry.KERNELS:
         for variant in kernel.variants:
@@ -234,9 +244,17 @@ VARIANT_TESTS = [
     "tests/llm/model/test_decode_attention.py",
     "tests/kernels/test_upsampled_masks.py",
 ]
-# AVX-512 is a lower level only below AMX, where only the int8 linear's variant changes (the other
-# kernels have no AMX variant and ran their AVX-512 one in this run already).
-LEVEL_TESTS = {"avx512": ["tests/quant/test_linear.py"]}
+# AVX-512 is a lower level only below AMX, where only the int8 linear's and the attention's
+# variants change (the other kernels have no AMX variant and ran their AVX-512 one in this run
+# already).
+LEVEL_TESTS = {
+    "avx512": [
+        "tests/quant/test_linear.py",
+        "tests/sam/test_attention.py",
+        "tests/sam/sam2/test_encoder_parts.py",
+        "tests/diffusion/test_attention_kernel.py",
+    ]
+}
 
 
 @pytest.mark.parametrize("level", LOWER_LEVELS)

@@ -15,36 +15,18 @@
 // epilogue (avx512.h: TileOutputs).
 //
 // A step is 32 activation rows x 32 output rows: 4 accumulator tiles, 2 A and 2 B tiles, the 8
-// tiles there are. Linux hands the tiles' state to a process only on request
-// (arch_prctl(ARCH_REQ_XCOMP_PERM)); where that is refused, the AVX-512 code runs instead.
-// The tile configuration is loaded for each task and the tiles released after it: other code on
-// the same thread (oneDNN's AMX kernels) loads configurations of its own.
+// tiles there are. Where Linux refuses the tiles, the AVX-512 code runs instead
+// (common/amx_tiles.h).
 
 #include <torch/library.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "../common/amx_tiles.h"
 #include "avx512.h"
 
 namespace {
 
-constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: request an XSAVE feature's permission
-constexpr int kXfeatureXtiledata = 18;     // the tiles' data
-
-bool tiles_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return permitted;
-}
-
-// LDTILECFG's 64-byte operand (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};  // bytes per row of each tile
-  uint8_t rows[16] = {};
-};
+using genfast_amx::TileConfig;
+using genfast_amx::tiles_permitted;
 
 // Tiles 0-3: int32 sums (16 rows x 16 outputs); 4-5: activation codes (16 rows x 32 bytes);
 // 6-7: weight codes (8 rows x 64 bytes: 32 columns of 16 outputs).

@@ -1,5 +1,5 @@
 """`torch.ops.genfast.rel_pos_attention`: attention over an H x W key grid with SAM's decomposed
-relative-position bias added inside the kernel, never materialized (avx512.cpp explains it);
+relative-position bias added inside the kernel, never materialized (avx512.h explains it);
 `torch.ops.genfast.attention`: the same kernel without a bias, queries and keys of any lengths
 (SAM 2's Hiera and memory attention; long key sequences in chunks, with an online softmax), and
 on request with either product on int8 codes (the AVX-512 variant only): the scores q . k (a
@@ -7,10 +7,13 @@ scale per query row and per key), the output P @ V (P's scale per query row and 
 V's per block of keys and channel). The AVX-512 variant computes on bf16 inputs (`vdpbf16ps`, and
 `vpdpbusd` for int8 products), or where bf16 dot products are slower than fp32 FMAs
 (`hardware.fast_bf16_dot_products`) on fp32 FMAs of the bf16 operands widened in registers; the
-AVX2 one in fp32, on float32 or bfloat16 inputs (CPUs without AVX512-BF16 run SAM in fp32). On a
-CPU with AMX, SDPA's products run on its tiles and beat the kernel wherever there are more than a
-few keys (`attention_pays`). `portable` is the same attention in PyTorch, with the bias
-materialized for SDPA.
+AVX2 one in fp32, on float32 or bfloat16 inputs (CPUs without AVX512-BF16 run SAM in fp32). The
+AMX variant is the AVX-512 one with both bf16 products on AMX-BF16's tiles (heads of a multiple of
+32 channels; amx.cpp), where SDPA's products run on the tiles too: it matches SDPA on SAM 2's
+attentions and beats it on SAM's (the bias) and the DiTs'. Where the AVX-512 variant is loaded on
+a CPU with AMX (a GENFAST_ISA cap), SDPA beats it wherever there are more than a few keys
+(`attention_pays`). `portable` is the same attention in PyTorch, with the bias materialized for
+SDPA.
 """
 
 from __future__ import annotations
@@ -25,12 +28,17 @@ from genfast.platform import hardware
 KERNEL = Kernel(
     "rel_pos_attention",
     "fused SAM attention kernel",
-    (Variant("avx512", ("avx512_bf16", "avx512_vnni"), ("-mavx512bf16", "-mavx512vnni")), Variant("avx2")),
+    (
+        Variant("amx", ("avx512_bf16", "avx512_vnni", "amx_bf16"), ("-mavx512bf16", "-mavx512vnni", "-mamx-bf16")),
+        Variant("avx512", ("avx512_bf16", "avx512_vnni"), ("-mavx512bf16", "-mavx512vnni")),
+        Variant("avx2"),
+    ),
     rank=3,
 )
 
 MAX_HEAD_DIM = 256  # rel_pos_attention.h
-DTYPES = {"avx512": (torch.bfloat16,), "avx2": (torch.float32, torch.bfloat16)}  # what each variant computes on
+# What each variant computes on.
+DTYPES = {"amx": (torch.bfloat16,), "avx512": (torch.bfloat16,), "avx2": (torch.float32, torch.bfloat16)}
 
 torch.library.define(
     "genfast::rel_pos_attention",
@@ -117,12 +125,14 @@ AVX2_ATTENTION_MAX_HEAD_DIM = 128
 AVX2_ATTENTION_MIN_QUERIES = 1024
 
 
-# Where the AVX-512 variant beats SDPA on a CPU with AMX-BF16, whose SDPA computes its bf16
-# products on AMX's tiles (the variant takes bf16 only): only with few keys, the mask decoder's
+# Where the AVX-512 variant beats SDPA on a CPU with AMX-BF16 (the AMX variant not loaded: a
+# GENFAST_ISA cap), whose SDPA computes its bf16 products on AMX's tiles (the variant takes bf16
+# only): only with few keys, the mask decoder's
 # image tokens against its few prompt tokens (even at 16 keys; SDPA ahead from a few dozen).
 # Everywhere else SDPA is faster than the variant's products in fp32 and on int8 codes alike:
 # Hiera's blocks, its windows, the memory attention. Measurements in docs/notes.md (AMX).
 AMX_ATTENTION_MAX_KEYS = 16
+AMX_TILE_CHANNELS = 32  # the AMX variant's tiles take heads of a multiple of this many channels (amx.cpp)
 
 
 def sdpa_for_many_keys() -> bool:
@@ -133,7 +143,11 @@ def sdpa_for_many_keys() -> bool:
 
 def attention_pays(queries: int, keys: int, head_dim: int) -> bool:
     """Whether `attention` of `queries` query rows over `keys` keys (per batch entry and head) of
-    `head_dim` channels beats SDPA in the loaded variant on this CPU (see above)."""
+    `head_dim` channels beats SDPA in the loaded variant on this CPU (see above). The AMX variant
+    computes heads of a multiple of AMX_TILE_CHANNELS on its tiles (as fast as SDPA or faster:
+    docs/notes.md, AMX) and others as the AVX-512 variant does on a CPU with AMX."""
+    if loaded_isa() == "amx":
+        return not head_dim % AMX_TILE_CHANNELS or keys <= AMX_ATTENTION_MAX_KEYS
     if loaded_isa() == "avx512":
         return not sdpa_for_many_keys() or keys <= AMX_ATTENTION_MAX_KEYS
     if loaded_isa() != "avx2":
@@ -175,7 +189,7 @@ def rel_pos_attention(
 
 def has_int8_products() -> bool:
     """Whether the loaded variant computes either product on int8 codes (the AVX-512 one:
-    AVX512-VNNI)."""
+    AVX512-VNNI; not the AMX one, whose bf16 products on the tiles are faster)."""
     return loaded_isa() == "avx512"
 
 

@@ -34,6 +34,10 @@ KERNEL_DTYPES = kernel.DTYPES.get(kernel.loaded_isa(), ()) if kernel.unavailable
         (1, 1, 130, 4500, 256),  # the memory attention's head dim; keys in chunks (more than 4096)
         (1, 2, 37, 300, 112),  # heads wider than one register tile of the output: channel slices 4 + 3 vectors
         (2, 1, 23, 90, 160),  # slices 4 + 4 + 2; rows not a multiple of any tile's
+        # The AMX variant's tiles: rows past whole 32-row groups; keys padded to 32 in one pass and
+        # in chunks; with the AVX-512 variant's code for heads of 16-channel remainders above.
+        (2, 2, 70, 290, 64),
+        (1, 1, 45, 4130, 96),
     ],
 )
 def test_attention_kernel_matches_sdpa(dtype, fp32, windows, heads, queries, keys, channels) -> None:
@@ -160,9 +164,9 @@ def test_attention_kernel_int8_values_keep_a_sinks_broad_tail(keys) -> None:
     assert error < 0.02, error
 
 
-@pytest.mark.skipif(not KERNEL_DTYPES or INT8_PRODUCTS, reason="a kernel variant without int8 products (AVX2)")
+@pytest.mark.skipif(not KERNEL_DTYPES or INT8_PRODUCTS, reason="a kernel variant without int8 products (AVX2, AMX)")
 def test_int8_products_are_refused_where_the_kernel_has_none() -> None:
-    """The AVX2 variant refuses int8 products; asked through attention_or_sdpa, it computes as without."""
+    """The AVX2 and AMX variants refuse int8 products; asked through attention_or_sdpa, they compute as without."""
     q, k, v = (torch.randn(1, 1, n, 32, generator=torch.Generator().manual_seed(n)) for n in (8, 1100, 1100))
     for flags in ((True, False), (False, True)):
         with pytest.raises(RuntimeError, match="int8 products need the AVX-512 variant"):
@@ -174,7 +178,8 @@ def test_int8_products_are_refused_where_the_kernel_has_none() -> None:
 def test_sam2_attention_takes_the_kernel_where_it_pays(monkeypatch) -> None:
     """The AVX2 variant (fp32 arithmetic) only on Hiera's global blocks; SDPA on windows and on
     the memory attention's many keys. The AVX-512 variant everywhere, except on a CPU with AMX
-    (SDPA's products on its tiles), where it keeps only the attentions over a few keys."""
+    (SDPA's products on its tiles), where it keeps only the attentions over a few keys. The AMX
+    variant (its products on the tiles too) everywhere, but for heads its tiles do not take."""
     from genfast.platform import hardware
 
     q, k, v = (torch.randn(1, 2, n, 16).to(KERNEL_DTYPES[0]) for n in (8, 16, 16))
@@ -182,10 +187,12 @@ def test_sam2_attention_takes_the_kernel_where_it_pays(monkeypatch) -> None:
     monkeypatch.setattr(kernel, "attention", lambda *args: calls.append(args) or args[0])
     sam2_attention(q, k, v, "fused")
     assert len(calls) == (kernel.loaded_isa() != "avx2")
-    avx2 = kernel.loaded_isa() == "avx2"
+    avx2, amx_variant = kernel.loaded_isa() == "avx2", kernel.loaded_isa() == "amx"
+    if amx_variant:
+        assert not kernel.attention_pays(4096, 4096, 48) and kernel.attention_pays(4096, 16, 48)
     for amx in (False, True):
         monkeypatch.setattr(hardware, "has_amx_bf16", lambda amx=amx: amx)
-        many_keys = not avx2 and not amx  # the AVX-512 variant without AMX
+        many_keys = amx_variant or (not avx2 and not amx)  # the AVX-512 variant without AMX
         assert kernel.attention_pays(4096, 4096, 96) == (avx2 or many_keys)
         assert kernel.attention_pays(16, 16, 96) == (not avx2)  # a few keys: AMX or not
         assert kernel.attention_pays(4096, 7 * 4096 + 64, 256) == many_keys
