@@ -39,6 +39,39 @@ genfast_amx::TileConfig step_config() {
   return config;
 }
 
+// Accumulator tiles 0-3 (rows 0-15 and 16-31 by columns 0-15 and 16-31) += A x B over depth_pairs
+// pairs of depth (a multiple of kTileDepthPairs): A's two row tiles a0, a1 (rows a_ld words apart,
+// a step of depth kTileDepthPairs words along them), B's two column tiles at b and b + 16 (rows of
+// pairs b_ld words apart, kTileDepthPairs rows a step).
+inline void accumulate_steps(const uint32_t* a0, const uint32_t* a1, int64_t a_ld, const uint32_t* b, int64_t b_ld,
+                             int64_t depth_pairs) {
+  for (int64_t d = 0; d < depth_pairs; d += kTileDepthPairs) {
+    _tile_loadd(4, a0 + d, 4 * a_ld);
+    _tile_loadd(5, a1 + d, 4 * a_ld);
+    _tile_loadd(6, b + d * b_ld, 4 * b_ld);
+    _tile_loadd(7, b + d * b_ld + 16, 4 * b_ld);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// The accumulator tiles to or from fp32 rows (c0: the first 16 rows, c1: the next, ld floats apart).
+inline void store_accumulators(float* c0, float* c1, int64_t ld) {
+  _tile_stored(0, c0, 4 * ld);
+  _tile_stored(1, c0 + 16, 4 * ld);
+  _tile_stored(2, c1, 4 * ld);
+  _tile_stored(3, c1 + 16, 4 * ld);
+}
+
+inline void load_accumulators(const float* c0, const float* c1, int64_t ld) {
+  _tile_loadd(0, c0, 4 * ld);
+  _tile_loadd(1, c0 + 16, 4 * ld);
+  _tile_loadd(2, c1, 4 * ld);
+  _tile_loadd(3, c1 + 16, 4 * ld);
+}
+
 struct TileProducts {
   static constexpr int64_t kKeyAlign = 32;
   static constexpr int64_t kRowAlign = 32;
@@ -75,20 +108,8 @@ struct TileProducts {
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t c2 = 0; c2 < pairs; c2 += kTileDepthPairs) {
-          _tile_loadd(4, q0 + c2, 4 * stride);
-          _tile_loadd(5, q1 + c2, 4 * stride);
-          _tile_loadd(6, kp + c2 * k_ld + j, 4 * k_ld);
-          _tile_loadd(7, kp + c2 * k_ld + j + 16, 4 * k_ld);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, s0 + j, 4 * s_ld);
-        _tile_stored(1, s0 + j + 16, 4 * s_ld);
-        _tile_stored(2, s1 + j, 4 * s_ld);
-        _tile_stored(3, s1 + j + 16, 4 * s_ld);
+        accumulate_steps(q0, q1, stride, kp + j, k_ld, pairs);
+        store_accumulators(s0 + j, s1 + j, s_ld);
       }
     }
   }
@@ -103,24 +124,9 @@ struct TileProducts {
       for (int64_t ch = 0; ch < c; ch += 32) {
         float* o0 = o + r0 * c + ch;
         float* o1 = o0 + 16 * c;
-        _tile_loadd(0, o0, 4 * c);
-        _tile_loadd(1, o0 + 16, 4 * c);
-        _tile_loadd(2, o1, 4 * c);
-        _tile_loadd(3, o1 + 16, 4 * c);
-        for (int64_t j2 = 0; j2 < key_pairs; j2 += kTileDepthPairs) {
-          _tile_loadd(4, p0 + j2, 4 * p_stride);
-          _tile_loadd(5, p1 + j2, 4 * p_stride);
-          _tile_loadd(6, vp + j2 * c + ch, 4 * c);
-          _tile_loadd(7, vp + j2 * c + ch + 16, 4 * c);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, o0, 4 * c);
-        _tile_stored(1, o0 + 16, 4 * c);
-        _tile_stored(2, o1, 4 * c);
-        _tile_stored(3, o1 + 16, 4 * c);
+        load_accumulators(o0, o1, c);
+        accumulate_steps(p0, p1, p_stride, vp + ch, c, key_pairs);
+        store_accumulators(o0, o1, c);
       }
     }
   }

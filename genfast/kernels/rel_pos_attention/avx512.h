@@ -25,11 +25,11 @@
 // Operands are re-laid out once per head so every inner-loop load is one contiguous vector:
 //   K as pairs of channels, [C/2][N_pad + 16] (lane = key), for S = Q K^T;
 //   V as pairs of keys,     [N_pad/2][C] (lane = channel), for O = P V.
-// N is padded to a multiple of 16 with zero keys whose probabilities are set to 0. S is computed
-// key block by key block, each block of K read from L1 by all the task's rows. K's rows (and the
-// scores') are one vector longer than N_pad: at N = 4096 a row is 16 KB, and the loads of one key
-// block, one per channel pair, all fell in the same L1 sets (4K aliasing), which cost a quarter
-// of the global blocks' time (sam2.1-hiera-tiny, Zen 4).
+// N is padded to a multiple of 16 (of 32 on AMX's tiles) with zero keys whose probabilities are
+// set to 0. S is computed key block by key block, each block of K read from L1 by all the task's
+// rows. K's rows (and the scores') are one vector longer than N_pad: at N = 4096 a row is 16 KB,
+// and the loads of one key block, one per channel pair, all fell in the same L1 sets (4K
+// aliasing), which cost a quarter of the global blocks' time (sam2.1-hiera-tiny, Zen 4).
 //
 // int8 scores (`attention` only): S = Q K^T on q and k quantized to int8, each query row and each
 // key with its own absmax scale, on `vpdpbusd` (16 lanes, each += four u8 x s8 products into
