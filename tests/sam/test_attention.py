@@ -53,6 +53,7 @@ def _inputs(b: int, h: int, w: int, c: int, bias_scale: float = 1.0, seed: int =
         (1, 6, 6, 48, 30.0),  # a bias that dominates the scores: the row max must be subtracted
         (1, 64, 64, 64, 1.0),  # SAM's global blocks: N = 4096
         (1, 65, 66, 16, 1.0),  # N = 4290: keys in chunks, grid rows across the chunks' ends
+        (1, 55, 56, 96, 1.0),  # N = 3080: in chunks on AMX's tiles only (K past their one-pass bound)
     ],
 )
 def test_fused_kernel_matches_fp32_reference(b, h, w, c, bias_scale):

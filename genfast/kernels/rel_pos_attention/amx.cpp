@@ -75,6 +75,11 @@ inline void load_accumulators(const float* c0, const float* c1, int64_t ld) {
 struct TileProducts {
   static constexpr int64_t kKeyAlign = 32;
   static constexpr int64_t kRowAlign = 32;
+  // One pass over the keys only while K holds at most this many elements, half the AVX-512
+  // variant's bound: Hiera's global blocks (4096 keys of 96 channels) run faster on the tiles in
+  // chunks, SAM's (64 channels, with the bias) and the DiTs' at 512x512 in one pass (notes.md,
+  // "AMX attention").
+  static constexpr int64_t kOnePassElements = 4096 * 64;
 
   // Loads the tile configuration while a thread runs tasks, and releases the tiles after.
   struct Session {

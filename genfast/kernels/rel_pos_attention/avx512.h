@@ -18,7 +18,8 @@
 // max grows), so each chunk of K and V is read once per 128 query rows and stays in L2 meanwhile.
 // So do calls whose K holds more than kOnePassElements (the memory attention's self-attention,
 // 4096 keys of 256 channels: 2 MB of K and V, re-read from L3 by every 32 rows in one pass; in
-// chunks 22 instead of 28 ms on two Zen 4 cores, where Hiera's 4096 x 96 lost 10% in chunks).
+// chunks 22 instead of 28 ms on two Zen 4 cores, where Hiera's 4096 x 96 lost 10% in chunks;
+// the bound is the products' policy's, half of it on AMX's tiles: amx.cpp).
 //
 // Both products run on `vdpbf16ps` (16 lanes, each += a pair of bf16 products into fp32), so the
 // scores and output accumulate in fp32 like a flash kernel; P is rounded to bf16 for P @ V.
@@ -57,9 +58,9 @@
 //
 // The AVX-512 variant as a header: avx512.cpp registers it, and amx.cpp reuses all of it with the
 // bf16 products on AMX's tiles. `attend` takes the bf16 products from a policy (VectorProducts
-// here): where its keys are padded to and how its buffers' rows are rounded, S = Q K^T for a
-// task's rows against a pass's keys, and O += P V. Compiled with -mavx512f/bw/bf16/vnni; the
-// Python side calls it only when the CPU has them.
+// here): where its keys are padded to, how its buffers' rows are rounded, up to how much of K one
+// pass takes, S = Q K^T for a task's rows against a pass's keys, and O += P V. Compiled with
+// -mavx512f/bw/bf16/vnni; the Python side calls it only when the CPU has them.
 
 #pragma once
 
@@ -584,6 +585,7 @@ at::Tensor attend_few_keys(const at::Tensor& q, const at::Tensor& k, const at::T
 struct VectorProducts {
   static constexpr int64_t kKeyAlign = 16;  // keys are padded to a multiple of this
   static constexpr int64_t kRowAlign = 1;   // a task's buffers hold its rows rounded up to this
+  static constexpr int64_t kOnePassElements = ::kOnePassElements;  // of K, for one pass over the keys
 
   // While a thread runs tasks (nothing to set up here).
   struct Session {};
@@ -631,7 +633,7 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   const int64_t value_blocks = (n_pad + kValueBlock - 1) / kValueBlock;  // int8 values: V's scale rows
 
   // Keys per pass (see the header): all of them up to kOnePassKeys, else chunks of kKeyChunk.
-  const bool one_pass = n_pad <= kOnePassKeys && n_pad * c <= kOnePassElements;
+  const bool one_pass = n_pad <= kOnePassKeys && n_pad * c <= Products::kOnePassElements;
   const int64_t chunk = one_pass ? n_pad : kKeyChunk;
   const int64_t s_ld = chunk + kRowPad;  // the row stride of the scores
   // Query rows per task: a whole head's, up to kMaxQueryBlock, where the keys are few (windows);
