@@ -30,6 +30,8 @@
 namespace {
 
 constexpr int64_t kTileDepthPairs = 16;  // channel (or key) pairs in an A or B tile: 32 bf16
+constexpr int64_t kStep = 32;  // rows, keys or channels of a step: two tiles' worth
+static_assert(kStep == 2 * kTileDepthPairs, "a step's channels are one tile's depth");
 
 // Tiles 0-3: fp32 accumulators (16 rows x 16 columns); 4-5: A (16 rows x 32 bf16); 6-7: B (16
 // rows of 16 pairs).
@@ -73,8 +75,8 @@ inline void load_accumulators(const float* c0, const float* c1, int64_t ld) {
 }
 
 struct TileProducts {
-  static constexpr int64_t kKeyAlign = 32;
-  static constexpr int64_t kRowAlign = 32;
+  static constexpr int64_t kKeyAlign = kStep;
+  static constexpr int64_t kRowAlign = kStep;
   // One pass over the keys only while K holds at most this many elements, half the AVX-512
   // variant's bound: Hiera's global blocks (4096 keys of 96 channels) run faster on the tiles in
   // chunks, SAM's (64 channels, with the bias) and the DiTs' at 512x512 in one pass (notes.md,
@@ -95,12 +97,12 @@ struct TileProducts {
   // As VectorProducts::scores, with len and 2 * pairs multiples of 32; s holds rows rounded up to 32.
   static void scores(const uint32_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, int64_t k_ld,
                      int64_t pairs, int64_t len, float* s, int64_t s_ld) {
-    alignas(64) uint32_t last[32 * kMaxHeadDim / 2];
-    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+    alignas(64) uint32_t last[kStep * kMaxHeadDim / 2];
+    for (int64_t r0 = 0; r0 < rows; r0 += kStep) {
       const uint32_t* q0 = q + r0 * q_stride;
       int64_t stride = q_stride;
-      if (r0 + 32 > rows) {  // the last rows, fewer than 32: a zeroed block of their own
-        std::memset(last, 0, sizeof(last));
+      if (r0 + kStep > rows) {  // the last rows, fewer than a step's: a zeroed block of their own
+        std::memset(last, 0, 4 * kStep * pairs);
         for (int64_t r = r0; r < rows; ++r) std::memcpy(last + (r - r0) * pairs, q + r * q_stride, 4 * pairs);
         q0 = last;
         stride = pairs;
@@ -108,7 +110,7 @@ struct TileProducts {
       const uint32_t* q1 = q0 + 16 * stride;
       float* s0 = s + r0 * s_ld;
       float* s1 = s0 + 16 * s_ld;
-      for (int64_t j = 0; j < len; j += 32) {
+      for (int64_t j = 0; j < len; j += kStep) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -123,10 +125,10 @@ struct TileProducts {
   // rounded up to 32.
   static void accumulate(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t key_pairs, int64_t rows,
                          int64_t c, float* o) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kStep) {
       const uint32_t* p0 = p + r0 * p_stride;
       const uint32_t* p1 = p0 + 16 * p_stride;
-      for (int64_t ch = 0; ch < c; ch += 32) {
+      for (int64_t ch = 0; ch < c; ch += kStep) {
         float* o0 = o + r0 * c + ch;
         float* o1 = o0 + 16 * c;
         load_accumulators(o0, o1, c);
@@ -141,7 +143,7 @@ at::Tensor attend_on_tiles(const char* op, const at::Tensor& q, const at::Tensor
                            const Bias& bias, double scale, genfast_rel_pos_attention::Products products) {
   TORCH_CHECK(!products.int8_scores && !products.int8_values, op,
               ": int8 products need the AVX-512 variant (AVX512-VNNI without AMX)");
-  if (genfast_amx::tiles_permitted() && q.dim() == 4 && q.size(3) % 32 == 0)
+  if (genfast_amx::tiles_permitted() && q.size(3) % kStep == 0)  // shapes checked by the caller
     return attend<TileProducts>(op, q, k, v, bias, scale, products);
   products.fp32 = true;  // Intel's vdpbf16ps is slower than its fp32 FMAs
   return attend<VectorProducts>(op, q, k, v, bias, scale, products);

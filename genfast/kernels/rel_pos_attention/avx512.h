@@ -818,7 +818,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
           for (int64_t ch = 0; ch < c; ch += 16) _mm512_storeu_ps(q_wide.data() + r * c + ch, genfast_avx512::load16(src + ch));
         }
       }
-      std::fill(outputs.begin(), outputs.begin() + buffer_rows * c, 0.0f);
+      // The rows a policy rounds up to as well: past the task's they are computed, never read.
+      std::fill(outputs.begin(), outputs.begin() + (rows + row_align - 1) / row_align * row_align * c, 0.0f);
       std::fill(row_max.begin(), row_max.begin() + rows, -INFINITY);
       std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
 

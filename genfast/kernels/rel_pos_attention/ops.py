@@ -127,8 +127,8 @@ AVX2_ATTENTION_MIN_QUERIES = 1024
 
 # Where the AVX-512 variant beats SDPA on a CPU with AMX-BF16 (the AMX variant not loaded: a
 # GENFAST_ISA cap), whose SDPA computes its bf16 products on AMX's tiles (the variant takes bf16
-# only): only with few keys, the mask decoder's
-# image tokens against its few prompt tokens (even at 16 keys; SDPA ahead from a few dozen).
+# only): only with few keys, the mask decoder's image tokens against its few prompt tokens (even
+# at 16 keys; SDPA ahead from a few dozen).
 # Everywhere else SDPA is faster than the variant's products in fp32 and on int8 codes alike:
 # Hiera's blocks, its windows, the memory attention. Measurements in docs/notes.md (AMX).
 AMX_ATTENTION_MAX_KEYS = 16

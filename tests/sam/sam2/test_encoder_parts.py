@@ -193,7 +193,7 @@ def test_sam2_attention_takes_the_kernel_where_it_pays(monkeypatch) -> None:
         assert not kernel.attention_pays(4096, 4096, 48) and kernel.attention_pays(4096, 16, 48)
     for amx in (False, True):
         monkeypatch.setattr(hardware, "has_amx_bf16", lambda amx=amx: amx)
-        many_keys = amx_variant or (not avx2 and not amx)  # the AVX-512 variant without AMX
+        many_keys = amx_variant or (not avx2 and not amx)  # the AMX variant, or the AVX-512 one without AMX
         assert kernel.attention_pays(4096, 4096, 96) == (avx2 or many_keys)
         assert kernel.attention_pays(16, 16, 96) == (not avx2)  # a few keys: AMX or not
         assert kernel.attention_pays(4096, 7 * 4096 + 64, 256) == many_keys
