@@ -15,7 +15,7 @@
 // So that every tile is whole: keys are padded to a multiple of 32 (with zero keys, whose
 // probabilities are 0), the task's buffers hold its rows rounded up to 32 (rows past the task's
 // are computed and never read), and a last group of fewer than 32 query rows is copied into a
-// zeroed block. Heads of a multiple of 32 channels run on the tiles (Hiera's 96, the memory
+// zeroed block. Heads of a multiple of 32 channels (queries and keys, and values) run on the tiles (Hiera's 96, the memory
 // attention's 256, SAM's 64, the DiTs' 64 and 128); other heads, and a process that Linux refuses
 // the tiles, run the AVX-512 code with its bf16 products in fp32 (every CPU with AMX is Intel's).
 // The fp32 products run as in that variant where asked for. int8 products are refused: on the
@@ -143,7 +143,7 @@ at::Tensor attend_on_tiles(const char* op, const at::Tensor& q, const at::Tensor
                            const Bias& bias, double scale, genfast_rel_pos_attention::Products products) {
   TORCH_CHECK(!products.int8_scores && !products.int8_values, op,
               ": int8 products need the AVX-512 variant (AVX512-VNNI without AMX)");
-  if (genfast_amx::tiles_permitted() && q.size(3) % kStep == 0)  // shapes checked by the caller
+  if (genfast_amx::tiles_permitted() && q.size(3) % kStep == 0 && v.size(3) % kStep == 0)  // shapes checked by the caller
     return attend<TileProducts>(op, q, k, v, bias, scale, products);
   products.fp32 = true;  // Intel's vdpbf16ps is slower than its fp32 FMAs
   return attend<VectorProducts>(op, q, k, v, bias, scale, products);

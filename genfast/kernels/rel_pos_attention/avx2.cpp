@@ -150,11 +150,12 @@ float softmax_row(float* row, const float* bias_h, const float* bias_w, int64_t 
   return 1.0f / (hsum(vsum) - padding);
 }
 
-// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: views, any strides. Returns [B, Nq, heads, C].
+// q [B, heads, Nq, C], k [B, heads, Nk, C], v [B, heads, Nk, Cv]: views, any strides. Returns
+// [B, Nq, heads, Cv].
 template <typename T>
 at::Tensor attention_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
                            double scale) {
-  const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2), n = k.size(2), c = q.size(3);
+  const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2), n = k.size(2), c = q.size(3), cv = v.size(3);
   const int64_t grid_h = bias.grid_h, grid_w = bias.grid_w;
   const int64_t bh_count = batch * heads, n_pad = (n + 7) / 8 * 8;
   // Element (bh, row, ch) of a [B, heads, N, C] view, any strides.
@@ -168,22 +169,21 @@ at::Tensor attention_typed(const at::Tensor& q, const at::Tensor& k, const at::T
 
   // One-time re-layout per head (see the header); padding keys are zero.
   at::Tensor kp = at::zeros({bh_count, n_pad / 8, c, 8}, q.options().dtype(at::kFloat));
-  at::Tensor vp = at::zeros({bh_count, n_pad, c}, q.options().dtype(at::kFloat));
+  at::Tensor vp = at::zeros({bh_count, n_pad, cv}, q.options().dtype(at::kFloat));
   float* kp_data = kp.data_ptr<float>();
   float* vp_data = vp.data_ptr<float>();
   at::parallel_for(0, bh_count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       float* kpb = kp_data + bh * n_pad * c;
-      float* vpb = vp_data + bh * n_pad * c;
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t ch = 0; ch < c; ++ch) {
-          kpb[((j / 8) * c + ch) * 8 + j % 8] = at_(k, k_data, bh, j, ch);
-          vpb[j * c + ch] = at_(v, v_data, bh, j, ch);
-        }
+      float* vpb = vp_data + bh * n_pad * cv;
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t ch = 0; ch < c; ++ch) kpb[((j / 8) * c + ch) * 8 + j % 8] = at_(k, k_data, bh, j, ch);
+        for (int64_t ch = 0; ch < cv; ++ch) vpb[j * cv + ch] = at_(v, v_data, bh, j, ch);
+      }
     }
   });
 
-  at::Tensor out = at::empty({batch, nq, heads, c}, q.options());
+  at::Tensor out = at::empty({batch, nq, heads, cv}, q.options());
   T* out_data = out.data_ptr<T>();
   const float scale_f = static_cast<float>(scale);
   const int64_t blocks = (nq + kQueryBlock - 1) / kQueryBlock;
@@ -192,7 +192,7 @@ at::Tensor attention_typed(const at::Tensor& q, const at::Tensor& k, const at::T
     thread_local std::vector<float> queries, scores, outputs;
     queries.resize(kQueryBlock * c);
     scores.resize(kQueryBlock * n_pad);
-    outputs.resize(kQueryBlock * c);
+    outputs.resize(kQueryBlock * cv);
     float inv_sum[kQueryBlock];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, i0 = (task % blocks) * kQueryBlock;
@@ -211,19 +211,20 @@ at::Tensor attention_typed(const at::Tensor& q, const at::Tensor& k, const at::T
                                  bias.w ? bias.w + row * grid_w : nullptr, grid_h, grid_w, n, n_pad);
       }
       for (int64_t r = rows; r < tiled_rows; ++r) std::fill(s + r * n_pad, s + (r + 1) * n_pad, 0.0f);
-      output_rows<kRows>(s, tiled_rows, n_pad, vp_data + bh * n_pad * c, c, outputs.data());
+      output_rows<kRows>(s, tiled_rows, n_pad, vp_data + bh * n_pad * cv, cv, outputs.data());
       const int64_t b = bh / heads, h = bh % heads;
       for (int64_t r = 0; r < rows; ++r) {
-        T* dst = out_data + ((b * nq + i0 + r) * heads + h) * c;
-        for (int64_t ch = 0; ch < c; ++ch) dst[ch] = static_cast<T>(outputs[r * c + ch] * inv_sum[r]);
+        T* dst = out_data + ((b * nq + i0 + r) * heads + h) * cv;
+        for (int64_t ch = 0; ch < cv; ++ch) dst[ch] = static_cast<T>(outputs[r * cv + ch] * inv_sum[r]);
       }
     }
   });
   return out;
 }
 
-// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: views, any strides (e.g. straight out of the
-// qkv projection). Returns [B, Nq, heads, C] in q's dtype: the layout the output projection reads.
+// q [B, heads, Nq, C], k [B, heads, Nk, C], v [B, heads, Nk, Cv]: views, any strides (e.g.
+// straight out of the qkv projection). Returns [B, Nq, heads, Cv] in q's dtype: the layout the
+// output projection reads.
 at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
                   double scale, genfast_rel_pos_attention::Products products) {
   // products.fp32 needs nothing: this variant multiplies in fp32 throughout.

@@ -607,9 +607,9 @@ struct VectorProducts {
   }
 };
 
-// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: views with unit channel stride (e.g. straight
-// out of the qkv projection: no copies). Returns [B, Nq, heads, C]: the layout the output
-// projection reads. Products: the bf16 products' policy (VectorProducts above).
+// q and k [B, heads, Nq or Nk, C], v [B, heads, Nk, Cv]: views with unit channel stride (e.g.
+// straight out of the qkv projection: no copies). Returns [B, Nq, heads, Cv]: the layout the
+// output projection reads. Products: the bf16 products' policy (VectorProducts above).
 template <typename Products>
 at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias,
                   double scale, genfast_rel_pos_attention::Products products) {
@@ -621,8 +621,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 2 == 0 && t->stride(1) % 2 == 0 && t->stride(2) % 2 == 0, op,
                 ": q, k, v need unit channel stride and even strides");
-  const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2), n = k.size(2), c = q.size(3);
-  if (n <= kLaneKeys && nq >= kFewKeysMinQueries && !bias.h && !int8_scores && !int8_values)
+  const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2), n = k.size(2), c = q.size(3), cv = v.size(3);
+  if (n <= kLaneKeys && nq >= kFewKeysMinQueries && !bias.h && !int8_scores && !int8_values && cv == c)
     return attend_few_keys(q, k, v, scale);
   const int64_t bh_count = batch * heads;
   constexpr int64_t key_align = Products::kKeyAlign, row_align = Products::kRowAlign;
@@ -665,7 +665,7 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     uint32_t* v;
     float* k_scale = nullptr;
     int32_t* k_offset = nullptr;
-    float* v_terms = nullptr;  // int8 values: [value_blocks][2][c] (quantize_values)
+    float* v_terms = nullptr;  // int8 values: [value_blocks][2][cv] (quantize_values)
   };
   auto relayout = [&](int64_t bh, const HeadBuffers& dst_head, int64_t j_begin, int64_t j_end) {
     const int64_t real_end = std::min(j_end, n);
@@ -710,18 +710,18 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
       const auto value_row = [&](int64_t j) {
         return reinterpret_cast<const c10::BFloat16*>(v16 + row_offset(v, heads, bh, j));
       };
-      quantize_values(value_row, n, c, j_begin, j_end, vpb, dst_head.v_terms);
+      quantize_values(value_row, n, cv, j_begin, j_end, vpb, dst_head.v_terms);
       return;
     }
     for (int64_t j2 = j_begin / 2; j2 < j_end / 2; ++j2) {
       const int64_t j = 2 * j2;
       const uint16_t* even = j < n ? v16 + row_offset(v, heads, bh, j) : nullptr;
       const uint16_t* odd = j + 1 < n ? v16 + row_offset(v, heads, bh, j + 1) : nullptr;
-      uint32_t* dst = vpb + j2 * c;
+      uint32_t* dst = vpb + j2 * cv;
       if (even && odd) {
-        for (int64_t ch = 0; ch < c; ++ch) dst[ch] = even[ch] | static_cast<uint32_t>(odd[ch]) << 16;
+        for (int64_t ch = 0; ch < cv; ++ch) dst[ch] = even[ch] | static_cast<uint32_t>(odd[ch]) << 16;
       } else {
-        for (int64_t ch = 0; ch < c; ++ch) dst[ch] = (even ? even[ch] : 0u) | (odd ? static_cast<uint32_t>(odd[ch]) << 16 : 0u);
+        for (int64_t ch = 0; ch < cv; ++ch) dst[ch] = (even ? even[ch] : 0u) | (odd ? static_cast<uint32_t>(odd[ch]) << 16 : 0u);
       }
     }
   };
@@ -729,22 +729,22 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   at::Tensor kp, vp, k_scales, k_offsets, v_terms;
   auto shared_head = [&](int64_t bh) {
     HeadBuffers head{reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>()) + bh * k_rows * k_ld,
-                     reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>()) + bh * v_rows * c};
+                     reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>()) + bh * v_rows * cv};
     if (int8_scores) {
       head.k_scale = k_scales.data_ptr<float>() + bh * k_ld;
       head.k_offset = k_offsets.data_ptr<int32_t>() + bh * k_ld;
     }
-    if (int8_values) head.v_terms = v_terms.data_ptr<float>() + bh * value_blocks * 2 * c;
+    if (int8_values) head.v_terms = v_terms.data_ptr<float>() + bh * value_blocks * 2 * cv;
     return head;
   };
   if (shared) {
     kp = at::empty({bh_count, k_rows, k_ld}, q.options().dtype(at::kInt));
-    vp = at::empty({bh_count, v_rows, c}, q.options().dtype(at::kInt));
+    vp = at::empty({bh_count, v_rows, cv}, q.options().dtype(at::kInt));
     if (int8_scores) {
       k_scales = at::empty({bh_count, k_ld}, q.options().dtype(at::kFloat));
       k_offsets = at::empty({bh_count, k_ld}, q.options().dtype(at::kInt));
     }
-    if (int8_values) v_terms = at::empty({bh_count, value_blocks, 2, c}, q.options().dtype(at::kFloat));
+    if (int8_values) v_terms = at::empty({bh_count, value_blocks, 2, cv}, q.options().dtype(at::kFloat));
     // In blocks of keys as well as heads: the memory attention has one head, whose re-layout of
     // ~29K keys would otherwise run on one thread while the others wait.
     const int64_t key_blocks = (n_pad + kRelayoutKeys - 1) / kRelayoutKeys;
@@ -756,7 +756,7 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     });
   }
 
-  at::Tensor out = at::empty({batch, nq, heads, c}, q.options());
+  at::Tensor out = at::empty({batch, nq, heads, cv}, q.options());
   const auto* q16 = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* out_ptr = out.data_ptr<at::BFloat16>();
   const float scale_f = static_cast<float>(scale);
@@ -777,17 +777,17 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     const typename Products::Session session;
     scores.resize(buffer_rows * s_ld);
     probs.resize(buffer_rows * s_ld);
-    outputs.resize(buffer_rows * c);
+    outputs.resize(buffer_rows * cv);
     row_max.resize(query_block);
     row_sum.resize(query_block);
     if (!shared) {
       own_k.resize(k_rows * k_ld);
-      own_v.resize(v_rows * c);
+      own_v.resize(v_rows * cv);
       if (int8_scores) {
         own_k_scale.resize(k_ld);
         own_k_offset.resize(k_ld);
       }
-      if (int8_values) own_v_terms.resize(value_blocks * 2 * c);
+      if (int8_values) own_v_terms.resize(value_blocks * 2 * cv);
     }
     if (int8_values) p_terms.resize(query_block * pt_stride);
     if (int8_scores) {
@@ -819,7 +819,7 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
         }
       }
       // The rows a policy rounds up to as well: past the task's they are computed, never read.
-      std::fill(outputs.begin(), outputs.begin() + (rows + row_align - 1) / row_align * row_align * c, 0.0f);
+      std::fill(outputs.begin(), outputs.begin() + (rows + row_align - 1) / row_align * row_align * cv, 0.0f);
       std::fill(row_max.begin(), row_max.begin() + rows, -INFINITY);
       std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
 
@@ -860,8 +860,8 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
           if (pass_max > row_max[r] && row_max[r] != -INFINITY) {
             const float rescale = std::exp(exp_scale_f * (row_max[r] - pass_max));
             row_sum[r] *= rescale;
-            float* o = outputs.data() + r * c;
-            for (int64_t ch = 0; ch < c; ++ch) o[ch] *= rescale;
+            float* o = outputs.data() + r * cv;
+            for (int64_t ch = 0; ch < cv; ++ch) o[ch] *= rescale;
           }
           row_max[r] = pass_max;
           const __m512 m = _mm512_set1_ps(pass_max);
@@ -919,22 +919,22 @@ at::Tensor attend(const char* op, const at::Tensor& q, const at::Tensor& k, cons
         }
         if (int8_values) {
           accumulate_output_int8(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, p_terms.data(), pt_stride,
-                                 vpb + (j0 / 4) * c, head.v_terms + (j0 / kValueBlock) * 2 * c, len / 4, rows, c,
+                                 vpb + (j0 / 4) * cv, head.v_terms + (j0 / kValueBlock) * 2 * cv, len / 4, rows, cv,
                                  outputs.data());
         } else if (fp32_values) {
-          accumulate_output(static_cast<const float*>(s), s_ld, vpb + (j0 / 2) * c, len / 2, rows, c, outputs.data());
+          accumulate_output(static_cast<const float*>(s), s_ld, vpb + (j0 / 2) * cv, len / 2, rows, cv, outputs.data());
         } else {
-          Products::accumulate(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, vpb + (j0 / 2) * c, len / 2,
-                               rows, c, outputs.data());
+          Products::accumulate(reinterpret_cast<const uint32_t*>(probs.data()), s_ld / 2, vpb + (j0 / 2) * cv, len / 2,
+                               rows, cv, outputs.data());
         }
       }
 
       const int64_t b = bh / heads, h = bh % heads;
       for (int64_t r = 0; r < rows; ++r) {
-        const float* o = outputs.data() + r * c;
-        at::BFloat16* dst = out_ptr + ((b * nq + i0 + r) * heads + h) * c;
+        const float* o = outputs.data() + r * cv;
+        at::BFloat16* dst = out_ptr + ((b * nq + i0 + r) * heads + h) * cv;
         const __m512 inv = _mm512_set1_ps(1.0f / row_sum[r]);
-        for (int64_t ch = 0; ch < c; ch += 16)
+        for (int64_t ch = 0; ch < cv; ch += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + ch),
                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + ch), inv))));
       }

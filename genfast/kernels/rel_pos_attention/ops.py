@@ -71,8 +71,8 @@ def _attention_fake(
     int8_values: bool = False,
     fp32_products: bool = False,
 ) -> Tensor:
-    b, heads, n, c = q.shape
-    return q.new_empty(b, n, heads, c)
+    b, heads, n, _ = q.shape
+    return q.new_empty(b, n, heads, v.shape[-1])
 
 
 def unavailable_reason() -> str | None:
@@ -105,11 +105,12 @@ def cpu_fallback_note(dtype: torch.dtype) -> str | None:
     return None
 
 
-def supports(q: Tensor) -> bool:
-    """Whether the loaded kernel takes these queries ([..., N, C]): on a CPU, a dtype its variant
-    computes in, C a multiple of 16 up to MAX_HEAD_DIM."""
-    c = q.shape[-1]
-    return q.device.type == "cpu" and not c % 16 and c <= MAX_HEAD_DIM and takes(q.dtype)
+def supports(q: Tensor, value_dim: int | None = None) -> bool:
+    """Whether the loaded kernel takes these queries ([..., N, C]), and values of value_dim
+    channels (None: C): on a CPU, a dtype its variant computes in, both dims multiples of 16 up to
+    MAX_HEAD_DIM."""
+    dims = (q.shape[-1], q.shape[-1] if value_dim is None else value_dim)
+    return q.device.type == "cpu" and all(not d % 16 and d <= MAX_HEAD_DIM for d in dims) and takes(q.dtype)
 
 
 # Where the plain attention (`attention`) of the AVX2 variant, which computes in fp32, beats
@@ -141,13 +142,15 @@ def sdpa_for_many_keys() -> bool:
     return loaded_isa() == "avx512" and hardware.has_amx_bf16()
 
 
-def attention_pays(queries: int, keys: int, head_dim: int) -> bool:
+def attention_pays(queries: int, keys: int, head_dim: int, value_dim: int | None = None) -> bool:
     """Whether `attention` of `queries` query rows over `keys` keys (per batch entry and head) of
-    `head_dim` channels beats SDPA in the loaded variant on this CPU (see above). The AMX variant
-    computes heads of a multiple of AMX_TILE_CHANNELS on its tiles (as fast as SDPA or faster:
-    docs/notes.md, AMX) and others as the AVX-512 variant does on a CPU with AMX."""
+    `head_dim` channels, with values of value_dim channels (None: head_dim), beats SDPA in the
+    loaded variant on this CPU (see above). The AMX variant computes heads of a multiple of
+    AMX_TILE_CHANNELS on its tiles (as fast as SDPA or faster: docs/notes.md, AMX) and others as
+    the AVX-512 variant does on a CPU with AMX."""
     if loaded_isa() == "amx":
-        return not head_dim % AMX_TILE_CHANNELS or keys <= AMX_ATTENTION_MAX_KEYS
+        on_tiles = not head_dim % AMX_TILE_CHANNELS and not (value_dim or head_dim) % AMX_TILE_CHANNELS
+        return on_tiles or keys <= AMX_ATTENTION_MAX_KEYS
     if loaded_isa() == "avx512":
         return not sdpa_for_many_keys() or keys <= AMX_ATTENTION_MAX_KEYS
     if loaded_isa() != "avx2":
@@ -202,9 +205,9 @@ def attention(
     int8_values: bool = False,
     fp32: bool | None = None,
 ) -> Tensor:
-    """softmax(scale * q k^T) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C] (as
-    rel_pos_attention takes them, without the bias; scale > 0). Returns [B, heads, Nq, C], a view
-    of a [B, Nq, heads, C] tensor. Where `has_int8_products`: int8_scores computes q k^T on int8
+    """softmax(scale * q k^T) v for q [B, heads, Nq, C], k [B, heads, Nk, C] and v [B, heads, Nk,
+    Cv] (as rel_pos_attention takes them, without the bias; scale > 0). Returns [B, heads, Nq,
+    Cv], a view of a [B, Nq, heads, Cv] tensor. Where `has_int8_products`: int8_scores computes q k^T on int8
     codes of q and k, each query row and key with its absmax scale; int8_values computes P @ V on
     u8 codes of P (a scale per query row and block of keys) and s8 codes of V (a scale per block of
     keys and channel). fp32: the products not on int8 codes on fp32 FMAs (None: where
@@ -214,13 +217,20 @@ def attention(
     return torch.ops.genfast.attention(q, k, v, scale, int8_scores, int8_values, fp32).transpose(1, 2)
 
 
+def runs_on_kernel(q: Tensor, keys: int, value_dim: int) -> bool:
+    """Whether `attention_or_sdpa` takes q [B, heads, Nq, C] over `keys` keys with values of
+    value_dim channels to the native kernel: where it takes them (`supports`) and beats SDPA in
+    the loaded variant (`attention_pays`)."""
+    return supports(q, value_dim) and attention_pays(q.shape[-2], keys, q.shape[-1], value_dim)
+
+
 def attention_or_sdpa(q: Tensor, k: Tensor, v: Tensor, int8_scores: bool = False, int8_values: bool = False) -> Tensor:
-    """softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C]: the native
-    kernel where it takes q (`supports`) and beats SDPA in the loaded variant (`attention_pays`),
-    else `F.scaled_dot_product_attention`. Returns [B, heads, Nq, C] (from the kernel, a view of
-    a [B, Nq, heads, C] tensor). int8_scores, int8_values: ask the kernel for those products on
-    int8 codes where it has them (`has_int8_products`); elsewhere they are as without."""
-    if supports(q) and attention_pays(q.shape[-2], k.shape[-2], q.shape[-1]):
+    """softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k [B, heads, Nk, C] and v [B, heads,
+    Nk, Cv]: the native kernel where `runs_on_kernel`, else `F.scaled_dot_product_attention`.
+    Returns [B, heads, Nq, Cv] (from the kernel, a view of a [B, Nq, heads, Cv] tensor).
+    int8_scores, int8_values: ask the kernel for those products on int8 codes where it has them
+    (`has_int8_products`); elsewhere they are as without."""
+    if runs_on_kernel(q, k.shape[-2], v.shape[-1]):
         int8 = has_int8_products()
         return attention(q, k, v, q.shape[-1] ** -0.5, int8_scores and int8, int8_values and int8)
     return F.scaled_dot_product_attention(q, k, v)

@@ -5,7 +5,7 @@
 //                     const Bias& bias, double scale, Products products);
 //
 // which checks what is its own (the dtypes it computes on, the strides it reads, whether it has
-// int8 products) and returns [B, Nq, heads, C] in q's dtype. products.int8_scores: q . k computed
+// int8 products) and returns [B, Nq, heads, Cv] (v's channels) in q's dtype. products.int8_scores: q . k computed
 // on q and k quantized to int8 per row and per key (absmax scales); products.int8_values: P @ V on
 // P as u8 codes (a scale per query row and block of keys) and V as s8 codes (a scale per block of
 // keys and channel). Both need an int8 dot product (AVX512-VNNI); a variant without one refuses
@@ -43,11 +43,12 @@ using Attend = at::Tensor (*)(const char*, const at::Tensor&, const at::Tensor&,
 
 inline void check_shapes(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
-                  q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              op, ": q [B, heads, Nq, C], k and v [B, heads, Nk, C]");
-  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) >= 16 && q.size(3) <= kMaxHeadDim, op,
-              ": head dim must be 16..", kMaxHeadDim, " in steps of 16");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes().slice(0, 3) == v.sizes().slice(0, 3) &&
+                  q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              op, ": q [B, heads, Nq, C], k [B, heads, Nk, C], v [B, heads, Nk, Cv]");
+  for (const int64_t dim : {q.size(3), v.size(3)})
+    TORCH_CHECK(dim % 16 == 0 && dim >= 16 && dim <= kMaxHeadDim, op, ": head dims must be 16..", kMaxHeadDim,
+                " in steps of 16");
   TORCH_CHECK(k.size(2) > 0, op, ": no keys");
   // The AVX-512 variant folds the scale into the softmax's exponent, which needs it positive.
   TORCH_CHECK(scale > 0, op, ": the scale must be positive");
@@ -59,7 +60,7 @@ template <Attend attend>
 at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rel_h,
                              const at::Tensor& rel_w, double scale, bool fp32_products) {
   check_shapes("rel_pos_attention", q, k, v, scale);
-  TORCH_CHECK(k.sizes() == q.sizes(), "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
   TORCH_CHECK(rel_h.dim() == 4 && rel_w.dim() == 4 && rel_h.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
                   rel_w.sizes().slice(0, 3) == q.sizes().slice(0, 3) && rel_h.size(3) * rel_w.size(3) == q.size(2),
               "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
@@ -68,7 +69,9 @@ at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return attend("rel_pos_attention", q, k, v, bias, scale, Products{false, false, fp32_products});
 }
 
-// q [B, heads, Nq, C], k and v [B, heads, Nk, C]: softmax(scale * q k^T) v, as [B, Nq, heads, C].
+// q [B, heads, Nq, C], k [B, heads, Nk, C], v [B, heads, Nk, Cv]: softmax(scale * q k^T) v, as
+// [B, Nq, heads, Cv]. (Cv may differ from C: SAM 2's memory attention multiplies P by the memory
+// before its value projection, which has 64 channels where the projected values have 256.)
 template <Attend attend>
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool int8_scores,
                      bool int8_values, bool fp32_products) {

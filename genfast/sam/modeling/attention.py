@@ -60,7 +60,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, impl: str) -> Tensor:
 
 def sam2_attention(q: Tensor, k: Tensor, v: Tensor, impl: str, int8: bool = False) -> Tensor:
     """SAM 2's attentions (Hiera's, and the memory attention's over a frame's memories):
-    softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k and v [B, heads, Nk, C].
+    softmax(q k^T / sqrt(C)) v for q [B, heads, Nq, C], k [B, heads, Nk, C] and v [B, heads, Nk,
+    Cv] (Cv other than C only where `runs_on_kernel`: SDPA's CPU flash kernel needs them equal).
     "fused"/"auto": the native kernel where it takes q (CPU) and beats SDPA (the AVX2 variant on
     Hiera's global blocks only), else SDPA; "math" the explicit softmax; the rest SDPA.
     int8: both of the kernel's products (q k^T, P v) on int8 codes where it has them
@@ -68,6 +69,12 @@ def sam2_attention(q: Tensor, k: Tensor, v: Tensor, impl: str, int8: bool = Fals
     if impl in ("auto", "fused"):
         return rel_pos_kernel.attention_or_sdpa(q, k, v, int8_scores=int8, int8_values=int8)
     return attention(q, k, v, impl)
+
+
+def runs_on_kernel(q: Tensor, keys: int, value_dim: int, impl: str) -> bool:
+    """Whether `sam2_attention` with `impl` runs q [B, heads, Nq, C] over `keys` keys, with values
+    of value_dim channels, on the native kernel."""
+    return impl in ("auto", "fused") and rel_pos_kernel.runs_on_kernel(q, keys, value_dim)
 
 
 def rel_pos_attention(q: Tensor, k: Tensor, v: Tensor, rel_h: Tensor, rel_w: Tensor, impl: str) -> Tensor:

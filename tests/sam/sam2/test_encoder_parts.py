@@ -64,6 +64,49 @@ def test_attention_kernel_matches_sdpa(dtype, fp32, windows, heads, queries, key
 
 
 @pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
+@pytest.mark.parametrize(("int8", "fp32"), [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize(
+    ("queries", "keys", "channels", "value_channels"),
+    [
+        (70, 300, 256, 64),  # SAM 2's memory attention: keys of 256 channels, the memory's 64 as values
+        (130, 4500, 256, 64),  # the same with keys in chunks
+        (300, 9, 64, 32),  # few keys, many queries: the general path (the few-key one takes equal widths)
+        (40, 200, 32, 96),  # values wider than the keys
+        (33, 100, 96, 16),  # a value width that no AMX tile takes (its AVX-512 code runs)
+    ],
+)
+def test_attention_kernel_takes_values_of_another_width(queries, keys, channels, value_channels, int8, fp32) -> None:
+    """v [B, heads, Nk, Cv] with Cv other than q's and k's C: [B, heads, Nq, Cv] out, within the
+    tolerances of the tests above (bf16 products 2e-2; fp32 FMAs 1e-3 and 2^-8; int8 products 4%
+    of the norm), in every dtype the variant takes."""
+    if int8 and not INT8_PRODUCTS:
+        pytest.skip("the loaded attention kernel has no int8 products (AVX-512 only)")
+    gen = torch.Generator().manual_seed(5)
+    for dtype in KERNEL_DTYPES:
+        q, k = (torch.randn(2, 1, n, channels, generator=gen).to(dtype) for n in (queries, keys))
+        v = torch.randn(2, 1, keys, value_channels, generator=gen).to(dtype)
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        actual = kernel.attention(q, k, v, channels**-0.5, int8, int8, fp32)
+        assert actual.shape == expected.shape and actual.dtype == dtype
+        if int8:
+            assert ((actual.float() - expected).norm() / expected.norm()).item() < 0.04
+        elif dtype == torch.float32:
+            torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+        elif fp32 or kernel.loaded_isa() == "avx2":
+            torch.testing.assert_close(actual.float(), expected, atol=1e-3, rtol=2**-8)
+        else:
+            torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
+def test_attention_kernel_rejects_value_widths_it_cannot_take() -> None:
+    q, k = (torch.randn(1, 1, 20, 32).to(KERNEL_DTYPES[0]) for _ in range(2))
+    for v in (torch.randn(1, 1, 20, 24), torch.randn(1, 1, 20, 272), torch.randn(1, 1, 19, 32)):
+        with pytest.raises(RuntimeError, match=r"head dims must be 16|v \[B, heads, Nk, Cv\]"):
+            torch.ops.genfast.attention(q, k, v.to(q.dtype), 32**-0.5)
+
+
+@pytest.mark.skipif(not KERNEL_DTYPES, reason="no native attention kernel here")
 def test_attention_kernel_multiplies_in_fp32_where_bf16_products_are_slow(monkeypatch) -> None:
     """The AVX-512 variant's products run on fp32 FMAs by default exactly where bf16 dot products
     are slower than fp32 FMAs (Intel's cores, with AMX or without); the AVX2 variant computes in

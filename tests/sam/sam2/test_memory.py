@@ -130,8 +130,58 @@ def test_memory_attention_fused_takes_the_kernel_and_matches_sdpa(monkeypatch) -
     monkeypatch.setattr(kernel, "attention", lambda *args: calls.append(args[1].shape[-2]) or original(*args))
     actual = half(**inputs).float()
     key_counts = [8 * 8, 2 * 8 * 8 + 2 * (TINY.d_model // TINY.mem_dim)] * len(half.layers)
-    assert calls == [n for n in key_counts if kernel.attention_pays(8 * 8, n, TINY.d_model)]  # AVX2: none this short
+    # The cross-attention's values are the memory's mem_dim channels where the kernel takes them.
+    queries = torch.empty(2, 1, 8 * 8, TINY.d_model, dtype=torch.bfloat16)
+    widths = [TINY.d_model, TINY.mem_dim] * len(half.layers)
+    assert calls == [n for n, c in zip(key_counts, widths) if kernel.runs_on_kernel(queries, n, c)]
     _close(actual, expected, rel=0.03)
+
+
+@torch.no_grad()
+def test_memory_attention_applies_the_value_projection_after_the_attention(monkeypatch) -> None:
+    """Where the kernel takes the cross-attention, P multiplies the memory (mem_dim channels) and
+    the value projection follows, the same products reassociated: within bf16's error of the
+    values projected first (the path SDPA takes). Attention of two heads projects first (the
+    reassociation would be per head)."""
+    from genfast.sam.sam2.modeling import memory
+
+    _, attention, _ = _pair(TINY)
+    half = MemoryAttention(TINY).eval().to(torch.bfloat16)
+    half.load_state_dict(attention.state_dict())
+    set_attention(half, "fused")
+    inputs = {
+        k: [v[0].bfloat16()] if isinstance(v, list) else v.bfloat16() if torch.is_tensor(v) else v
+        for k, v in _memory_inputs(TINY, 2, 8, 2, 2).items()
+    }
+    value_widths = []  # (heads, channels) of the values of each attention call
+    original = memory.sam2_attention
+
+    def recorded(q, k, v, *args):
+        value_widths.append((v.shape[1], v.shape[-1]))
+        return original(q, k, v, *args)
+
+    monkeypatch.setattr(memory, "sam2_attention", recorded)
+
+    def widths_with(on_kernel: bool) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        monkeypatch.setattr(memory, "runs_on_kernel", lambda *args: on_kernel)
+        value_widths.clear()
+        out = half(**inputs).float()
+        return value_widths[1::2], out  # (heads, channels) of each layer's cross-attention's values
+
+    widths, absorbed = widths_with(True)
+    assert widths == [(1, TINY.mem_dim)] * len(half.layers)
+    widths, projected_first = widths_with(False)
+    assert widths == [(1, TINY.d_model)] * len(half.layers)
+    _close(absorbed, projected_first, rel=0.03)
+    assert not torch.equal(absorbed, projected_first)
+
+    two_heads = memory.RoPEAttention(TINY.d_model, TINY.mem_dim, num_heads=2).eval().bfloat16()
+    rope = memory.axial_rope_tables(TINY.d_model // 2, 8, torch.device("cpu"))
+    q = two_heads.queries(inputs["curr"][0].transpose(0, 1), rope)
+    mem = inputs["memory"].transpose(0, 1)
+    value_widths.clear()
+    two_heads.attend_memory(q, mem, mem, rope, inputs["num_obj_ptr_tokens"])
+    assert value_widths == [(2, TINY.d_model // 2)]
 
 
 @torch.no_grad()

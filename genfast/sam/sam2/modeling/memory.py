@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genfast.sam.modeling.attention import sam2_attention
+from genfast.sam.modeling.attention import runs_on_kernel, sam2_attention
 from genfast.sam.modeling.common import LayerNorm2d
 from genfast.sam.sam2.config import Sam2Config
 from genfast.sam.sam2.modeling.position import PositionEmbeddingSine
@@ -90,21 +90,39 @@ class RoPEAttention(nn.Module):
         """x [B, Nq, dim] -> the queries [B, heads, Nq, head_dim], projected and rotated."""
         return apply_rope(self._heads(self.q_proj(x)), rope)
 
-    def keys_and_values(
-        self, k: Tensor, v: Tensor, rope: RopeTables, num_k_exclude_rope: int = 0
-    ) -> tuple[Tensor, Tensor]:
-        """k and v [B, Nk, kv_dim] -> keys and values [B, heads, Nk, head_dim]; the keys rotated
-        but for the last num_k_exclude_rope."""
-        k, v = self._heads(self.k_proj(k)), self._heads(self.v_proj(v))
+    def keys(self, k: Tensor, rope: RopeTables, num_k_exclude_rope: int = 0) -> Tensor:
+        """k [B, Nk, kv_dim] -> keys [B, heads, Nk, head_dim], rotated but for the last
+        num_k_exclude_rope."""
+        k = self._heads(self.k_proj(k))
         num_rope = k.shape[-2] - num_k_exclude_rope
         if num_rope and num_k_exclude_rope:
             k = torch.cat([apply_rope(k[..., :num_rope, :], rope), k[..., num_rope:, :]], dim=-2)
         elif num_rope:
             k = apply_rope(k, rope)
-        return k, v
+        return k
+
+    def attend_memory(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTables, num_k_exclude_rope: int = 0) -> Tensor:
+        """Queries [B, heads, Nq, head_dim] over the memory's k and v [B, Nk, kv_dim] -> [B, Nq, dim],
+        before out_proj; the keys rotated as `keys` rotates them.
+
+        With one head whose values are wider than the memory (SAM 2: 256 channels from 64), where
+        the native kernel takes the call, P multiplies the memory itself and the value projection
+        follows: a row of P sums to 1, so P (v W^T + b) = (P v) W^T + b, the same products
+        reassociated. P v then takes kv_dim multiply-adds per query and key instead of head_dim (a
+        quarter, over up to ~29K keys), and the projection runs on the Nq queries instead of the Nk
+        keys. SDPA is not asked for it: its CPU flash kernel needs the values as wide as the keys."""
+        keys = self.keys(k, rope, num_k_exclude_rope)
+        if (
+            self.num_heads == 1
+            and v.shape[-1] < keys.shape[-1]
+            and runs_on_kernel(q, keys.shape[-2], v.shape[-1], self.attention_impl)
+        ):
+            return self.v_proj(self.attend(q, keys, v.unsqueeze(1)))
+        return self.attend(q, keys, self._heads(self.v_proj(v)))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Queries [B, heads, Nq, head_dim] over keys and values -> [B, Nq, dim], before out_proj."""
+        """Queries [B, heads, Nq, head_dim] over keys and values [B, heads, Nk, C] -> [B, Nq,
+        heads * C], before out_proj (C: head_dim, or the memory's channels: `attend_memory`)."""
         if self.attention_impl in ("auto", "fused"):  # the native kernel where it takes q
             out = sam2_attention(q, k, v, self.attention_impl, self.int8_attention)
         else:  # SDPA, as the official computes it (no step materializes 4096 x 29K scores)
@@ -114,7 +132,7 @@ class RoPEAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, rope: RopeTables, num_k_exclude_rope: int = 0) -> Tensor:
         """q [B, Nq, dim], k and v [B, Nk, kv_dim] -> [B, Nq, dim]; rope: the grid's tables."""
-        keys, values = self.keys_and_values(k, v, rope, num_k_exclude_rope)
+        keys, values = self.keys(k, rope, num_k_exclude_rope), self._heads(self.v_proj(v))
         return self.out_proj(self.attend(self.queries(q, rope), keys, values))
 
 
@@ -144,8 +162,8 @@ class MemoryAttentionLayer(nn.Module):
         """x [B, HW, dim]; memory and memory + its positions [B, M, mem_dim]."""
         x, queries = self.frame_side(x, rope)
         # Positions go into the keys only: the queries carry theirs through RoPE alone.
-        keys, values = self.cross_attn_image.keys_and_values(memory_with_pos, memory, rope, num_k_exclude_rope)
-        return self.output_side(x, self.cross_attn_image.attend(queries, keys, values))
+        attended = self.cross_attn_image.attend_memory(queries, memory_with_pos, memory, rope, num_k_exclude_rope)
+        return self.output_side(x, attended)
 
     # The layer in three parts: the two whose shapes are the frame's alone (the recipe's compile
     # step compiles them with static shapes) around the keys and values of the memory, whose
