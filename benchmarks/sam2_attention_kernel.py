@@ -62,10 +62,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for label, (b, h, nq, nk, c, cv) in SHAPES.items():
         q = torch.randn(b, h, nq, c, generator=gen).bfloat16()
-        k, v, wide_v = (torch.randn(b, h, nk, width, generator=gen).bfloat16() for width in (c, cv, c))
-        v = wide_v if cv == c else v
+        k, wide_v = (torch.randn(b, h, nk, c, generator=gen).bfloat16() for _ in range(2))
+        v = wide_v if cv == c else torch.randn(b, h, nk, cv, generator=gen).bfloat16()
         expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-        wide_expected = F.scaled_dot_product_attention(q.float(), k.float(), wide_v.float())
+        wide_expected = expected if cv == c else F.scaled_dot_product_attention(q.float(), k.float(), wide_v.float())
         calls = {
             name: (lambda flags=flags: kernel.attention(q, k, v, c**-0.5, *flags)) for name, flags in variants.items()
         }

@@ -15,9 +15,10 @@
 // So that every tile is whole: keys are padded to a multiple of 32 (with zero keys, whose
 // probabilities are 0), the task's buffers hold its rows rounded up to 32 (rows past the task's
 // are computed and never read), and a last group of fewer than 32 query rows is copied into a
-// zeroed block. Heads of a multiple of 32 channels (queries and keys, and values) run on the tiles (Hiera's 96, the memory
-// attention's 256, SAM's 64, the DiTs' 64 and 128); other heads, and a process that Linux refuses
-// the tiles, run the AVX-512 code with its bf16 products in fp32 (every CPU with AMX is Intel's).
+// zeroed block. Heads of a multiple of 32 channels, in the keys and in the values, run on the
+// tiles (Hiera's 96, the memory attention's 256 and its memory's 64, SAM's 64, the DiTs' 64 and
+// 128); other heads, and a process that Linux refuses the tiles, run the AVX-512 code with its
+// bf16 products in fp32 (every CPU with AMX is Intel's).
 // The fp32 products run as in that variant where asked for. int8 products are refused: on the
 // tiles bf16 is faster than the AVX-512 variant's int8 products (`vpdpbusd`), which are there for
 // CPUs without AMX.

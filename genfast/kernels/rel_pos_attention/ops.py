@@ -207,11 +207,11 @@ def attention(
 ) -> Tensor:
     """softmax(scale * q k^T) v for q [B, heads, Nq, C], k [B, heads, Nk, C] and v [B, heads, Nk,
     Cv] (as rel_pos_attention takes them, without the bias; scale > 0). Returns [B, heads, Nq,
-    Cv], a view of a [B, Nq, heads, Cv] tensor. Where `has_int8_products`: int8_scores computes q k^T on int8
-    codes of q and k, each query row and key with its absmax scale; int8_values computes P @ V on
-    u8 codes of P (a scale per query row and block of keys) and s8 codes of V (a scale per block of
-    keys and channel). fp32: the products not on int8 codes on fp32 FMAs (None: where
-    `fp32_products`)."""
+    Cv], a view of a [B, Nq, heads, Cv] tensor. Where `has_int8_products`: int8_scores computes
+    q k^T on int8 codes of q and k, each query row and key with its absmax scale; int8_values
+    computes P @ V on u8 codes of P (a scale per query row and block of keys) and s8 codes of V (a
+    scale per block of keys and channel). fp32: the products not on int8 codes on fp32 FMAs (None:
+    where `fp32_products`)."""
     q, k, v = (_readable(t) for t in (q, k, v))
     fp32 = fp32_products() if fp32 is None else fp32
     return torch.ops.genfast.attention(q, k, v, scale, int8_scores, int8_values, fp32).transpose(1, 2)

@@ -5,10 +5,10 @@
 //                     const Bias& bias, double scale, Products products);
 //
 // which checks what is its own (the dtypes it computes on, the strides it reads, whether it has
-// int8 products) and returns [B, Nq, heads, Cv] (v's channels) in q's dtype. products.int8_scores: q . k computed
-// on q and k quantized to int8 per row and per key (absmax scales); products.int8_values: P @ V on
-// P as u8 codes (a scale per query row and block of keys) and V as s8 codes (a scale per block of
-// keys and channel). Both need an int8 dot product (AVX512-VNNI); a variant without one refuses
+// int8 products) and returns [B, Nq, heads, Cv] (v's channels) in q's dtype.
+// products.int8_scores: q . k computed on q and k quantized to int8 per row and per key (absmax
+// scales); products.int8_values: P @ V on P as u8 codes (a scale per query row and block of keys)
+// and V as s8 codes (a scale per block of keys and channel). Both need an int8 dot product (AVX512-VNNI); a variant without one refuses
 // them. Never with a bias. products.fp32: the products not on int8 codes multiply the bf16
 // operands widened to fp32 (FMAs) instead of on bf16 dot products; for CPUs whose bf16 dot
 // products are slower than their fp32 FMAs (a variant that computes in fp32 anyway ignores it).
@@ -60,7 +60,8 @@ template <Attend attend>
 at::Tensor rel_pos_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rel_h,
                              const at::Tensor& rel_w, double scale, bool fp32_products) {
   check_shapes("rel_pos_attention", q, k, v, scale);
-  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+              "rel_pos_attention: q, k, v must all be [B, heads, N, C]");
   TORCH_CHECK(rel_h.dim() == 4 && rel_w.dim() == 4 && rel_h.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
                   rel_w.sizes().slice(0, 3) == q.sizes().slice(0, 3) && rel_h.size(3) * rel_w.size(3) == q.size(2),
               "rel_pos_attention: rel_h [B, heads, N, H] and rel_w [B, heads, N, W] need H * W = N");
